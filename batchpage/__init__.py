@@ -1,0 +1,32 @@
+"""batchpage: offline batch inference over a paged, prefix-shared KV cache.
+
+The public names load on first use, so that importing one submodule (the kernels, the cache)
+does not pull in the model loaders and the engine.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchpage.llm import LLM
+    from batchpage.outputs import CompletionOutput, RequestOutput
+    from batchpage.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"
+
+_HOMES = {
+    "LLM": "batchpage.llm",
+    "SamplingParams": "batchpage.sampling_params",
+    "RequestOutput": "batchpage.outputs",
+    "CompletionOutput": "batchpage.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'batchpage' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -1,0 +1,89 @@
+"""EngineConfig: the LLM(...) arguments, validated; also the schema of Hydra's `engine` group."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    dtype: str = "auto"
+    block_size: int = 16
+    # Bytes (> 1) or a fraction of the memory available after the model loads (<= 1). None: 0.9 of
+    # free GPU memory, or 0.1 of available RAM on the CPU.
+    kv_cache_memory: float | None = None
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    prefix_caching: bool = True
+    eviction_policy: str = "lru"
+    attention_backend: str = "auto"
+    kv_allocator: str = "paged"
+    schedule: str = "prefix"
+    preemption_mode: str = "recompute"
+    seed: int = 0
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        def choice(name: str, allowed: tuple[str, ...]) -> None:
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+        def at_least(name: str, low: int) -> None:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < low):
+                raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+
+        choice("dtype", ("auto", *DTYPES))
+        choice("eviction_policy", ("lru", "lfu", "fifo"))
+        choice("attention_backend", ("auto", "torch", "triton"))
+        choice("kv_allocator", ("paged", "static"))
+        choice("schedule", ("prefix", "fcfs"))
+        choice("preemption_mode", ("recompute", "swap"))
+        at_least("block_size", 1)
+        at_least("max_num_seqs", 1)
+        at_least("max_model_len", 1)
+        at_least("max_num_batched_tokens", 1)
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(
+                "kv_cache_memory must be a byte count (> 1) or a fraction of free memory in "
+                f"(0, 1]; got {self.kv_cache_memory!r}"
+            )
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        # bf16 matmuls are slow on most CPUs; on a GPU bf16 is the usual serving type.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def batched_tokens(self) -> int:
+        return self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_cache_bytes(kv_cache_memory: float | None, device: torch.device) -> int:
+    if kv_cache_memory is not None and kv_cache_memory > 1:
+        return int(kv_cache_memory)
+    fraction = (
+        kv_cache_memory if kv_cache_memory is not None else (0.9 if device.type == "cuda" else 0.1)
+    )
+    return int(available_memory(device) * fraction)

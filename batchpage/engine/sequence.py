@@ -1,0 +1,76 @@
+"""Requests (what the user asked) and sequences (what the scheduler runs).
+
+A request with n samples runs as n sequences. A sequence's tokens are its prompt followed by what
+it generated; `num_computed_tokens` of them have their K/V in the pool, through `block_table`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from batchpage.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from batchpage.engine.stop_checker import StopChecker
+
+
+@dataclass(eq=False)
+class Request:
+    index: int  # position in the caller's input; outputs come back in this order
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    error: str | None = None  # set for a bad request: it gets no sequence and no completion
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request: Request
+    sample_index: int
+    token_ids: list[int]
+    generator: torch.Generator | None
+    stop: StopChecker
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    block_table: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    admitted_once: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""
+    logprobs: list[dict[int, float]] | None = None
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens

@@ -1,0 +1,86 @@
+"""Run metrics, with the names of DESIGN.md (llm.stats and run.json)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile; 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+@dataclass
+class RunStats:
+    """Collects one generate() call's figures. The engine records; `as_dict` reports."""
+
+    kv_blocks_total: int
+    block_size: int
+    start: float = field(default_factory=time.perf_counter)
+    end: float | None = None
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    cached_prompt_tokens: int = 0
+    preemptions: int = 0
+    peak_running: int = 0
+    steps: int = 0
+    used_slot_steps: int = 0
+    reserved_slot_steps: int = 0
+    first_token_s: list[float] = field(default_factory=list)
+
+    def record_step(self, num_running: int, used_slots: int, reserved_slots: int) -> None:
+        self.steps += 1
+        self.peak_running = max(self.peak_running, num_running)
+        self.used_slot_steps += used_slots
+        self.reserved_slot_steps += reserved_slots
+
+    def record_first_token(self) -> None:
+        self.first_token_s.append(time.perf_counter() - self.start)
+
+    def finish(self) -> None:
+        self.end = time.perf_counter()
+
+    @property
+    def elapsed_s(self) -> float:
+        return (self.end or time.perf_counter()) - self.start
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def kv_utilization(self) -> float:
+        if not self.reserved_slot_steps:
+            return 0.0
+        return self.used_slot_steps / self.reserved_slot_steps
+
+    def as_dict(self) -> dict[str, float | int | dict[str, float]]:
+        elapsed = max(self.elapsed_s, 1e-9)
+        return {
+            "elapsed_s": self.elapsed_s,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "output_tokens_per_s": self.generated_tokens / elapsed,
+            "total_tokens_per_s": (self.prompt_tokens + self.generated_tokens) / elapsed,
+            "prefill_tokens_computed": self.prefill_tokens_computed,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "prefix_hit_rate": self.prefix_hit_rate,
+            "preemptions": self.preemptions,
+            "peak_running": self.peak_running,
+            "kv_blocks_total": self.kv_blocks_total,
+            "kv_utilization": self.kv_utilization,
+            "kv_waste": 1.0 - self.kv_utilization if self.reserved_slot_steps else 0.0,
+            "ttft_s": {
+                "p50": percentile(self.first_token_s, 50),
+                "p90": percentile(self.first_token_s, 90),
+            },
+            "steps": self.steps,
+        }

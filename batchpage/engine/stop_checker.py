@@ -1,0 +1,228 @@
+"""Incremental detokenization and stop checks for one sequence.
+
+Detokenization decodes only a short window of recent tokens per step (never the whole output), in
+the style of HF's TextStreamer and vLLM: ``window`` = the tokens from the previous commit point on;
+the text it adds is ``decode(window)`` minus ``decode(window's already-committed head)``. Decoding
+from an earlier token keeps context-dependent pieces right (SentencePiece's leading space).
+
+A window whose text ends in U+FFFD usually ends in part of a multi-byte character (an emoji or CJK
+character split across byte-level tokens): it is held back until the character completes, so the
+committed text is always a prefix of the full decode and never changes afterwards. When the
+sequence finishes, what is held back is flushed, so the final text equals
+``tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``
+(without the stop token's text, and truncated at a stop string, see StopChecker).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, NamedTuple
+
+from batchpage.sampling_params import SamplingParams
+
+_REPLACEMENT = "\ufffd"
+# A UTF-8 character spans at most 4 bytes, so at most 4 non-empty tokens. A window that still ends
+# in U+FFFD after this many tokens is garbage bytes, not a character being built.
+_MAX_PENDING = 16
+# Prompt tokens decoded ahead of the output for context (leading spaces of the first token).
+_CONTEXT_TOKENS = 4
+
+
+def _make_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    # Cleanup of tokenization spaces rewrites text across token boundaries (" ." -> "."), which
+    # incremental decoding cannot reproduce; vLLM leaves it off too.
+    decode = functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    try:
+        decode([], clean_up_tokenization_spaces=False)
+    except TypeError:  # a tokenizer without that option
+        return decode
+    return functools.partial(decode, clean_up_tokenization_spaces=False)
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token sequence, decoded a few tokens at a time."""
+
+    def __init__(
+        self, tokenizer: Any, skip_special_tokens: bool = True, context_ids: Sequence[int] = ()
+    ) -> None:
+        self._decode = _make_decoder(tokenizer, skip_special_tokens)
+        context = list(context_ids[-_CONTEXT_TOKENS:])
+        context_text = self._decode(context) if context else ""
+        if context_text.endswith(_REPLACEMENT):
+            context, context_text = [], ""  # the prompt ends mid-character: no clean cut point
+        self._tokens = context  # context + output tokens
+        self._prefix = 0  # the window starts here
+        self._read = len(context)  # tokens before this are in ``text``
+        self._prefix_text = context_text  # decode(tokens[prefix:read])
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append a token; return the text this commits (empty while a character is pending)."""
+        self._tokens.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Commit whatever is held back (the sequence is over)."""
+        return self._advance(final=True)
+
+    def fork(self) -> IncrementalDetokenizer:
+        other = copy.copy(self)
+        other._tokens = list(self._tokens)
+        return other
+
+    def _advance(self, final: bool) -> str:
+        if self._read == len(self._tokens):
+            return ""
+        window = self._decode(self._tokens[self._prefix :])
+        if not window.endswith(_REPLACEMENT) or final:
+            return self._commit(window, len(self._tokens))
+        if len(self._tokens) - self._read > _MAX_PENDING:
+            return self._commit_settled(window)
+        return ""
+
+    def _commit(self, window_text: str, upto: int) -> str:
+        delta = window_text[len(self._prefix_text) :]
+        self.text += delta
+        self._prefix, self._read = self._read, upto
+        self._prefix_text = self._decode(self._tokens[self._prefix : self._read])
+        return delta
+
+    def _commit_settled(self, window_text: str) -> str:
+        """Commit all but the last 4 non-empty tokens when that head is already settled.
+
+        Bytes before the last 4 non-empty tokens cannot belong to a character still being built,
+        so their text is final if the whole window's text starts with it. This bounds the window
+        when a model emits a long run of invalid bytes.
+        """
+        cut, non_empty = len(self._tokens), 0
+        while cut > self._read and non_empty < 4:
+            cut -= 1
+            non_empty += bool(self._decode([self._tokens[cut]]))
+        if non_empty < 4 or cut == self._read:
+            return ""
+        head = self._decode(self._tokens[self._prefix : cut])
+        return self._commit(head, cut) if window_text.startswith(head) else ""
+
+
+class StopDecision(NamedTuple):
+    finish_reason: str  # "stop" or "length"
+    stop_reason: str | int | None  # the stop string or stop token id; None for EOS and length
+
+
+class StopChecker:
+    """Follows one sequence's generated tokens: its text and when (and why) it must stop.
+
+    Stops, in this order of precedence for one token:
+    - EOS (one of ``eos_ids``, unless params.ignore_eos): "stop", stop_reason None;
+    - a token of params.stop_token_ids: "stop", stop_reason the id;
+      (the stop token stays in the token ids but its text is left out of ``text`` unless
+      params.include_stop_str_in_output; neither counts while fewer than min_tokens tokens
+      precede it, matching the sampler's min_tokens mask)
+    - a stop string completed in the text: "stop", stop_reason the string; ``text`` is cut
+      before it (after it with include_stop_str_in_output); checked once the output has
+      min_tokens tokens; when several complete at once, the one ending first wins;
+    - params.max_tokens output tokens, or prompt_len + output tokens reaching max_model_len:
+      "length".
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        params: SamplingParams,
+        eos_ids: Collection[int] = (),
+        prompt_len: int = 0,
+        max_model_len: int | None = None,
+        context_ids: Sequence[int] = (),
+    ) -> None:
+        """``context_ids``: the prompt's last tokens, decoded ahead of the output as context so
+        the first output token keeps its leading space (vLLM's behaviour); leave empty to get
+        exactly ``decode(output_ids)``."""
+        self.params = params
+        self._eos = frozenset() if params.ignore_eos else frozenset(eos_ids)
+        self._stop_ids = frozenset(params.stop_token_ids or ())
+        self._stops: list[str] = list(params.stop or ())
+        self._prompt_len = prompt_len
+        self._max_model_len = max_model_len
+        self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, context_ids)
+        self._text_end: int | None = None  # set when a stop string truncates the text
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+    @property
+    def text(self) -> str:
+        """The output text so far (final once finished)."""
+        return self._detok.text if self._text_end is None else self._detok.text[: self._text_end]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_id: int) -> StopDecision | None:
+        """Take the next generated token; return why the sequence stops, or None to go on."""
+        if self.finished:
+            raise RuntimeError(f"sequence already finished ({self.finish_reason}); got {token_id}")
+        self.num_tokens += 1
+        params = self.params
+        if self.num_tokens > params.min_tokens and (
+            token_id in self._eos or token_id in self._stop_ids
+        ):
+            if params.include_stop_str_in_output:
+                self._detok.add(token_id)
+            self._detok.flush()
+            reason = None if token_id in self._eos else token_id
+            return self._finish("stop", reason)
+
+        last = self._at_length_limit()
+        committed_before = len(self._detok.text)
+        self._detok.add(token_id)
+        if last:
+            self._detok.flush()
+        if self._stops and self.num_tokens >= params.min_tokens:
+            hit = self._find_stop(committed_before)
+            if hit is not None:
+                start, stop = hit
+                self._text_end = start + len(stop) if params.include_stop_str_in_output else start
+                return self._finish("stop", stop)
+        return self._finish("length", None) if last else None
+
+    def finish(self, finish_reason: str = "length") -> StopDecision:
+        """End the sequence for a reason the engine decided (e.g. "length", "abort").
+
+        Flushes held-back bytes so ``text`` is final.
+        """
+        if not self.finished:
+            self._detok.flush()
+        return self._finish(finish_reason, None)
+
+    def fork(self) -> StopChecker:
+        """An independent copy (beam search branches a sequence)."""
+        other = copy.copy(self)
+        other._detok = self._detok.fork()
+        return other
+
+    def _at_length_limit(self) -> bool:
+        max_tokens = self.params.max_tokens
+        if max_tokens is not None and self.num_tokens >= max_tokens:
+            return True
+        limit = self._max_model_len
+        return limit is not None and self._prompt_len + self.num_tokens >= limit
+
+    def _find_stop(self, committed_before: int) -> tuple[int, str] | None:
+        """The stop string completed first in the newly committed text, as (start, string)."""
+        text = self._detok.text
+        if len(text) == committed_before:
+            return None
+        best: tuple[int, str] | None = None
+        for stop in self._stops:
+            # A match must end in the new text, so it starts at most len(stop) - 1 chars earlier.
+            start = text.find(stop, max(0, committed_before - len(stop) + 1))
+            if start >= 0 and (best is None or start + len(stop) < best[0] + len(best[1])):
+                best = (start, stop)
+        return best
+
+    def _finish(self, finish_reason: str, stop_reason: str | int | None) -> StopDecision:
+        self.finish_reason, self.stop_reason = finish_reason, stop_reason
+        return StopDecision(finish_reason, stop_reason)

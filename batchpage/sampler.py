@@ -1,0 +1,310 @@
+"""The batched sampler: one new token per sequence from one step's logits.
+
+Processing follows HF transformers / vLLM, in this order:
+
+1. logit_bias (added to the logits);
+2. min_tokens: EOS and stop_token_ids get -inf while the output is shorter than min_tokens;
+3. repetition_penalty (HF/CTRL semantics, over prompt + output tokens: positive logits are divided
+   by the penalty, negative ones multiplied);
+4. presence_penalty / frequency_penalty (OpenAI semantics, over output tokens only);
+5. greedy rows (temperature 0 or top_k 1) take the argmax; sampled rows go through temperature,
+   top_k, top_p, min_p and then draw a token.
+
+Logprobs are those of the raw model output (log_softmax of the logits as given, before any of the
+steps above), which is vLLM's default ``logprobs_mode="raw_logprobs"``: they describe the model, not
+the sampling settings, and the same number comes back whatever the request's temperature.
+
+Work is vectorised across rows; each processing step touches only the rows that need it, and a
+batch of plain greedy rows is a single argmax over the logits (the hot path).
+
+Randomness: a sampled row draws its token with the exponential race (argmax of probs / E, E ~
+Exp(1) i.i.d. per token, which picks token i with probability probs[i]) using V noise values from
+that row's own generator. A seeded row therefore gets the same token whatever else shares its batch.
+Rows without a generator draw from torch's global RNG. Generators must live on the logits' device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import NamedTuple
+
+import torch
+
+from batchpage.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+class TopLogprobs(NamedTuple):
+    """Logprobs for one generated (or prompt) position."""
+
+    token_id: int  # the chosen token
+    logprob: float  # its logprob
+    rank: int  # 1 + number of tokens with a strictly higher logprob
+    top_ids: list[int]  # the most likely tokens, best first (len = the requested count)
+    top_logprobs: list[float]
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[int]  # one per row
+    logprobs: list[TopLogprobs | None]  # None where the row's params.logprobs is None
+    token_tensor: torch.Tensor  # [N] int64 on the logits' device: the next step's input ids
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    eos_ids: Sequence[Collection[int]] | None = None,
+) -> SamplerOutput:
+    """Pick one token per row of ``logits`` [N, V]; the input tensor is never modified.
+
+    ``eos_ids[i]`` are row i's end-of-sequence ids, masked (with params.stop_token_ids) while the
+    row is shorter than params.min_tokens; they are not masked when params.ignore_eos is set.
+    ``prompt_ids`` / ``output_ids`` are only read for rows with penalties or min_tokens.
+    """
+    n = logits.shape[0]
+    if not len(params) == len(generators) == len(prompt_ids) == len(output_ids) == n:
+        raise ValueError(
+            f"sample() needs one entry per logits row ({n}); got params={len(params)}, "
+            f"generators={len(generators)}, prompt_ids={len(prompt_ids)}, "
+            f"output_ids={len(output_ids)}"
+        )
+    if eos_ids is not None and len(eos_ids) != n:
+        raise ValueError(f"eos_ids needs one entry per logits row ({n}), got {len(eos_ids)}")
+    eos = eos_ids if eos_ids is not None else [()] * n
+    greedy = [p.is_greedy for p in params]
+    process = [_needs_processing(p, len(out)) for p, out in zip(params, output_ids, strict=True)]
+
+    if all(greedy) and not any(process):
+        tokens = logits.argmax(dim=-1)  # the hot path: no copy, no processing
+    else:
+        work = logits.float()
+        if any(process):
+            work = work.clone() if work is logits else work
+            apply_penalties(work, params, prompt_ids, output_ids, eos)
+        tokens = _choose(work, params, generators, greedy)
+
+    wanted = [p.logprobs for p in params]
+    logprobs: list[TopLogprobs | None] = [None] * n
+    if any(k is not None for k in wanted):
+        logprobs = compute_logprobs(logits, tokens, wanted)
+    return SamplerOutput(tokens.tolist(), logprobs, tokens)
+
+
+def _needs_processing(p: SamplingParams, num_output: int) -> bool:
+    return bool(
+        p.logit_bias
+        or num_output < p.min_tokens
+        or p.repetition_penalty != 1.0
+        or p.presence_penalty
+        or p.frequency_penalty
+    )
+
+
+def _choose(
+    work: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    greedy: Sequence[bool],
+) -> torch.Tensor:
+    if all(greedy):
+        return work.argmax(dim=-1)
+    tokens = torch.empty(work.shape[0], dtype=torch.long, device=work.device)
+    greedy_rows = [i for i, g in enumerate(greedy) if g]
+    if greedy_rows:
+        index = torch.tensor(greedy_rows, device=work.device)
+        tokens[index] = work[index].argmax(dim=-1)
+    random_rows = [i for i, g in enumerate(greedy) if not g]
+    index = torch.tensor(random_rows, device=work.device)
+    sub = work[index]  # advanced indexing copies: filtering below never touches ``work``
+    sub_params = [params[i] for i in random_rows]
+    apply_filters(sub, sub_params)
+    tokens[index] = _draw(sub.softmax(dim=-1), [generators[i] for i in random_rows])
+    return tokens
+
+
+# -- step 1-4: biases and penalties (greedy and sampled rows alike) ------------------------------
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    eos_ids: Sequence[Collection[int]],
+) -> torch.Tensor:
+    """Apply logit_bias, min_tokens, repetition, presence and frequency penalties in place."""
+    rows, cols, vals = [], [], []
+    for i, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token)
+            vals.append(bias)
+    if rows:
+        _index_add(logits, rows, cols, vals)
+
+    rows, cols = [], []
+    for i, p in enumerate(params):
+        if len(output_ids[i]) < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids[i]))
+            rows.extend([i] * len(banned))
+            cols.extend(banned)
+    if rows:
+        logits[_long(rows, logits), _long(cols, logits)] = _NEG_INF
+
+    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep:
+        seen = _token_mask(logits, [list(prompt_ids[i]) + list(output_ids[i]) for i in rep])
+        penalty = _column([params[i].repetition_penalty for i in rep], logits)
+        sub = logits[_long(rep, logits)]
+        penalised = torch.where(sub < 0, sub * penalty, sub / penalty)
+        logits[_long(rep, logits)] = torch.where(seen, penalised, sub)
+
+    pf = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
+    if pf:
+        counts = _token_counts(logits, [output_ids[i] for i in pf])
+        presence = _column([params[i].presence_penalty for i in pf], logits)
+        frequency = _column([params[i].frequency_penalty for i in pf], logits)
+        index = _long(pf, logits)
+        logits[index] -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _long(values: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=like.device)
+
+
+def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+def _index_add(logits: torch.Tensor, rows: list[int], cols: list[int], vals: list[float]) -> None:
+    values = torch.tensor(vals, dtype=logits.dtype, device=logits.device)
+    logits.index_put_((_long(rows, logits), _long(cols, logits)), values, accumulate=True)
+
+
+def _flat_index(token_lists: Sequence[Sequence[int]], like: torch.Tensor):
+    rows = [r for r, tokens in enumerate(token_lists) for _ in range(len(tokens))]
+    cols = [t for tokens in token_lists for t in tokens]
+    return _long(rows, like), _long(cols, like)
+
+
+def _token_mask(like: torch.Tensor, token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+    """[R, V] bool: which tokens occur in each row's list."""
+    mask = torch.zeros(len(token_lists), like.shape[1], dtype=torch.bool, device=like.device)
+    mask[_flat_index(token_lists, like)] = True
+    return mask
+
+
+def _token_counts(like: torch.Tensor, token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+    """[R, V] float: how often each token occurs in each row's list."""
+    counts = torch.zeros(len(token_lists), like.shape[1], dtype=like.dtype, device=like.device)
+    rows, cols = _flat_index(token_lists, like)
+    counts.index_put_((rows, cols), torch.ones_like(rows, dtype=like.dtype), accumulate=True)
+    return counts
+
+
+# -- step 5: temperature and truncation (sampled rows only) --------------------------------------
+
+
+def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Apply temperature, top_k, top_p and min_p in place (HF's warper order); -inf = removed.
+
+    Rows must not be greedy (temperature > 0).
+    """
+    temps = [p.temperature for p in params]
+    if len(set(temps)) == 1:
+        if temps[0] != 1.0:
+            logits.div_(temps[0])
+    else:
+        logits.div_(_column(temps, logits))
+
+    vocab = logits.shape[1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if any(p < 1.0 for p in top_p):
+        _top_k_top_p(logits, top_k, top_p)
+    elif any(k < vocab for k in top_k):
+        _top_k(logits, top_k)
+
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        probs = logits.softmax(dim=-1)
+        threshold = _column(min_p, logits) * probs.amax(dim=-1, keepdim=True)
+        logits.masked_fill_(probs < threshold, _NEG_INF)  # the top token always survives
+    return logits
+
+
+def _top_k(logits: torch.Tensor, top_k: Sequence[int]) -> None:
+    # Without top_p a partial topk is enough; ties with the k-th value survive, as in HF.
+    k = _long(top_k, logits).unsqueeze(1)
+    values = logits.topk(max(top_k), dim=-1).values
+    logits.masked_fill_(logits < values.gather(1, k - 1), _NEG_INF)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> None:
+    ordered, order = logits.sort(dim=-1)  # ascending
+    vocab = logits.shape[1]
+    kth = ordered.gather(1, vocab - _long(top_k, logits).unsqueeze(1))
+    ordered.masked_fill_(ordered < kth, _NEG_INF)
+    # Drop the least likely tokens while their total mass stays within 1 - top_p; the token that
+    # crosses the threshold is kept, and so is the most likely one.
+    cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1.0 - _column(top_p, logits)
+    drop[:, -1] = False
+    ordered.masked_fill_(drop, _NEG_INF)
+    logits.scatter_(1, order, ordered)
+
+
+def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row with the exponential race; each row's noise comes from its generator."""
+    noise = torch.empty_like(probs)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared:
+        index = _long(shared, probs)
+        noise[index] = noise.new_empty((len(shared), probs.shape[1])).exponential_()
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            noise[i].exponential_(generator=generator)
+    # Exp(1) can round to 0 in float32; a tiny floor keeps the division finite.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+# -- logprobs -------------------------------------------------------------------------------------
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]
+) -> list[TopLogprobs | None]:
+    """Logprobs of ``token_ids[i]`` under log_softmax(logits[i]) plus the top ``num_top[i]``.
+
+    Rows with ``num_top[i] is None`` get None. Also serves prompt logprobs: pass the logits of
+    the prompt positions and the prompt's next tokens.
+    """
+    rows = [i for i, k in enumerate(num_top) if k is not None]
+    result: list[TopLogprobs | None] = [None] * len(num_top)
+    if not rows:
+        return result
+    index = _long(rows, logits)
+    logprobs = logits[index].float().log_softmax(dim=-1)
+    chosen = token_ids.to(logits.device)[index].unsqueeze(1)
+    chosen_logprob = logprobs.gather(1, chosen)
+    ranks = (logprobs > chosen_logprob).sum(dim=-1) + 1
+    top_values, top_ids = logprobs.topk(max(num_top[i] for i in rows), dim=-1)
+    # One host transfer per tensor rather than one per element.
+    columns = zip(
+        chosen.squeeze(1).tolist(),
+        chosen_logprob.squeeze(1).tolist(),
+        ranks.tolist(),
+        top_ids.tolist(),
+        top_values.tolist(),
+        strict=True,
+    )
+    for i, (token, logprob, rank, ids, values) in zip(rows, columns, strict=True):
+        k = num_top[i]
+        result[i] = TopLogprobs(token, logprob, rank, ids[:k], values[:k])
+    return result

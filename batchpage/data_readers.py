@@ -1,0 +1,245 @@
+"""Format-specific readers behind `batchpage.data`: pick a format, peek at columns, stream records.
+
+Records are plain dicts (column -> Python value). A record that cannot be parsed at all (a bad
+JSONL line) comes out as a `str` saying why, in its place, so that row indices stay true to the
+input and the row still gets an output row. Nothing here reads more than a window at a time,
+except `load_dataset` on raw files, which (as HF datasets always does) converts them to its Arrow
+cache once and then memory-maps it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+_EXTENSIONS = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".jsonl.gz": "jsonl",
+    ".ndjson.gz": "jsonl",
+    ".json": "json",  # JSON lines or one JSON array: settled by peeking at the first character
+    ".json.gz": "jsonl",
+    ".csv": "csv",
+    ".tsv": "csv",
+    ".csv.gz": "csv",
+    ".tsv.gz": "csv",
+}
+_HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+_HF_BUILDERS = {"parquet": "parquet", "jsonl": "json", "csv": "csv"}
+_JSONL_PEEK_LINES = 100
+
+
+class DatasetError(ValueError):
+    """The dataset cannot be read at all; the message names the problem and the fix."""
+
+
+def resolve_format(fmt: str, paths: list[Path]) -> tuple[str, list[Path]]:
+    """Settle `auto` and expand folders into their data files (sorted, hidden files skipped)."""
+    if len(paths) == 1 and paths[0].is_dir() and _is_saved_hf(paths[0]):
+        if fmt not in ("auto", "hf"):
+            raise DatasetError(f"{paths[0]} is a saved HF dataset; set dataset.format=hf (or auto)")
+        return "hf", paths
+    if fmt == "hf":
+        return fmt, paths  # load_dataset takes a data folder or files as they are
+    files: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and _visible(f, p))
+            files += [f for f in found if _file_format(f) is not None]
+        else:
+            files.append(p)
+    if not files:
+        raise DatasetError(f"{paths[0]} holds no data files (.parquet, .jsonl, .csv, .json)")
+    if fmt != "auto":
+        return fmt, [f for f in files if _file_format(f) in (fmt, None)] or files
+    kinds = {f: _file_format(f) for f in files}
+    unknown = [str(f) for f, k in kinds.items() if k is None]
+    if unknown:
+        raise DatasetError(
+            f"cannot tell the format of {unknown[0]} from its name; "
+            "set dataset.format=parquet|jsonl|csv|hf"
+        )
+    found_kinds = sorted(set(kinds.values()))
+    if len(found_kinds) > 1:
+        raise DatasetError(
+            f"{paths[0]} mixes formats {found_kinds}; point dataset.path at one kind "
+            "(e.g. a glob like data/*.parquet) or set dataset.format"
+        )
+    kind = found_kinds[0]
+    return ("hf", files) if kind == "json-array" else (kind, files)
+
+
+def peek_columns(fmt: str, files: list[Path], split: str) -> tuple[list[str], int | None]:
+    """Column names (those every file has) and the row count where it is free to know."""
+    try:
+        if fmt == "parquet":
+            metas = [pq.ParquetFile(f) for f in files]
+            names = [
+                n
+                for n in metas[0].schema_arrow.names
+                if all(n in m.schema_arrow.names for m in metas[1:])
+            ]
+            return names, sum(m.metadata.num_rows for m in metas)
+        if fmt == "jsonl":
+            return _peek_jsonl(files[0]), None
+        if fmt == "csv":
+            first = _open_csv(files[0], None).schema.names
+            return [
+                n for n in first if all(n in _open_csv(f, None).schema.names for f in files[1:])
+            ], None
+        if fmt == "hf":
+            ds = _load_hf(files, split)
+            return list(ds.column_names), len(ds)
+    except DatasetError:
+        raise
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise DatasetError(f"cannot read {files[0]} as {fmt}: {e}") from e
+    raise DatasetError(f"unknown dataset format {fmt!r}")
+
+
+def open_records(
+    fmt: str, files: list[Path], split: str, columns: list[str], window_rows: int
+) -> Iterator[dict[str, Any] | str]:
+    """Stream records of the given columns in input order, one window of rows in memory."""
+    if fmt == "parquet":
+        for f in files:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=window_rows, columns=columns):
+                yield from batch.to_pylist()
+    elif fmt == "jsonl":
+        for f in files:
+            yield from _jsonl_records(f)
+    elif fmt == "csv":
+        for f in files:
+            try:
+                for batch in _open_csv(f, columns):
+                    yield from batch.to_pylist()
+            except pa.ArrowInvalid as e:
+                # A structurally broken CSV (wrong field count) has no row to blame reliably.
+                raise DatasetError(f"{f} is not valid CSV: {e}") from e
+    elif fmt == "hf":
+        ds = _load_hf(files, split).select_columns(columns)
+        # Arrow tables straight off the memory-mapped cache: no pandas, one window at a time.
+        for batch in ds.with_format("arrow").iter(batch_size=window_rows):
+            yield from batch.to_pylist()
+    else:
+        raise DatasetError(f"unknown dataset format {fmt!r}")
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def _file_format(path: Path) -> str | None:
+    name = path.name.lower()
+    for ext in sorted(_EXTENSIONS, key=len, reverse=True):  # .jsonl.gz before .gz-less forms
+        if name.endswith(ext):
+            kind = _EXTENSIONS[ext]
+            return _json_kind(path) if kind == "json" else kind
+    return None
+
+
+def _json_kind(path: Path) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        head = f.read(4096).lstrip()
+    return "json-array" if head.startswith("[") else "jsonl"
+
+
+def _visible(f: Path, root: Path) -> bool:
+    # Skip hidden/temp files and Spark-style markers (_SUCCESS) anywhere below the root.
+    return not any(part.startswith((".", "_")) for part in f.relative_to(root).parts)
+
+
+def _is_saved_hf(folder: Path) -> bool:
+    return any((folder / m).exists() for m in _HF_MARKERS)
+
+
+def _open_text(path: Path) -> TextIO:
+    if path.name.lower().endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+    return open(path, encoding="utf-8", errors="replace")
+
+
+def _peek_jsonl(path: Path) -> list[str]:
+    with _open_text(path) as fp:
+        for i, line in enumerate(fp):
+            if i >= _JSONL_PEEK_LINES:
+                break
+            try:
+                obj = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                return list(obj)
+    raise DatasetError(
+        f"no JSON object in the first {_JSONL_PEEK_LINES} lines of {path}; "
+        "expected JSON lines (one object per line)"
+    )
+
+
+def _jsonl_records(path: Path) -> Iterator[dict[str, Any] | str]:
+    with _open_text(path) as fp:
+        for lineno, line in enumerate(fp, 1):
+            if not line.strip():
+                continue  # blank lines are not rows
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield f"{path.name} line {lineno} is not valid JSON ({e.msg})"
+                continue
+            yield obj if isinstance(obj, dict) else f"{path.name} line {lineno} is not an object"
+
+
+def _open_csv(path: Path, columns: list[str] | None) -> pacsv.CSVStreamingReader:
+    delimiter = "\t" if ".tsv" in path.name.lower() else ","
+    # Every column is read as text: type inference per block would fail on mixed columns, and
+    # overrides are parsed per row instead (a bad cell is that row's error, not the job's).
+    convert = pacsv.ConvertOptions()
+    if columns is not None:
+        convert = pacsv.ConvertOptions(
+            include_columns=columns,
+            column_types={c: pa.string() for c in columns},
+            strings_can_be_null=False,
+            quoted_strings_can_be_null=False,
+        )
+    return pacsv.open_csv(
+        path,
+        parse_options=pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True),
+        convert_options=convert,
+    )
+
+
+def _load_hf(files: list[Path], split: str) -> Any:
+    import datasets  # imported here: it is slow to import and only this format needs it
+
+    try:
+        if len(files) == 1 and files[0].is_dir() and _is_saved_hf(files[0]):
+            ds = datasets.load_from_disk(str(files[0]))
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise DatasetError(
+                        f"split {split!r} not in {files[0]}; its splits are: {', '.join(ds)}. "
+                        "Set dataset.split=..."
+                    )
+                ds = ds[split]
+            return ds
+        if len(files) == 1 and files[0].is_dir():
+            return datasets.load_dataset(str(files[0]), split=split)
+        kind = _file_format(files[0])
+        builder = _HF_BUILDERS.get("jsonl" if kind == "json-array" else kind or "", "json")
+        kwargs = {"sep": "\t"} if ".tsv" in files[0].name.lower() else {}
+        return datasets.load_dataset(
+            builder, data_files=[str(f) for f in files], split=split, **kwargs
+        )
+    except DatasetError:
+        raise
+    except ValueError as e:
+        # e.g. an unknown split: HF's message lists the splits that exist.
+        raise DatasetError(f"cannot load {files[0]} with HF datasets (split={split!r}): {e}") from e

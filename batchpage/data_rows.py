@@ -1,0 +1,180 @@
+"""One input record -> one checked `Row`: the row-level half of `batchpage.data`.
+
+Nothing here raises for bad data: a null, empty or non-text prompt, a malformed chat, or an
+override of the wrong type or range becomes the row's `error`, and the job goes on without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+DEFAULT_OVERRIDES = ("max_tokens", "temperature")
+
+
+def _int_at_least(lo: int) -> tuple[type, Callable[[Any], bool], str]:
+    return (int, lambda v: v >= lo, f"an integer >= {lo}")
+
+
+# Per-row SamplingParams overrides: (type, check, what the check wants). `n` is left out on
+# purpose: it fixes the output schema for the whole run.
+OVERRIDE_FIELDS: MappingProxyType[str, tuple[type, Callable[[Any], bool], str]] = MappingProxyType(
+    {
+        "max_tokens": _int_at_least(1),
+        "min_tokens": _int_at_least(0),
+        "temperature": (float, lambda v: v >= 0, "a number >= 0"),
+        "top_p": (float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        "top_k": (int, lambda v: v >= -1, "an integer >= -1 (-1 or 0: off)"),
+        "min_p": (float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+        "seed": (int, lambda v: True, "an integer"),
+        "presence_penalty": (float, lambda v: True, "a number"),
+        "frequency_penalty": (float, lambda v: True, "a number"),
+        "repetition_penalty": (float, lambda v: v > 0, "a number > 0"),
+        "ignore_eos": (bool, lambda v: True, "true or false"),
+        "stop": (list, lambda v: all(isinstance(s, str) for s in v), "a string or strings"),
+    }
+)
+
+
+@dataclass
+class Row:
+    """One input row. `error` set means: do not generate, write the row with this error."""
+
+    index: int  # global position in the input; resume is keyed on it
+    id: str  # the id column's value as text, or str(index)
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None  # system_prompt already prepended
+    system_prompt: str | None = None  # set for plain prompts only (chats carry it inside)
+    overrides: dict[str, Any] = field(default_factory=dict)  # non-null per-row sampling values
+    error: str | None = None
+
+    def chat_messages(self) -> list[dict[str, str]] | None:
+        """The row as a chat: its messages, or [system?, user prompt]; None for an error row."""
+        if self.error is not None:
+            return None
+        if self.messages is not None:
+            return self.messages
+        sys_msg = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*sys_msg, {"role": "user", "content": self.prompt or ""}]
+
+
+_MISSING = object()
+
+
+def make_row(
+    index: int,
+    rec: dict[str, Any] | str,
+    *,
+    prompt_column: str | None,
+    messages_column: str | None,
+    id_column: str | None,
+    override_columns: Sequence[str],
+    system_prompt: str | None,
+    from_text: bool,
+) -> Row:
+    """Check one record. `rec` is a str when the reader could not parse it (it says why).
+
+    from_text: the values are all text (CSV), so numbers in override columns are parsed.
+    """
+    if isinstance(rec, str):
+        return Row(index=index, id=str(index), error=rec)
+    row = Row(index=index, id=_row_id(rec, id_column, index))
+    errors: list[str] = []
+    if messages_column is not None:
+        row.messages, err = _check_messages(rec.get(messages_column, _MISSING), system_prompt)
+    else:
+        row.prompt, err = _check_prompt(rec.get(prompt_column or "", _MISSING))
+        row.system_prompt = system_prompt
+    if err:
+        errors.append(err)
+    for name in override_columns:
+        value = rec.get(name)
+        blank = from_text and isinstance(value, str) and not value.strip()
+        if value is None or blank or (isinstance(value, float) and math.isnan(value)):
+            continue  # no override for this row: the job's sampling applies
+        try:
+            row.overrides[name] = coerce_override(name, value, from_text)
+        except ValueError as e:
+            errors.append(str(e))
+    row.error = "; ".join(errors) or None
+    return row
+
+
+def coerce_override(name: str, value: Any, from_text: bool = False) -> Any:
+    """Check one per-row override against OVERRIDE_FIELDS; a ValueError says what is wrong."""
+    kind, check, wants = OVERRIDE_FIELDS[name]
+    original = value
+    if kind is list and isinstance(value, str):
+        value = [value]  # a single stop string
+    elif from_text and isinstance(value, str):
+        value = _parse_text(value.strip(), kind)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)  # pandas turns an int column with nulls into float
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is list and isinstance(value, tuple):
+        value = list(value)
+    well_typed = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if not well_typed or not check(value):
+        raise ValueError(f"{name} must be {wants}, got {original!r}")
+    return value
+
+
+def _parse_text(text: str, kind: type) -> Any:
+    try:
+        if kind is bool:
+            return {"true": True, "false": False, "1": True, "0": False}.get(text.lower(), text)
+        return float(text) if kind is float or "." in text or "e" in text.lower() else int(text)
+    except ValueError:
+        return text  # left as text: the type check reports it
+
+
+def _row_id(rec: dict[str, Any], id_column: str | None, index: int) -> str:
+    value = rec.get(id_column) if id_column else None
+    if value is None:
+        return str(index)
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _check_prompt(value: Any) -> tuple[str | None, str | None]:
+    if value is _MISSING:
+        return None, "the row has no prompt field"
+    if value is None:
+        return None, "prompt is null"
+    if not isinstance(value, str):
+        return None, f"prompt is not text (got {type(value).__name__}: {str(value)[:40]!r})"
+    if not value.strip():
+        return None, "prompt is empty"
+    return value, None
+
+
+def _check_messages(value: Any, system_prompt: str | None) -> tuple[list | None, str | None]:
+    if value is _MISSING:
+        return None, "the row has no messages field"
+    if isinstance(value, dict) and isinstance(value.get("role"), list):
+        # HF `Sequence` features hand a list of structs over as a struct of lists.
+        try:
+            value = [dict(zip(value, v, strict=True)) for v in zip(*value.values(), strict=True)]
+        except ValueError:
+            return None, "messages has role and content lists of different lengths"
+    if isinstance(value, str):  # CSV (and some JSONL) store the chat as a JSON string
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return None, "messages is text that is not JSON; expected a list of {role, content}"
+    if not isinstance(value, (list, tuple)) or not value:
+        what = "empty" if isinstance(value, (list, tuple)) else type(value).__name__
+        return None, f"messages must be a non-empty list of {{role, content}} (got {what})"
+    messages = []
+    for i, m in enumerate(value):
+        ok = isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"]
+        if not ok or not isinstance(m.get("content"), str):
+            return None, f"messages[{i}] is not a {{role: str, content: str}} object"
+        messages.append({"role": m["role"], "content": m["content"]})
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages, None

@@ -1,0 +1,165 @@
+"""Files of an output_dir: names, the typed schema, atomic writes, shard listing, the dir lock.
+
+Layout of an output_dir:
+    job.json                   what the results depend on (model, sampling, dataset) + its hash
+    shard-00000.parquet ...    finished rows, in finishing order; each file is complete or absent
+    .shard-*.tmp               a shard being written; a leftover one is a crash and is deleted
+    completions.parquet        one row per input row, sorted by index
+    run.json                   resolved config, versions, metrics
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+JOB_FILE = "job.json"
+FINAL_FILE = "completions.parquet"
+RUN_FILE = "run.json"
+SHARD_PREFIX = "shard-"
+LOCK_FILE = ".batchpage.lock"
+
+
+def output_schema(n: int = 1) -> pa.Schema:
+    """The typed schema of shards and completions.parquet; n > 1 makes the outputs lists."""
+    text = pa.string() if n == 1 else pa.list_(pa.string())
+    return pa.schema(
+        [
+            ("id", pa.string()),
+            ("index", pa.int64()),
+            ("prompt", pa.string()),
+            ("completion", text),
+            ("finish_reason", text),
+            ("prompt_tokens", pa.int64()),
+            ("completion_tokens", pa.int64()),  # summed over the n samples
+            ("cached_tokens", pa.int64()),
+            ("error", pa.string()),
+        ]
+    )
+
+
+@dataclass
+class ResultRow:
+    """One output row. An error row has `error` set and no completion."""
+
+    index: int
+    id: str
+    prompt: str | None = None
+    completion: str | list[str] | None = None
+    finish_reason: str | list[str] | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, index: int, id: str, error: str, prompt: str | None = None) -> ResultRow:
+        return cls(index=index, id=id, prompt=prompt, error=error)
+
+
+class OutputDirError(ValueError):
+    """output_dir belongs to another job, or is in use; the message says what to do."""
+
+
+class IncompleteOutputError(RuntimeError):
+    """finalize found input rows without an output row; rerunning the job resumes them."""
+
+
+def job_fingerprint(job: Mapping[str, Any]) -> str:
+    """A stable hash of the result-affecting config (key order does not matter)."""
+    return hashlib.sha256(json.dumps(job, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def scan_shards(output_dir: Path) -> tuple[set[int], int]:
+    """Indices held by the shards in output_dir, and the highest shard number (-1 if none).
+
+    A shard that cannot be read is renamed aside (never deleted: it is evidence) and its rows are
+    generated again; with atomic writes this only happens if something else damaged the file.
+    """
+    done: set[int] = set()
+    last = -1
+    for number, path in list_shards(output_dir):
+        last = max(last, number)
+        try:
+            done.update(pq.read_table(path, columns=["index"]).column(0).to_pylist())
+        except (pa.ArrowException, OSError) as e:
+            warnings.warn(f"unreadable shard {path} set aside ({e})", stacklevel=2)
+            path.rename(path.with_name(f".corrupt-{path.name}"))
+    return done, last
+
+
+def list_shards(output_dir: Path) -> list[tuple[int, Path]]:
+    """(number, path) of each shard, by number: that is the order they were written in."""
+    shards = []
+    for p in output_dir.glob(f"{SHARD_PREFIX}*.parquet"):
+        number = p.name[len(SHARD_PREFIX) : -len(".parquet")]
+        if number.isdigit():
+            shards.append((int(number), p))
+    return sorted(shards)
+
+
+def read_job(output_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(output_dir) / JOB_FILE
+    if not path.exists():
+        raise OutputDirError(f"{path} is missing: this output_dir was not made by a ShardWriter")
+    return json.loads(path.read_text())
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_table(table: pa.Table, path: Path) -> None:
+    # The temp name starts with "." and ends with ".tmp": no shard glob ever matches it.
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    # Makes the rename itself durable (power loss); harmless where directories cannot be opened.
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def lock_dir(folder: Path) -> int | None:
+    """Hold an exclusive flock on the folder for the writer's life: two jobs writing into one
+    output_dir would each resume from the same shards and duplicate rows. The OS drops the lock
+    when the process dies, so a kill -9 never leaves a stale lock."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: run without the guard
+        return None
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        raise OutputDirError(
+            f"output_dir {folder} is in use by another batchpage job; wait for it or use "
+            "another output_dir"
+        ) from e
+    return fd

@@ -1,0 +1,390 @@
+"""Readers (every format), row-level errors, validation messages, and the bundled presets."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchpage import presets
+from batchpage.data import (
+    DatasetError,
+    DatasetSpec,
+    Row,
+    coerce_override,
+    iter_rows,
+    iter_windows,
+    validate,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _preset_cache(tmp_path_factory: pytest.TempPathFactory):
+    # Presets are built into a private cache once per module, never into the user's ~/.cache.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BATCHPAGE_CACHE", str(tmp_path_factory.mktemp("preset-cache")))
+        yield
+
+
+def rows(spec: DatasetSpec) -> list[Row]:
+    return list(iter_rows(spec))
+
+
+def write_parquet(path: Path, **columns: list) -> Path:
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+# --- formats -----------------------------------------------------------------------------------
+
+
+def test_parquet_file_ids_default_to_row_index(tmp_path: Path) -> None:
+    f = write_parquet(tmp_path / "a.parquet", prompt=["x", "y", "z"])
+    got = rows(DatasetSpec(path=str(f)))
+    assert [(r.index, r.id, r.prompt, r.error) for r in got] == [
+        (0, "0", "x", None),
+        (1, "1", "y", None),
+        (2, "2", "z", None),
+    ]
+    assert validate(DatasetSpec(path=str(f))).num_rows == 3
+
+
+def test_parquet_folder_and_glob_read_files_in_sorted_order(tmp_path: Path) -> None:
+    d = tmp_path / "parts"
+    d.mkdir()
+    write_parquet(d / "part-1.parquet", prompt=["c", "d", "e"])
+    write_parquet(d / "part-0.parquet", prompt=["a", "b"])
+    (d / "_SUCCESS").write_text("")  # Spark-style marker: not data
+    for path in (str(d), str(d / "*.parquet")):
+        spec = DatasetSpec(path=path, window_rows=2)
+        windows = list(iter_windows(spec))
+        assert [[r.prompt for r in w] for w in windows] == [["a", "b"], ["c", "d"], ["e"]]
+        assert [r.index for w in windows for r in w] == [0, 1, 2, 3, 4]
+        assert validate(spec).num_rows == 5
+
+
+def test_limit_is_global_across_files(tmp_path: Path) -> None:
+    write_parquet(tmp_path / "0.parquet", prompt=["a", "b"])
+    write_parquet(tmp_path / "1.parquet", prompt=["c", "d"])
+    spec = DatasetSpec(path=str(tmp_path / "*.parquet"), limit=3)
+    assert [r.prompt for r in rows(spec)] == ["a", "b", "c"]
+    assert validate(spec).num_rows == 3
+    assert rows(DatasetSpec(path=str(tmp_path / "*.parquet"), limit=0)) == []
+
+
+@given(n=st.integers(0, 40), window=st.integers(1, 9), limit=st.none() | st.integers(0, 50))
+@settings(max_examples=25, deadline=None)
+def test_windows_cover_each_row_once_in_order(
+    tmp_path_factory: pytest.TempPathFactory, n: int, window: int, limit: int | None
+) -> None:
+    f = write_parquet(
+        tmp_path_factory.mktemp("w") / "p.parquet", prompt=[f"p{i}" for i in range(n)]
+    )
+    windows = list(iter_windows(DatasetSpec(path=str(f), window_rows=window, limit=limit)))
+    expect = n if limit is None else min(n, limit)
+    assert [r.index for w in windows for r in w] == list(range(expect))
+    assert all(len(w) == window for w in windows[:-1]) and all(windows)
+
+
+def test_jsonl_with_bad_lines_keeps_every_row(tmp_path: Path) -> None:
+    f = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {"prompt": "ok", "max_tokens": 5},
+            "{not json",
+            "",  # blank lines are not rows
+            [1, 2],
+            {"prompt": None},
+            {"prompt": "   "},
+            {"prompt": 42},
+            {"other": "no prompt field"},
+            {"prompt": "bad override", "max_tokens": "many"},
+        ],
+    )
+    got = rows(DatasetSpec(path=str(f)))
+    assert [r.index for r in got] == list(range(8))
+    assert got[0].prompt == "ok" and got[0].overrides == {"max_tokens": 5} and got[0].error is None
+    errors = [r.error for r in got[1:]]
+    assert "not valid JSON" in errors[0] and "line 2" in errors[0]
+    assert "not an object" in errors[1]
+    assert errors[2] == "prompt is null"
+    assert errors[3] == "prompt is empty"
+    assert "not text" in errors[4] and "int" in errors[4]
+    assert "no prompt field" in errors[5]
+    assert "max_tokens must be an integer >= 1" in errors[6] and got[7].prompt == "bad override"
+
+
+def test_gzipped_jsonl(tmp_path: Path) -> None:
+    import gzip
+
+    with gzip.open(tmp_path / "d.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"prompt": "zipped"}) + "\n")
+    assert rows(DatasetSpec(path=str(tmp_path / "d.jsonl.gz")))[0].prompt == "zipped"
+
+
+def test_csv_parses_overrides_per_row(tmp_path: Path) -> None:
+    f = tmp_path / "d.csv"
+    f.write_text(
+        "id,prompt,max_tokens,temperature\n"
+        'a,"line one\nline two",16,0.5\n'
+        "b,plain,,\n"
+        "c,third,lots,-1\n"
+        "d,,8,0\n"
+    )
+    got = rows(DatasetSpec(path=str(f), id_column="id"))
+    assert [r.id for r in got] == ["a", "b", "c", "d"]
+    assert got[0].prompt == "line one\nline two"
+    assert got[0].overrides == {"max_tokens": 16, "temperature": 0.5}
+    assert got[1].overrides == {} and got[1].error is None
+    assert "max_tokens must be" in got[2].error and "temperature must be" in got[2].error
+    assert got[3].error == "prompt is empty"
+
+
+def test_tsv(tmp_path: Path) -> None:
+    f = tmp_path / "d.tsv"
+    f.write_text("prompt\tx\nhello, world\t1\n")
+    assert rows(DatasetSpec(path=str(f)))[0].prompt == "hello, world"
+
+
+def test_hf_save_to_disk_and_load_dataset(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"question": ["q0", "q1", "q2"], "max_tokens": [1, 2, None]})
+    ds.save_to_disk(str(tmp_path / "single"))
+    got = rows(DatasetSpec(path=str(tmp_path / "single"), prompt_column="question"))
+    assert [r.prompt for r in got] == ["q0", "q1", "q2"]
+    assert [r.overrides for r in got] == [{"max_tokens": 1}, {"max_tokens": 2}, {}]
+
+    dd = datasets.DatasetDict({"train": ds, "test": ds.select([2])})
+    dd.save_to_disk(str(tmp_path / "dict"))
+    spec = DatasetSpec(path=str(tmp_path / "dict"), prompt_column="question", split="test")
+    assert [r.prompt for r in rows(spec)] == ["q2"]
+    with pytest.raises(DatasetError, match="its splits are: train, test"):
+        validate(DatasetSpec(path=str(tmp_path / "dict"), prompt_column="question", split="dev"))
+
+    # A folder of plain data files through load_dataset, with a split.
+    (tmp_path / "raw").mkdir()
+    write_parquet(tmp_path / "raw" / "train.parquet", prompt=["r0", "r1"])
+    spec = DatasetSpec(path=str(tmp_path / "raw"), format="hf", split="train")
+    assert [r.prompt for r in rows(spec)] == ["r0", "r1"]
+
+
+def test_json_array_file_goes_through_hf(tmp_path: Path) -> None:
+    pytest.importorskip("datasets")
+    f = tmp_path / "arr.json"
+    f.write_text(json.dumps([{"prompt": "a"}, {"prompt": "b"}]))
+    assert validate(DatasetSpec(path=str(f))).format == "hf"
+    assert [r.prompt for r in rows(DatasetSpec(path=str(f)))] == ["a", "b"]
+
+
+# --- ids, chats, overrides ---------------------------------------------------------------------
+
+
+def test_id_column_values_become_text(tmp_path: Path) -> None:
+    f = write_parquet(tmp_path / "a.parquet", prompt=["a", "b"], key=[7, None])
+    assert [r.id for r in rows(DatasetSpec(path=str(f), id_column="key"))] == ["7", "1"]
+
+
+def test_messages_column_with_system_prompt(tmp_path: Path) -> None:
+    chats = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "own"}, {"role": "user", "content": "yo"}],
+        [],
+        None,
+    ]
+    f = write_parquet(tmp_path / "c.parquet", messages=chats)
+    # Setting only messages_column switches to chat mode (prompt_column keeps its default).
+    got = rows(DatasetSpec(path=str(f), messages_column="messages", system_prompt="Be brief."))
+    assert got[0].messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+    ]
+    assert got[0].prompt is None and got[0].system_prompt is None
+    assert got[1].messages[0] == {"role": "system", "content": "own"}  # the row's own wins
+    assert "non-empty list" in got[2].error and "non-empty list" in got[3].error
+    assert got[0].chat_messages() == got[0].messages and got[2].chat_messages() is None
+
+
+def test_messages_as_json_text_in_csv(tmp_path: Path) -> None:
+    f = tmp_path / "c.csv"
+    good = json.dumps([{"role": "user", "content": "a,b"}]).replace('"', '""')
+    f.write_text(f'messages\n"{good}"\nnot json\n"[{{""role"": 1}}]"\n')
+    got = rows(DatasetSpec(path=str(f), messages_column="messages", prompt_column=None))
+    assert got[0].messages == [{"role": "user", "content": "a,b"}]
+    assert "not JSON" in got[1].error and "messages[0]" in got[2].error
+
+
+def test_plain_prompt_chat_messages_include_system_prompt(tmp_path: Path) -> None:
+    f = write_parquet(tmp_path / "a.parquet", prompt=["q"])
+    (row,) = rows(DatasetSpec(path=str(f), system_prompt="S"))
+    assert row.prompt == "q" and row.system_prompt == "S"
+    assert row.chat_messages() == [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "q"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "from_text", "expect"),
+    [
+        ("max_tokens", 256.0, False, 256),
+        ("max_tokens", "256", True, 256),
+        ("temperature", 1, False, 1.0),
+        ("temperature", "0.7", True, 0.7),
+        ("stop", "###", False, ["###"]),
+        ("ignore_eos", "true", True, True),
+        ("top_p", 1, False, 1.0),
+    ],
+)
+def test_override_coercion(name: str, value: object, from_text: bool, expect: object) -> None:
+    assert coerce_override(name, value, from_text) == expect
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("max_tokens", 0), ("max_tokens", 2.5), ("max_tokens", True), ("max_tokens", "256"),
+     ("temperature", -0.1), ("temperature", False), ("top_p", 0), ("stop", [1])],
+)  # fmt: skip
+def test_override_rejects(name: str, value: object) -> None:
+    with pytest.raises(ValueError, match=name):
+        coerce_override(name, value)
+
+
+def test_nan_override_means_no_override(tmp_path: Path) -> None:
+    f = write_parquet(tmp_path / "a.parquet", prompt=["a"], temperature=[float("nan")])
+    assert rows(DatasetSpec(path=str(f)))[0].overrides == {}
+
+
+# --- fatal problems: clear errors before the model loads ---------------------------------------
+
+
+def test_missing_column_lists_the_existing_ones(tmp_path: Path) -> None:
+    f = write_parquet(tmp_path / "a.parquet", question=["q"], answer=["a"])
+    with pytest.raises(DatasetError, match=r"'prompt' not found.*question, answer"):
+        validate(DatasetSpec(path=str(f)))
+    with pytest.raises(DatasetError, match=r"'uid' not found"):
+        validate(DatasetSpec(path=str(f), prompt_column="question", id_column="uid"))
+
+
+def test_missing_prompt_column_hints_at_chat(tmp_path: Path) -> None:
+    f = write_parquet(tmp_path / "a.parquet", messages=[[{"role": "user", "content": "x"}]])
+    with pytest.raises(DatasetError, match="messages_column=messages"):
+        validate(DatasetSpec(path=str(f)))
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (DatasetSpec(path="/nonexistent/file.parquet"), "no such file or folder"),
+        (DatasetSpec(path="/nonexistent/*.parquet"), "matches no files"),
+        (DatasetSpec(path="evalz"), "bundled datasets are: demo .*evals .*sharegpt"),
+        (DatasetSpec(path="demo", format="xml"), "format='xml' is unknown"),
+        (DatasetSpec(path="demo", limit=-1), "limit=-1"),
+        (DatasetSpec(path="demo", prompt_column=None), "neither"),
+        (DatasetSpec(path="demo", prompt_column="q", messages_column="m"), "both"),
+        (DatasetSpec(path="demo", override_columns=["n"]), "allowed: max_tokens"),
+        (DatasetSpec(path="demo", override_columns=["max_tokens"]), "'max_tokens' not found"),
+    ],
+)
+def test_fatal_problems_name_the_fix(spec: DatasetSpec, message: str) -> None:
+    with pytest.raises(DatasetError, match=message):
+        validate(spec)
+
+
+def test_folder_with_mixed_formats_is_refused(tmp_path: Path) -> None:
+    write_parquet(tmp_path / "a.parquet", prompt=["a"])
+    write_jsonl(tmp_path / "b.jsonl", [{"prompt": "b"}])
+    with pytest.raises(DatasetError, match="mixes formats"):
+        validate(DatasetSpec(path=str(tmp_path)))
+    spec = DatasetSpec(path=str(tmp_path), format="jsonl")
+    assert [r.prompt for r in rows(spec)] == ["b"]
+
+
+def test_unreadable_file_is_a_dataset_error(tmp_path: Path) -> None:
+    (tmp_path / "x.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(DatasetError, match="cannot read"):
+        validate(DatasetSpec(path=str(tmp_path / "x.parquet")))
+
+
+def test_fingerprint_follows_content_not_limit(tmp_path: Path) -> None:
+    f = write_parquet(tmp_path / "a.parquet", prompt=["a", "b"])
+    fp = validate(DatasetSpec(path=str(f))).fingerprint
+    assert validate(DatasetSpec(path=str(f), limit=1, window_rows=7)).fingerprint == fp
+    assert validate(DatasetSpec(path=str(f), system_prompt="S")).fingerprint != fp
+    write_parquet(f, prompt=["a", "c"])
+    assert validate(DatasetSpec(path=str(f))).fingerprint != fp
+
+
+def test_spec_is_a_valid_structured_config() -> None:
+    omegaconf = pytest.importorskip("omegaconf")
+    cfg = omegaconf.OmegaConf.structured(DatasetSpec)
+    cfg.path, cfg.override_columns, cfg.limit = "my.parquet", ["max_tokens"], 10
+    spec = omegaconf.OmegaConf.to_object(cfg)
+    assert isinstance(spec, DatasetSpec) and spec.override_columns == ["max_tokens"]
+
+
+# --- presets -----------------------------------------------------------------------------------
+
+
+def test_demo_preset_has_a_shared_prefix() -> None:
+    got = rows(DatasetSpec(path="demo"))
+    assert 6 <= len(got) <= 10 and all(r.error is None for r in got)
+    assert got[0].id == "demo-0"
+    assert sum(r.prompt.startswith(got[0].prompt[:40]) for r in got) >= 3
+
+
+def test_evals_preset_is_humaneval() -> None:
+    spec = DatasetSpec(path="evals")
+    info = validate(spec)
+    assert info.num_rows == 164 and info.preset == "evals" and info.id_column == "id"
+    got = rows(spec)
+    assert len(got) == 164 and got[0].id == "HumanEval/0" and "def " in got[0].prompt
+
+
+def test_sharegpt_stream_yields_whole_records() -> None:
+    with open(presets.sharegpt_source(), encoding="utf-8") as fp:
+        it = presets.iter_json_array(fp, chunk_chars=1 << 12)  # small chunks: many refills
+        first = [next(it) for _ in range(50)]
+    assert all(set(r) == {"id", "conversations"} for r in first)
+    got = list(presets.sharegpt_rows(iter(first)))
+    assert got and all(r["prompt"].strip() for r in got)
+    assert len({r["id"] for r in got}) == len(got)
+
+
+def test_sharegpt_preset_is_cached_and_limited() -> None:
+    spec = DatasetSpec(path="sharegpt", limit=20)
+    got = rows(spec)
+    assert len(got) == 20 and all(r.error is None and r.prompt for r in got)
+    path = presets.resolve_preset("sharegpt").path
+    table = pq.read_table(path, columns=["id", "reply"])
+    assert 17_000 < table.num_rows < 17_700  # the whole records of the truncated file
+    assert table.column("reply").null_count < table.num_rows // 10
+    start = time.perf_counter()
+    assert presets.resolve_preset("sharegpt").path == path
+    assert time.perf_counter() - start < 1.0  # the second load reads the cache
+
+
+@given(
+    items=st.lists(st.dictionaries(st.text(max_size=5), st.text(max_size=30)), max_size=8),
+    cut=st.floats(0, 1),
+    chunk=st.integers(1, 64),
+)
+@settings(max_examples=60, deadline=None)
+def test_json_array_stream_survives_truncation(items: list[dict], cut: float, chunk: int) -> None:
+    text = json.dumps(items, indent=1)
+    truncated = text[: int(len(text) * cut)]
+    got = list(presets.iter_json_array(io.StringIO(truncated), chunk_chars=chunk))
+    assert got == items[: len(got)]  # a prefix of whole items, never a broken one
+    if cut == 1:
+        assert got == items

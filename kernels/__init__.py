@@ -1,0 +1,20 @@
+"""Triton kernels over the paged KV pool, shipped as batchpage.kernels.
+
+Modules: kv_write (store new K/V at their slots), paged_decode_attention (single-pass and split-KV
+decode), extend_attention (varlen prefill over a paged prefix), reference (torch references),
+testing (random paged inputs for the tests and jobs/gpu_bench.py).
+
+Triton decides at decoration time, when a kernel module is first imported, whether @triton.jit
+compiles for a GPU or runs in its numpy interpreter. Without CUDA nothing could compile, so this
+package turns the interpreter on first (unless TRITON_INTERPRET is already set either way): the
+same kernels then run, slowly, on CPU tensors, and the import order of tests does not matter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

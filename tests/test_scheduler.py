@@ -17,6 +17,8 @@ from batchpage.sampling_params import SamplingParams
 
 
 def make_seq(i: int, prompt_len: int) -> Sequence:
+    """Prompts are 0..n-1 and the simulated model's next token is 1000 + position, so all
+    sequences share prefixes and a token's KV never depends on which sequence computed it."""
     req = Request(
         index=i,
         prompt=None,
@@ -41,15 +43,17 @@ def make_seq(i: int, prompt_len: int) -> Sequence:
     max_num_seqs=st.integers(1, 6),
     budget=st.integers(6, 64),
     chunked=st.booleans(),
+    prefix_caching=st.booleans(),
+    policy=st.sampled_from(["lru", "lfu", "fifo"]),
 )
 def test_random_workload_finishes_without_leaks(
-    lengths, block_size, spare_blocks, max_num_seqs, budget, chunked
+    lengths, block_size, spare_blocks, max_num_seqs, budget, chunked, prefix_caching, policy
 ):
     max_len = max(p + o for p, o in lengths)
     if not chunked:
         budget = max(budget, max_len)
     num_blocks = blocks_for(max_len, block_size) + spare_blocks
-    kv = KVCacheManager(num_blocks, block_size)
+    kv = KVCacheManager(num_blocks, block_size, prefix_caching, policy)
     sched = Scheduler(kv, max_num_seqs, budget, enable_chunked_prefill=chunked)
     seqs = [make_seq(i, p) for i, (p, _) in enumerate(lengths)]
     targets = {s.seq_id: o for s, (_, o) in zip(seqs, lengths, strict=True)}
@@ -71,6 +75,8 @@ def test_random_workload_finishes_without_leaks(
         for s in out.scheduled:
             sampled = s.completes_prefill
             s.seq.num_computed_tokens += s.num_new_tokens
+            if s.num_new_tokens > 1:
+                kv.cache_progress(s.seq)
             if sampled:
                 # The simulated model's token depends only on the position: recompute is exact.
                 s.seq.token_ids.append(1000 + s.seq.num_tokens)
@@ -78,6 +84,8 @@ def test_random_workload_finishes_without_leaks(
                     sched.finish(s.seq)
         sched.check_integrity()
     assert not sched.has_unfinished()
+    if kv.tree is not None:
+        kv.tree.evict(num_blocks)  # what stays cached after the job is evictable
     assert kv.pool.num_free == num_blocks
     for s, (p, o) in zip(seqs, lengths, strict=True):
         assert s.status is SeqStatus.FINISHED
@@ -105,4 +113,23 @@ def test_small_pool_preempts_the_newest_and_recovers():
     assert sched.num_preemptions == 1
     assert seqs[2].status is SeqStatus.WAITING and seqs[2].num_computed_tokens == 0
     assert list(sched.waiting) == [seqs[2]]
+    sched.check_integrity()
+
+
+def test_prefix_cache_serves_shared_prompts_and_defers_one_step():
+    kv = KVCacheManager(num_blocks=20, block_size=4, prefix_caching=True)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = make_seq(0, 10), make_seq(1, 10)  # the same 10 tokens: 2 full blocks to share
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    # b would share a's uncomputed blocks: it waits a step rather than compute them twice.
+    assert [s.seq for s in out.scheduled] == [a]
+    a.num_computed_tokens += 10
+    kv.cache_progress(a)
+    a.token_ids.append(1010)
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [a, b]
+    assert b.num_cached_tokens == 8 and out.scheduled[1].num_new_tokens == 2
+    assert b.block_table[:2] == a.block_table[:2]
     sched.check_integrity()

@@ -1,12 +1,18 @@
 """KVCacheManager: lends KV blocks to sequences. The only writer of `Sequence.block_table`.
 
+It owns the BlockPool and, with prefix caching on, the RadixCache over it.
+
 Contracts:
-- A sequence holds one pool reference per entry of its block table (see block_pool.py).
+- A sequence holds one pool reference per entry of its block table (see block_pool.py); the
+  tree holds one per block it caches (see radix_cache.py).
+- `lend_prefix` gives a sequence that holds nothing the longest cached prefix of its tokens (at
+  least one token is left to compute) and locks the tree path it uses until `free`.
 - `allocate` either covers the sequence's next tokens completely or raises and changes nothing;
-  ask `can_allocate` first.
+  ask `can_allocate` first. It evicts unlocked cached blocks when the free list is short.
 - Before a sequence writes into a block that is shared, it gets a private copy: `allocate` returns
   the copies (src -> dst) that the model runner must apply before the step's forward.
-- `free` releases every reference the sequence holds and leaves its block table empty.
+- `free` caches the sequence's computed full blocks (when asked), releases every reference it
+  holds and leaves its block table empty.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from batchpage.cache.block_pool import BlockPool, OutOfBlocks
+from batchpage.cache.radix_cache import EvictionPolicy, RadixCache, RadixNode
 from batchpage.engine.sequence import Sequence
 
 
@@ -27,9 +34,17 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        prefix_caching: bool = False,
+        eviction_policy: EvictionPolicy = "lru",
+    ) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
+        self.tree = RadixCache(self.pool, block_size, eviction_policy) if prefix_caching else None
+        self._locked: dict[int, RadixNode] = {}  # seq_id -> the tree node its prefix is locked at
 
     @property
     def num_blocks(self) -> int:
@@ -37,7 +52,22 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free
+        """Blocks a sequence could get now: free ones plus cached ones nobody uses."""
+        return self.pool.num_free + (self.tree.evictable_blocks if self.tree else 0)
+
+    def lend_prefix(self, seq: Sequence) -> int:
+        """Share the longest cached block-aligned prefix with a sequence that holds no blocks;
+        returns the number of tokens it no longer needs to compute."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if self.tree is None:
+            return 0
+        m = self.tree.match_prefix(seq.token_ids, max_tokens=seq.num_tokens - 1)
+        self.tree.lock(m.node)
+        self._locked[seq.seq_id] = m.node
+        self.pool.share(m.blocks)
+        seq.block_table = list(m.blocks)
+        seq.num_computed_tokens = m.num_tokens
+        return m.num_tokens
 
     def _needs_cow(self, seq: Sequence) -> bool:
         # The next token lands in the last block when it is partly filled; it must be private.
@@ -53,15 +83,17 @@ class KVCacheManager:
         return max(0, total - len(seq.block_table)) + int(self._needs_cow(seq))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= self.pool.num_free
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[BlockCopy]:
         """Make room for seq's next num_new_tokens tokens; returns the block copies to apply."""
         need = self.blocks_needed(seq, num_new_tokens)
+        if need > self.num_free_blocks:
+            free = self.num_free_blocks
+            raise OutOfBlocks(f"sequence {seq.seq_id} needs {need} blocks, {free} available")
         if need > self.pool.num_free:
-            raise OutOfBlocks(
-                f"sequence {seq.seq_id} needs {need} blocks, {self.pool.num_free} free"
-            )
+            assert self.tree is not None
+            self.tree.evict(need - self.pool.num_free)
         copies = []
         if self._needs_cow(seq):
             res = self.pool.cow(seq.block_table[-1])
@@ -72,24 +104,55 @@ class KVCacheManager:
         seq.block_table.extend(self.pool.allocate(total - len(seq.block_table)))
         return copies
 
+    def cache_progress(self, seq: Sequence) -> None:
+        """Publish a running sequence's computed full blocks, so that sequences admitted later hit
+        them while it still runs; its lock moves down to the inserted path."""
+        if self.tree is None:
+            return
+        n = seq.num_computed_tokens // self.block_size
+        if n == 0:
+            return
+        inserted = self.tree.insert(seq.token_ids[: n * self.block_size], seq.block_table[:n])
+        self.tree.lock(inserted.node)
+        old = self._locked.pop(seq.seq_id, None)
+        if old is not None:
+            self.tree.unlock(old)
+        self._locked[seq.seq_id] = inserted.node
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares all of parent's blocks (parallel samples, beams); both must cow to write."""
         assert not child.block_table, "the child must hold no blocks yet"
         self.pool.share(parent.block_table)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
+        if self.tree is not None and parent.seq_id in self._locked:
+            node = self._locked[parent.seq_id]
+            self.tree.lock(node)
+            self._locked[child.seq_id] = node
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence, cache: bool = True) -> None:
+        """Release all of seq's blocks; with `cache`, its computed full blocks go into the tree
+        first, so that a later request (or this one, after preemption) skips computing them."""
+        if self.tree is not None:
+            if cache:
+                self.cache_progress(seq)
+            node = self._locked.pop(seq.seq_id, None)
+            if node is not None:
+                self.tree.unlock(node)
         self.pool.release(seq.block_table)
         seq.block_table = []
 
     def check_integrity(self, live: list[Sequence]) -> None:
-        """The pool is consistent and holds exactly the references the live sequences own."""
+        """The pool and tree are consistent and every reference has its holder."""
         self.pool.check_integrity()
+        if self.tree is not None:
+            self.tree.check_integrity()
+        assert set(self._locked) <= {s.seq_id for s in live}, "a lock outlived its sequence"
         held: dict[int, int] = {}
         for seq in live:
             assert len(seq.block_table) >= blocks_for(seq.num_computed_tokens, self.block_size)
             for b in seq.block_table:
                 held[b] = held.get(b, 0) + 1
         for b in range(self.pool.num_blocks):
-            assert self.pool.refcount(b) == held.get(b, 0), f"block {b}: reference leak"
+            expected = held.get(b, 0) + int(self.tree is not None and self.tree.holds(b))
+            assert self.pool.refcount(b) == expected, f"block {b}: reference leak"

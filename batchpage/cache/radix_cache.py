@@ -127,6 +127,10 @@ class RadixCache:
     def num_nodes(self) -> int:
         return self._num_nodes
 
+    def holds(self, block: int) -> bool:
+        """Whether the tree owns a reference to this block."""
+        return block in self._held
+
     # ---- interface -------------------------------------------------------------------------
 
     def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> PrefixMatch:

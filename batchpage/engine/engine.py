@@ -87,7 +87,9 @@ class Engine:
             dtype,
             device,
         )
-        self.kv_manager = KVCacheManager(num_blocks, cfg.block_size)
+        self.kv_manager = KVCacheManager(
+            num_blocks, cfg.block_size, cfg.prefix_caching, cfg.eviction_policy
+        )
         self.runner = ModelRunner(model, kv, make_attention_backend(cfg.attention_backend, device))
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -135,6 +137,11 @@ class Engine:
         """Runs every valid request to completion; returns its sequences by request index."""
         stats = RunStats(kv_blocks_total=self.kv_manager.num_blocks, block_size=self.cfg.block_size)
         by_request: dict[int, list[Sequence]] = {}
+        # The whole job is known: in token order, prompts that share a prefix run back to back
+        # (depth-first over the prompts' trie), so the shared blocks are computed once and are
+        # still cached when the next one arrives. Outputs keep the input order.
+        if self.cfg.schedule == "prefix":
+            requests = sorted(requests, key=lambda r: r.prompt_token_ids)
         for req in requests:
             if req.error is not None:
                 continue
@@ -156,6 +163,8 @@ class Engine:
             for s in out.scheduled:
                 stats.prefill_tokens_computed += self._prefill_tokens(s)
                 s.seq.num_computed_tokens += s.num_new_tokens
+                if s.num_new_tokens > 1:
+                    self.kv_manager.cache_progress(s.seq)  # later arrivals can hit it now
             if inputs.sample_seqs:
                 self._sample(inputs.sample_seqs, logits, stats, seen_first_token, on_finish)
             stats.record_step(
@@ -204,6 +213,7 @@ class Engine:
             if seq.request.index not in seen_first_token:
                 seen_first_token.add(seq.request.index)
                 stats.record_first_token()
+                stats.cached_prompt_tokens += seq.num_cached_tokens
             seq.token_ids.append(token)
             stats.generated_tokens += 1
             if result.logprobs[i] is not None:

@@ -6,8 +6,10 @@ Continuous batching with one token budget per step (max_num_batched_tokens):
    admitted sequence is preempted (recompute: its blocks go back, it returns to the front of the
    queue and later prefills its prompt and what it generated so far).
 2. Then waiting sequences are admitted in queue order while the budget, max_num_seqs and free
-   blocks allow; a prompt larger than the budget is prefilled in chunks over several steps, in the
-   same forward as the running decodes.
+   blocks allow; each first borrows its longest cached prefix from the KV cache manager and
+   computes only the rest. A prompt larger than the budget is prefilled in chunks over several
+   steps, in the same forward as the running decodes. A sequence that shares an uncached block
+   with one admitted in the same step waits one step, so that block is computed once and shared.
 The scheduler owns the queues; the KVCacheManager owns the blocks.
 """
 
@@ -85,6 +87,7 @@ class Scheduler:
             i += 1
 
         # Admitting while preempting would only thrash: the pool is already short this step.
+        admitted: list[Sequence] = []
         while (
             not out.preempted
             and self.waiting
@@ -92,20 +95,47 @@ class Scheduler:
             and budget > 0
         ):
             seq = self.waiting[0]
+            cached = self.kv.lend_prefix(seq)
             n = seq.num_uncomputed_tokens
-            if n > budget and not self.enable_chunked_prefill:
+            if (
+                self._waits_for_shared_prefix(seq, admitted)
+                or (n > budget and not self.enable_chunked_prefill)
+                or not self.kv.can_allocate(seq, min(n, budget))
+            ):
+                self.kv.free(seq, cache=False)  # give the lent prefix back; it stays queued
+                seq.num_computed_tokens = 0
                 break
             n = min(n, budget)
-            if not self.kv.can_allocate(seq, n):
-                break
             self.waiting.popleft()
+            if not seq.admitted_once:
+                seq.num_cached_tokens = cached
             seq.status = SeqStatus.RUNNING
             seq.admitted_once = True
             self.running.append(seq)
+            admitted.append(seq)
             out.copies += self.kv.allocate(seq, n)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+    def _waits_for_shared_prefix(self, seq: Sequence, admitted: list[Sequence]) -> bool:
+        """Whether seq shares at least one more full block with a sequence admitted this step
+        than the cache gave it: computing that block once, then hitting it next step, beats
+        computing it twice now."""
+        if self.kv.tree is None:
+            return False
+        bs = self.kv.block_size
+        limit = seq.num_tokens - 1  # the cache never covers the last prompt token
+        start = seq.num_computed_tokens
+        for other in admitted:
+            end = min(limit, other.num_tokens)
+            if (
+                start + bs <= end
+                and seq.token_ids[start : start + bs] == other.token_ids[start : start + bs]
+                and seq.token_ids[:start] == other.token_ids[:start]
+            ):
+                return True
+        return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

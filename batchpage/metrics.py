@@ -29,15 +29,20 @@ class RunStats:
     prefill_tokens_computed: int = 0
     cached_prompt_tokens: int = 0
     preemptions: int = 0
+    swaps: int = 0  # preemptions that moved K/V to host memory (preemption_mode=swap)
     peak_running: int = 0
+    peak_kv_blocks_used: int = 0
     steps: int = 0
     used_slot_steps: int = 0
     reserved_slot_steps: int = 0
     first_token_s: list[float] = field(default_factory=list)
 
-    def record_step(self, num_running: int, used_slots: int, reserved_slots: int) -> None:
+    def record_step(
+        self, num_running: int, used_slots: int, reserved_slots: int, blocks_used: int
+    ) -> None:
         self.steps += 1
         self.peak_running = max(self.peak_running, num_running)
+        self.peak_kv_blocks_used = max(self.peak_kv_blocks_used, blocks_used)
         self.used_slot_steps += used_slots
         self.reserved_slot_steps += reserved_slots
 
@@ -74,7 +79,9 @@ class RunStats:
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "prefix_hit_rate": self.prefix_hit_rate,
             "preemptions": self.preemptions,
+            "swaps": self.swaps,
             "peak_running": self.peak_running,
+            "peak_kv_blocks_used": self.peak_kv_blocks_used,
             "kv_blocks_total": self.kv_blocks_total,
             "kv_utilization": self.kv_utilization,
             "kv_waste": 1.0 - self.kv_utilization if self.reserved_slot_steps else 0.0,

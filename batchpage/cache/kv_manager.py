@@ -78,8 +78,12 @@ class KVCacheManager:
             and self.pool.refcount(table[-1]) > 1
         )
 
+    def _target_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        """The block table's length once the next num_new_tokens tokens have slots."""
+        return blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
+
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        total = self._target_blocks(seq, num_new_tokens)
         return max(0, total - len(seq.block_table)) + int(self._needs_cow(seq))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -100,8 +104,8 @@ class KVCacheManager:
             assert res.copy_from is not None
             copies.append(BlockCopy(src=res.copy_from, dst=res.block))
             seq.block_table[-1] = res.block
-        total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
-        seq.block_table.extend(self.pool.allocate(total - len(seq.block_table)))
+        total = self._target_blocks(seq, num_new_tokens)
+        seq.block_table.extend(self.pool.allocate(max(0, total - len(seq.block_table))))
         return copies
 
     def cache_progress(self, seq: Sequence) -> None:
@@ -156,3 +160,18 @@ class KVCacheManager:
         for b in range(self.pool.num_blocks):
             expected = held.get(b, 0) + int(self.tree is not None and self.tree.holds(b))
             assert self.pool.refcount(b) == expected, f"block {b}: reference leak"
+
+
+class StaticKVCacheManager(KVCacheManager):
+    """The baseline before PagedAttention: a sequence reserves slots for max_model_len tokens when
+    it is admitted and holds all of them until it finishes. No sharing, no prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        super().__init__(num_blocks, block_size, prefix_caching=False)
+        self.reserve = blocks_for(max_model_len, block_size)
+
+    def _target_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        return max(self.reserve, super()._target_blocks(seq, num_new_tokens))
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        raise ValueError("kv_allocator=static shares no blocks: samples run as separate sequences")

@@ -8,22 +8,25 @@ records the metrics.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from batchpage.cache.kv_cache import KVCache, bytes_per_block
-from batchpage.cache.kv_manager import KVCacheManager
+from batchpage.cache.kv_manager import KVCacheManager, StaticKVCacheManager
 from batchpage.config import EngineConfig, kv_cache_bytes
 from batchpage.engine.model_runner import ModelRunner, make_attention_backend
 from batchpage.engine.scheduler import ScheduledSeq, Scheduler
 from batchpage.engine.sequence import Request, Sequence
+from batchpage.engine.sequence_factory import SequenceFactory
 from batchpage.engine.step_inputs import build_step
-from batchpage.engine.stop_checker import StopChecker
 from batchpage.metrics import RunStats
 from batchpage.model.config import ModelConfig
 from batchpage.model.llama import LlamaForCausalLM
 from batchpage.model.tokenizer import Tokenizer
 from batchpage.sampler import sample
+
+OnFinish = Callable[[Sequence, RunStats], None]
 
 
 class PoolTooSmall(ValueError):
@@ -55,11 +58,14 @@ def plan_num_blocks(
     return num_blocks
 
 
-def sequence_seed(request_seed: int | None, engine_seed: int, index: int, sample: int) -> int:
-    """A request's randomness depends on its seed (or the engine seed and its position) and the
-    sample index only, never on what else runs in the batch."""
-    base = request_seed if request_seed is not None else engine_seed * 1_000_003 + index
-    return (base * 6_364_136_223_846_793_005 + sample * 1_442_695_040_888_963_407) % 2**63
+@dataclass
+class _Run:
+    """One run()'s bookkeeping."""
+
+    stats: RunStats
+    on_finish: OnFinish | None
+    by_request: dict[int, list[Sequence]] = field(default_factory=dict)
+    started: set[int] = field(default_factory=set)  # requests that produced a token
 
 
 class Engine:
@@ -75,7 +81,6 @@ class Engine:
         num_blocks: int,
     ) -> None:
         self.cfg = cfg
-        self.tokenizer = tokenizer
         self.device = device
         self.max_model_len = max_model_len
         kv = KVCache.allocate(
@@ -87,97 +92,77 @@ class Engine:
             dtype,
             device,
         )
-        self.kv_manager = KVCacheManager(
-            num_blocks, cfg.block_size, cfg.prefix_caching, cfg.eviction_policy
-        )
+        if cfg.kv_allocator == "static":
+            self.kv_manager: KVCacheManager = StaticKVCacheManager(
+                num_blocks, cfg.block_size, max_model_len
+            )
+        else:
+            self.kv_manager = KVCacheManager(
+                num_blocks, cfg.block_size, cfg.prefix_caching, cfg.eviction_policy
+            )
         self.runner = ModelRunner(model, kv, make_attention_backend(cfg.attention_backend, device))
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.batched_tokens(),
             enable_chunked_prefill=cfg.enable_chunked_prefill,
+            preemption_mode=cfg.preemption_mode,
         )
         self.eos_ids = tokenizer.eos_token_ids
-        self._next_seq_id = 0
+        self.factory = SequenceFactory(tokenizer, self.eos_ids, max_model_len, cfg.seed)
         # Tests set this to check every invariant after every step.
         self.check_integrity_each_step = False
 
-    def _make_sequences(self, req: Request) -> list[Sequence]:
-        seqs = []
-        for i in range(req.params.n):
-            gen = None
-            if not req.params.is_greedy:
-                gen = torch.Generator(device="cpu")
-                gen.manual_seed(sequence_seed(req.params.seed, self.cfg.seed, req.index, i))
-            seq = Sequence(
-                seq_id=self._next_seq_id,
-                request=req,
-                sample_index=i,
-                token_ids=list(req.prompt_token_ids),
-                generator=gen,
-                stop=StopChecker(
-                    self.tokenizer,
-                    req.params,
-                    self.eos_ids,
-                    prompt_len=len(req.prompt_token_ids),
-                    max_model_len=self.max_model_len,
-                    # A few prompt tokens as context keep the first output token's leading space.
-                    context_ids=req.prompt_token_ids[-4:],
-                ),
-            )
-            self._next_seq_id += 1
-            seqs.append(seq)
-        return seqs
-
     def run(
-        self,
-        requests: list[Request],
-        on_finish: Callable[[Sequence, RunStats], None] | None = None,
+        self, requests: list[Request], on_finish: OnFinish | None = None
     ) -> tuple[dict[int, list[Sequence]], RunStats]:
         """Runs every valid request to completion; returns its sequences by request index."""
-        stats = RunStats(kv_blocks_total=self.kv_manager.num_blocks, block_size=self.cfg.block_size)
-        by_request: dict[int, list[Sequence]] = {}
+        run = _Run(RunStats(self.kv_manager.num_blocks, self.cfg.block_size), on_finish)
+        stats = run.stats
         # The whole job is known: in token order, prompts that share a prefix run back to back
         # (depth-first over the prompts' trie), so the shared blocks are computed once and are
         # still cached when the next one arrives. Outputs keep the input order.
         if self.cfg.schedule == "prefix":
             requests = sorted(requests, key=lambda r: r.prompt_token_ids)
+        share = self.cfg.kv_allocator == "paged"
         for req in requests:
             if req.error is not None:
                 continue
-            seqs = self._make_sequences(req)
-            by_request[req.index] = seqs
+            seqs = self.factory.for_request(req, share_prompt=share)
+            run.by_request[req.index] = seqs
             stats.requests += 1
             stats.prompt_tokens += len(req.prompt_token_ids)
             for seq in seqs:
                 self.scheduler.add(seq)
-        seen_first_token: set[int] = set()
-        preemptions_before = self.scheduler.num_preemptions
+        before = (self.scheduler.num_preemptions, self.scheduler.num_swaps)
 
         while self.scheduler.has_unfinished():
             out = self.scheduler.schedule()
             if not out.scheduled:
                 raise RuntimeError("the scheduler could not run any sequence: this is a bug")
             inputs = build_step(out.scheduled, self.cfg.block_size, self.device)
-            logits = self.runner.execute(inputs, out.copies)
+            blocks_used = self.kv_manager.pool.num_used  # during the forward, before any frees
+            logits = self.runner.execute(inputs, out)
             for s in out.scheduled:
                 stats.prefill_tokens_computed += self._prefill_tokens(s)
                 s.seq.num_computed_tokens += s.num_new_tokens
                 if s.num_new_tokens > 1:
                     self.kv_manager.cache_progress(s.seq)  # later arrivals can hit it now
             if inputs.sample_seqs:
-                self._sample(inputs.sample_seqs, logits, stats, seen_first_token, on_finish)
+                self._sample(inputs.sample_seqs, logits, run)
+            running = self.scheduler.running
             stats.record_step(
-                num_running=len(self.scheduler.running),
-                used_slots=sum(s.num_computed_tokens for s in self.scheduler.running),
-                reserved_slots=sum(len(s.block_table) for s in self.scheduler.running)
-                * self.cfg.block_size,
+                num_running=len(running),
+                used_slots=sum(s.num_computed_tokens for s in running),
+                reserved_slots=sum(len(s.block_table) for s in running) * self.cfg.block_size,
+                blocks_used=blocks_used,
             )
             if self.check_integrity_each_step:
                 self.scheduler.check_integrity()
-        stats.preemptions = self.scheduler.num_preemptions - preemptions_before
+        stats.preemptions = self.scheduler.num_preemptions - before[0]
+        stats.swaps = self.scheduler.num_swaps - before[1]
         stats.finish()
-        return by_request, stats
+        return run.by_request, stats
 
     @staticmethod
     def _prefill_tokens(s: ScheduledSeq) -> int:
@@ -187,14 +172,29 @@ class Engine:
             return s.num_new_tokens
         return 0
 
-    def _sample(
-        self,
-        seqs: list[Sequence],
-        logits: torch.Tensor,
-        stats: RunStats,
-        seen_first_token: set[int],
-        on_finish: Callable[[Sequence, RunStats], None] | None,
-    ) -> None:
+    def _fork_samples(self, seqs: list[Sequence], run: _Run) -> tuple[list[Sequence], list[int]]:
+        """A parent whose prompt is now computed forks its other samples: they share its blocks
+        and sample their first token from its logits row. Returns every sampling sequence and
+        its logits row."""
+        rows = list(range(len(seqs)))
+        if not any(s.pending_forks for s in seqs):
+            return seqs, rows
+        all_seqs = list(seqs)
+        for row, parent in enumerate(seqs):
+            for index in parent.pending_forks:
+                child = self.factory.make(parent.request, index)
+                self.kv_manager.fork(parent, child)
+                self.scheduler.add_forked(child)
+                run.by_request[parent.request.index].append(child)
+                all_seqs.append(child)
+                rows.append(row)
+            parent.pending_forks = []
+        return all_seqs, rows
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, run: _Run) -> None:
+        seqs, rows = self._fork_samples(seqs, run)
+        if len(rows) != logits.shape[0]:
+            logits = logits[rows]
         params = [s.params for s in seqs]
         # Token histories cost a copy per row: build them only when a row's penalties read them.
         history = any(
@@ -209,9 +209,10 @@ class Engine:
             output_ids=[s.output_token_ids if history else () for s in seqs],
             eos_ids=[self.eos_ids] * len(seqs),
         )
+        stats = run.stats
         for i, (seq, token) in enumerate(zip(seqs, result.token_ids, strict=True)):
-            if seq.request.index not in seen_first_token:
-                seen_first_token.add(seq.request.index)
+            if seq.request.index not in run.started:
+                run.started.add(seq.request.index)
                 stats.record_first_token()
                 stats.cached_prompt_tokens += seq.num_cached_tokens
             seq.token_ids.append(token)
@@ -224,5 +225,5 @@ class Engine:
                 seq.stop_reason = decision.stop_reason
                 seq.text = seq.stop.text
                 self.scheduler.finish(seq)
-                if on_finish is not None:
-                    on_finish(seq, stats)
+                if run.on_finish is not None:
+                    run.on_finish(seq, stats)

@@ -1,5 +1,6 @@
-"""ModelRunner: executes one step: block copies, one forward over the flattened tokens, logits of
-the rows that sample. It holds the model, the KV pool tensors and the attention backend."""
+"""ModelRunner: executes one step: swaps and block copies, one forward over the flattened tokens,
+logits of the rows that sample. It holds the model, the KV pool tensors, the attention backend and
+the host copies of swapped-out sequences."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 from batchpage.attention.backend import AttentionBackend
 from batchpage.cache.kv_cache import KVCache
-from batchpage.cache.kv_manager import BlockCopy
+from batchpage.engine.scheduler import SchedulerOutput
 from batchpage.engine.step_inputs import StepInputs
 from batchpage.model.llama import LlamaForCausalLM
 
@@ -28,11 +29,17 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.attention = attention
+        self.swapped: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs, copies: list[BlockCopy]) -> torch.Tensor:
+    def execute(self, inputs: StepInputs, decision: SchedulerOutput) -> torch.Tensor:
         """Returns float32 logits [N, vocab] for inputs.sample_seqs, in that order."""
-        for c in copies:
+        # Order matters: a block swapped out this step may be handed out again this step.
+        for s in decision.swap_out:
+            self.swapped[s.seq_id] = self.kv.swap_out(s.blocks)
+        for s in decision.swap_in:
+            self.kv.swap_in(s.blocks, self.swapped.pop(s.seq_id))
+        for c in decision.copies:
             self.kv.copy_block(c.src, c.dst)
         hidden = self.model(
             inputs.input_ids, inputs.positions, inputs.meta, self.kv, self.attention

@@ -3,8 +3,9 @@
 Continuous batching with one token budget per step (max_num_batched_tokens):
 1. Running sequences first, oldest admission first: a decode takes one token, an unfinished
    prefill takes the next chunk that fits the budget. When blocks run out, the most recently
-   admitted sequence is preempted (recompute: its blocks go back, it returns to the front of the
-   queue and later prefills its prompt and what it generated so far).
+   admitted sequence is preempted: with "recompute" its blocks go back (its computed full blocks
+   stay in the prefix cache) and it later prefills its prompt and what it generated so far; with
+   "swap" its K/V is copied to host memory first and copied back when it is readmitted.
 2. Then waiting sequences are admitted in queue order while the budget, max_num_seqs and free
    blocks allow; each first borrows its longest cached prefix from the KV cache manager and
    computes only the rest. A prompt larger than the budget is prefilled in chunks over several
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from batchpage.cache.kv_manager import BlockCopy, KVCacheManager
+from batchpage.cache.kv_manager import BlockCopy, KVCacheManager, blocks_for
 from batchpage.engine.sequence import SeqStatus, Sequence
 
 
@@ -33,11 +34,22 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
+@dataclass(frozen=True)
+class Swap:
+    seq_id: int
+    blocks: list[int]  # the sequence's blocks, in block-table order
+
+
 @dataclass
 class SchedulerOutput:
+    """The step's decision. The runner applies swap_out, then swap_in, then copies, then runs
+    the forward: a block freed by a swap-out may be reused in this very step."""
+
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     copies: list[BlockCopy] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[Swap] = field(default_factory=list)
+    swap_in: list[Swap] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -51,17 +63,26 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        preemption_mode: str = "recompute",
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.preemption_mode = preemption_mode
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_swaps = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def add_forked(self, child: Sequence) -> None:
+        """A sample forked from a running sequence runs from the next step on."""
+        child.status = SeqStatus.RUNNING
+        child.admitted_once = True
+        self.running.append(child)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -75,8 +96,7 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.kv.can_allocate(seq, n):
                 victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
+                self._preempt(victim, out)
                 if victim is seq:
                     break
             if seq.status is not SeqStatus.RUNNING:
@@ -88,35 +108,56 @@ class Scheduler:
 
         # Admitting while preempting would only thrash: the pool is already short this step.
         admitted: list[Sequence] = []
-        while (
-            not out.preempted
-            and self.waiting
-            and len(self.running) < self.max_num_seqs
-            and budget > 0
-        ):
+        while not out.preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
-            cached = self.kv.lend_prefix(seq)
-            n = seq.num_uncomputed_tokens
-            if (
-                self._waits_for_shared_prefix(seq, admitted)
-                or (n > budget and not self.enable_chunked_prefill)
-                or not self.kv.can_allocate(seq, min(n, budget))
-            ):
-                self.kv.free(seq, cache=False)  # give the lent prefix back; it stays queued
-                seq.num_computed_tokens = 0
+            # Samples forked from seq after its prefill count against max_num_seqs now.
+            if len(self.running) + 1 + len(seq.pending_forks) > self.max_num_seqs:
                 break
-            n = min(n, budget)
+            if seq.swapped_tokens:
+                if not self._swap_in(seq, budget, out):
+                    break
+            elif not self._admit(seq, budget, admitted, out):
+                break
             self.waiting.popleft()
-            if not seq.admitted_once:
-                seq.num_cached_tokens = cached
             seq.status = SeqStatus.RUNNING
             seq.admitted_once = True
             self.running.append(seq)
             admitted.append(seq)
-            out.copies += self.kv.allocate(seq, n)
-            out.scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+            budget -= out.scheduled[-1].num_new_tokens
         return out
+
+    def _admit(
+        self, seq: Sequence, budget: int, admitted: list[Sequence], out: SchedulerOutput
+    ) -> bool:
+        cached = self.kv.lend_prefix(seq)
+        n = seq.num_uncomputed_tokens
+        if (
+            self._waits_for_shared_prefix(seq, admitted)
+            or (n > budget and not self.enable_chunked_prefill)
+            or not self.kv.can_allocate(seq, min(n, budget))
+        ):
+            self.kv.free(seq, cache=False)  # give the lent prefix back; it stays queued
+            seq.num_computed_tokens = 0
+            return False
+        if not seq.admitted_once:
+            seq.num_cached_tokens = cached
+        n = min(n, budget)
+        out.copies += self.kv.allocate(seq, n)
+        out.scheduled.append(ScheduledSeq(seq, n))
+        return True
+
+    def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
+        """Readmit a swapped-out sequence: fresh blocks for its saved K/V, then its next token."""
+        n = min(seq.num_tokens - seq.swapped_tokens, budget)
+        if blocks_for(seq.swapped_tokens + n, self.kv.block_size) > self.kv.num_free_blocks:
+            return False
+        seq.num_computed_tokens = 0
+        self.kv.allocate(seq, seq.swapped_tokens)
+        out.swap_in.append(Swap(seq.seq_id, list(seq.block_table)))
+        seq.num_computed_tokens, seq.swapped_tokens = seq.swapped_tokens, 0
+        out.copies += self.kv.allocate(seq, n)
+        out.scheduled.append(ScheduledSeq(seq, n))
+        return True
 
     def _waits_for_shared_prefix(self, seq: Sequence, admitted: list[Sequence]) -> bool:
         """Whether seq shares at least one more full block with a sequence admitted this step
@@ -137,11 +178,16 @@ class Scheduler:
                 return True
         return False
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        if self.preemption_mode == "swap" and seq.num_computed_tokens:
+            out.swap_out.append(Swap(seq.seq_id, list(seq.block_table)))
+            seq.swapped_tokens = seq.num_computed_tokens
+            self.num_swaps += 1
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
+        out.preempted.append(seq)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:

@@ -52,6 +52,10 @@ class Sequence:
     stop_reason: int | str | None = None
     text: str = ""
     logprobs: list[TopLogprobs] | None = None
+    # Tokens whose K/V waits in host memory after a swap-out preemption (0: none).
+    swapped_tokens: int = 0
+    # Sample indices still to fork from this sequence once its prompt is computed (n > 1).
+    pending_forks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

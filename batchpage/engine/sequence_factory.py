@@ -1,0 +1,62 @@
+"""Makes the sequences of a request: their ids, seeded generators and stop checkers."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+from batchpage.engine.sequence import Request, Sequence
+from batchpage.engine.stop_checker import StopChecker
+
+
+def sequence_seed(request_seed: int | None, engine_seed: int, index: int, sample: int) -> int:
+    """A sample's randomness depends on its request's seed (or the engine seed and the request's
+    position) and its sample index only, never on what else runs in the batch."""
+    base = request_seed if request_seed is not None else engine_seed * 1_000_003 + index
+    return (base * 6_364_136_223_846_793_005 + sample * 1_442_695_040_888_963_407) % 2**63
+
+
+class SequenceFactory:
+    def __init__(
+        self, tokenizer: object, eos_ids: Collection[int], max_model_len: int, seed: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.seed = seed
+        self._next_id = 0
+
+    def make(self, req: Request, sample_index: int) -> Sequence:
+        """A fresh sequence for one sample of req, holding its prompt and no blocks."""
+        gen = None
+        if not req.params.is_greedy:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(sequence_seed(req.params.seed, self.seed, req.index, sample_index))
+        seq = Sequence(
+            seq_id=self._next_id,
+            request=req,
+            sample_index=sample_index,
+            token_ids=list(req.prompt_token_ids),
+            generator=gen,
+            stop=StopChecker(
+                self.tokenizer,
+                req.params,
+                self.eos_ids,
+                prompt_len=len(req.prompt_token_ids),
+                max_model_len=self.max_model_len,
+                # A few prompt tokens as context keep the first output token's leading space.
+                context_ids=req.prompt_token_ids[-4:],
+            ),
+        )
+        self._next_id += 1
+        return seq
+
+    def for_request(self, req: Request, share_prompt: bool) -> list[Sequence]:
+        """With share_prompt, one sequence prefills the prompt and the other n - 1 samples are
+        forked from it when it is done (they share its blocks); otherwise n independent ones."""
+        if share_prompt and req.params.n > 1:
+            parent = self.make(req, 0)
+            parent.pending_forks = list(range(1, req.params.n))
+            return [parent]
+        return [self.make(req, i) for i in range(req.params.n)]

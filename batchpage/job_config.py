@@ -1,0 +1,101 @@
+"""The job's config schema: dataclasses registered in Hydra's ConfigStore.
+
+The groups mirror the Python API, so a value means the same thing in both places: `engine.*` are
+LLM(...) arguments (EngineConfig), `sampling.*` are SamplingParams fields, `dataset.*` is a
+DatasetSpec and `model.path` is what LLM(model=...) takes. Because every node is typed, a mistyped
+key or a wrong type fails while Hydra composes, before anything loads. YAML files under conf/
+carry values only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchpage.config import EngineConfig
+from batchpage.data import DatasetSpec
+from batchpage.sampling_params import SamplingParams
+
+# SamplingParams fields that the job does not expose: logprobs are not written to the output,
+# logit_bias has int keys and early_stopping is a bool-or-str union, which OmegaConf cannot type.
+SAMPLING_FIELDS_NOT_IN_JOB = frozenset(
+    {"logprobs", "prompt_logprobs", "logit_bias", "early_stopping"}
+)
+
+
+@dataclass
+class ModelSpec:
+    """A bundled name (smollm2), a Hugging Face model folder or a .gguf file."""
+
+    path: str = "smollm2"
+
+
+@dataclass
+class SamplingConfig:
+    """SamplingParams' simple fields, same names and defaults (tests check that they match).
+
+    seed is the job's base seed: row i samples with a seed derived from (seed, i), so a row's
+    completion does not depend on windows, batch order or resume. None: use engine.seed.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+
+    def to_params(self) -> SamplingParams:
+        """The validated SamplingParams (raises ValueError naming a bad field)."""
+        return SamplingParams(**dataclasses.asdict(self))
+
+
+@dataclass
+class JobConfig:
+    """One batch job: `python -m batchpage.run` composes this from conf/ and the command line."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    dataset: DatasetSpec = field(default_factory=DatasetSpec)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # None: Hydra's run folder (outputs/<date>/<time>); give a fixed folder to be able to resume.
+    output_dir: str | None = None
+    # Refuse nothing: delete results of another job found in output_dir and start over.
+    overwrite: bool = False
+    # Report rows, tokens, shared prefixes and KV blocks without loading weights or generating.
+    dry_run: bool = False
+    # Shards are written every flush_rows finished rows or flush_seconds, whichever comes first.
+    flush_rows: int = 256
+    flush_seconds: float = 30.0
+    progress: bool = True
+
+
+def register_configs() -> None:
+    """Register the schema as `job_schema` (conf/config.yaml lists it first in its defaults).
+
+    Called from main() rather than at import, so that importing this module has no side effect
+    on Hydra's global ConfigStore.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="job_schema", node=JobConfig)
+
+
+def to_plain(cfg: JobConfig) -> dict[str, Any]:
+    """The config as plain JSON-able data (for run.json and the job fingerprint)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,123 @@
+"""`python -m batchpage.run dataset=evals ...`: compose the config with Hydra, run the job.
+
+All the work is in batchpage.job; this file only turns Hydra's config into a JobConfig, picks the
+output folder and maps failures to exit codes: 0 done (some rows may carry an error), 1 every row
+failed or a crash, 2 a config problem found before the model loaded (message on stderr, no
+traceback), 130 interrupted (finished rows are kept; rerun into the same output_dir to resume).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from batchpage.job import JobConfigError, dry_run, run_job
+from batchpage.job_config import JobConfig, register_configs
+
+# conf/ sits next to the package in a source checkout; an installed wheel ships it inside.
+_SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"
+_MAX_NAME = 120  # file systems allow 255 bytes a name; leave room
+
+
+def config_dir() -> str:
+    return str(_SOURCE_CONF) if _SOURCE_CONF.is_dir() else "pkg://batchpage.conf"
+
+
+def output_dir_for(output_dir: str | None) -> str:
+    """None: Hydra's run folder. A given folder is used as is, except in a sweep (-m), where each
+    job gets a subfolder named after its overrides, so the jobs never share one output_dir."""
+    hc = HydraConfig.get()
+    if output_dir is None:
+        return hc.runtime.output_dir
+    if hc.mode == RunMode.MULTIRUN:
+        return str(Path(output_dir) / sweep_subdir(hc.job.override_dirname, hc.job.num))
+    return output_dir
+
+
+def sweep_subdir(override_dirname: str, num: int) -> str:
+    """Named after the job's overrides, so a rerun of the sweep resumes each job's own folder
+    even if the values are listed in another order; a long name is cut and given a hash."""
+    name = override_dirname.replace("/", "_") or f"job{num}"
+    if len(name) > _MAX_NAME:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+        name = f"{name[: _MAX_NAME - 13]}-{digest}"
+    return name
+
+
+def compose_job(overrides: Sequence[str] = ()) -> JobConfig:
+    """The JobConfig that `python -m batchpage.run <overrides>` would run, for scripts (jobs/)
+    and tests. output_dir stays None unless an override sets it. Raises Hydra's errors for an
+    unknown key or preset, and ValueError for a bad engine value."""
+    from hydra import compose, initialize_config_dir, initialize_config_module
+
+    register_configs()
+    where = config_dir()
+    init = (
+        initialize_config_module("batchpage.conf", version_base="1.3")
+        if where.startswith("pkg://")
+        else initialize_config_dir(config_dir=where, version_base="1.3")
+    )
+    with init:
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def _app(cfg: DictConfig) -> None:
+    try:
+        job: JobConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    except ValueError as e:  # EngineConfig checks its values when built
+        _fail(str(e))
+    job.output_dir = output_dir_for(job.output_dir)
+    try:
+        if job.dry_run:
+            _print_report(dry_run(job))
+            return
+        result = run_job(job)
+    except JobConfigError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        print(
+            f"\ninterrupted: finished rows are saved; rerun with output_dir={job.output_dir} "
+            "to resume",
+            file=sys.stderr,
+        )
+        sys.exit(130)
+    m = result.metrics
+    print(
+        f"{result.rows} rows ({result.rows_generated} generated, {result.rows_resumed} resumed, "
+        f"{result.errors} with errors) -> {result.output_dir / 'completions.parquet'}\n"
+        f"{m['generated_tokens']} tokens, {m['output_tokens_per_s']:.1f} tok/s, "
+        f"prefix hit rate {m['prefix_hit_rate']:.0%}, {m['elapsed_s']:.1f} s"
+    )
+    if result.rows and result.errors == result.rows:
+        print(f"every row failed; the first error: {result.first_error}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    width = max(map(len, report))
+    for key, value in report.items():
+        shown = f"{value:.1%}" if key.endswith("_rate") else f"{value:,}"
+        print(f"{key:<{width}}  {shown}")
+
+
+def main() -> None:
+    register_configs()
+    hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")(_app)()
+
+
+if __name__ == "__main__":
+    main()

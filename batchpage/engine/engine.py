@@ -15,6 +15,7 @@ import torch
 from batchpage.cache.kv_cache import KVCache, bytes_per_block
 from batchpage.cache.kv_manager import KVCacheManager, StaticKVCacheManager
 from batchpage.config import EngineConfig, kv_cache_bytes
+from batchpage.engine.beam_runner import BeamSearchRunner
 from batchpage.engine.model_runner import ModelRunner, make_attention_backend
 from batchpage.engine.scheduler import ScheduledSeq, Scheduler
 from batchpage.engine.sequence import Request, Sequence
@@ -125,13 +126,16 @@ class Engine:
         if self.cfg.schedule == "prefix":
             requests = sorted(requests, key=lambda r: r.prompt_token_ids)
         share = self.cfg.kv_allocator == "paged"
+        beams = [r for r in requests if r.error is None and r.params.use_beam_search]
         for req in requests:
             if req.error is not None:
                 continue
-            seqs = self.factory.for_request(req, share_prompt=share)
-            run.by_request[req.index] = seqs
             stats.requests += 1
             stats.prompt_tokens += len(req.prompt_token_ids)
+            if req.params.use_beam_search:
+                continue
+            seqs = self.factory.for_request(req, share_prompt=share)
+            run.by_request[req.index] = seqs
             for seq in seqs:
                 self.scheduler.add(seq)
         before = (self.scheduler.num_preemptions, self.scheduler.num_swaps)
@@ -159,6 +163,8 @@ class Engine:
             )
             if self.check_integrity_each_step:
                 self.scheduler.check_integrity()
+        if beams:
+            BeamSearchRunner(self).run(beams, run)
         stats.preemptions = self.scheduler.num_preemptions - before[0]
         stats.swaps = self.scheduler.num_swaps - before[1]
         stats.finish()

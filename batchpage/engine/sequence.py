@@ -52,6 +52,7 @@ class Sequence:
     stop_reason: int | str | None = None
     text: str = ""
     logprobs: list[TopLogprobs] | None = None
+    beam_score: float | None = None  # a beam-search result's length-penalised score
     # Tokens whose K/V waits in host memory after a swap-out preemption (0: none).
     swapped_tokens: int = 0
     # Sample indices still to fork from this sequence once its prompt is computed (n > 1).

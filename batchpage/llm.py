@@ -9,6 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from batchpage.config import EngineConfig
+from batchpage.engine.beam_runner import BeamSearchRunner
 from batchpage.engine.engine import Engine, plan_num_blocks
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.metrics import RunStats
@@ -117,7 +118,33 @@ class LLM:
             )
         elif any(t < 0 or t >= vocab for t in ids):
             error = f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}"
+        else:
+            error = self._check_params(params, len(ids))
         return Request(index, text, ids, params, error=error)
+
+    def _check_params(self, params: SamplingParams, prompt_len: int) -> str | None:
+        """What the engine's limits rule out for these params; None when they fit."""
+        try:
+            params.verify_vocab(self.model_config.vocab_size)
+        except ValueError as exc:
+            return str(exc)
+        max_seqs = self.config.max_num_seqs
+        width = params.effective_beam_width if params.use_beam_search else params.n
+        if width > max_seqs:
+            return f"n / beam_width {width} exceeds max_num_seqs={max_seqs}: raise max_num_seqs"
+        if params.use_beam_search:
+            engine = self.engine
+            max_len = self.max_model_len
+            if params.max_tokens is not None:
+                max_len = min(max_len, prompt_len + params.max_tokens)
+            need = BeamSearchRunner(engine).worst_case_blocks_for(params, max_len)
+            if need > engine.kv_manager.num_blocks:
+                return (
+                    f"beam search with beam_width {width} may need {need} KV blocks, the pool "
+                    f"has {engine.kv_manager.num_blocks}: raise kv_cache_memory or lower "
+                    "max_tokens or beam_width"
+                )
+        return None
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         bar = tqdm(total=len(requests), desc="requests", disable=not use_tqdm, dynamic_ncols=True)
@@ -177,6 +204,11 @@ def _request_output(req: Request, seqs: list[Sequence]) -> RequestOutput:
         error=req.error,
         num_cached_tokens=max((s.num_cached_tokens for s in seqs), default=0),
     )
+    first = min(seqs, key=lambda s: s.sample_index, default=None)
+    if first is not None and first.prompt_logprobs is not None:
+        out.prompt_logprobs = [
+            None if lp is None else _logprob_dict(lp) for lp in first.prompt_logprobs
+        ]
     for seq in sorted(seqs, key=lambda s: s.sample_index):
         out.outputs.append(
             CompletionOutput(

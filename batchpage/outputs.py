@@ -22,6 +22,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    # With SamplingParams.prompt_logprobs: None for the first token, then token id -> logprob.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None  # a bad request: why it got no completion
 
     @property

@@ -160,3 +160,25 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tmp_path: Path, tokenizer)
         assert key in stats
     assert stats["generated_tokens"] == 5 * 20 + 12
     assert 0.0 < stats["kv_utilization"] <= 1.0
+
+
+def test_limits_of_the_engine_are_row_errors(tmp_path: Path, tokenizer) -> None:
+    hf = build_hf_model("llama_gqa_tied", vocab_size=len(tokenizer))
+    folder = str(save_hf_folder(hf, tmp_path / "m", tokenizer))
+    llm = LLM(
+        model=folder, dtype="float32", max_model_len=64, max_num_seqs=4, kv_cache_memory=2**20
+    )
+    outs = llm.generate(
+        ["Hello", "Hello", "Hello", "Hello"],
+        [
+            SamplingParams(n=8, temperature=1.0),
+            SamplingParams(logit_bias={10**6: 1.0}),
+            SamplingParams(use_beam_search=True, beam_width=4, max_tokens=60, temperature=0),
+            SamplingParams(max_tokens=3, temperature=0),
+        ],
+        use_tqdm=False,
+    )
+    assert "max_num_seqs" in outs[0].error
+    assert "logit_bias" in outs[1].error
+    assert "KV blocks" in outs[2].error
+    assert outs[3].error is None and len(outs[3].outputs[0].token_ids) == 3

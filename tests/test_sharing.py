@@ -94,3 +94,41 @@ def test_static_allocator_reserves_max_model_len(folder: str) -> None:
     assert static.stats["peak_running"] == 2
     assert paged.stats["peak_running"] == 8
     assert static.stats["kv_waste"] > 0.5 > 0.25 > paged.stats["kv_waste"]
+
+
+def test_prompt_and_sample_logprobs_match_hf(tmp_path) -> None:
+    import torch
+
+    tok = tiny_tokenizer()
+    hf = build_hf_model("llama_bias_untied", vocab_size=len(tok))
+    folder = str(save_hf_folder(hf, tmp_path / "m", tok))
+    # A 16-token budget splits the 40-token prompt into chunks; prefix caching stays on.
+    llm = LLM(
+        model=folder,
+        dtype="float32",
+        block_size=4,
+        max_model_len=96,
+        kv_cache_memory=2**22,
+        max_num_batched_tokens=16,
+    )
+    ps = prompts(3, seed=6) + [[5] * 40]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
+    llm.generate([ps[-1]], params.replace(prompt_logprobs=None), use_tqdm=False)  # warm cache
+    outs = llm.generate(ps, params, use_tqdm=False)
+    for p, out in zip(ps, outs, strict=True):
+        ids = p + out.outputs[0].token_ids
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
+        for pos, entry in enumerate(out.prompt_logprobs[1:]):
+            token = p[pos + 1]
+            assert entry[token] == pytest.approx(ref[pos, token].item(), abs=1e-4)
+            top = ref[pos].topk(2).indices.tolist()
+            assert set(top) <= set(entry)
+        for k, entry in enumerate(out.outputs[0].logprobs):
+            pos = len(p) - 1 + k
+            token = out.outputs[0].token_ids[k]
+            assert entry[token] == pytest.approx(ref[pos, token].item(), abs=1e-4)
+            assert set(ref[pos].topk(3).indices.tolist()) <= set(entry)

@@ -20,6 +20,7 @@ from batchpage.engine.beam_search import BeamGroup
 from batchpage.engine.scheduler import ScheduledSeq, SchedulerOutput
 from batchpage.engine.sequence import Request, SeqStatus, Sequence
 from batchpage.engine.step_inputs import build_step
+from batchpage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from batchpage.engine.engine import Engine, _Run
@@ -39,9 +40,11 @@ class BeamSearchRunner:
         self.kv = engine.kv_manager
 
     def worst_case_blocks(self, req: Request) -> int:
-        width = req.params.effective_beam_width
-        length = self._max_len(req)
-        return width * (blocks_for(length, self.kv.block_size) + 1)
+        return self.worst_case_blocks_for(req.params, self._max_len(req))
+
+    def worst_case_blocks_for(self, params: SamplingParams, max_len: int) -> int:
+        """Every beam at max_len tokens, each with one block of its own copied on write."""
+        return params.effective_beam_width * (blocks_for(max_len, self.kv.block_size) + 1)
 
     def _max_len(self, req: Request) -> int:
         limit = self.engine.max_model_len
@@ -97,7 +100,7 @@ class BeamSearchRunner:
                 copies += self.kv.allocate(beam, n)
                 scheduled.append(ScheduledSeq(beam, n))
         inputs = build_step(scheduled, self.kv.block_size, self.engine.device)
-        logits = self.engine.runner.execute(inputs, SchedulerOutput(scheduled, copies))
+        logits, _ = self.engine.runner.execute(inputs, SchedulerOutput(scheduled, copies))
         stats = run.stats
         for s in scheduled:
             if s.num_new_tokens > 1:

@@ -20,12 +20,12 @@ from batchpage.engine.model_runner import ModelRunner, make_attention_backend
 from batchpage.engine.scheduler import ScheduledSeq, Scheduler
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.engine.sequence_factory import SequenceFactory
-from batchpage.engine.step_inputs import build_step
+from batchpage.engine.step_inputs import StepInputs, build_step
 from batchpage.metrics import RunStats
 from batchpage.model.config import ModelConfig
 from batchpage.model.llama import LlamaForCausalLM
 from batchpage.model.tokenizer import Tokenizer
-from batchpage.sampler import sample
+from batchpage.sampler import compute_logprobs, sample
 
 OnFinish = Callable[[Sequence, RunStats], None]
 
@@ -146,7 +146,9 @@ class Engine:
                 raise RuntimeError("the scheduler could not run any sequence: this is a bug")
             inputs = build_step(out.scheduled, self.cfg.block_size, self.device)
             blocks_used = self.kv_manager.pool.num_used  # during the forward, before any frees
-            logits = self.runner.execute(inputs, out)
+            logits, prompt_logits = self.runner.execute(inputs, out)
+            if prompt_logits is not None:
+                self._score_prompts(inputs, prompt_logits)
             for s in out.scheduled:
                 stats.prefill_tokens_computed += self._prefill_tokens(s)
                 s.seq.num_computed_tokens += s.num_new_tokens
@@ -177,6 +179,17 @@ class Engine:
         if s.num_new_tokens > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
             return s.num_new_tokens
         return 0
+
+    @staticmethod
+    def _score_prompts(inputs: StepInputs, logits: torch.Tensor) -> None:
+        targets = torch.tensor(inputs.prompt_targets)
+        wanted = [s.params.prompt_logprobs for s, n in inputs.prompt_owners for _ in range(n)]
+        scored = compute_logprobs(logits, targets, wanted)
+        row = 0
+        for seq, n in inputs.prompt_owners:
+            assert seq.prompt_logprobs is not None
+            seq.prompt_logprobs += scored[row : row + n]
+            row += n
 
     def _fork_samples(self, seqs: list[Sequence], run: _Run) -> tuple[list[Sequence], list[int]]:
         """A parent whose prompt is now computed forks its other samples: they share its blocks

@@ -32,8 +32,11 @@ class ModelRunner:
         self.swapped: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs, decision: SchedulerOutput) -> torch.Tensor:
-        """Returns float32 logits [N, vocab] for inputs.sample_seqs, in that order."""
+    def execute(
+        self, inputs: StepInputs, decision: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 logits [N, vocab] for inputs.sample_seqs, in that order, and [P, vocab] for
+        inputs.prompt_rows (None when no sequence asked for prompt logprobs)."""
         # Order matters: a block swapped out this step may be handed out again this step.
         for s in decision.swap_out:
             self.swapped[s.seq_id] = self.kv.swap_out(s.blocks)
@@ -44,4 +47,7 @@ class ModelRunner:
         hidden = self.model(
             inputs.input_ids, inputs.positions, inputs.meta, self.kv, self.attention
         )
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if not inputs.prompt_targets:
+            return logits, None
+        return logits, self.model.compute_logits(hidden[inputs.prompt_rows])

@@ -52,6 +52,8 @@ class Sequence:
     stop_reason: int | str | None = None
     text: str = ""
     logprobs: list[TopLogprobs] | None = None
+    # With params.prompt_logprobs: None for the first prompt token, then one entry per token.
+    prompt_logprobs: list[TopLogprobs | None] | None = None
     beam_score: float | None = None  # a beam-search result's length-penalised score
     # Tokens whose K/V waits in host memory after a swap-out preemption (0: none).
     swapped_tokens: int = 0

@@ -49,6 +49,8 @@ class SequenceFactory:
                 context_ids=req.prompt_token_ids[-4:],
             ),
         )
+        if req.params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first prompt token has nothing before it
         self._next_id += 1
         return seq
 

@@ -19,6 +19,10 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [N]: the last row of each sequence that samples
     sample_seqs: list[Sequence]  # the N sequences that sample, in row order
+    # Prompt logprobs: rows whose logits score the next prompt token, and who asked for them.
+    prompt_rows: torch.Tensor  # int64 [P]
+    prompt_targets: list[int]  # [P]: the prompt token each row scores
+    prompt_owners: list[tuple[Sequence, int]]  # (sequence, how many of the P rows are its)
 
 
 def build_step(
@@ -32,6 +36,9 @@ def build_step(
     tables: list[list[int]] = []
     logits_indices: list[int] = []
     sample_seqs: list[Sequence] = []
+    prompt_rows: list[int] = []
+    prompt_targets: list[int] = []
+    prompt_owners: list[tuple[Sequence, int]] = []
     for s in scheduled:
         seq, start = s.seq, s.seq.num_computed_tokens
         end = start + s.num_new_tokens
@@ -45,6 +52,16 @@ def build_step(
         if s.completes_prefill:
             logits_indices.append(query_start[-1] - 1)
             sample_seqs.append(seq)
+        if seq.prompt_logprobs is not None:
+            # Position p's logits score prompt token p + 1; positions already scored (before a
+            # recompute) are not scored again.
+            first = max(start, len(seq.prompt_logprobs) - 1)
+            last = min(end, seq.num_prompt_tokens - 1)
+            if first < last:
+                row0 = query_start[-2] - start
+                prompt_rows += range(row0 + first, row0 + last)
+                prompt_targets += seq.token_ids[first + 1 : last + 1]
+                prompt_owners.append((seq, last - first))
 
     width = max((len(t) for t in tables), default=0)
     padded = [t + [0] * (width - len(t)) for t in tables]
@@ -67,4 +84,7 @@ def build_step(
         meta=meta,
         logits_indices=as_tensor(logits_indices, torch.long),
         sample_seqs=sample_seqs,
+        prompt_rows=as_tensor(prompt_rows, torch.long),
+        prompt_targets=prompt_targets,
+        prompt_owners=prompt_owners,
     )

@@ -165,9 +165,11 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tmp_path: Path, tokenizer)
 def test_limits_of_the_engine_are_row_errors(tmp_path: Path, tokenizer) -> None:
     hf = build_hf_model("llama_gqa_tied", vocab_size=len(tokenizer))
     folder = str(save_hf_folder(hf, tmp_path / "m", tokenizer))
+    # 8 blocks of 16 tokens (8 KiB each): one max_model_len sequence fits, four beams do not.
     llm = LLM(
-        model=folder, dtype="float32", max_model_len=64, max_num_seqs=4, kv_cache_memory=2**20
+        model=folder, dtype="float32", max_model_len=64, max_num_seqs=4, kv_cache_memory=2**16
     )
+    assert llm.engine.kv_manager.num_blocks == 8
     outs = llm.generate(
         ["Hello", "Hello", "Hello", "Hello"],
         [

@@ -19,8 +19,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from batchpage.job import JobConfigError, dry_run, run_job
+from batchpage.job import JobConfigError, run_job
 from batchpage.job_config import JobConfig, register_configs
+from batchpage.job_dry_run import dry_run
 
 # conf/ sits next to the package in a source checkout; an installed wheel ships it inside.
 _SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"

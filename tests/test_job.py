@@ -17,20 +17,14 @@ from model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 from batchpage import LLM
 from batchpage.config import EngineConfig
 from batchpage.data import DatasetSpec
-from batchpage.job import (
-    JobConfigError,
-    StatsTotal,
-    dry_run,
-    pack_tokens,
-    run_job,
-    shared_prefix_stats,
-)
+from batchpage.job import JobConfigError, StatsTotal, run_job
 from batchpage.job_config import (
     SAMPLING_FIELDS_NOT_IN_JOB,
     JobConfig,
     ModelSpec,
     SamplingConfig,
 )
+from batchpage.job_dry_run import dry_run, pack_tokens, shared_prefix_stats
 from batchpage.sampling_params import SamplingParams
 
 # What a clean rerun may legitimately change: cached_tokens depends on what ran alongside.
@@ -283,3 +277,25 @@ def test_sampling_config_mirrors_sampling_params() -> None:
     assert set(theirs) - set(ours) == SAMPLING_FIELDS_NOT_IN_JOB
     assert {k: theirs[k] for k in ours} == ours
     assert SamplingConfig(temperature=0.5, stop=["\n"]).to_params().stop == ["\n"]
+
+
+def test_dry_run_block_sharing_equals_a_radix_tree() -> None:
+    """The dry run's shared-block count is what the engine's radix cache would lend."""
+    from batchpage.cache.block_pool import BlockPool
+    from batchpage.cache.radix_cache import RadixCache
+
+    rng = random.Random(1)
+    stems = [[rng.randrange(5) for _ in range(rng.randrange(4, 30))] for _ in range(5)]
+    lists = [rng.choice(stems)[: rng.randrange(30)] + [rng.randrange(5)] for _ in range(60)]
+    for bs in (1, 2, 4):
+        pool = BlockPool(sum(len(x) // bs for x in lists) + 1)
+        tree = RadixCache(pool, bs)
+        for x in lists:
+            full = len(x) // bs
+            own = pool.allocate(full)
+            tree.insert(x[: full * bs], own)
+            pool.release(own)
+        tree.check_integrity()
+        total_full = sum(len(x) // bs for x in lists)
+        got = shared_prefix_stats([pack_tokens(x) for x in lists], block_size=bs)
+        assert got.shared_blocks == total_full - tree.cached_blocks

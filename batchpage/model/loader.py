@@ -125,8 +125,17 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, source.config, device)
     if source.kind == "hf":
         net, config = load_hf_model(source.path, torch_dtype, device, max_positions)
-        tokenizer = Tokenizer.from_hf_folder(source.path, config.eos_token_ids)
     else:
         net, config = load_gguf_model(source.path, torch_dtype, device, max_positions)
-        tokenizer = Tokenizer.from_gguf(source.path, config.eos_token_ids)
-    return LoadedModel(net, tokenizer, config, source)
+    return LoadedModel(net, load_tokenizer(source, config.eos_token_ids), config, source)
+
+
+def load_tokenizer(
+    model: str | ModelSource, eos_token_ids: tuple[int, ...] | None = None
+) -> Tokenizer:
+    """The model's tokenizer alone, without its weights (dry runs, benchmarks' prompt prep)."""
+    source = model if isinstance(model, ModelSource) else resolve_model_source(model)
+    eos = source.config.eos_token_ids if eos_token_ids is None else eos_token_ids
+    if source.kind == "hf":
+        return Tokenizer.from_hf_folder(source.path, eos)
+    return Tokenizer.from_gguf(source.path, eos)

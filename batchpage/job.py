@@ -311,17 +311,15 @@ def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
             writer.add_many(failed)  # written now: a bad row never waits for the window
             bar.update(len(failed))
             if ready:
-                prompts, params = [p.prompt for p in ready], [p.params for p in ready]
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                writer.add_many(
-                    to_result(p, o, plan.params.n) for p, o in zip(ready, outs, strict=True)
+                progress = _Progress(bar, total, writer, ready, plan.params.n)
+                llm.generate(
+                    [p.prompt for p in ready],
+                    [p.params for p in ready],
+                    use_tqdm=False,
+                    on_output=progress.saved,
                 )
                 total.add(llm.stats)
                 generated += len(ready)
-                bar.update(len(ready))
-                bar.set_postfix(
-                    tok_s=f"{total.tokens_per_s:.1f}", hit=f"{total.prefix_hit_rate:.0%}"
-                )
     final = finalize(out, rows)
     metrics = {
         **total.as_dict(time.perf_counter() - started),
@@ -335,6 +333,36 @@ def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
         write_run_json(out, _run_config(cfg, plan), metrics)
     first_error = _first_error(final.path) if final.errors else None
     return JobResult(out, rows, resumed, generated, final.errors, first_error, metrics)
+
+
+class _Progress:
+    """Saves a window's rows the moment each finishes (a kill loses rows in flight only) and
+    keeps the bar's rate and hit rate live."""
+
+    def __init__(
+        self, bar: tqdm, total: StatsTotal, writer: ShardWriter, ready: list[Prepared], n: int
+    ) -> None:
+        self.bar, self.total, self.writer, self.ready, self.n = bar, total, writer, ready, n
+        self.start = time.perf_counter()
+        self.tokens = self.prompt = self.cached = 0
+
+    def saved(self, out: RequestOutput, index: int) -> None:
+        self.writer.add(to_result(self.ready[index], out, self.n))
+        self.writer.maybe_flush()
+        self.tokens += sum(len(c.token_ids) for c in out.outputs)
+        self.prompt += len(out.prompt_token_ids)
+        self.cached += out.num_cached_tokens
+        sums = self.total.sums
+        elapsed = self.total.generate_s + time.perf_counter() - self.start
+        tokens = sums["generated_tokens"] + self.tokens
+        prompt = sums["prompt_tokens"] + self.prompt
+        cached = sums["cached_prompt_tokens"] + self.cached
+        self.bar.update(1)
+        self.bar.set_postfix(
+            tok_s=f"{tokens / max(elapsed, 1e-9):.1f}",
+            hit=f"{cached / max(prompt, 1):.0%}",
+            refresh=False,
+        )
 
 
 def _make_llm(cfg: JobConfig, factory: LLMFactory | None) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import asdict
 from typing import Any
@@ -19,6 +20,7 @@ from batchpage.sampler import TopLogprobs
 from batchpage.sampling_params import SamplingParams
 
 PromptType = str | list[int]
+OnOutput = Callable[[RequestOutput, int], None]  # (a finished request's output, its index)
 
 
 class LLM:
@@ -65,14 +67,17 @@ class LLM:
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        on_output: OnOutput | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in input order. A bad prompt gets an output with `error` set
-        and no completion; the others still run."""
+        and no completion; the others still run. `on_output(output, index)` is called as each
+        request finishes (in completion order), so a caller can save results while the batch
+        still runs."""
         items = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(items))
         pairs = enumerate(zip(items, params, strict=True))
         requests = [self._make_request(i, p, sp) for i, (p, sp) in pairs]
-        return self._run(requests, use_tqdm)
+        return self._run(requests, use_tqdm, on_output)
 
     def chat(
         self,
@@ -80,6 +85,7 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        on_output: OnOutput | None = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -94,7 +100,7 @@ class LLM:
                 requests.append(Request(i, None, [], sp, error=f"chat template failed: {exc}"))
                 continue
             requests.append(self._make_request(i, ids, sp))
-        return self._run(requests, use_tqdm)
+        return self._run(requests, use_tqdm, on_output)
 
     def _make_request(self, index: int, prompt: Any, params: SamplingParams) -> Request:
         text = prompt if isinstance(prompt, str) else None
@@ -146,27 +152,37 @@ class LLM:
                 )
         return None
 
-    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, requests: list[Request], use_tqdm: bool, on_output: OnOutput | None
+    ) -> list[RequestOutput]:
         bar = tqdm(total=len(requests), desc="requests", disable=not use_tqdm, dynamic_ncols=True)
-        bar.update(sum(r.error is not None for r in requests))
-        remaining = {r.index: r.params.n for r in requests if r.error is None}
+        done: dict[int, list[Sequence]] = {r.index: [] for r in requests if r.error is None}
+        for r in requests:
+            if r.error is not None:
+                bar.update(1)
+                if on_output is not None:
+                    on_output(_request_output(r, []), r.index)
 
         def on_finish(seq: Sequence, stats: RunStats) -> None:
-            remaining[seq.request.index] -= 1
-            if remaining[seq.request.index] == 0:
-                bar.update(1)
-                bar.set_postfix(
-                    tok_s=f"{stats.generated_tokens / max(stats.elapsed_s, 1e-9):.1f}",
-                    hit=f"{stats.prefix_hit_rate:.0%}",
-                    refresh=False,
-                )
+            seqs = done[seq.request.index]
+            seqs.append(seq)
+            if len(seqs) < seq.params.n:
+                return
+            bar.update(1)
+            bar.set_postfix(
+                tok_s=f"{stats.generated_tokens / max(stats.elapsed_s, 1e-9):.1f}",
+                hit=f"{stats.prefix_hit_rate:.0%}",
+                refresh=False,
+            )
+            if on_output is not None:
+                on_output(_request_output(seq.request, seqs), seq.request.index)
 
         try:
-            by_request, stats = self.engine.run(requests, on_finish)
+            _, stats = self.engine.run(requests, on_finish)
         finally:
             bar.close()
         self.stats = stats.as_dict()
-        return [_request_output(r, by_request.get(r.index, [])) for r in requests]
+        return [_request_output(r, done.get(r.index, [])) for r in requests]
 
     def engine_config(self) -> dict[str, Any]:
         return asdict(self.config)

@@ -76,9 +76,9 @@ class Spy:
         llm = LLM(model, **engine)
         generate = llm.generate
 
-        def counting(prompts: list, params: Any = None, use_tqdm: bool = True) -> list:
+        def counting(prompts: list, params: Any = None, **kwargs: Any) -> list:
             self.prompts += len(prompts)
-            return generate(prompts, params, use_tqdm=use_tqdm)
+            return generate(prompts, params, **kwargs)
 
         llm.generate = counting  # type: ignore[method-assign]
         return llm

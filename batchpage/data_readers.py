@@ -168,6 +168,9 @@ def _open_text(path: Path) -> TextIO:
 
 
 def _peek_jsonl(path: Path) -> list[str]:
+    """The union of the keys of the first records, in order of appearance: a column that is
+    absent from early records (an optional per-row override) still counts."""
+    keys: dict[str, None] = {}
     with _open_text(path) as fp:
         for i, line in enumerate(fp):
             if i >= _JSONL_PEEK_LINES:
@@ -177,7 +180,9 @@ def _peek_jsonl(path: Path) -> list[str]:
             except json.JSONDecodeError:
                 continue
             if isinstance(obj, dict):
-                return list(obj)
+                keys.update(dict.fromkeys(obj))
+    if keys:
+        return list(keys)
     raise DatasetError(
         f"no JSON object in the first {_JSONL_PEEK_LINES} lines of {path}; "
         "expected JSON lines (one object per line)"

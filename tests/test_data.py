@@ -388,3 +388,11 @@ def test_json_array_stream_survives_truncation(items: list[dict], cut: float, ch
     assert got == items[: len(got)]  # a prefix of whole items, never a broken one
     if cut == 1:
         assert got == items
+
+
+def test_jsonl_override_column_that_appears_late_still_counts(tmp_path) -> None:
+    path = tmp_path / "late.jsonl"
+    lines = [{"prompt": "a"}, {"prompt": "b", "temperature": 0.5}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rows = list(iter_rows(DatasetSpec(path=str(path))))
+    assert [r.overrides for r in rows] == [{}, {"temperature": 0.5}]

@@ -315,3 +315,148 @@ def _looks_numeric(cell: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+# --- helpers for the prefix-cache and KV-allocation benchmarks ---------------------------------
+
+
+def log(message: str) -> None:
+    """Progress on stderr, so stdout stays the clean Markdown report."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def args_json(args: Any) -> dict[str, Any]:
+    """An argparse Namespace as JSON-ready values (paths as strings)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
+def sharegpt_records(seed: int = 0) -> list[tuple[str, str, str]]:
+    """(id, first-turn prompt, first reply) of every ShareGPT row with both, in a seeded order."""
+    import pyarrow.parquet as pq
+
+    from batchpage.presets import resolve_preset
+
+    table = pq.read_table(resolve_preset("sharegpt").path, columns=["id", "prompt", "reply"])
+    ids, prompts, replies = (table.column(c).to_pylist() for c in ("id", "prompt", "reply"))
+    rows = [(str(i), p, r) for i, p, r in zip(ids, prompts, replies, strict=True) if p and r]
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def short_sharegpt_questions(
+    tokenizer: ChatTokenizer, n: int, seed: int = 0, max_tokens: int = 48, min_tokens: int = 4
+) -> list[str]:
+    """n distinct ShareGPT first-turn prompts of min_tokens..max_tokens tokens (plain encoding):
+    the short, distinct user turns that follow a shared system prompt or document."""
+    picked: list[str] = []
+    seen: set[str] = set()
+    for _, prompt, _ in sharegpt_records(seed):
+        text = prompt.strip()
+        if text in seen:
+            continue
+        if min_tokens <= len(tokenizer.encode(text, add_special_tokens=False)) <= max_tokens:
+            picked.append(text)
+            seen.add(text)
+            if len(picked) == n:
+                return picked
+    raise ValueError(f"only {len(picked)} ShareGPT prompts have {min_tokens}..{max_tokens} tokens")
+
+
+def text_of_tokens(tokenizer: Any, text: str, num_tokens: int) -> str:
+    """The start of `text` cut to num_tokens tokens (plain encoding), as text again."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) < num_tokens:
+        raise ValueError(f"the text has only {len(ids)} tokens, {num_tokens} asked for")
+    return tokenizer.decode(ids[:num_tokens])
+
+
+def common_prefix_len(sequences: Sequence[Sequence[int]]) -> int:
+    """Length of the longest prefix that every sequence starts with."""
+    if not sequences:
+        return 0
+    first = sequences[0]
+    n = min(len(s) for s in sequences)
+    for i in range(n):
+        if any(s[i] != first[i] for s in sequences):
+            return i
+    return n
+
+
+def kv_bytes_per_token(cfg: Any, dtype: torch.dtype = torch.float32) -> int:
+    """K and V of one token over all layers (batchpage's ModelConfig): kv_cache_memory for a pool
+    of T tokens is T times this."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def warm_up_llm(llm: Any) -> None:
+    """Two short plain-text requests, so one-time costs (allocator, first kernels, thread pools)
+    stay out of the timing. Plain text without a chat template shares no block-sized prefix with
+    the templated workloads, so nothing it caches can be hit by a timed run."""
+    from batchpage import SamplingParams
+
+    texts = ("Warm-up: count from one to ten.", "Another warm-up line about the weather.")
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate([llm.tokenizer.encode(t) for t in texts], params, use_tqdm=False)
+
+
+@dataclass
+class GenerateRun:
+    """One timed llm.generate call: wall seconds around the whole call, the engine's stats of
+    that call, and each request's completions as token ids."""
+
+    label: str
+    wall_s: float
+    stats: dict[str, Any]
+    outputs: list[list[list[int]]]  # [request][sample] -> token ids
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(ids) for samples in self.outputs for ids in samples)
+
+    @property
+    def generated_tok_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s else 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "wall_s": self.wall_s,
+            "generated_tokens": self.generated_tokens,
+            "generated_tok_s": self.generated_tok_s,
+            "engine_stats": self.stats,
+        }
+
+
+def timed_generate(llm: Any, prompts: list[list[int]], params: Any, label: str) -> GenerateRun:
+    """Run and time one generate call; a request that failed raises, since a benchmark over
+    partly failed requests would measure the wrong work."""
+    outs, seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    for i, out in enumerate(outs):
+        if out.error or not out.outputs:
+            raise RuntimeError(f"{label}: request {i} failed: {out.error}")
+    outputs = [[list(c.token_ids) for c in out.outputs] for out in outs]
+    return GenerateRun(label, seconds, dict(llm.stats), outputs)
+
+
+def same_outputs(a: GenerateRun, b: GenerateRun) -> tuple[int, int]:
+    """(requests whose completions are identical in both runs, requests compared). A greedy
+    mismatch can be a float near-tie flipped by a different batch, not necessarily a bug."""
+    pairs = list(zip(a.outputs, b.outputs, strict=True))
+    return sum(x == y for x, y in pairs), len(pairs)
+
+
+def load_tokenizer(model: str) -> Any:
+    """The model's tokenizer without its weights (batchpage's Tokenizer, as the engine builds
+    it), so that workloads exist before any engine loads."""
+    from batchpage.model.loader import resolve_model_source
+    from batchpage.model.tokenizer import Tokenizer
+
+    source = resolve_model_source(model)
+    if source.kind == "hf":
+        return Tokenizer.from_hf_folder(source.path, source.config.eos_token_ids)
+    return Tokenizer.from_gguf(source.path, source.config.eos_token_ids)

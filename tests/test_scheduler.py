@@ -35,7 +35,7 @@ def make_seq(i: int, prompt_len: int) -> Sequence:
     )  # type: ignore[arg-type]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30)), min_size=1, max_size=12),
     block_size=st.sampled_from([1, 4, 16]),
@@ -45,16 +45,27 @@ def make_seq(i: int, prompt_len: int) -> Sequence:
     chunked=st.booleans(),
     prefix_caching=st.booleans(),
     policy=st.sampled_from(["lru", "lfu", "fifo"]),
+    preemption=st.sampled_from(["recompute", "swap"]),
 )
 def test_random_workload_finishes_without_leaks(
-    lengths, block_size, spare_blocks, max_num_seqs, budget, chunked, prefix_caching, policy
+    lengths,
+    block_size,
+    spare_blocks,
+    max_num_seqs,
+    budget,
+    chunked,
+    prefix_caching,
+    policy,
+    preemption,
 ):
     max_len = max(p + o for p, o in lengths)
     if not chunked:
         budget = max(budget, max_len)
     num_blocks = blocks_for(max_len, block_size) + spare_blocks
     kv = KVCacheManager(num_blocks, block_size, prefix_caching, policy)
-    sched = Scheduler(kv, max_num_seqs, budget, enable_chunked_prefill=chunked)
+    sched = Scheduler(
+        kv, max_num_seqs, budget, enable_chunked_prefill=chunked, preemption_mode=preemption
+    )
     seqs = [make_seq(i, p) for i, (p, _) in enumerate(lengths)]
     targets = {s.seq_id: o for s, (_, o) in zip(seqs, lengths, strict=True)}
     for s in seqs:

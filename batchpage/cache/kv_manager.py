@@ -62,8 +62,13 @@ class KVCacheManager:
         if self.tree is None or seq.params.prompt_logprobs is not None:
             return 0  # prompt logprobs need the logits of every prompt position
         m = self.tree.match_prefix(seq.token_ids, max_tokens=seq.num_tokens - 1)
-        self.tree.lock(m.node)
-        self._locked[seq.seq_id] = m.node
+        node = m.node
+        if m.num_tokens:
+            # A match may end inside a node; re-inserting the matched prefix (it adopts nothing)
+            # splits it there, so the lock pins exactly the blocks this sequence uses.
+            node = self.tree.insert(seq.token_ids[: m.num_tokens], m.blocks).node
+        self.tree.lock(node)
+        self._locked[seq.seq_id] = node
         self.pool.share(m.blocks)
         seq.block_table = list(m.blocks)
         seq.num_computed_tokens = m.num_tokens

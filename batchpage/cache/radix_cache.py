@@ -152,7 +152,8 @@ class RadixCache:
         return PrefixMatch(blocks, num_tokens, path[-1][0] if path else self.root)
 
     def insert(self, token_ids: Sequence[int], blocks: Sequence[int]) -> InsertResult:
-        """Cache whole blocks: blocks[i] holds tokens [i*bs, (i+1)*bs) of token_ids.
+        """Cache whole blocks: blocks[i] holds tokens [i*bs, (i+1)*bs) of token_ids. The result's
+        node ends exactly at len(token_ids) (a node is split there if needed).
 
         The leading part already in the tree adopts nothing: the caller keeps its own references
         there. The tree takes one new reference (pool.share) to each block of the new part. The
@@ -173,8 +174,10 @@ class RadixCache:
         now = self._tick()
         node = self.root
         for child, n in path:
-            if n < len(child.blocks) and new_blocks:
-                child = self._split(child, n)  # the new branch hangs at a block boundary
+            if n < len(child.blocks):
+                # Split at the end of what was inserted: a new branch hangs at a block boundary,
+                # and the returned node covers exactly token_ids, so locking it pins no more.
+                child = self._split(child, n)
             child.last_access = now
             node = child
         if new_blocks:

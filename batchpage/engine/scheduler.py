@@ -106,9 +106,10 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Admitting while preempting would only thrash: the pool is already short this step.
+        # Admitting while preempting would only thrash: the pool is already short this step. But
+        # when preemption left nothing to run, the queue's head (perhaps the victim) goes next.
         admitted: list[Sequence] = []
-        while not out.preempted and self.waiting and budget > 0:
+        while (not out.preempted or not out.scheduled) and self.waiting and budget > 0:
             seq = self.waiting[0]
             # Samples forked from seq after its prefill count against max_num_seqs now.
             if len(self.running) + 1 + len(seq.pending_forks) > self.max_num_seqs:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batchpage.attention.metadata import AttentionMetadata
-from batchpage.attention.torch_backend import TorchPagedAttention
+from batchpage.attention.torch_backend import TorchPagedAttention, length_groups, plan_parts
 from batchpage.cache.kv_cache import KVCache
 
 
@@ -28,14 +28,18 @@ def dense_reference(q, k, v, n_new, scale):
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
-@pytest.mark.parametrize("query_lens", [(1, 1, 1), (5, 1, 9, 1), (17,)])
+@pytest.mark.parametrize(
+    "query_lens", [(1, 1, 1), (5, 1, 9, 1), (17,), (1,) * 24], ids=["3d", "mixed", "pf", "24d"]
+)
 def test_paged_matches_dense(block_size, heads, query_lens):
     torch.manual_seed(0)
     num_heads, num_kv_heads = heads
-    head_dim, num_blocks = 8, 64
+    head_dim, num_blocks = 8, 2048
     kv = KVCache.allocate(1, num_blocks, block_size, num_kv_heads, head_dim, torch.float32, "cpu")
     perm = torch.randperm(num_blocks).tolist()  # shuffled, non-contiguous tables
-    cached = [torch.randint(0, 2 * block_size + 3, ()).item() for _ in query_lens]
+    # Context lengths spread from a few tokens to ~40 blocks: decode rows fall into several
+    # length groups.
+    cached = [int(torch.randint(0, 40 * block_size, ()).item() ** 0.5 * 6) for _ in query_lens]
     seq_lens = [c + n for c, n in zip(cached, query_lens, strict=True)]
     tables, full_k, full_v, slots = [], [], [], []
     for c, length in zip(cached, seq_lens, strict=True):
@@ -74,3 +78,74 @@ def test_paged_matches_dense(block_size, heads, query_lens):
         s = qsl[b].item()
         ref = dense_reference(q[s : s + n], full_k[b], full_v[b], n, scale)
         torch.testing.assert_close(out[s : s + n], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_length_groups_cover_every_sequence_once() -> None:
+    lens = tuple(int(x) for x in torch.randint(1, 3000, (100,)))
+    seqs = list(range(0, 100, 2))
+    groups = length_groups(seqs, lens)
+    assert sorted(b for g in groups for b in g) == seqs
+    assert len(groups) > 1
+    for g in groups:
+        assert [lens[b] for b in g] == sorted((lens[b] for b in g), reverse=True)
+        padded, held = len(g) * lens[g[0]], sum(lens[b] for b in g)
+        assert len(g) <= 8 or padded <= 1.25 * held
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("shared_tokens", [0, 5, 64])
+def test_decode_over_shared_prefix_blocks(block_size: int, shared_tokens: int) -> None:
+    """Decodes whose tables start with the same blocks (a cached system prompt): the cascade
+    path reads them once, and must match dense attention over each full context."""
+    torch.manual_seed(1)
+    num_heads, num_kv_heads, head_dim, num_blocks = 6, 2, 8, 512
+    kv = KVCache.allocate(1, num_blocks, block_size, num_kv_heads, head_dim, torch.float32, "cpu")
+    flat_k = kv.k[0].view(-1, num_kv_heads, head_dim)
+    flat_v = kv.v[0].view(-1, num_kv_heads, head_dim)
+    free = torch.randperm(num_blocks).tolist()
+    shared_blocks = [free.pop() for _ in range(shared_tokens // block_size)]
+    shared = len(shared_blocks) * block_size
+    shared_k = torch.randn(shared, num_kv_heads, head_dim)
+    shared_v = torch.randn(shared, num_kv_heads, head_dim)
+    for pos in range(shared):
+        slot = shared_blocks[pos // block_size] * block_size + pos % block_size
+        flat_k[slot], flat_v[slot] = shared_k[pos], shared_v[pos]
+    seqs = 10
+    own_lens = [int(x) for x in torch.randint(1, 3 * block_size + 2, (seqs,))]
+    tables, full_k, full_v, slots = [], [], [], []
+    for own in own_lens:
+        length = shared + own
+        table = shared_blocks + [
+            free.pop() for _ in range(-(-length // block_size) - len(shared_blocks))
+        ]
+        k = torch.cat([shared_k, torch.randn(own, num_kv_heads, head_dim)])
+        v = torch.cat([shared_v, torch.randn(own, num_kv_heads, head_dim)])
+        for pos in range(shared, length):
+            slot = table[pos // block_size] * block_size + pos % block_size
+            if pos < length - 1:
+                flat_k[slot], flat_v[slot] = k[pos], v[pos]
+            else:
+                slots.append(slot)  # the decode token's K/V arrives with the step
+        tables.append(table)
+        full_k.append(k)
+        full_v.append(v)
+    width = max(len(t) for t in tables)
+    seq_lens = [shared + own for own in own_lens]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        query_start_loc=torch.arange(seqs + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        block_size=block_size,
+        query_lens_cpu=(1,) * seqs,
+        seq_lens_cpu=tuple(seq_lens),
+    )
+    q = torch.randn(seqs, num_heads, head_dim)
+    new_k = torch.stack([k[-1] for k in full_k])
+    new_v = torch.stack([v[-1] for v in full_v])
+    out = TorchPagedAttention()(0, q, new_k, new_v, kv, meta, head_dim**-0.5)
+    cascades = [p for p in plan_parts(meta) if p.prefix_blocks is not None]
+    assert bool(cascades) == bool(shared_blocks)  # the path under test really ran
+    for b in range(seqs):
+        ref = dense_reference(q[b : b + 1], full_k[b], full_v[b], 1, head_dim**-0.5)
+        torch.testing.assert_close(out[b : b + 1], ref, atol=1e-5, rtol=1e-5)

@@ -1,12 +1,14 @@
 """Paged attention in plain torch: the CPU backend and the reference for the Triton kernels.
 
-Decode rows (one query token) of all sequences are batched into one SDPA call over K/V gathered
-through the block tables; rows of sequences with several new tokens (prefill, a prefill chunk,
-prefill over a cached prefix) run one SDPA call per sequence with a causal mask offset by the
-cached context.
+Each step is planned once (plan_parts): decode rows are batched by similar context length into
+SDPA calls over K/V gathered through the block tables; the new rows of a sequence with several
+(prefill, a prefill chunk, prefill over a cached prefix) run one SDPA call with a causal mask
+offset by its cached context.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,20 +29,190 @@ def write_kv(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_context(
+def length_groups(
+    seqs: list[int], seq_lens: tuple[int, ...], slack: float = 1.25
+) -> list[list[int]]:
+    """Split decode sequences into groups of similar context length.
+
+    A group's K/V is gathered and attended padded to its longest member, so mixing a 50-token
+    context with a 2000-token one costs 40x for the short one. Longest first, a group takes
+    members while its padded size stays within `slack` times what its members really hold.
+    """
+    ordered = sorted(seqs, key=lambda b: -seq_lens[b])
+    groups: list[list[int]] = []
+    held = 0
+    for b in ordered:
+        if groups and (len(groups[-1]) + 1) * seq_lens[groups[-1][0]] <= slack * (
+            held + seq_lens[b]
+        ):
+            groups[-1].append(b)
+            held += seq_lens[b]
+        else:
+            groups.append([b])
+            held = seq_lens[b]
+    return groups
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Query rows that attend together: a group of decodes (one row each) or one sequence's new
+    tokens. Built once per step and reused by every layer."""
+
+    rows: torch.Tensor  # int64 [Bg * n]: rows of q / out, sequence-major
+    blocks: torch.Tensor  # int64 [Bg * nb]: the block ids to gather, sequence-major
+    num_seqs: int  # Bg
+    num_queries: int  # n: query rows per sequence
+    length: int  # L: keys gathered per sequence (the longest context in the part)
+    mask: torch.Tensor  # bool [Bg, 1, n, L]: which keys each query row sees
+    # Cascade decode: blocks every sequence of the part holds (the same block ids, shared through
+    # the prefix cache or a fork) are read once for all of them; `blocks`, `length` and `mask`
+    # then describe each sequence's own tokens after that prefix.
+    prefix_blocks: torch.Tensor | None = None  # int64 [P]
+
+
+def _decode_part(
+    group: list[int],
+    starts: list[int],
+    tables: torch.Tensor,
+    meta: AttentionMetadata,
+    skip: int = 0,
+    prefix: torch.Tensor | None = None,
+) -> _Part:
+    """One row per sequence of `group` (longest first), reading blocks from `skip` on."""
+    device, bs = tables.device, meta.block_size
+    own = [meta.seq_lens_cpu[b] - skip * bs for b in group]
+    length = own[0]
+    nb = -(-length // bs)
+    index = torch.tensor(group, device=device)
+    # Keys past a sequence's length are other data (or padding blocks): masked out.
+    mask = torch.arange(length, device=device)[None, :] < torch.tensor(own, device=device)[:, None]
+    return _Part(
+        rows=torch.tensor([starts[b] for b in group], device=device),
+        blocks=tables[index, skip : skip + nb].reshape(-1),
+        num_seqs=len(group),
+        num_queries=1,
+        length=length,
+        mask=mask[:, None, None, :],
+        prefix_blocks=prefix,
+    )
+
+
+def shared_prefix_clusters(
+    decode: list[int], meta: AttentionMetadata, min_size: int = 4
+) -> list[tuple[list[int], int]]:
+    """Decode sequences whose block tables start with the same block ids, with the number of
+    such leading full blocks (0: not worth a cascade). Only whole blocks inside every member's
+    context count, so the shared part is identical K/V for all of them."""
+    bs = meta.block_size
+    by_first: dict[int, list[int]] = {}
+    for b in decode:
+        if meta.seq_lens_cpu[b] > bs:
+            by_first.setdefault(int(meta.block_tables[b, 0]), []).append(b)
+    clusters, seen = [], set()
+    for members in by_first.values():
+        if len(members) < min_size:
+            continue
+        full = (min(meta.seq_lens_cpu[b] for b in members) - 1) // bs  # >= 1 own token each
+        rows = meta.block_tables[members, :full]
+        same = (rows == rows[0]).all(dim=0)
+        shared = int(full if bool(same.all()) else same.int().argmin())
+        clusters.append((members, shared))
+        seen.update(members)
+    clusters.append(([b for b in decode if b not in seen], 0))
+    return clusters
+
+
+def plan_parts(meta: AttentionMetadata) -> list[_Part]:
+    starts = meta.query_start_loc.tolist() if meta.num_seqs else []
+    tables = meta.block_tables.long()
+    device = meta.block_tables.device
+    bs = meta.block_size
+    parts = []
+    decode = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
+    rest: list[int] = []
+    for cluster, shared in shared_prefix_clusters(decode, meta):
+        if shared == 0:
+            rest += cluster
+            continue
+        prefix = tables[cluster[0], :shared]
+        for group in length_groups(cluster, meta.seq_lens_cpu):
+            parts.append(_decode_part(group, starts, tables, meta, skip=shared, prefix=prefix))
+    for group in length_groups(rest, meta.seq_lens_cpu):
+        parts.append(_decode_part(group, starts, tables, meta))
+    for b, n in enumerate(meta.query_lens_cpu):
+        if n > 1:
+            length = meta.seq_lens_cpu[b]
+            # Query row i sits at position length - n + i and sees keys 0..that position.
+            q_pos = torch.arange(length - n, length, device=device)
+            mask = torch.arange(length, device=device)[None, :] <= q_pos[:, None]
+            parts.append(
+                _Part(
+                    rows=torch.arange(starts[b], starts[b] + n, device=device),
+                    blocks=tables[b, : -(-length // bs)],
+                    num_seqs=1,
+                    num_queries=n,
+                    length=length,
+                    mask=mask[None, None],
+                )
+            )
+    return parts
+
+
+def gather_keys(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # int32 [B, max_blocks]
-    max_len: int,
-) -> torch.Tensor:  # [B, num_kv_heads, max_len, head_dim]
-    block_size = cache.shape[1]
-    num_blocks = -(-max_len // block_size)
-    blocks = cache[block_tables[:, :num_blocks].long()]  # [B, nb, bs, kvh, d]
-    batch, _, _, kvh, d = blocks.shape
-    return blocks.reshape(batch, num_blocks * block_size, kvh, d)[:, :max_len].transpose(1, 2)
+    part: _Part,
+) -> torch.Tensor:  # [Bg, num_kv_heads, L, head_dim]
+    _, bs, kvh, d = cache.shape
+    flat = cache.view(cache.shape[0], -1).index_select(0, part.blocks)  # [Bg * nb, bs*kvh*d]
+    return flat.view(part.num_seqs, -1, kvh, d)[:, : part.length].transpose(1, 2)
+
+
+def cascade_decode(
+    q: torch.Tensor,  # [G, H, d]: one query row per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kvh, d]
+    v_cache: torch.Tensor,
+    part: _Part,
+    scale: float,
+) -> torch.Tensor:  # [G, H, d], float32
+    """Attention over [shared prefix | own tokens] with the prefix's K/V read once for all G
+    sequences: softmax over both pieces, merged through their running maxima."""
+    assert part.prefix_blocks is not None
+    g_seqs, heads, d = q.shape
+    kvh = k_cache.shape[2]
+    group = heads // kvh
+    qf = q.float().view(g_seqs, kvh, group, d)
+    kp = k_cache.index_select(0, part.prefix_blocks).view(-1, kvh, d).float()  # [P, kvh, d]
+    vp = v_cache.index_select(0, part.prefix_blocks).view(-1, kvh, d).float()
+    # Prefix: every sequence's queries against one K: [kvh, G*group, d] @ [kvh, d, P].
+    q_by_head = qf.permute(1, 0, 2, 3).reshape(kvh, g_seqs * group, d)
+    s_pre = torch.bmm(q_by_head, kp.permute(1, 2, 0)) * scale  # [kvh, G*group, P]
+    s_pre = s_pre.view(kvh, g_seqs, group, -1).permute(1, 0, 2, 3)  # [G, kvh, group, P]
+    # Own tokens: gathered per sequence, as in the plain path.
+    ks = gather_keys(k_cache, part).float()  # [G, kvh, S, d]
+    vs = gather_keys(v_cache, part).float()
+    s_own = torch.matmul(qf, ks.transpose(-1, -2)) * scale  # [G, kvh, group, S]
+    s_own = s_own.masked_fill(~part.mask, float("-inf"))
+    top = torch.maximum(s_pre.amax(-1, keepdim=True), s_own.amax(-1, keepdim=True))
+    p_pre, p_own = (s_pre - top).exp(), (s_own - top).exp()
+    denom = p_pre.sum(-1, keepdim=True) + p_own.sum(-1, keepdim=True)
+    pv_pre = (
+        torch.bmm(p_pre.permute(1, 0, 2, 3).reshape(kvh, g_seqs * group, -1), vp.permute(1, 0, 2))
+        .view(kvh, g_seqs, group, d)
+        .permute(1, 0, 2, 3)
+    )  # [G, kvh, group, d]
+    o = (pv_pre + torch.matmul(p_own, vs)) / denom
+    return o.reshape(g_seqs, heads, d)
 
 
 class TorchPagedAttention:
-    """AttentionBackend over the paged pool, in torch (see backend.py for the contract)."""
+    """AttentionBackend over the paged pool, in torch (see backend.py for the contract).
+
+    The step's plan (which rows attend together, which blocks they read, their masks) depends
+    only on the metadata, so it is built at the first layer and reused by the others.
+    """
+
+    def __init__(self) -> None:
+        self._planned: tuple[AttentionMetadata, list[_Part]] | None = None
 
     def __call__(
         self,
@@ -54,67 +226,23 @@ class TorchPagedAttention:
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         k_cache, v_cache = kv.k[layer], kv.v[layer]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if self._planned is None or self._planned[0] is not meta:
+            self._planned = (meta, plan_parts(meta))
         out = torch.empty_like(q)
-
-        starts = meta.query_start_loc.tolist() if meta.num_seqs else []
-        decode = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
-        if decode:
-            rows = [starts[b] for b in decode]
-            out[rows] = self._decode(q[rows], k_cache, v_cache, meta, decode, scale)
-        for b, n in enumerate(meta.query_lens_cpu):
-            if n > 1:
-                s = starts[b]
-                out[s : s + n] = self._extend(q[s : s + n], k_cache, v_cache, meta, b, scale)
+        heads, d = q.shape[1:]
+        for part in self._planned[1]:
+            if part.prefix_blocks is not None:
+                o = cascade_decode(q.index_select(0, part.rows), k_cache, v_cache, part, scale)
+                out.index_copy_(0, part.rows, o.to(q.dtype))
+                continue
+            qg = q.index_select(0, part.rows).view(part.num_seqs, part.num_queries, heads, d)
+            o = F.scaled_dot_product_attention(
+                qg.transpose(1, 2).to(k_cache.dtype),  # [Bg, H, n, d]
+                gather_keys(k_cache, part),
+                gather_keys(v_cache, part),
+                attn_mask=part.mask,
+                scale=scale,
+                enable_gqa=True,
+            )  # [Bg, H, n, d]
+            out.index_copy_(0, part.rows, o.transpose(1, 2).reshape(-1, heads, d).to(q.dtype))
         return out
-
-    @staticmethod
-    def _decode(
-        q: torch.Tensor,  # [Bd, num_heads, head_dim]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        seqs: list[int],
-        scale: float,
-    ) -> torch.Tensor:  # [Bd, num_heads, head_dim]
-        lens = [meta.seq_lens_cpu[b] for b in seqs]
-        max_len = max(lens)
-        tables = meta.block_tables[seqs] if len(seqs) < meta.num_seqs else meta.block_tables
-        kc = gather_context(k_cache, tables, max_len)  # [Bd, kvh, L, d]
-        vc = gather_context(v_cache, tables, max_len)
-        # Keys past a sequence's length are other data (or padding blocks): mask them out.
-        lens_t = torch.tensor(lens, device=q.device)
-        valid = torch.arange(max_len, device=q.device)[None, :] < lens_t[:, None]  # [Bd, L]
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2).to(kc.dtype),  # [Bd, H, 1, d]
-            kc,
-            vc,
-            attn_mask=valid[:, None, None, :],
-            scale=scale,
-            enable_gqa=True,
-        )
-        return o.squeeze(2).to(q.dtype)
-
-    @staticmethod
-    def _extend(
-        q: torch.Tensor,  # [n, num_heads, head_dim]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        b: int,
-        scale: float,
-    ) -> torch.Tensor:  # [n, num_heads, head_dim]
-        n, seq_len = q.shape[0], meta.seq_lens_cpu[b]
-        kc = gather_context(k_cache, meta.block_tables[b : b + 1], seq_len)[0]  # [kvh, L, d]
-        vc = gather_context(v_cache, meta.block_tables[b : b + 1], seq_len)[0]
-        # Query row i sits at position seq_len - n + i and sees keys 0..that position.
-        q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).to(kc.dtype),  # [H, n, d]
-            kc,
-            vc,
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        return o.transpose(0, 1).to(q.dtype)

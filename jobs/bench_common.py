@@ -451,12 +451,8 @@ def same_outputs(a: GenerateRun, b: GenerateRun) -> tuple[int, int]:
 
 
 def load_tokenizer(model: str) -> Any:
-    """The model's tokenizer without its weights (batchpage's Tokenizer, as the engine builds
-    it), so that workloads exist before any engine loads."""
-    from batchpage.model.loader import resolve_model_source
-    from batchpage.model.tokenizer import Tokenizer
+    """The model's tokenizer without its weights, so that workloads exist before any engine
+    loads."""
+    from batchpage.model.loader import load_tokenizer as load
 
-    source = resolve_model_source(model)
-    if source.kind == "hf":
-        return Tokenizer.from_hf_folder(source.path, source.config.eos_token_ids)
-    return Tokenizer.from_gguf(source.path, source.config.eos_token_ids)
+    return load(model)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from batchpage.job import JobConfigError, run_job
+from batchpage.job import JobConfigError, JobResult, run_job
 from batchpage.job_config import JobConfig, register_configs
 from batchpage.job_dry_run import dry_run
 
@@ -113,6 +113,20 @@ def _print_report(report: dict[str, Any]) -> None:
     for key, value in report.items():
         shown = f"{value:.1%}" if key.endswith("_rate") else f"{value:,}"
         print(f"{key:<{width}}  {shown}")
+
+
+def run_for_script(build: Callable[[], JobConfig]) -> tuple[JobConfig, JobResult] | None:
+    """For the scripts under jobs/: build the config and run the job. A user error (bad config,
+    path, column, model, pool size) is printed without a traceback and gives None (exit 2)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = build()
+        return cfg, run_job(cfg)
+    except (JobConfigError, ValueError, HydraException, OmegaConfBaseException) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
 
 
 def main() -> None:

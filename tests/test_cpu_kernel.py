@@ -1,0 +1,172 @@
+"""The C++ paged-decode kernel (kernels/cpu_paged_decode.py) against the torch reference, the CPU
+backend against the torch backend, and the engine with attention_backend="cpu" against "torch".
+
+The kernel is built once per machine (about 45 s the first time) into the batchpage cache.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchpage import LLM, SamplingParams
+from batchpage.attention.cpu_backend import CpuPagedAttention
+from batchpage.attention.metadata import AttentionMetadata
+from batchpage.attention.torch_backend import TorchPagedAttention
+from batchpage.cache.kv_cache import KVCache
+from batchpage.host_memory import keep_freed_memory
+from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
+from batchpage.kernels.reference import ref_paged_attention
+from batchpage.kernels.testing import PagedCase, make_paged_case, tolerances
+from tests.model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def kernel() -> CpuPagedDecode:
+    return CpuPagedDecode.build()
+
+
+def _decode(kernel: CpuPagedDecode, case: PagedCase, scale: float) -> torch.Tensor:
+    return kernel(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens, scale)
+
+
+def _reference(case: PagedCase, scale: float) -> torch.Tensor:
+    return ref_paged_attention(
+        case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens, case.block_table,
+        scale,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(4, 4, 64), (8, 1, 64), (9, 3, 64), (8, 2, 80), (4, 2, 128)],
+)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decode_matches_reference(kernel, dtype, heads, kv_heads, head_dim, block_size):
+    # Lengths 1, exactly one block, one past a block, and long; the pool is NaN everywhere a
+    # sequence does not own, so reading one slot too far poisons the output.
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 97, 200]
+    case = make_paged_case(
+        seq_lens, [1] * len(seq_lens), heads, kv_heads, head_dim, block_size, dtype, seed=3
+    )
+    scale = head_dim**-0.5
+    out = _decode(kernel, case, scale)
+    assert out.shape == case.q.shape and out.dtype == dtype
+    torch.testing.assert_close(out, _reference(case, scale), **tolerances(dtype))
+
+
+def test_decode_shared_blocks_and_strided_rows(kernel):
+    # Sequences whose tables start with the same physical blocks (prefix caching, forks), and q
+    # rows taken from a wider tensor (the row stride is not heads * head_dim).
+    case = make_paged_case(
+        [40, 41, 57, 33], [1, 1, 1, 1], 6, 2, 64, 16, torch.float32, shared_blocks=2
+    )
+    assert (case.block_table[:, :2] == case.block_table[0, :2]).all()
+    wide = torch.randn(4, 2, 6, 64)
+    wide[:, 1] = case.q
+    q = wide[:, 1]
+    out = kernel(q, case.k_cache, case.v_cache, case.block_table, case.seq_lens, 0.125)
+    torch.testing.assert_close(out, _reference(case, 0.125), **tolerances(torch.float32))
+
+
+def test_launcher_rejects_bad_inputs(kernel):
+    case = make_paged_case([20, 5], [1, 1], 4, 2, 64, 8, torch.float32)
+    args = (case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens, 0.1)
+    too_long = case.seq_lens.clone()
+    too_long[0] = case.block_table.shape[1] * 8 + 1
+    with pytest.raises(AssertionError):
+        kernel(*args[:4], too_long, 0.1)
+    with pytest.raises(AssertionError):
+        kernel(*args[:3], case.block_table.long(), *args[4:])
+    with pytest.raises(AssertionError):
+        kernel(case.q.half(), *args[1:])
+    bad_table = case.block_table.clone()
+    bad_table[1, 0] = case.k_cache.shape[0]
+    with pytest.raises(AssertionError):
+        kernel(*args[:3], bad_table, *args[4:])
+
+
+def _metadata(case: PagedCase, block_size: int) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=case.slot_mapping,
+        query_start_loc=case.cu_seqlens_q,
+        seq_lens=case.seq_lens,
+        block_tables=case.block_table,
+        block_size=block_size,
+        query_lens_cpu=case.query_lens,
+        seq_lens_cpu=tuple(case.seq_lens.tolist()),
+    )
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "query_lens"),
+    [
+        pytest.param([16, 9, 33, 70], [1, 1, 1, 1], id="decode"),
+        pytest.param([12, 21, 9, 40], [12, 1, 5, 1], id="mixed-prefill-decode"),
+    ],
+)
+def test_backend_matches_torch_backend(kernel, seq_lens, query_lens):
+    block_size, heads, kv_heads, head_dim = 8, 6, 2, 64
+    case = make_paged_case(
+        seq_lens, query_lens, heads, kv_heads, head_dim, block_size, torch.float32,
+        shared_blocks=1, write_new=False,
+    )  # fmt: skip
+    meta = _metadata(case, block_size)
+    # Layer 1 is under test; layer 0 must stay untouched. Zeros, not NaN, outside the contexts:
+    # the torch backend's SDPA multiplies masked-off values by 0.
+    pools = []
+    for _ in range(2):
+        k, v = case.k_cache.nan_to_num(), case.v_cache.nan_to_num()
+        pools.append(KVCache(k=[torch.zeros_like(k), k], v=[torch.zeros_like(v), v]))
+    scale = head_dim**-0.5
+    args = (case.q, case.k_new, case.v_new)
+    out = CpuPagedAttention(kernel)(1, *args, pools[0], meta, scale)
+    ref = TorchPagedAttention()(1, *args, pools[1], meta, scale)
+    torch.testing.assert_close(out, ref, **tolerances(torch.float32))
+    for a, b in zip(pools[0].k + pools[0].v, pools[1].k + pools[1].v, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("variant", ["llama_hd80_mqa", "qwen2_bias_gqa"])
+def test_engine_cpu_backend_same_greedy_tokens(kernel, variant: str, tmp_path: Path) -> None:
+    folder = save_hf_folder(build_hf_model(variant), tmp_path / variant, tiny_tokenizer())
+    rng = random.Random(1)
+    shared = [rng.randrange(3, 320) for _ in range(16)]
+    prompts = [
+        [rng.randrange(3, 320) for _ in range(5)],
+        shared + [rng.randrange(3, 320) for _ in range(9)],
+        shared + [rng.randrange(3, 320) for _ in range(1)],
+        [rng.randrange(3, 320) for _ in range(24)],
+        [rng.randrange(3, 320) for _ in range(61)],
+    ]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "cpu"):
+        llm = LLM(
+            model=str(folder), attention_backend=backend, dtype="float32", block_size=8,
+            kv_cache_memory=2**22, seed=0, max_num_batched_tokens=32,
+        )  # fmt: skip
+        name = type(llm.engine.runner.attention).__name__
+        assert name == {"torch": "TorchPagedAttention", "cpu": "CpuPagedAttention"}[backend]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens[backend] = [o.outputs[0].token_ids for o in outs]
+    assert tokens["cpu"] == tokens["torch"]
+
+
+def test_auto_backend_on_cpu_is_the_kernel(kernel, tmp_path: Path) -> None:
+    folder = save_hf_folder(build_hf_model("llama_gqa_tied"), tmp_path / "m", tiny_tokenizer())
+    llm = LLM(model=str(folder), dtype="float32", kv_cache_memory=2**22)
+    assert isinstance(llm.engine.runner.attention, CpuPagedAttention)
+
+
+def test_keep_freed_memory_applies_on_glibc() -> None:
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    assert keep_freed_memory() is True
+    assert keep_freed_memory() is True  # idempotent

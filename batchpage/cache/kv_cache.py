@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from batchpage.host_memory import advise_huge_pages
+
 
 def bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
@@ -36,9 +38,16 @@ class KVCache:
         device: torch.device | str,
     ) -> KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # One allocation per layer keeps each layer's pool contiguous for the kernels.
-        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+        def pool() -> torch.Tensor:
+            # One allocation per layer keeps each layer's pool contiguous for the kernels. On a
+            # CPU, huge pages are requested before the first write (see host_memory.py).
+            t = torch.empty(shape, dtype=dtype, device=device)
+            advise_huge_pages(t)
+            return t.zero_()
+
+        k = [pool() for _ in range(num_layers)]
+        v = [pool() for _ in range(num_layers)]
         return cls(k=k, v=v)
 
     @property

@@ -87,8 +87,15 @@ def apply_rope(
     cos: torch.Tensor,  # float32 [T, 1, D/2]
     sin: torch.Tensor,  # float32 [T, 1, D/2]
 ) -> torch.Tensor:  # [T, H, D], x's dtype
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), written into one output with four ops
+    (on a CPU each small op costs as much as its arithmetic)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    out = torch.empty(xf.shape, dtype=torch.float32, device=x.device)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
+    return out.to(x.dtype)
 
 
 def _linear(
@@ -125,10 +132,11 @@ class Attention(nn.Module):
         attn: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k are adjacent columns of qkv: rotate them in one call.
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
+        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         o = attn(self.layer, q, k, v, kv, meta, self.scale)  # [T, num_heads, head_dim]
         return self.o_proj(o.reshape(t, self.q_size))
 

@@ -111,6 +111,7 @@ def engine_args(args: argparse.Namespace, prefix_caching: bool) -> dict[str, Any
         "block_size": args.block_size,
         "max_model_len": args.max_prompt_tokens + args.max_output_tokens,
         "prefix_caching": prefix_caching,
+        "attention_backend": args.attention_backend,
     }
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs
@@ -154,7 +155,10 @@ def run_batchpage(llm: LLM, requests: list[WorkloadRequest], label: str) -> Resu
         elapsed_s=seconds,
         useful_tokens=sum(r.output_len for r in requests),
         prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
-        extra={"engine_stats": llm.stats},
+        extra={
+            "engine_stats": llm.stats,
+            "attention": type(llm.engine.runner.attention).__name__,
+        },
         outputs={i: list(o.outputs[0].token_ids) for i, o in enumerate(outs)},
     )
 
@@ -318,6 +322,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--attention-backend", choices=("auto", "torch", "cpu"), default="auto",
+        help="batchpage's attention (auto: the C++ decode kernel on CPU)",
+    )  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=float, default=None, help="bytes or fraction")
     p.add_argument("--ceiling-tokens", default="256,512,1024", help="matmul M values to time")
@@ -424,7 +432,8 @@ def print_report(
         )
     stats = reference.extra["engine_stats"]
     print(
-        f"\nEngine: peak_running {stats.get('peak_running')}, steps {stats.get('steps')}, "
+        f"\nEngine: attention {reference.extra['attention']}, "
+        f"peak_running {stats.get('peak_running')}, steps {stats.get('steps')}, "
         f"preemptions {stats.get('preemptions')}, kv_utilization "
         f"{fmt(stats.get('kv_utilization'), 2)}, prefix_hit_rate "
         f"{fmt(stats.get('prefix_hit_rate'), 2)}.\n"

@@ -8,9 +8,10 @@ that copy is most of a SmolLM2 decode step on a 2-core CPU. This kernel reads ea
 blocks in place, once, through its block table: the CPU counterpart of
 paged_decode_attention.py (Triton), with the same inputs and the same float32 softmax.
 
-Work split: one task per (sequence, kv head), spread over torch's intra-op threads. A task holds
-the group of query heads that share the kv head, so each K/V row is loaded once for all of them;
-it computes all scores of its context, a float32 softmax, then the weighted sum of V.
+Work split: one task per sequence, handed out one at a time to torch's intra-op threads (OpenMP
+dynamic schedule: contexts differ in length). A task reads its blocks front to back, K then V;
+each K/V row is loaded once for all the query heads that share its kv head. It computes all
+scores of its context, a float32 softmax, then the weighted sum of V.
 
 The build needs a C++ compiler with OpenMP (g++) and ninja. `CpuPagedDecode.build()` compiles
 on first use (about 45 s) into torch's extension folder and reuses the library afterwards; it
@@ -88,10 +89,14 @@ static void decode_rows(
   constexpr bool kVector = std::is_same_v<scalar_t, float> && DIM > 0 && DIM % 16 == 0;
   constexpr int C = kVector ? DIM / 16 : 1;  // vectors per head
   // One task per sequence: a block is then one contiguous run of memory, read front to back.
-  at::parallel_for(0, n_rows, 1, [&](int64_t begin, int64_t end) {
+  // Contexts differ in length (and the batch lists the oldest, longest ones first), so the
+  // threads take sequences one at a time rather than in equal contiguous shares.
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
     std::vector<float> qf(heads * dim), acc(heads * dim), inv_sum(heads), scores;
     std::vector<f32x16> qv(kVector ? heads * C : 0), accv(kVector ? heads * C : 0);
-    for (int64_t n = begin; n < end; ++n) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t n = 0; n < n_rows; ++n) {
       const int64_t len = seq_lens[n];
       const int64_t num_blocks = (len + block_size - 1) / block_size;
       const int32_t* table = block_tables + n * max_blocks;
@@ -184,7 +189,7 @@ static void decode_rows(
         for (int64_t d = 0; d < dim; ++d)
           on[hq * dim + d] = static_cast<scalar_t>(acc[hq * dim + d] * inv_sum[hq]);
     }
-  });
+  }
 }
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,

@@ -170,3 +170,27 @@ def test_keep_freed_memory_applies_on_glibc() -> None:
         pytest.skip("mallopt is glibc's")
     assert keep_freed_memory() is True
     assert keep_freed_memory() is True  # idempotent
+
+
+def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch) -> None:
+    from batchpage.engine.model_runner import make_attention_backend
+    from batchpage.kernels import cpu_paged_decode
+
+    def fail(cls, verbose: bool = False):
+        raise cpu_paged_decode.KernelBuildError("no compiler here")
+
+    monkeypatch.setattr(cpu_paged_decode.CpuPagedDecode, "build", classmethod(fail))
+    cpu = torch.device("cpu")
+    with pytest.warns(UserWarning, match="no compiler here.*attention_backend='torch'"):
+        assert isinstance(make_attention_backend("auto", cpu), TorchPagedAttention)
+    with pytest.raises(cpu_paged_decode.KernelBuildError, match="no compiler here"):
+        make_attention_backend("cpu", cpu)
+    assert isinstance(make_attention_backend("torch", cpu), TorchPagedAttention)
+
+
+def test_config_names_the_backends() -> None:
+    from batchpage.config import EngineConfig
+
+    assert EngineConfig(attention_backend="cpu").attention_backend == "cpu"
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, triton"):
+        EngineConfig(attention_backend="gpu")

@@ -194,3 +194,22 @@ def test_config_names_the_backends() -> None:
     assert EngineConfig(attention_backend="cpu").attention_backend == "cpu"
     with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, triton"):
         EngineConfig(attention_backend="gpu")
+
+
+def test_attention_benchmark_smoke(kernel, tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "cpu_attention.json"
+    script = root / "jobs" / "bench_cpu_attention.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "| decode rows x context |" in done.stdout
+    results = json.loads(out.read_text())["results"]
+    assert [r["case"] for r in results] == ["8 x 40", "8 x 10..60, longest first"]
+    assert all(r["cpu_ms"] > 0 and r["torch_ms"] > 0 for r in results)

@@ -14,7 +14,6 @@ import torch
 
 from batchpage import LLM, SamplingParams
 from batchpage.attention.cpu_backend import CpuPagedAttention
-from batchpage.attention.metadata import AttentionMetadata
 from batchpage.attention.torch_backend import TorchPagedAttention
 from batchpage.cache.kv_cache import KVCache
 from batchpage.host_memory import keep_freed_memory
@@ -90,18 +89,6 @@ def test_launcher_rejects_bad_inputs(kernel):
         kernel(*args[:3], bad_table, *args[4:])
 
 
-def _metadata(case: PagedCase, block_size: int) -> AttentionMetadata:
-    return AttentionMetadata(
-        slot_mapping=case.slot_mapping,
-        query_start_loc=case.cu_seqlens_q,
-        seq_lens=case.seq_lens,
-        block_tables=case.block_table,
-        block_size=block_size,
-        query_lens_cpu=case.query_lens,
-        seq_lens_cpu=tuple(case.seq_lens.tolist()),
-    )
-
-
 @pytest.mark.parametrize(
     ("seq_lens", "query_lens"),
     [
@@ -115,7 +102,7 @@ def test_backend_matches_torch_backend(kernel, seq_lens, query_lens):
         seq_lens, query_lens, heads, kv_heads, head_dim, block_size, torch.float32,
         shared_blocks=1, write_new=False,
     )  # fmt: skip
-    meta = _metadata(case, block_size)
+    meta = case.metadata()
     # Layer 1 is under test; layer 0 must stay untouched. Zeros, not NaN, outside the contexts:
     # the torch backend's SDPA multiplies masked-off values by 0.
     pools = []

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchpage.attention.metadata import AttentionMetadata
 from batchpage.attention.torch_backend import TorchPagedAttention
 from batchpage.attention.triton_backend import TritonPagedAttention
 from batchpage.cache.kv_cache import KVCache
@@ -20,18 +19,6 @@ from batchpage.kernels.testing import (
 _SKIP = interpreter_skip_reason()
 pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _metadata(case: PagedCase, block_size: int) -> AttentionMetadata:
-    return AttentionMetadata(
-        slot_mapping=case.slot_mapping,
-        query_start_loc=case.cu_seqlens_q,
-        seq_lens=case.seq_lens,
-        block_tables=case.block_table,
-        block_size=block_size,
-        query_lens_cpu=case.query_lens,
-        seq_lens_cpu=tuple(case.seq_lens.tolist()),
-    )
 
 
 def _kv(case: PagedCase) -> KVCache:
@@ -56,7 +43,7 @@ def test_triton_backend_matches_torch_backend(seq_lens, query_lens, dtype, num_s
         seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, device=DEVICE,
         shared_blocks=1, write_new=False,
     )  # fmt: skip
-    meta = _metadata(case, block_size)
+    meta = case.metadata()
     kv_triton, kv_torch = _kv(case), _kv(case)
     scale = head_dim**-0.5
     args = (case.q, case.k_new, case.v_new)

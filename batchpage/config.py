@@ -58,6 +58,11 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
+        if self.attention_backend == "cpu" and self.device.startswith("cuda"):
+            raise ValueError(
+                "attention_backend='cpu' runs the C++ kernel on CPU tensors; with "
+                f"device={self.device!r} use attention_backend='auto' or 'triton'"
+            )
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -159,6 +159,20 @@ def test_keep_freed_memory_applies_on_glibc() -> None:
     assert keep_freed_memory() is True  # idempotent
 
 
+def test_advise_huge_pages_takes_large_cpu_tensors_only() -> None:
+    import platform
+
+    if platform.system() != "Linux":
+        pytest.skip("madvise(MADV_HUGEPAGE) is Linux's")
+    from batchpage.host_memory import advise_huge_pages
+
+    big = torch.empty(3 * 2**20)  # 12 MiB: holds whole 2 MiB pages whatever its alignment
+    assert advise_huge_pages(big) is True
+    big.zero_()
+    assert not big.any()
+    assert advise_huge_pages(torch.empty(1024)) is False  # smaller than two huge pages
+
+
 def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch) -> None:
     from batchpage.engine.model_runner import make_attention_backend
     from batchpage.kernels import cpu_paged_decode
@@ -181,6 +195,8 @@ def test_config_names_the_backends() -> None:
     assert EngineConfig(attention_backend="cpu").attention_backend == "cpu"
     with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, triton"):
         EngineConfig(attention_backend="gpu")
+    with pytest.raises(ValueError, match="attention_backend='cpu' runs the C\\+\\+ kernel"):
+        EngineConfig(attention_backend="cpu", device="cuda")
 
 
 def test_attention_benchmark_smoke(kernel, tmp_path: Path) -> None:

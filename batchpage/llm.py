@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import asdict
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from batchpage.config import EngineConfig
-from batchpage.engine.beam_runner import BeamSearchRunner
-from batchpage.engine.engine import Engine, plan_num_blocks
+from batchpage.engine.beam_runner import worst_case_blocks
+from batchpage.engine.config import EngineConfig
+from batchpage.engine.engine import Engine
+from batchpage.engine.plan import plan_engine
+from batchpage.engine.sampler import TopLogprobs
 from batchpage.engine.sequence import Request, Sequence
-from batchpage.metrics import RunStats
-from batchpage.model.loader import load_model, resolve_dtype, resolve_model_source
+from batchpage.metrics import RunStats, tokens_per_s
+from batchpage.model.loader import load_model, resolve_model_source
 from batchpage.outputs import CompletionOutput, RequestOutput
-from batchpage.sampler import TopLogprobs
 from batchpage.sampling_params import SamplingParams
 
 PromptType = str | list[int]
@@ -34,29 +34,15 @@ class LLM:
         self.config = cfg = EngineConfig(**engine_args)
         # Everything that can be wrong is checked from the config alone, before weights load.
         source = resolve_model_source(model)
-        device = cfg.resolved_device()
-        dtype = resolve_dtype(cfg.dtype, source.config, device)
-        limit = source.config.max_model_len  # positions, capped by a sliding window
-        if cfg.max_model_len is not None and cfg.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len={cfg.max_model_len} exceeds the model's limit of {limit} "
-                "positions (max_position_embeddings, or its sliding window): lower max_model_len"
-            )
-        self.max_model_len = cfg.max_model_len or limit
-        num_blocks = plan_num_blocks(cfg, source.config, self.max_model_len, dtype, device)
-        loaded = load_model(source, dtype, device, max_positions=self.max_model_len)
+        self.plan = plan = plan_engine(cfg, source)
+        self.max_model_len = plan.max_model_len
+        loaded = load_model(source, plan.dtype, plan.device, max_positions=plan.max_model_len)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.engine = Engine(
-            loaded.model,
-            loaded.tokenizer,
-            loaded.config,
-            cfg,
-            device=device,
-            dtype=dtype,
-            max_model_len=self.max_model_len,
-            num_blocks=num_blocks,
-        )
+        self.engine = Engine(loaded.model, loaded.tokenizer, loaded.config, cfg, plan)
+        # The last generate() call's figures: `stats` as a dict (vLLM-style), `run_stats` as
+        # the RunStats that several calls can be merged from.
+        self.run_stats = RunStats(plan.num_blocks, cfg.block_size)
         self.stats: dict[str, Any] = {}
 
     def get_tokenizer(self) -> Any:
@@ -139,15 +125,13 @@ class LLM:
         if width > max_seqs:
             return f"n / beam_width {width} exceeds max_num_seqs={max_seqs}: raise max_num_seqs"
         if params.use_beam_search:
-            engine = self.engine
-            max_len = self.max_model_len
-            if params.max_tokens is not None:
-                max_len = min(max_len, prompt_len + params.max_tokens)
-            need = BeamSearchRunner(engine).worst_case_blocks_for(params, max_len)
-            if need > engine.kv_manager.num_blocks:
+            need = worst_case_blocks(
+                params, prompt_len, self.max_model_len, self.config.block_size
+            )
+            if need > self.plan.num_blocks:
                 return (
                     f"beam search with beam_width {width} may need {need} KV blocks, the pool "
-                    f"has {engine.kv_manager.num_blocks}: raise kv_cache_memory or lower "
+                    f"has {self.plan.num_blocks}: raise kv_cache_memory or lower "
                     "max_tokens or beam_width"
                 )
         return None
@@ -162,30 +146,28 @@ class LLM:
                 bar.update(1)
                 if on_output is not None:
                     on_output(_request_output(r, []), r.index)
-
-        def on_finish(seq: Sequence, stats: RunStats) -> None:
-            seqs = done[seq.request.index]
-            seqs.append(seq)
-            if len(seqs) < seq.params.n:
-                return
-            bar.update(1)
-            bar.set_postfix(
-                tok_s=f"{stats.generated_tokens / max(stats.elapsed_s, 1e-9):.1f}",
-                hit=f"{stats.prefix_hit_rate:.0%}",
-                refresh=False,
-            )
-            if on_output is not None:
-                on_output(_request_output(seq.request, seqs), seq.request.index)
-
+        engine = self.engine
+        stats = engine.add_requests(requests)
         try:
-            _, stats = self.engine.run(requests, on_finish)
+            while engine.has_unfinished():
+                for seq in engine.step():
+                    seqs = done[seq.request.index]
+                    seqs.append(seq)
+                    if len(seqs) < seq.params.n:
+                        continue
+                    bar.update(1)
+                    rate = tokens_per_s(stats.generated_tokens, stats.elapsed_s)
+                    bar.set_postfix(
+                        tok_s=f"{rate:.1f}", hit=f"{stats.prefix_hit_rate:.0%}", refresh=False
+                    )
+                    if on_output is not None:
+                        on_output(_request_output(seq.request, seqs), seq.request.index)
         finally:
             bar.close()
+        stats.finish()
+        self.run_stats = stats
         self.stats = stats.as_dict()
         return [_request_output(r, done.get(r.index, [])) for r in requests]
-
-    def engine_config(self) -> dict[str, Any]:
-        return asdict(self.config)
 
 
 def _as_prompt_list(prompts: PromptType | Seq[PromptType]) -> list[Any]:

@@ -1,8 +1,14 @@
-"""Run metrics, with the names of DESIGN.md (llm.stats and run.json)."""
+"""Run metrics, with the names of docs/design.md (llm.stats and run.json).
+
+One RunStats per generate() call; a job that generates window by window merges them with
+`RunStats.merged`, so llm.stats and run.json have the same keys, computed by the same code.
+Throughput is defined once: generated tokens over the wall time spent generating.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -13,6 +19,26 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
     return ordered[rank]
+
+
+# RunStats fields that add up over runs, and those that take the maximum.
+_SUMMED = (
+    "requests",
+    "prompt_tokens",
+    "generated_tokens",
+    "prefill_tokens_computed",
+    "cached_prompt_tokens",
+    "preemptions",
+    "swaps",
+    "steps",
+    "used_slot_steps",
+    "reserved_slot_steps",
+)
+_PEAKS = ("peak_running", "peak_kv_blocks_used")
+
+
+def tokens_per_s(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
 
 
 @dataclass
@@ -37,6 +63,24 @@ class RunStats:
     reserved_slot_steps: int = 0
     first_token_s: list[float] = field(default_factory=list)
 
+    @classmethod
+    def merged(cls, runs: Sequence[RunStats]) -> RunStats:
+        """Several runs as one: counts add up, peaks take the maximum, the elapsed times add up
+        (so rates are over the time spent generating), and each run's time-to-first-token
+        samples (measured from its own start) are pooled."""
+        total = cls(
+            kv_blocks_total=max((r.kv_blocks_total for r in runs), default=0),
+            block_size=runs[0].block_size if runs else 0,
+            start=0.0,
+            end=sum(r.elapsed_s for r in runs),
+        )
+        for name in _SUMMED:
+            setattr(total, name, sum(getattr(r, name) for r in runs))
+        for name in _PEAKS:
+            setattr(total, name, max((getattr(r, name) for r in runs), default=0))
+        total.first_token_s = [t for r in runs for t in r.first_token_s]
+        return total
+
     def record_step(
         self, num_running: int, used_slots: int, reserved_slots: int, blocks_used: int
     ) -> None:
@@ -50,7 +94,9 @@ class RunStats:
         self.first_token_s.append(time.perf_counter() - self.start)
 
     def finish(self) -> None:
-        self.end = time.perf_counter()
+        """Stops the clock; later calls keep the first end."""
+        if self.end is None:
+            self.end = time.perf_counter()
 
     @property
     def elapsed_s(self) -> float:
@@ -67,14 +113,14 @@ class RunStats:
         return self.used_slot_steps / self.reserved_slot_steps
 
     def as_dict(self) -> dict[str, float | int | dict[str, float]]:
-        elapsed = max(self.elapsed_s, 1e-9)
+        elapsed = self.elapsed_s
         return {
             "elapsed_s": self.elapsed_s,
             "requests": self.requests,
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
-            "output_tokens_per_s": self.generated_tokens / elapsed,
-            "total_tokens_per_s": (self.prompt_tokens + self.generated_tokens) / elapsed,
+            "output_tokens_per_s": tokens_per_s(self.generated_tokens, elapsed),
+            "total_tokens_per_s": tokens_per_s(self.prompt_tokens + self.generated_tokens, elapsed),
             "prefill_tokens_computed": self.prefill_tokens_computed,
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "prefix_hit_rate": self.prefix_hit_rate,

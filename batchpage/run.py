@@ -20,8 +20,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from batchpage.job import JobConfigError, JobResult, run_job
-from batchpage.job_config import JobConfig, register_configs
-from batchpage.job_dry_run import dry_run
+from batchpage.job.config import JobConfig, register_configs
+from batchpage.job.dry_run import dry_run
 
 # conf/ sits next to the package in a source checkout; an installed wheel ships it inside.
 _SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"

@@ -67,7 +67,7 @@ def sample_sharegpt(
     """
     import pyarrow.parquet as pq
 
-    from batchpage.presets import resolve_preset
+    from batchpage.data.presets import resolve_preset
 
     table = pq.read_table(resolve_preset("sharegpt").path, columns=["id", "prompt", "reply"])
     ids, prompts, replies = (table.column(c).to_pylist() for c in ("id", "prompt", "reply"))
@@ -334,7 +334,7 @@ def sharegpt_records(seed: int = 0) -> list[tuple[str, str, str]]:
     """(id, first-turn prompt, first reply) of every ShareGPT row with both, in a seeded order."""
     import pyarrow.parquet as pq
 
-    from batchpage.presets import resolve_preset
+    from batchpage.data.presets import resolve_preset
 
     table = pq.read_table(resolve_preset("sharegpt").path, columns=["id", "prompt", "reply"])
     ids, prompts, replies = (table.column(c).to_pylist() for c in ("id", "prompt", "reply"))

@@ -190,7 +190,7 @@ def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch) -> N
 
 
 def test_config_names_the_backends() -> None:
-    from batchpage.config import EngineConfig
+    from batchpage.engine.config import EngineConfig
 
     assert EngineConfig(attention_backend="cpu").attention_backend == "cpu"
     with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, triton"):

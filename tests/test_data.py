@@ -13,16 +13,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpage import presets
 from batchpage.data import (
     DatasetError,
     DatasetSpec,
     Row,
-    coerce_override,
     iter_rows,
     iter_windows,
+    presets,
     validate,
 )
+from batchpage.data.rows import coerce_override
+from batchpage.job.loop import prepare_window
+from batchpage.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -123,7 +125,10 @@ def test_jsonl_with_bad_lines_keeps_every_row(tmp_path: Path) -> None:
     assert errors[3] == "prompt is empty"
     assert "not text" in errors[4] and "int" in errors[4]
     assert "no prompt field" in errors[5]
-    assert "max_tokens must be an integer >= 1" in errors[6] and got[7].prompt == "bad override"
+    # A bad override is carried as found: the row fails when its SamplingParams are built.
+    assert got[7].error is None and got[7].overrides == {"max_tokens": "many"}
+    _, failed = prepare_window([got[7]], None, SamplingParams(), base_seed=0)
+    assert "max_tokens must be an integer" in failed[0].error
 
 
 def test_gzipped_jsonl(tmp_path: Path) -> None:
@@ -148,7 +153,7 @@ def test_csv_parses_overrides_per_row(tmp_path: Path) -> None:
     assert got[0].prompt == "line one\nline two"
     assert got[0].overrides == {"max_tokens": 16, "temperature": 0.5}
     assert got[1].overrides == {} and got[1].error is None
-    assert "max_tokens must be" in got[2].error and "temperature must be" in got[2].error
+    assert got[2].overrides == {"max_tokens": "lots", "temperature": -1.0}
     assert got[3].error == "prompt is empty"
 
 
@@ -257,8 +262,10 @@ def test_override_coercion(name: str, value: object, from_text: bool, expect: ob
      ("temperature", -0.1), ("temperature", False), ("top_p", 0), ("stop", [1])],
 )  # fmt: skip
 def test_override_rejects(name: str, value: object) -> None:
-    with pytest.raises(ValueError, match=name):
-        coerce_override(name, value)
+    """Ranges and types are SamplingParams' checks alone; the job turns them into row errors."""
+    row = Row(index=0, id="0", prompt="p", overrides={name: coerce_override(name, value)})
+    ready, failed = prepare_window([row], None, SamplingParams(max_tokens=16), base_seed=0)
+    assert not ready and name in failed[0].error
 
 
 def test_nan_override_means_no_override(tmp_path: Path) -> None:

@@ -15,16 +15,16 @@ import pytest
 from model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 
 from batchpage import LLM
-from batchpage.config import EngineConfig
 from batchpage.data import DatasetSpec
-from batchpage.job import JobConfigError, StatsTotal, run_job
-from batchpage.job_config import (
+from batchpage.engine.config import EngineConfig
+from batchpage.job import JobConfigError, run_job
+from batchpage.job.config import (
     SAMPLING_FIELDS_NOT_IN_JOB,
     JobConfig,
     ModelSpec,
     SamplingConfig,
 )
-from batchpage.job_dry_run import dry_run, pack_tokens, shared_prefix_stats
+from batchpage.job.dry_run import dry_run, pack_tokens, shared_prefix_stats
 from batchpage.sampling_params import SamplingParams
 
 # What a clean rerun may legitimately change: cached_tokens depends on what ran alongside.
@@ -257,18 +257,6 @@ def test_shared_prefix_stats_match_brute_force() -> None:
     assert got.longest_shared_prefix == max(best)
     assert got.unique_tokens == len(prefixes)  # the size of a trie of the prompts
     assert pack_tokens([1, 70000]) < pack_tokens([2]) < pack_tokens([2, 0])
-
-
-def test_stats_over_windows_add_counts_and_recompute_rates() -> None:
-    total = StatsTotal()
-    window = {"requests": 2, "prompt_tokens": 10, "generated_tokens": 20, "steps": 4}
-    total.add({**window, "cached_prompt_tokens": 5, "kv_utilization": 0.5, "elapsed_s": 1.0})
-    total.add({**window, "cached_prompt_tokens": 0, "kv_utilization": 1.0, "elapsed_s": 3.0})
-    m = total.as_dict(elapsed_s=8.0)
-    assert (m["requests"], m["generated_tokens"], m["steps"]) == (4, 40, 8)
-    assert m["prefix_hit_rate"] == 0.25 and m["kv_utilization"] == 0.75
-    assert m["output_tokens_per_s"] == 5.0 and m["generate_s"] == 4.0
-    assert total.tokens_per_s == 10.0
 
 
 def test_sampling_config_mirrors_sampling_params() -> None:

@@ -20,7 +20,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpage import output_files
 from batchpage.output import (
     FINAL_FILE,
     IncompleteOutputError,
@@ -31,6 +30,7 @@ from batchpage.output import (
     output_schema,
     write_run_json,
 )
+from batchpage.output import files as output_files
 
 JOB = {"model": "tiny", "sampling": {"temperature": 0.0, "max_tokens": 8}, "dataset": "fp1"}
 

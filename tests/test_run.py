@@ -20,10 +20,10 @@ from hydra.errors import ConfigCompositionException
 from model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 from omegaconf import OmegaConf
 
-from batchpage.config import EngineConfig
 from batchpage.data import DatasetSpec
+from batchpage.engine.config import EngineConfig
 from batchpage.job import run_job
-from batchpage.job_config import JobConfig, SamplingConfig, register_configs
+from batchpage.job.config import JobConfig, SamplingConfig, register_configs
 from batchpage.run import compose_job, config_dir, sweep_subdir
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from batchpage.sampler import apply_filters, apply_penalties, compute_logprobs, sample
+from batchpage.engine.sampler import apply_filters, apply_penalties, compute_logprobs, sample
 from batchpage.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -46,7 +46,7 @@ def test_greedy_batch_is_argmax_and_leaves_logits_alone() -> None:
     before = logits.clone()
     out = _sample(logits, [SamplingParams(temperature=0)] * 4 + [SamplingParams(top_k=1)])
     assert out.token_ids == logits.argmax(-1).tolist()
-    assert out.token_tensor.dtype == torch.long and out.logprobs == [None] * 5
+    assert out.logprobs == [None] * 5
     assert torch.equal(logits, before)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpage.cache.kv_manager import KVCacheManager, blocks_for
+from batchpage.engine.kv_manager import KVCacheManager, blocks_for
 from batchpage.engine.scheduler import Scheduler
 from batchpage.engine.sequence import Request, SeqStatus, Sequence
 from batchpage.sampling_params import SamplingParams

@@ -174,15 +174,6 @@ def test_length_limits(tok) -> None:
     assert _feed(checker, ids) == (2, ("stop", "three"))
 
 
-def test_engine_side_finish_flushes_pending_bytes(tok) -> None:
-    ids = [*tok.encode("ok "), *tok.encode("🎉")[:-1]]
-    checker = StopChecker(tok, SamplingParams(max_tokens=None))
-    _feed(checker, ids)
-    assert checker.text == "ok "
-    assert checker.finish("abort") == ("abort", None)
-    assert checker.text == _full(tok, ids) and checker.finished
-
-
 def test_min_tokens_defers_stops(tok) -> None:
     eos = tok.eos_token_id
     ids = [*tok.encode("a b"), eos, *tok.encode(" c d"), eos]
@@ -217,15 +208,6 @@ def test_prompt_context_keeps_leading_space() -> None:
     with_prompt = StopChecker(fake, SamplingParams(max_tokens=3), context_ids=[3, 0])
     _feed(with_prompt, [1, 2, 3])
     assert with_prompt.text == " there! you"
-
-
-def test_fork_is_independent(tok) -> None:
-    ids = tok.encode("shared prefix then branches")
-    checker = StopChecker(tok, SamplingParams(max_tokens=20))
-    _feed(checker, ids[:2])
-    branch = checker.fork()
-    _feed(branch, ids[2:])
-    assert checker.text == _full(tok, ids[:2]) and branch.text == _full(tok, ids)
 
 
 @pytest.fixture(scope="module")

@@ -3,27 +3,42 @@
 Each step every live beam of every admitted group decodes one token in one forward. The next
 beams are forked from their parents (KVCacheManager.fork: all blocks shared; a shared, partly
 filled last block is copied on the first write by allocate), then the old beams are freed. A group
-is admitted only when its worst case (width sequences of max length, plus one copied block each)
-fits beside the groups already running, so no beam is ever preempted mid-search.
+is admitted only when its worst case (`worst_case_blocks`) fits beside the groups already
+running, so no beam is ever preempted mid-search. The engine runs beam requests after the
+others, so the pool is theirs alone.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from batchpage.cache.kv_manager import blocks_for
 from batchpage.engine.beam_search import BeamGroup
+from batchpage.engine.kv_manager import KVCacheManager, blocks_for
+from batchpage.engine.model_runner import ModelRunner
 from batchpage.engine.scheduler import ScheduledSeq, SchedulerOutput
 from batchpage.engine.sequence import Request, SeqStatus, Sequence
+from batchpage.engine.sequence_factory import SequenceFactory
 from batchpage.engine.step_inputs import build_step
+from batchpage.metrics import RunStats
 from batchpage.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from batchpage.engine.engine import Engine, _Run
+
+def beam_max_len(params: SamplingParams, prompt_len: int, max_model_len: int) -> int:
+    """The longest a beam of this request can grow, prompt included."""
+    if params.max_tokens is None:
+        return max_model_len
+    return min(max_model_len, prompt_len + params.max_tokens)
+
+
+def worst_case_blocks(
+    params: SamplingParams, prompt_len: int, max_model_len: int, block_size: int
+) -> int:
+    """Every beam at its longest, each with one block of its own copied on write."""
+    max_len = beam_max_len(params, prompt_len, max_model_len)
+    return params.effective_beam_width * (blocks_for(max_len, block_size) + 1)
 
 
 @dataclass
@@ -35,73 +50,83 @@ class _Group:
 
 
 class BeamSearchRunner:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.kv = engine.kv_manager
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        runner: ModelRunner,
+        factory: SequenceFactory,
+        max_model_len: int,
+        max_num_seqs: int,
+        device: torch.device,
+    ) -> None:
+        self.kv = kv
+        self.runner = runner
+        self.factory = factory
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.device = device
+        self.pending: deque[Request] = deque()
+        self.active: list[_Group] = []
 
-    def worst_case_blocks(self, req: Request) -> int:
-        return self.worst_case_blocks_for(req.params, self._max_len(req))
+    def add(self, req: Request) -> None:
+        self.pending.append(req)
 
-    def worst_case_blocks_for(self, params: SamplingParams, max_len: int) -> int:
-        """Every beam at max_len tokens, each with one block of its own copied on write."""
-        return params.effective_beam_width * (blocks_for(max_len, self.kv.block_size) + 1)
+    def has_unfinished(self) -> bool:
+        return bool(self.pending or self.active)
 
-    def _max_len(self, req: Request) -> int:
-        limit = self.engine.max_model_len
-        if req.params.max_tokens is not None:
-            limit = min(limit, len(req.prompt_token_ids) + req.params.max_tokens)
-        return limit
+    def step(self, stats: RunStats, check_integrity: bool = False) -> list[Sequence]:
+        """Admit what fits, decode one token for every live beam; returns the result sequences
+        (the n best hypotheses) of each group that finished in this step."""
+        self._admit(stats)
+        if not self.active:
+            raise RuntimeError("no beam group fits the KV pool: this is a bug")
+        self._step(stats)
+        if check_integrity:
+            self.kv.check_integrity([b for g in self.active for b in g.beams])
+        finished: list[Sequence] = []
+        for g in [g for g in self.active if g.search.done]:
+            finished += self._finish(g, stats)
+            self.active.remove(g)
+        return finished
 
-    def run(self, requests: list[Request], run: _Run) -> None:
-        pending = deque(requests)
-        active: list[_Group] = []
-        while pending or active:
-            self._admit(pending, active, run)
-            if not active:
-                raise RuntimeError("no beam group fits the KV pool: this is a bug")
-            self._step(active, run)
-            for g in [g for g in active if g.search.done]:
-                self._finish(g, run)
-                active.remove(g)
-
-    def _admit(self, pending: deque[Request], active: list[_Group], run: _Run) -> None:
-        reserved = sum(g.reserve for g in active)
-        running = sum(g.search.width for g in active)
-        while pending:
-            req = pending[0]
-            need, width = self.worst_case_blocks(req), req.params.effective_beam_width
-            if active and (
-                reserved + need > self.kv.num_blocks
-                or running + width > self.engine.cfg.max_num_seqs
+    def _admit(self, stats: RunStats) -> None:
+        reserved = sum(g.reserve for g in self.active)
+        running = sum(g.search.width for g in self.active)
+        while self.pending:
+            req = self.pending[0]
+            prompt_len = len(req.prompt_token_ids)
+            need = worst_case_blocks(req.params, prompt_len, self.max_model_len, self.kv.block_size)
+            width = req.params.effective_beam_width
+            if self.active and (
+                reserved + need > self.kv.num_blocks or running + width > self.max_num_seqs
             ):
                 return
-            pending.popleft()
-            prompt = self.engine.factory.make(req, 0)
+            self.pending.popleft()
+            prompt = self.factory.make(req, 0)
             prompt.status = SeqStatus.RUNNING
             search = BeamGroup(
                 width=width,
-                prompt_len=len(req.prompt_token_ids),
-                max_len=self._max_len(req),
-                eos_ids=frozenset() if req.params.ignore_eos else self.engine.eos_ids,
+                prompt_len=prompt_len,
+                max_len=beam_max_len(req.params, prompt_len, self.max_model_len),
+                eos_ids=frozenset() if req.params.ignore_eos else self.factory.eos_ids,
                 length_penalty=req.params.length_penalty,
                 early_stopping=req.params.early_stopping,
             )
             prompt.num_cached_tokens = self.kv.lend_prefix(prompt)
-            run.stats.cached_prompt_tokens += prompt.num_cached_tokens
-            active.append(_Group(req, search, [prompt], need))
+            stats.cached_prompt_tokens += prompt.num_cached_tokens
+            self.active.append(_Group(req, search, [prompt], need))
             reserved += need
             running += width
 
-    def _step(self, active: list[_Group], run: _Run) -> None:
+    def _step(self, stats: RunStats) -> None:
         scheduled, copies = [], []
-        for g in active:
+        for g in self.active:
             for beam in g.beams:
                 n = beam.num_uncomputed_tokens
                 copies += self.kv.allocate(beam, n)
                 scheduled.append(ScheduledSeq(beam, n))
-        inputs = build_step(scheduled, self.kv.block_size, self.engine.device)
-        logits, _ = self.engine.runner.execute(inputs, SchedulerOutput(scheduled, copies))
-        stats = run.stats
+        inputs = build_step(scheduled, self.kv.block_size, self.device)
+        logits, _ = self.runner.execute(inputs, SchedulerOutput(scheduled, copies))
         for s in scheduled:
             if s.num_new_tokens > 1:
                 stats.prefill_tokens_computed += s.num_new_tokens
@@ -111,7 +136,7 @@ class BeamSearchRunner:
         stats.record_step(len(scheduled), 0, 0, self.kv.pool.num_used)
         logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
         row = 0
-        for g in active:
+        for g in self.active:
             rows = logprobs[row : row + len(g.beams)]
             row += len(g.beams)
             if len(g.beams) == 1:  # the prompt: every beam starts from it
@@ -124,7 +149,7 @@ class BeamSearchRunner:
             children = []
             for i, c in enumerate(choices):
                 parent = parents[c.parent]
-                child = self.engine.factory.make(g.req, i)
+                child = self.factory.make(g.req, i)
                 self.kv.fork(parent, child)
                 child.token_ids = parent.token_ids + [c.token]
                 child.status = SeqStatus.RUNNING
@@ -132,25 +157,20 @@ class BeamSearchRunner:
             for old in g.beams:
                 self.kv.free(old)
             g.beams = children
-        if self.engine.check_integrity_each_step:
-            self.kv.check_integrity([b for g in active for b in g.beams])
 
-    def _finish(self, g: _Group, run: _Run) -> None:
+    def _finish(self, g: _Group, stats: RunStats) -> list[Sequence]:
         for beam in g.beams:
             self.kv.free(beam)
-        tokenizer = self.engine.factory.tokenizer
         results = []
         for i, hyp in enumerate(g.search.best(g.req.params.n)):
-            seq = self.engine.factory.make(g.req, i)
+            seq = self.factory.make(g.req, i)
             seq.token_ids += hyp.tokens
             seq.status = SeqStatus.FINISHED
             ended = bool(hyp.tokens) and hyp.tokens[-1] in g.search.eos_ids
             seq.finish_reason = "stop" if ended else "length"
             skip = g.req.params.skip_special_tokens
-            seq.text = tokenizer.decode(hyp.tokens, skip_special_tokens=skip)
+            seq.text = self.factory.tokenizer.decode(hyp.tokens, skip_special_tokens=skip)
             seq.beam_score = hyp.score
-            run.stats.generated_tokens += len(hyp.tokens)
+            stats.generated_tokens += len(hyp.tokens)
             results.append(seq)
-            if run.on_finish is not None:
-                run.on_finish(seq, run.stats)
-        run.by_request[g.req.index] = results
+        return results

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from batchpage.cache.kv_manager import BlockCopy, KVCacheManager, blocks_for
+from batchpage.engine.kv_manager import BlockCopy, KVCacheManager, blocks_for
 from batchpage.engine.sequence import SeqStatus, Sequence
 
 
@@ -64,12 +64,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         preemption_mode: str = "recompute",
+        schedule: str = "prefix",
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.preemption_mode = preemption_mode
+        self.schedule_order = schedule
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -77,6 +79,15 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def add_batch(self, seqs: list[Sequence]) -> None:
+        """Queue a batch. With schedule="prefix" the batch is queued in token order: prompts
+        that share a prefix run back to back (depth-first over the prompts' trie), so their
+        shared blocks are computed once and are still cached when the next one arrives. The
+        order of results is the caller's business."""
+        if self.schedule_order == "prefix":
+            seqs = sorted(seqs, key=lambda s: s.token_ids)
+        self.waiting.extend(seqs)
 
     def add_forked(self, child: Sequence) -> None:
         """A sample forked from a running sequence runs from the next step on."""

@@ -15,8 +15,8 @@ import torch
 from batchpage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from batchpage.engine.sampler import TopLogprobs
     from batchpage.engine.stop_checker import StopChecker
-    from batchpage.sampler import TopLogprobs
 
 
 @dataclass(eq=False)

@@ -15,7 +15,6 @@ sequence finishes, what is held back is flushed, so the final text equals
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
@@ -66,11 +65,6 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Commit whatever is held back (the sequence is over)."""
         return self._advance(final=True)
-
-    def fork(self) -> IncrementalDetokenizer:
-        other = copy.copy(self)
-        other._tokens = list(self._tokens)
-        return other
 
     def _advance(self, final: bool) -> str:
         if self._read == len(self._tokens):
@@ -187,21 +181,6 @@ class StopChecker:
                 self._text_end = start + len(stop) if params.include_stop_str_in_output else start
                 return self._finish("stop", stop)
         return self._finish("length", None) if last else None
-
-    def finish(self, finish_reason: str = "length") -> StopDecision:
-        """End the sequence for a reason the engine decided (e.g. "length", "abort").
-
-        Flushes held-back bytes so ``text`` is final.
-        """
-        if not self.finished:
-            self._detok.flush()
-        return self._finish(finish_reason, None)
-
-    def fork(self) -> StopChecker:
-        """An independent copy (beam search branches a sequence)."""
-        other = copy.copy(self)
-        other._detok = self._detok.fork()
-        return other
 
     def _at_length_limit(self) -> bool:
         max_tokens = self.params.max_tokens

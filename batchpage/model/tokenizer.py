@@ -11,13 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from batchpage.cache_paths import cache_dir as batchpage_cache_dir
+from batchpage.fileio import atomic_dir
+from batchpage.paths import cache_dir as batchpage_cache_dir
 
 
 class Tokenizer:
@@ -42,7 +41,7 @@ class Tokenizer:
     ) -> Tokenizer:
         """From the vocabulary inside a GGUF file. transformers' conversion re-parses the whole
         file (~8 s for SmolLM2), so the converted tokenizer is saved under cache_dir (default:
-        batchpage.cache_paths.cache_dir(); BATCHPAGE_CACHE="" disables it) and
+        batchpage.paths.cache_dir(); BATCHPAGE_CACHE="" disables it) and
         reloaded from there next time."""
         from transformers import AutoTokenizer
 
@@ -51,7 +50,10 @@ class Tokenizer:
             return cls(AutoTokenizer.from_pretrained(str(cached)), config_eos_ids)
         hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         if cached is not None:
-            _save_atomically(hf, cached)
+            # A cache that cannot be written is skipped: the tokenizer in memory is good.
+            with atomic_dir(cached) as tmp:
+                if tmp is not None:
+                    hf.save_pretrained(str(tmp))
         return cls(hf, config_eos_ids)
 
     @property
@@ -115,21 +117,6 @@ def _cache_entry(gguf_path: Path, cache_dir: Path | None) -> Path | None:
     key = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     return cache_dir / "tokenizers" / f"{gguf_path.stem}-{digest}"
-
-
-def _save_atomically(hf_tokenizer: Any, target: Path) -> None:
-    """Write to a temporary sibling, then rename: concurrent jobs never see half a folder.
-    A cache that cannot be written is skipped; the tokenizer in memory is already good."""
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-        hf_tokenizer.save_pretrained(str(tmp))
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process got there first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except OSError:
-        pass
 
 
 def _generation_config_eos(folder: Path) -> list[int]:

@@ -10,7 +10,6 @@ Layout of an output_dir:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -22,6 +21,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from batchpage.fileio import atomic_path
 
 JOB_FILE = "job.json"
 FINAL_FILE = "completions.parquet"
@@ -115,34 +116,9 @@ def read_job(output_dir: str | os.PathLike) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def atomic_write_table(table: pa.Table, path: Path) -> None:
-    # The temp name starts with "." and ends with ".tmp": no shard glob ever matches it.
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(folder: Path) -> None:
-    # Makes the rename itself durable (power loss); harmless where directories cannot be opened.
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
 
 
 def lock_dir(folder: Path) -> int | None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from batchpage.cache.radix_cache import EVICTION_POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -42,7 +43,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
 
         choice("dtype", ("auto", *DTYPES))
-        choice("eviction_policy", ("lru", "lfu", "fifo"))
+        choice("eviction_policy", EVICTION_POLICIES)
         choice("attention_backend", ("auto", "torch", "triton", "cpu"))
         choice("kv_allocator", ("paged", "static"))
         choice("schedule", ("prefix", "fcfs"))
@@ -72,17 +73,3 @@ class EngineConfig:
     def batched_tokens(self) -> int:
         return self.max_num_batched_tokens or max(2048, self.max_num_seqs)
 
-
-def available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def kv_cache_bytes(kv_cache_memory: float | None, device: torch.device) -> int:
-    if kv_cache_memory is not None and kv_cache_memory > 1:
-        return int(kv_cache_memory)
-    fraction = (
-        kv_cache_memory if kv_cache_memory is not None else (0.9 if device.type == "cuda" else 0.1)
-    )
-    return int(available_memory(device) * fraction)

@@ -1,4 +1,4 @@
-"""Format-specific readers behind `batchpage.data`: pick a format, peek at columns, stream records.
+"""Format readers behind `batchpage.data.spec`: pick a format, peek at columns, stream records.
 
 Records are plain dicts (column -> Python value). A record that cannot be parsed at all (a bad
 JSONL line) comes out as a `str` saying why, in its place, so that row indices stay true to the

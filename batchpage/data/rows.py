@@ -1,14 +1,15 @@
-"""One input record -> one checked `Row`: the row-level half of `batchpage.data`.
+"""One input record -> one checked `Row`: the row-level half of `batchpage.data.spec`.
 
-Nothing here raises for bad data: a null, empty or non-text prompt, a malformed chat, or an
-override of the wrong type or range becomes the row's `error`, and the job goes on without it.
+Nothing here raises for bad data: a null, empty or non-text prompt or a malformed chat becomes
+the row's `error`, and the job goes on without it. Per-row overrides are carried as found; a bad
+one becomes the row's error when the job builds its SamplingParams.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -16,26 +17,24 @@ from typing import Any
 DEFAULT_OVERRIDES = ("max_tokens", "temperature")
 
 
-def _int_at_least(lo: int) -> tuple[type, Callable[[Any], bool], str]:
-    return (int, lambda v: v >= lo, f"an integer >= {lo}")
-
-
-# Per-row SamplingParams overrides: (type, check, what the check wants). `n` is left out on
-# purpose: it fixes the output schema for the whole run.
-OVERRIDE_FIELDS: MappingProxyType[str, tuple[type, Callable[[Any], bool], str]] = MappingProxyType(
+# Per-row SamplingParams overrides, with the type their text is parsed as in a CSV. Only types
+# are settled here; SamplingParams checks every range, against the job's own values (a row's
+# min_tokens is checked against the job's max_tokens). `n` is left out on purpose: it fixes the
+# output schema for the whole run.
+OVERRIDE_FIELDS: MappingProxyType[str, type] = MappingProxyType(
     {
-        "max_tokens": _int_at_least(1),
-        "min_tokens": _int_at_least(0),
-        "temperature": (float, lambda v: v >= 0, "a number >= 0"),
-        "top_p": (float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-        "top_k": (int, lambda v: v >= -1, "an integer >= -1 (-1 or 0: off)"),
-        "min_p": (float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-        "seed": (int, lambda v: True, "an integer"),
-        "presence_penalty": (float, lambda v: True, "a number"),
-        "frequency_penalty": (float, lambda v: True, "a number"),
-        "repetition_penalty": (float, lambda v: v > 0, "a number > 0"),
-        "ignore_eos": (bool, lambda v: True, "true or false"),
-        "stop": (list, lambda v: all(isinstance(s, str) for s in v), "a string or strings"),
+        "max_tokens": int,
+        "min_tokens": int,
+        "temperature": float,
+        "top_p": float,
+        "top_k": int,
+        "min_p": float,
+        "seed": int,
+        "presence_penalty": float,
+        "frequency_penalty": float,
+        "repetition_penalty": float,
+        "ignore_eos": bool,
+        "stop": list,
     }
 )
 
@@ -96,31 +95,26 @@ def make_row(
         blank = from_text and isinstance(value, str) and not value.strip()
         if value is None or blank or (isinstance(value, float) and math.isnan(value)):
             continue  # no override for this row: the job's sampling applies
-        try:
-            row.overrides[name] = coerce_override(name, value, from_text)
-        except ValueError as e:
-            errors.append(str(e))
+        row.overrides[name] = coerce_override(name, value, from_text)
     row.error = "; ".join(errors) or None
     return row
 
 
 def coerce_override(name: str, value: Any, from_text: bool = False) -> Any:
-    """Check one per-row override against OVERRIDE_FIELDS; a ValueError says what is wrong."""
-    kind, check, wants = OVERRIDE_FIELDS[name]
-    original = value
-    if kind is list and isinstance(value, str):
-        value = [value]  # a single stop string
-    elif from_text and isinstance(value, str):
-        value = _parse_text(value.strip(), kind)
-    if kind is int and isinstance(value, float) and value.is_integer():
-        value = int(value)  # pandas turns an int column with nulls into float
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if kind is list and isinstance(value, tuple):
-        value = list(value)
-    well_typed = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-    if not well_typed or not check(value):
-        raise ValueError(f"{name} must be {wants}, got {original!r}")
+    """One per-row override in the form SamplingParams takes: a single stop string becomes a
+    list, and CSV text is parsed as the field's type (text that does not parse stays text, and
+    SamplingParams names the field when the job builds the row's parameters)."""
+    kind = OVERRIDE_FIELDS[name]
+    if kind is list:
+        return (
+            [value]
+            if isinstance(value, str)
+            else list(value)
+            if isinstance(value, tuple)
+            else value
+        )
+    if from_text and isinstance(value, str):
+        return _parse_text(value.strip(), kind)
     return value
 
 

@@ -9,9 +9,10 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any, NamedTuple
 
-from batchpage.data import iter_windows
-from batchpage.job import plan_job, prepare_window
-from batchpage.job_config import JobConfig
+from batchpage.data.spec import iter_windows
+from batchpage.job.config import JobConfig
+from batchpage.job.loop import prepare_window
+from batchpage.job.plan import plan_job
 from batchpage.model.loader import load_tokenizer
 
 
@@ -64,7 +65,7 @@ def dry_run(cfg: JobConfig) -> dict[str, Any]:
     """Tokenize every row with the model's tokenizer (no weights) and report the job's shape."""
     plan = plan_job(cfg)
     tokenizer = load_tokenizer(plan.source)
-    bs, limit = cfg.engine.block_size, plan.max_model_len
+    bs, limit = cfg.engine.block_size, plan.engine.max_model_len
     packed: list[bytes] = []
     rows = bad = too_long = 0
     blocks_max = blocks_all = blocks_prompt_full = 0
@@ -103,5 +104,5 @@ def dry_run(cfg: JobConfig) -> dict[str, Any]:
         "kv_blocks_longest_sequence": blocks_max,
         "kv_blocks_all_rows_no_sharing": blocks_all,
         "kv_blocks_all_rows_shared": blocks_all - blocks_prompt_full - prefix.shared_blocks,
-        "kv_blocks_pool": plan.pool_blocks,
+        "kv_blocks_pool": plan.engine.num_blocks,
     }

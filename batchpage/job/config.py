@@ -13,8 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchpage.config import EngineConfig
-from batchpage.data import DatasetSpec
+from batchpage.data.spec import DatasetSpec
+from batchpage.engine.config import EngineConfig
 from batchpage.sampling_params import SamplingParams
 
 # SamplingParams fields that the job does not expose: logprobs are not written to the output,

@@ -7,6 +7,7 @@ import math
 import os
 import platform
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from importlib import metadata
@@ -17,12 +18,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchpage.output_files import (
+from batchpage.fileio import atomic_path, atomic_write_text
+from batchpage.output.files import (
     FINAL_FILE,
     RUN_FILE,
     IncompleteOutputError,
-    atomic_write_text,
-    fsync_dir,
     list_shards,
     output_schema,
     read_job,
@@ -60,9 +60,8 @@ def finalize(
             f"{len(missing)} of {total_rows} rows have no output yet (indices {shown}); rerun the "
             f"same job into {out} to generate them (finished rows are kept)"
         )
-    tmp = out / f".{FINAL_FILE}.tmp"
     written = errors = 0
-    with pq.ParquetWriter(tmp, schema) as writer:
+    with atomic_path(out / FINAL_FILE) as tmp, pq.ParquetWriter(tmp, schema) as writer:
         for table in _sorted_buckets(out, shards, schema, total_rows, rows_per_bucket):
             # Keep each index's first copy: shards are listed in the order they were written.
             _, first = np.unique(table.column("index").to_numpy(), return_index=True)
@@ -70,13 +69,8 @@ def finalize(
             writer.write_table(table)
             written += table.num_rows
             errors += table.num_rows - table.column("error").null_count
-    if written != total_rows:  # unreachable unless the shards changed under us
-        tmp.unlink()
-        raise IncompleteOutputError(f"merged {written} rows, expected {total_rows}")
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, out / FINAL_FILE)
-    fsync_dir(out)
+        if written != total_rows:  # unreachable unless the shards changed under us
+            raise IncompleteOutputError(f"merged {written} rows, expected {total_rows}")
     return FinalizeResult(out / FINAL_FILE, written, errors)
 
 
@@ -93,9 +87,7 @@ def _sorted_buckets(
         tables = [read(p) for _, p in shards]
         yield pa.concat_tables(tables) if tables else schema.empty_table()
         return
-    tmp_dir = out / ".finalize.tmp"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    tmp_dir.mkdir()
+    tmp_dir = Path(tempfile.mkdtemp(prefix=".finalize.", suffix=".tmp", dir=out))
     try:
         for number, path in shards:
             table = read(path)

@@ -21,11 +21,11 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from batchpage import presets
-from batchpage.data_readers import DatasetError, open_records, peek_columns, resolve_format
-from batchpage.data_rows import DEFAULT_OVERRIDES, OVERRIDE_FIELDS, Row, coerce_override, make_row
+import batchpage.data.presets as presets
+from batchpage.data.readers import DatasetError, open_records, peek_columns, resolve_format
+from batchpage.data.rows import DEFAULT_OVERRIDES, OVERRIDE_FIELDS, Row, make_row
+from batchpage.fileio import file_digest
 
 FORMATS = ("auto", "parquet", "jsonl", "csv", "hf")
 
@@ -105,7 +105,7 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
     if num_rows is not None and spec.limit is not None:
         num_rows = min(num_rows, spec.limit)
     key = {
-        "files": [_file_digest(f) for f in files],
+        "files": [file_digest(f) for f in files],
         "format": fmt,
         "split": spec.split if fmt == "hf" else None,
         "columns": [prompt_col, messages_col, id_column, list(overrides)],
@@ -184,20 +184,6 @@ def _resolve_files(path: str) -> tuple[list[Path], presets.ResolvedPreset | None
     )
 
 
-def _file_digest(path: Path) -> list[Any]:
-    """Name, size and the first/last 64 KiB of each file: catches a changed input in O(1) reads."""
-    if path.is_dir():
-        return [str(path), [_file_digest(f) for f in sorted(path.rglob("*")) if f.is_file()]]
-    size = path.stat().st_size
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 16))
-        if size > 1 << 17:
-            f.seek(-(1 << 16), os.SEEK_END)
-            h.update(f.read())
-    return [path.name, size, h.hexdigest()[:16]]
-
-
 # --- iterate -----------------------------------------------------------------------------------
 
 
@@ -237,17 +223,3 @@ def iter_windows(spec: DatasetSpec) -> Iterator[list[Row]]:
     if window:
         yield window
 
-
-__all__ = [
-    "DEFAULT_OVERRIDES",
-    "FORMATS",
-    "OVERRIDE_FIELDS",
-    "DatasetError",
-    "DatasetInfo",
-    "DatasetSpec",
-    "Row",
-    "coerce_override",
-    "iter_rows",
-    "iter_windows",
-    "validate",
-]

@@ -1,7 +1,7 @@
 """Bundled datasets that run offline: `evals` (HumanEval), `sharegpt` (ShareGPT V3), `demo`.
 
 A bundled name resolves to a real local Parquet file (built once, then cached), so the readers in
-`batchpage.data` treat presets and user files the same way. Every preset table has the columns
+`batchpage.data.spec` treat presets and user files the same way. Every preset table has the columns
 `id` and `prompt`; `sharegpt` adds `reply` (the real first answer, for benchmarks that replay real
 output lengths). Cache files are named after their source's version and size, so an upgraded
 package rebuilds them, and they are written atomically, so a killed build never leaves half a file.
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata, resources
@@ -22,7 +20,8 @@ from typing import Any, TextIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchpage.cache_paths import cache_dir
+from batchpage.fileio import atomic_path
+from batchpage.paths import cache_dir
 
 PRESET_SCHEMA = pa.schema([("id", pa.string()), ("prompt", pa.string())])
 SHAREGPT_SCHEMA = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("reply", pa.string())])
@@ -81,8 +80,8 @@ def resolve_preset(name: str, cache: Path | None = None) -> ResolvedPreset:
     folder = Path(cache) if cache is not None else cache_dir()
     path = folder / f"{name}-{preset.cache_key()}.parquet"
     if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        _atomic_build(path, preset.build)
+        with atomic_path(path) as tmp:
+            preset.build(tmp)
     return ResolvedPreset(name=name, path=path, format="parquet", id_column="id")
 
 
@@ -239,18 +238,3 @@ def _presets() -> dict[str, _Preset]:
             "ShareGPT V3 first-turn prompts with real replies", _sharegpt_key, _build_sharegpt
         ),
     }
-
-
-def _atomic_build(path: Path, build: Callable[[Path], None]) -> None:
-    """Build into a temp file next to `path`, then rename: readers never see a partial file,
-    and two processes building at once both end with the same complete file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        build(Path(tmp))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

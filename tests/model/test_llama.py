@@ -6,7 +6,12 @@ import math
 
 import pytest
 import torch
-from model_factory import (
+
+from batchpage.attention.torch_backend import TorchPagedAttention
+from batchpage.model.config import ModelConfig, UnsupportedModelError
+from batchpage.model.hf_loader import load_hf_model
+from batchpage.model.llama import LlamaForCausalLM, rope_inv_freq
+from tests.model_factory import (
     VARIANTS,
     build_hf_model,
     hf_logits,
@@ -15,11 +20,6 @@ from model_factory import (
     save_hf_folder,
     step_meta,
 )
-
-from batchpage.attention.torch_backend import TorchPagedAttention
-from batchpage.model.config import ModelConfig, UnsupportedModelError
-from batchpage.model.hf_loader import load_hf_model
-from batchpage.model.llama import LlamaForCausalLM, rope_inv_freq
 
 ATOL = 1e-4
 

@@ -6,19 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import HAS_SMOLLM2
-from model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 
 from batchpage import LLM, SamplingParams
+from tests.model_factory import HAS_SMOLLM2
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
-    tok = tiny_tokenizer()
-    hf = build_hf_model("llama_gqa_tied", vocab_size=len(tok))
-    return str(save_hf_folder(hf, tmp_path_factory.mktemp("m"), tok))
 
 
 def shared_prefix_prompts(count: int, seed: int) -> list[list[int]]:
@@ -31,9 +23,9 @@ def shared_prefix_prompts(count: int, seed: int) -> list[list[int]]:
     ]
 
 
-def run(folder: str, prompts, **engine_args) -> tuple[list[list[int]], dict]:
+def run(tiny_folder: str, prompts, **engine_args) -> tuple[list[list[int]], dict]:
     engine_args.setdefault("kv_cache_memory", 2**22)  # ~2k blocks: cheap integrity checks
-    llm = LLM(model=folder, dtype="float32", block_size=4, max_model_len=128, **engine_args)
+    llm = LLM(model=tiny_folder, dtype="float32", block_size=4, max_model_len=128, **engine_args)
     llm.engine.check_integrity_each_step = True
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     manager = llm.engine.kv_manager
@@ -44,10 +36,10 @@ def run(folder: str, prompts, **engine_args) -> tuple[list[list[int]], dict]:
 
 
 @pytest.mark.parametrize("schedule", ["prefix", "fcfs"])
-def test_cache_on_equals_cache_off(folder: str, schedule: str) -> None:
+def test_cache_on_equals_cache_off(tiny_folder: str, schedule: str) -> None:
     prompts = shared_prefix_prompts(24, seed=1)
-    off, off_stats = run(folder, prompts, prefix_caching=False, schedule=schedule)
-    on, on_stats = run(folder, prompts, prefix_caching=True, schedule=schedule)
+    off, off_stats = run(tiny_folder, prompts, prefix_caching=False, schedule=schedule)
+    on, on_stats = run(tiny_folder, prompts, prefix_caching=True, schedule=schedule)
     assert on == off
     assert off_stats["cached_prompt_tokens"] == 0
     assert on_stats["cached_prompt_tokens"] > 0.5 * on_stats["prompt_tokens"]
@@ -61,14 +53,14 @@ def test_cache_on_equals_cache_off(folder: str, schedule: str) -> None:
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
-def test_eviction_under_pressure_keeps_outputs(folder: str, policy: str) -> None:
+def test_eviction_under_pressure_keeps_outputs(tiny_folder: str, policy: str) -> None:
     prompts = shared_prefix_prompts(24, seed=2)
-    want, _ = run(folder, prompts, prefix_caching=False)
+    want, _ = run(tiny_folder, prompts, prefix_caching=False)
     # 40 blocks of 4 tokens: a third of one sequence's worth above max_model_len, so the tree
     # must evict all the time and sequences get preempted.
     per_block = 2 * 2 * 4 * 2 * 16 * 4
     got, stats = run(
-        folder,
+        tiny_folder,
         prompts,
         prefix_caching=True,
         eviction_policy=policy,
@@ -79,11 +71,11 @@ def test_eviction_under_pressure_keeps_outputs(folder: str, policy: str) -> None
     assert stats["cached_prompt_tokens"] > 0
 
 
-def test_chunked_prefill_interleaves_with_decodes(folder: str) -> None:
+def test_chunked_prefill_interleaves_with_decodes(tiny_folder: str) -> None:
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (100, 5, 90, 7)]
-    want, _ = run(folder, prompts, prefix_caching=False, max_num_batched_tokens=512)
-    got, stats = run(folder, prompts, prefix_caching=False, max_num_batched_tokens=16)
+    want, _ = run(tiny_folder, prompts, prefix_caching=False, max_num_batched_tokens=512)
+    got, stats = run(tiny_folder, prompts, prefix_caching=False, max_num_batched_tokens=16)
     assert got == want
     # A 100-token prompt over a 16-token budget takes several steps while the others decode.
     assert stats["steps"] > 12 + 100 // 16

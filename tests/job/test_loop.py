@@ -12,7 +12,6 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
-from model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 
 from batchpage import LLM
 from batchpage.data import DatasetSpec
@@ -29,18 +28,6 @@ from batchpage.sampling_params import SamplingParams
 
 # What a clean rerun may legitimately change: cached_tokens depends on what ran alongside.
 COMPARED = ["id", "index", "prompt", "completion", "finish_reason", "prompt_tokens", "error"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory, tokenizer) -> Path:
-    hf = build_hf_model("llama_gqa_tied", vocab_size=len(tokenizer))
-    hf.config.max_position_embeddings = 1024
-    return save_hf_folder(hf, tmp_path_factory.mktemp("tiny"), tokenizer)
 
 
 def write_jsonl(path: Path, records: list[Any]) -> Path:
@@ -97,7 +84,7 @@ def prompts(count: int) -> list[dict[str, str]]:
     return [{"prompt": f"The quick brown {words[i % 8]} {i} jumps"} for i in range(count)]
 
 
-def test_one_row_per_input_in_order_and_bad_rows_do_not_stop_the_job(tmp_path, model) -> None:
+def test_one_row_per_input_in_order_and_bad_rows_do_not_stop_the_job(tmp_path, tiny_folder) -> None:
     records = [
         # JSONL columns are the first record's keys, so it names both override columns.
         {"prompt": "Hello world", "max_tokens": 3, "temperature": None},
@@ -112,7 +99,7 @@ def test_one_row_per_input_in_order_and_bad_rows_do_not_stop_the_job(tmp_path, m
         {"prompt": "Hello world! How are you today?"},
     ]
     data = write_jsonl(tmp_path / "d.jsonl", records)
-    result = run_job(job(data, model, tmp_path / "out", sampling={"min_tokens": 2}))
+    result = run_job(job(data, tiny_folder, tmp_path / "out", sampling={"min_tokens": 2}))
     rows = table(tmp_path / "out")
     assert [r["index"] for r in rows] == list(range(len(records)))
     assert [r["id"] for r in rows] == [str(i) for i in range(len(records))]
@@ -133,10 +120,12 @@ def test_one_row_per_input_in_order_and_bad_rows_do_not_stop_the_job(tmp_path, m
     assert run["versions"]["batchpage"]
 
 
-def test_chats_and_system_prompts_go_through_the_chat_template(tmp_path, model, tokenizer) -> None:
+def test_chats_and_system_prompts_go_through_the_chat_template(
+    tmp_path, tiny_folder, tokenizer
+) -> None:
     chat = [{"role": "user", "content": "Hello world"}]
     data = write_jsonl(tmp_path / "c.jsonl", [{"messages": chat}, {"messages": "oops"}])
-    run_job(job(data, model, tmp_path / "a", dataset={"messages_column": "messages"}))
+    run_job(job(data, tiny_folder, tmp_path / "a", dataset={"messages_column": "messages"}))
     rows = table(tmp_path / "a")
     text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -145,59 +134,61 @@ def test_chats_and_system_prompts_go_through_the_chat_template(tmp_path, model, 
     assert "messages" in rows[1]["error"]
 
     plain = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hello world"}])
-    run_job(job(plain, model, tmp_path / "b", dataset={"system_prompt": "Be brief."}))
+    run_job(job(plain, tiny_folder, tmp_path / "b", dataset={"system_prompt": "Be brief."}))
     prompt = table(tmp_path / "b")[0]["prompt"]
     assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello")
 
 
-def test_resume_generates_only_missing_rows_and_never_duplicates(tmp_path, model) -> None:
+def test_resume_generates_only_missing_rows_and_never_duplicates(tmp_path, tiny_folder) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", prompts(10))
     out = tmp_path / "out"
     first = Spy()
-    run_job(job(data, model, out, dataset={"limit": 4}), first)  # a partial run
+    run_job(job(data, tiny_folder, out, dataset={"limit": 4}), first)  # a partial run
     assert first.prompts == 4
     second = Spy()
-    result = run_job(job(data, model, out), second)  # the limit is not part of the job identity
+    result = run_job(
+        job(data, tiny_folder, out), second
+    )  # the limit is not part of the job identity
     assert second.prompts == 6 and (result.rows_resumed, result.rows_generated) == (4, 6)
     rows = table(out)
     assert [r["index"] for r in rows] == list(range(10))
     third = Spy()
-    run_job(job(data, model, out), third)
+    run_job(job(data, tiny_folder, out), third)
     assert third.loads == 0  # all done: the model is not even loaded
     assert json.loads((out / "run.json").read_text())["metrics"]["rows_generated"] == 6
-    run_job(job(data, model, tmp_path / "clean"))
+    run_job(job(data, tiny_folder, tmp_path / "clean"))
     clean = table(tmp_path / "clean")
     assert [{k: r[k] for k in COMPARED} for r in rows] == [
         {k: r[k] for k in COMPARED} for r in clean
     ]
 
 
-def test_a_changed_config_is_refused_unless_overwrite(tmp_path, model) -> None:
+def test_a_changed_config_is_refused_unless_overwrite(tmp_path, tiny_folder) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", prompts(2))
     out = tmp_path / "out"
-    run_job(job(data, model, out))
+    run_job(job(data, tiny_folder, out))
     with pytest.raises(JobConfigError, match=r"changed: sampling.max_tokens: 5 -> 6.*overwrite"):
-        run_job(job(data, model, out, sampling={"max_tokens": 6}), never)
+        run_job(job(data, tiny_folder, out, sampling={"max_tokens": 6}), never)
     spy = Spy()
-    run_job(job(data, model, out, engine={"block_size": 8}), spy)  # speed knobs: same job
+    run_job(job(data, tiny_folder, out, engine={"block_size": 8}), spy)  # speed knobs: same job
     assert spy.loads == 0
-    result = run_job(job(data, model, out, sampling={"max_tokens": 6}, overwrite=True))
+    result = run_job(job(data, tiny_folder, out, sampling={"max_tokens": 6}, overwrite=True))
     assert result.rows_generated == 2
     assert all(r["completion_tokens"] == 6 for r in table(out))
 
 
-def test_user_errors_fail_fast_before_the_model_loads(tmp_path, model) -> None:
+def test_user_errors_fail_fast_before_the_model_loads(tmp_path, tiny_folder) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", [{"question": "hi", "answer": "yo"}])
     good = write_jsonl(tmp_path / "g.jsonl", prompts(1))
     out = tmp_path / "out"
     cases = [
-        (job(data, model, out), r"'prompt' not found .* its columns are: question, answer"),
-        (job(tmp_path / "missing.jsonl", model, out), "no such file or folder"),
-        (job(Path("nope"), model, out), "bundled datasets are: demo"),
+        (job(data, tiny_folder, out), r"'prompt' not found .* its columns are: question, answer"),
+        (job(tmp_path / "missing.jsonl", tiny_folder, out), "no such file or folder"),
+        (job(Path("nope"), tiny_folder, out), "bundled datasets are: demo"),
         (job(good, tmp_path / "no-model", out), "no such file or folder"),
-        (job(good, model, out, engine={"kv_cache_memory": 4096}), "raise kv_cache_memory"),
-        (job(good, model, out, engine={"max_model_len": 4096}), "max_position_embeddings"),
-        (job(good, model, out, sampling={"temperature": -1.0}), "temperature must be >= 0"),
+        (job(good, tiny_folder, out, engine={"kv_cache_memory": 4096}), "raise kv_cache_memory"),
+        (job(good, tiny_folder, out, engine={"max_model_len": 4096}), "max_position_embeddings"),
+        (job(good, tiny_folder, out, sampling={"temperature": -1.0}), "temperature must be >= 0"),
     ]
     for cfg, message in cases:
         started = time.perf_counter()
@@ -207,22 +198,22 @@ def test_user_errors_fail_fast_before_the_model_loads(tmp_path, model) -> None:
     assert not out.exists()  # nothing was written either
 
 
-def test_random_samples_do_not_depend_on_windows_or_resume(tmp_path, model) -> None:
+def test_random_samples_do_not_depend_on_windows_or_resume(tmp_path, tiny_folder) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", prompts(5))
     sampling = {"temperature": 1.0, "n": 2, "seed": 7, "max_tokens": 4}
-    run_job(job(data, model, tmp_path / "a", sampling=sampling, dataset={"window_rows": 5}))
-    run_job(job(data, model, tmp_path / "b", sampling=sampling, dataset={"window_rows": 1}))
+    run_job(job(data, tiny_folder, tmp_path / "a", sampling=sampling, dataset={"window_rows": 5}))
+    run_job(job(data, tiny_folder, tmp_path / "b", sampling=sampling, dataset={"window_rows": 1}))
     a, b = table(tmp_path / "a"), table(tmp_path / "b")
     assert all(len(r["completion"]) == 2 and len(r["finish_reason"]) == 2 for r in a)
     assert [r["completion"] for r in a] == [r["completion"] for r in b]
     assert len({c for r in a for c in r["completion"]}) > 5  # samples differ
 
 
-def test_dry_run_reports_the_jobs_shape_without_output(tmp_path, model, tokenizer) -> None:
+def test_dry_run_reports_the_jobs_shape_without_output(tmp_path, tiny_folder, tokenizer) -> None:
     shared = "The quick brown fox jumps over the lazy dog. " * 2
     texts = [shared + "Hello world", shared + "A radix tree", "def add(a, b):"]
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": t} for t in texts] + [{"prompt": None}])
-    report = dry_run(job(data, model, tmp_path / "out", engine={"block_size": 4}))
+    report = dry_run(job(data, tiny_folder, tmp_path / "out", engine={"block_size": 4}))
     ids = [tokenizer.encode(t) for t in texts]
     common = next(i for i, (x, y) in enumerate(zip(ids[0], ids[1], strict=False)) if x != y)
     assert report["rows"] == 4 and report["rows_to_generate"] == 3

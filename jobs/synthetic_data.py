@@ -1,10 +1,11 @@
 """Synthetic data: n sampled completions per ShareGPT seed prompt, de-duplicated, as Parquet.
 
-    python jobs/synthetic_data.py --samples 4 --limit 1000 --out synthetic.parquet
-    python jobs/synthetic_data.py --samples 8 dataset.path=my_seeds.jsonl model.path=/models/x
+    python -m jobs.synthetic_data dataset.limit=1000 --out synthetic.parquet
+    python -m jobs.synthetic_data sampling.n=8 dataset.path=my_seeds.jsonl model.path=/models/x
 
-The generation is an ordinary batchpage job (sampling=default, sampling.n=--samples, a fixed
-seed), run into <out>.job/: kill it at any moment and run the same command again to resume.
+The generation is the job of conf/experiment/synthetic_data.yaml (4 samples per seed at
+temperature 0.8, a fixed seed) with the Hydra overrides given here, run into <out>.job/ unless
+output_dir= says otherwise: kill it at any moment and run the same command again to resume.
 Then every completion is normalised (whitespace collapsed) and kept only the first time it is
 seen, over the whole output; empty completions and failed rows are dropped. The result has one
 row per kept completion: (seed_id, prompt, completion). Both passes stream: memory holds one
@@ -20,11 +21,15 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+if TYPE_CHECKING:
+    from batchpage.job.config import JobConfig
+
+EXPERIMENT = "+experiment=synthetic_data"
 OUT_SCHEMA = pa.schema(
     [("seed_id", pa.string()), ("prompt", pa.string()), ("completion", pa.string())]
 )
@@ -41,35 +46,22 @@ class DedupStats:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--samples", type=int, default=4, help="completions per seed prompt (n)")
-    p.add_argument("--limit", type=int, default=None, help="seed prompts (default: the preset's)")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("synthetic.parquet"))
-    p.add_argument("--overwrite", action="store_true", help="replace another job's results")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. dataset.path=seeds.jsonl")
-    return p.parse_args(argv)
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra overrides of the job, e.g. sampling.n=8 dataset.path=seeds.jsonl "
+        "overwrite=true",
+    )
+    return p.parse_intermixed_args(argv)
 
 
-def job_config(args: argparse.Namespace) -> Any:
+def job_config(args: argparse.Namespace) -> JobConfig:
     from batchpage.run import compose_job
 
-    overrides = [
-        "dataset=sharegpt",
-        "sampling=default",
-        f"sampling.n={args.samples}",
-        f"sampling.temperature={args.temperature}",
-        f"sampling.top_p={args.top_p}",
-        f"sampling.max_tokens={args.max_tokens}",
-        f"sampling.seed={args.seed}",
-    ]
-    if args.limit is not None:
-        overrides.append(f"dataset.limit={args.limit}")
-    cfg = compose_job([*overrides, *args.overrides])
-    cfg.output_dir = str(args.out.with_name(args.out.name + ".job"))
-    cfg.overwrite = args.overwrite
+    cfg = compose_job([EXPERIMENT, *args.overrides])
+    if cfg.output_dir is None:  # the job's files sit next to the file they make
+        cfg.output_dir = str(args.out.with_name(args.out.name + ".job"))
     return cfg
 
 

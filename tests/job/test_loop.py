@@ -169,6 +169,8 @@ def test_a_changed_config_is_refused_unless_overwrite(tmp_path, tiny_folder) -> 
     run_job(job(data, tiny_folder, out))
     with pytest.raises(JobConfigError, match=r"changed: sampling.max_tokens: 5 -> 6.*overwrite"):
         run_job(job(data, tiny_folder, out, sampling={"max_tokens": 6}), never)
+    with pytest.raises(JobConfigError, match=r"changed: dataset.system_prompt: None -> 'Be'"):
+        run_job(job(data, tiny_folder, out, dataset={"system_prompt": "Be"}), never)
     spy = Spy()
     run_job(job(data, tiny_folder, out, engine={"block_size": 8}), spy)  # speed knobs: same job
     assert spy.loads == 0

@@ -21,6 +21,7 @@ from batchpage.sampling_params import SamplingParams
 
 PromptType = str | list[int]
 OnOutput = Callable[[RequestOutput, int], None]  # (a finished request's output, its index)
+OnStep = Callable[[RunStats], None]  # after each engine step: the call's figures so far
 
 
 class LLM:
@@ -54,16 +55,17 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         on_output: OnOutput | None = None,
+        on_step: OnStep | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in input order. A bad prompt gets an output with `error` set
         and no completion; the others still run. `on_output(output, index)` is called as each
         request finishes (in completion order), so a caller can save results while the batch
-        still runs."""
+        still runs; `on_step(stats)` after every engine step, so it can show progress."""
         items = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(items))
         pairs = enumerate(zip(items, params, strict=True))
         requests = [self._make_request(i, p, sp) for i, (p, sp) in pairs]
-        return self._run(requests, use_tqdm, on_output)
+        return self._run(requests, use_tqdm, on_output, on_step)
 
     def chat(
         self,
@@ -137,7 +139,11 @@ class LLM:
         return None
 
     def _run(
-        self, requests: list[Request], use_tqdm: bool, on_output: OnOutput | None
+        self,
+        requests: list[Request],
+        use_tqdm: bool,
+        on_output: OnOutput | None,
+        on_step: OnStep | None = None,
     ) -> list[RequestOutput]:
         bar = tqdm(total=len(requests), desc="requests", disable=not use_tqdm, dynamic_ncols=True)
         done: dict[int, list[Sequence]] = {r.index: [] for r in requests if r.error is None}
@@ -162,6 +168,8 @@ class LLM:
                     )
                     if on_output is not None:
                         on_output(_request_output(seq.request, seqs), seq.request.index)
+                if on_step is not None:
+                    on_step(stats)
         finally:
             bar.close()
         stats.finish()

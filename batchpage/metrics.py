@@ -81,6 +81,19 @@ class RunStats:
         total.first_token_s = [t for r in runs for t in r.first_token_s]
         return total
 
+    def to_record(self) -> dict[str, float | int]:
+        """The counters, JSON-able, for a job's run history: `from_record` restores a RunStats
+        that merges like the original (time-to-first-token samples are not kept)."""
+        record: dict[str, float | int] = {n: getattr(self, n) for n in (*_SUMMED, *_PEAKS)}
+        return {**record, "kv_blocks_total": self.kv_blocks_total, "elapsed_s": self.elapsed_s}
+
+    @classmethod
+    def from_record(cls, record: dict[str, float | int], block_size: int) -> RunStats:
+        stats = cls(int(record["kv_blocks_total"]), block_size, 0.0, float(record["elapsed_s"]))
+        for name in (*_SUMMED, *_PEAKS):
+            setattr(stats, name, int(record.get(name, 0)))
+        return stats
+
     def record_step(
         self, num_running: int, used_slots: int, reserved_slots: int, blocks_used: int
     ) -> None:

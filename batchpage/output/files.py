@@ -10,12 +10,13 @@ Layout of an output_dir:
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,12 @@ SHARD_PREFIX = "shard-"
 LOCK_FILE = ".batchpage.lock"
 
 
-def output_schema(n: int = 1) -> pa.Schema:
-    """The typed schema of shards and completions.parquet; n > 1 makes the outputs lists."""
+def output_schema(n: int = 1, extra: pa.Schema | None = None) -> pa.Schema:
+    """The typed schema of shards and completions.parquet; n > 1 makes the outputs lists.
+    `extra` columns (derived ones such as extracted code, then carried input columns) follow
+    batchpage's own."""
     text = pa.string() if n == 1 else pa.list_(pa.string())
-    return pa.schema(
+    own = pa.schema(
         [
             ("id", pa.string()),
             ("index", pa.int64()),
@@ -47,6 +50,21 @@ def output_schema(n: int = 1) -> pa.Schema:
             ("error", pa.string()),
         ]
     )
+    if extra is None:
+        return own
+    clash = sorted(set(own.names) & set(extra.names))
+    if clash:
+        raise ValueError(f"extra output columns {clash} clash with batchpage's own columns")
+    return pa.schema([*own, *extra])
+
+
+def schema_to_text(schema: pa.Schema) -> str:
+    """An Arrow schema as text for job.json (nested and timestamp types survive)."""
+    return base64.b64encode(schema.serialize().to_pybytes()).decode()
+
+
+def schema_from_text(text: str) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
 
 
 @dataclass
@@ -62,6 +80,12 @@ class ResultRow:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # values of the writer's extra columns
+
+    def record(self) -> dict[str, Any]:
+        """Column name -> value, batchpage's columns then the extra ones."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return {**own, **self.extra}
 
     @classmethod
     def failed(cls, index: int, id: str, error: str, prompt: str | None = None) -> ResultRow:

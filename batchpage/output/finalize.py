@@ -26,6 +26,7 @@ from batchpage.output.files import (
     list_shards,
     output_schema,
     read_job,
+    schema_from_text,
 )
 
 VERSIONED_PACKAGES = ("batchpage", "torch", "triton", "transformers", "pyarrow", "datasets")
@@ -47,7 +48,9 @@ def finalize(
     `rows_per_bucket`: bigger jobs are sorted bucket by bucket through temp files.
     """
     out = Path(output_dir)
-    schema = output_schema(int(read_job(out).get("n", 1)))
+    job = read_job(out)
+    extra = job.get("extra_schema")
+    schema = output_schema(int(job.get("n", 1)), schema_from_text(extra) if extra else None)
     shards = list_shards(out)
     present = np.zeros(total_rows, dtype=bool)
     for _, path in shards:

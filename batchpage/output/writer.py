@@ -14,7 +14,6 @@ import json
 import os
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from batchpage.output.files import (
     lock_dir,
     output_schema,
     scan_shards,
+    schema_to_text,
 )
 
 
@@ -43,6 +43,7 @@ class ShardWriter:
     config_fingerprint: the result-affecting config as a dict (stored in job.json, so that a
     mismatch can say which fields changed) or an already computed hash string.
     overwrite: on a fingerprint mismatch, delete the old results instead of refusing.
+    extra_schema: columns after batchpage's own (derived or carried ones); part of the job.
     """
 
     def __init__(
@@ -54,12 +55,14 @@ class ShardWriter:
         overwrite: bool = False,
         flush_rows: int = 256,
         flush_seconds: float = 30.0,
+        extra_schema: pa.Schema | None = None,
     ) -> None:
         if n < 1 or flush_rows < 1:
             raise ValueError(f"need n >= 1 and flush_rows >= 1, got n={n}, flush_rows={flush_rows}")
         self.output_dir = Path(output_dir)
         self.n = n
-        self.schema = output_schema(n)
+        self.extra_schema = extra_schema
+        self.schema = output_schema(n, extra_schema)
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
         self._buffer: list[dict[str, Any]] = []
@@ -92,7 +95,7 @@ class ShardWriter:
     def add(self, row: ResultRow | Mapping[str, Any]) -> bool:
         """Buffer one finished row; flush when due. Returns False (and drops it) for an index
         that is already done, so a row can never be written twice."""
-        rec = asdict(row) if isinstance(row, ResultRow) else dict(row)
+        rec = row.record() if isinstance(row, ResultRow) else dict(row)
         index = rec.get("index")
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise ValueError(f"a result row needs an int index >= 0, got {index!r}")
@@ -146,7 +149,10 @@ class ShardWriter:
     # --- internals ----------------------------------------------------------------------------
 
     def _claim(self, config: Mapping[str, Any] | str, overwrite: bool) -> None:
+        extra = schema_to_text(self.extra_schema) if self.extra_schema is not None else None
         job = None if isinstance(config, str) else {**config, "n": self.n}
+        if job is not None and extra is not None:
+            job["extra"] = extra
         fp = config if isinstance(config, str) else job_fingerprint(job)
         job_path = self.output_dir / JOB_FILE
         ours = [*self.output_dir.glob(f"{SHARD_PREFIX}*.parquet"), self.output_dir / FINAL_FILE]
@@ -171,6 +177,8 @@ class ShardWriter:
             for p in [*ours, self.output_dir / RUN_FILE]:
                 p.unlink(missing_ok=True)
         payload = {"fingerprint": fp, "n": self.n, "job": job, "created": time.time()}
+        if extra is not None:
+            payload["extra_schema"] = extra
         atomic_write_text(job_path, json.dumps(payload, indent=2, sort_keys=True, default=str))
 
     def _release(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import random
@@ -307,3 +308,36 @@ def test_sigkill_at_random_moments_then_resume(tmp_path: Path) -> None:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     table = pq.read_table(finalize(tmp_path, total).path)
     assert table.column("completion").to_pylist() == [f"c{i}" for i in range(total)]
+
+
+def test_extra_columns_keep_their_types_through_shards_and_finalize(tmp_path: Path) -> None:
+    extra = pa.schema(
+        [
+            ("code", pa.string()),
+            ("meta", pa.struct([("tags", pa.list_(pa.string())), ("score", pa.float64())])),
+            ("when", pa.timestamp("us", tz="UTC")),
+        ]
+    )
+    when = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+    with ShardWriter(tmp_path, {"job": 1}, flush_rows=1, extra_schema=extra) as w:
+        for i in (1, 0):
+            meta = {"tags": ["a", str(i)], "score": i / 2}
+            w.add(
+                ResultRow(
+                    i, str(i), "p", "c", "stop", extra={"code": f"x{i}", "meta": meta, "when": when}
+                )
+            )
+    table = pq.read_table(finalize(tmp_path, 2).path)
+    assert table.schema == output_schema(1, extra)
+    assert table.column("meta").to_pylist() == [
+        {"tags": ["a", "0"], "score": 0.0},
+        {"tags": ["a", "1"], "score": 0.5},
+    ]
+    assert table.column("when").to_pylist() == [when, when]
+    with pytest.raises(OutputDirError, match="changed: extra"):
+        ShardWriter(tmp_path, {"job": 1})  # the same job without the columns is another job
+
+
+def test_extra_columns_may_not_shadow_batchpage_columns() -> None:
+    with pytest.raises(ValueError, match=r"\['error'\] clash"):
+        output_schema(1, pa.schema([("error", pa.string())]))

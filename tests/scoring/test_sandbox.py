@@ -86,6 +86,12 @@ def test_a_program_that_fails_or_exits_early_fails(source: str, reason: str):
     assert outcome.reason.startswith(reason)
 
 
+def test_a_program_killed_by_a_signal_is_reported_as_killed():
+    outcome = run_python("import ctypes\nctypes.string_at(0)\n", FAST)  # reads address 0
+    assert outcome.status is Status.KILLED and not outcome.passed
+    assert outcome.reason.startswith("killed by SIGSEGV")
+
+
 def test_the_program_runs_as_nobody_when_root():
     expected = 65534 if os.geteuid() == 0 else os.getuid()
     outcome = run_python(f"import os\nassert os.getuid() == {expected}, os.getuid()\n", FAST)

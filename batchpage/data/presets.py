@@ -43,6 +43,33 @@ _DEMO_PROMPTS = (
 
 
 @dataclass(frozen=True)
+class PromptStyles:
+    """How a dataset of code-completion prompts is posed to a model (`dataset.style`).
+
+    instruct: for chat models, the prompt goes into this user turn (at {prompt}) through the
+    chat template, and the code is taken from the reply's code block afterwards.
+    completion: for base models, the prompt is sent as raw text and these stop strings end the
+    completion (a new top-level statement ends the function body).
+    """
+
+    instruct: str
+    completion_stop: tuple[str, ...]
+
+
+# The instruct form of HumanEval as the lm-eval "instruct" variants and evalplus pose it: the
+# function to complete, in a fence, and a request for the whole function back in a fence.
+HUMANEVAL_STYLES = PromptStyles(
+    instruct=(
+        "Complete the following Python function. Reply with the complete function, "
+        "including its signature and any imports it needs, in one ```python code block.\n\n"
+        "```python\n{prompt}```"
+    ),
+    # The stop strings of the Codex paper.
+    completion_stop=("\nclass", "\ndef", "\n#", "\nif", "\nprint"),
+)
+
+
+@dataclass(frozen=True)
 class ResolvedPreset:
     """Where a bundled dataset lives on disk and how to read it."""
 
@@ -50,6 +77,7 @@ class ResolvedPreset:
     path: Path
     format: str  # always "parquet" today; kept so data.py never guesses
     id_column: str
+    styles: PromptStyles | None = None  # set for code-completion prompt sets
 
 
 @dataclass(frozen=True)
@@ -57,6 +85,7 @@ class _Preset:
     description: str
     cache_key: Callable[[], str]  # changes whenever the source data changes
     build: Callable[[Path], None]  # writes the Parquet file at the given path
+    styles: PromptStyles | None = None
 
 
 def known_presets() -> tuple[str, ...]:
@@ -82,7 +111,9 @@ def resolve_preset(name: str, cache: Path | None = None) -> ResolvedPreset:
     if not path.exists():
         with atomic_path(path) as tmp:
             preset.build(tmp)
-    return ResolvedPreset(name=name, path=path, format="parquet", id_column="id")
+    return ResolvedPreset(
+        name=name, path=path, format="parquet", id_column="id", styles=preset.styles
+    )
 
 
 # --- demo --------------------------------------------------------------------------------------
@@ -235,7 +266,7 @@ def _presets() -> dict[str, _Preset]:
     # Built per call (it is tiny) so that there is no module-level mutable registry.
     return {
         "demo": _Preset("8 short prompts, half sharing a prefix", _demo_key, _build_demo),
-        "evals": _Preset("HumanEval, 164 code prompts", _evals_key, _build_evals),
+        "evals": _Preset("HumanEval, 164 code prompts", _evals_key, _build_evals, HUMANEVAL_STYLES),
         "sharegpt": _Preset(
             "ShareGPT V3 first-turn prompts with real replies", _sharegpt_key, _build_sharegpt
         ),

@@ -33,17 +33,25 @@ from batchpage.data.rows import DEFAULT_OVERRIDES, OVERRIDE_FIELDS, Row, make_ro
 from batchpage.fileio import file_digest
 
 FORMATS = ("auto", "parquet", "jsonl", "csv", "hf")
+CHAT_TEMPLATE_MODES = ("auto", "true", "false")
+STYLES = ("auto", "instruct", "completion")
 
 
 @dataclass
 class DatasetSpec:
     """Where the prompts are and how to read them (the `dataset` config group).
 
-    path: a file, a folder, a glob, or a bundled name (`batchpage.presets.known_presets()`).
+    path: a file, a folder, a glob, or a bundled name (`batchpage.data.presets.known_presets()`).
     prompt_column / messages_column: plain text, or a chat (a list of {role, content}). Setting
     messages_column switches to chat unless prompt_column was also changed from its default.
     override_columns: per-row SamplingParams columns; None means max_tokens and temperature
     where the data has them. Listed columns must exist.
+    chat_template: auto (chats and prompts with a system_prompt go through the model's chat
+    template, plain prompts are sent as raw text), true (plain prompts too, as a user turn) or
+    false (plain prompts never; a system_prompt then has nowhere to go and is refused).
+    style: for code-completion prompt sets (the `evals` preset): instruct (a chat turn asking
+    for the function, code taken from the reply), completion (raw prompt, stop strings) or
+    auto (instruct when the model has a chat template).
     """
 
     path: str = "evals"
@@ -56,6 +64,8 @@ class DatasetSpec:
     limit: int | None = None
     override_columns: list[str] | None = None
     window_rows: int = 1024
+    chat_template: str = "auto"
+    style: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,8 @@ class DatasetInfo:
     # JSON-able data, so that a refused resume can name the setting that changed.
     fingerprint: dict[str, Any]
     preset: str | None = None
+    styles: presets.PromptStyles | None = None  # the ways its prompts can be posed, if any
+    chat_template: str = "auto"  # normalised: auto | true | false
 
 
 # --- validate ----------------------------------------------------------------------------------
@@ -87,7 +99,24 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         raise DatasetError(f"dataset.limit={spec.limit} must be >= 0 (or null for all rows)")
     if spec.window_rows < 1:
         raise DatasetError(f"dataset.window_rows={spec.window_rows} must be >= 1")
+    chat_template = str(spec.chat_template).lower()
+    if chat_template not in CHAT_TEMPLATE_MODES:
+        raise DatasetError(
+            f"dataset.chat_template={spec.chat_template!r} is unknown; use auto, true or false"
+        )
+    if chat_template == "false" and spec.system_prompt:
+        raise DatasetError(
+            "dataset.system_prompt needs the chat template, and dataset.chat_template=false: "
+            "drop one of the two"
+        )
+    if spec.style not in STYLES:
+        raise DatasetError(f"dataset.style={spec.style!r} is unknown; use one of {STYLES}")
     paths, preset = _resolve_files(spec.path)
+    if spec.style != "auto" and not (preset and preset.styles):
+        raise DatasetError(
+            f"dataset.style={spec.style} applies to code-completion prompt sets (the evals "
+            "preset); for other data use dataset.chat_template=true|false"
+        )
     fmt, files = resolve_format(spec.format, paths)
     id_column = spec.id_column if spec.id_column is not None or preset is None else preset.id_column
     columns, num_rows = peek_columns(fmt, files, spec.split)
@@ -119,6 +148,7 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         "split": spec.split if fmt == "hf" else None,
         "columns": [prompt_col, messages_col, id_column, list(overrides)],
         "system_prompt": spec.system_prompt,
+        "chat_template": chat_template,
     }
     return DatasetInfo(
         format=fmt,
@@ -131,6 +161,8 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         num_rows=num_rows,
         fingerprint=key,
         preset=preset.name if preset else None,
+        styles=preset.styles if preset else None,
+        chat_template=chat_template,
     )
 
 

@@ -1,10 +1,12 @@
-"""The batch job: its config schema (config), the checks made before the model loads (plan), the
-window loop that generates and writes shards (loop) and the dry run (dry_run)."""
+"""The batch job: its config schema (config), the checks made before the model loads (plan),
+how rows become prompts (prompts), the window loop (loop), its progress bar (progress), run.json
+and the summary (report), and the dry run (dry_run)."""
 
 from batchpage.job.config import JobConfig, register_configs
 from batchpage.job.dry_run import dry_run
-from batchpage.job.loop import JobResult, run_job
+from batchpage.job.loop import run_job
 from batchpage.job.plan import JobConfigError, JobPlan, plan_job
+from batchpage.job.report import JobResult
 
 __all__ = [
     "JobConfig",

@@ -11,8 +11,8 @@ from typing import Any, NamedTuple
 
 from batchpage.data.spec import iter_windows
 from batchpage.job.config import JobConfig
-from batchpage.job.loop import prepare_window
 from batchpage.job.plan import plan_job
+from batchpage.job.prompts import prepare_window
 from batchpage.model.loader import load_tokenizer
 
 
@@ -71,10 +71,10 @@ def dry_run(cfg: JobConfig) -> dict[str, Any]:
     blocks_max = blocks_all = blocks_prompt_full = 0
     for window in iter_windows(cfg.dataset):
         rows += len(window)
-        ready, failed = prepare_window(window, tokenizer, plan.params, plan.base_seed)
+        ready, failed = prepare_window(window, tokenizer, plan.params, plan.base_seed, plan.prompts)
         bad += len(failed)
         for p in ready:
-            ids = p.prompt if isinstance(p.prompt, list) else tokenizer.encode(p.prompt)
+            ids = p.prompt_ids
             if not ids or len(ids) >= limit:
                 too_long += bool(ids)
                 bad += not ids

@@ -16,11 +16,12 @@ from batchpage.engine.config import EngineConfig
 from batchpage.engine.plan import EnginePlan, plan_engine
 from batchpage.fileio import file_digest
 from batchpage.job.config import JobConfig
-from batchpage.model.loader import ModelSource, resolve_model_source
+from batchpage.job.prompts import PromptPlan
+from batchpage.model.loader import ModelSource, load_tokenizer, resolve_model_source
 from batchpage.sampling_params import SamplingParams
 
 # Bump when the way prompts are built changes: old output_dirs then refuse to resume into a mix.
-PROMPT_FORMAT = 1
+PROMPT_FORMAT = 2
 # Weight files are replaced whole, not edited: their ends and size tell checkpoints apart
 # without reading gigabytes at every start.
 _WEIGHT_SAMPLE_BYTES = 1 << 16
@@ -36,8 +37,10 @@ class JobPlan:
     info: DatasetInfo
     source: ModelSource
     engine: EnginePlan
-    params: SamplingParams
+    params: SamplingParams  # the job's; rows may override some fields
     base_seed: int
+    prompts: PromptPlan
+    style: str | None  # instruct | completion for a code-completion prompt set, else None
     fingerprint: dict[str, Any]
 
 
@@ -49,6 +52,10 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         source = resolve_model_source(cfg.model.path)
         engine_cfg = EngineConfig(**asdict(cfg.engine))  # validated again: cfg may be hand-built
         engine = plan_engine(engine_cfg, source)
+        style, prompts = _prompt_plan(cfg, info, source)
+        if style == "completion" and info.styles is not None:
+            stops = [*(params.stop or []), *info.styles.completion_stop]
+            params = params.replace(stop=list(dict.fromkeys(stops)))
     except (ValueError, OSError) as e:
         raise JobConfigError(str(e)) from None
     base_seed = cfg.sampling.seed if cfg.sampling.seed is not None else engine_cfg.seed
@@ -64,8 +71,29 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         "dataset": info.fingerprint,
         "max_model_len": engine.max_model_len,
         "prompt_format": PROMPT_FORMAT,
+        "style": style,
+        "instruct": prompts.instruct,
     }
-    return JobPlan(info, source, engine, params, base_seed, fingerprint)
+    return JobPlan(info, source, engine, params, base_seed, prompts, style, fingerprint)
+
+
+def _prompt_plan(
+    cfg: JobConfig, info: DatasetInfo, source: ModelSource
+) -> tuple[str | None, PromptPlan]:
+    """Settle dataset.style (auto: instruct when the model has a chat template, which costs
+    reading its tokenizer, not its weights) and check that chats have a template to go into."""
+    if info.messages_column is not None and info.chat_template == "false":
+        raise ValueError(
+            "a messages column needs the chat template, and dataset.chat_template=false: "
+            "set dataset.chat_template=auto"
+        )
+    if info.styles is None:
+        return None, PromptPlan(info.chat_template)
+    style = cfg.dataset.style
+    if style == "auto":
+        style = "instruct" if load_tokenizer(source).has_chat_template else "completion"
+    instruct = info.styles.instruct if style == "instruct" else None
+    return style, PromptPlan(info.chat_template, instruct)
 
 
 def model_identity(source: ModelSource) -> list[Any]:

@@ -106,12 +106,17 @@ def _sorted_buckets(
 
 
 def write_run_json(
-    output_dir: str | os.PathLike, config: Mapping[str, Any], metrics: Mapping[str, Any]
+    output_dir: str | os.PathLike,
+    config: Mapping[str, Any],
+    metrics: Mapping[str, Any],
+    runs: list[Mapping[str, Any]] | None = None,
 ) -> Path:
-    """run.json: the resolved config, package versions and the engine's metrics (atomic)."""
+    """run.json: the resolved config, package versions, the metrics (the totals of a job) and
+    the history of its runs (atomic)."""
     payload = {
         "config": config,
         "metrics": metrics,
+        "runs": runs or [],
         "versions": package_versions(),
         "python": platform.python_version(),
         "platform": platform.platform(),

@@ -24,7 +24,7 @@ from batchpage.data import (
     validate,
 )
 from batchpage.data.rows import coerce_override
-from batchpage.job.loop import prepare_window
+from batchpage.job.prompts import prepare_window
 from batchpage.sampling_params import SamplingParams
 
 

@@ -146,16 +146,24 @@ def test_resume_generates_only_missing_rows_and_never_duplicates(tmp_path, tiny_
     run_job(job(data, tiny_folder, out, dataset={"limit": 4}), first)  # a partial run
     assert first.prompts == 4
     second = Spy()
-    result = run_job(
-        job(data, tiny_folder, out), second
-    )  # the limit is not part of the job identity
+    result = run_job(job(data, tiny_folder, out), second)  # the limit is not in the job identity
     assert second.prompts == 6 and (result.rows_resumed, result.rows_generated) == (4, 6)
     rows = table(out)
     assert [r["index"] for r in rows] == list(range(10))
     third = Spy()
     run_job(job(data, tiny_folder, out), third)
     assert third.loads == 0  # all done: the model is not even loaded
-    assert json.loads((out / "run.json").read_text())["metrics"]["rows_generated"] == 6
+    report = json.loads((out / "run.json").read_text())
+    # Every run that generated is in the history; the totals add them up.
+    assert [r["rows_generated"] for r in report["runs"]] == [4, 6]
+    assert [r["metrics"]["requests"] for r in report["runs"]] == [4, 6]
+    assert report["metrics"]["rows_generated"] == 10 == report["metrics"]["requests"]
+    assert report["metrics"]["runs"] == 2 and report["metrics"]["rows"] == 10
+    assert report["config"]["resolved"]["dtype"] == "float32"
+    assert report["config"]["resolved"]["attention_backend"] in (
+        "CpuPagedAttention",
+        "TorchPagedAttention",
+    )
     run_job(job(data, tiny_folder, tmp_path / "clean"))
     clean = table(tmp_path / "clean")
     assert [{k: r[k] for k in COMPARED} for r in rows] == [

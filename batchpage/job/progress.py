@@ -1,0 +1,122 @@
+"""The job's progress bar: it moves on tokens, not only rows, so it is alive from the first step.
+
+The bar counts token work: every row costs its prompt tokens plus its largest possible output
+(n * max_tokens, or what is left of max_model_len). The bar advances by the tokens the engine
+handles (prompt tokens computed or served by the prefix cache, tokens generated) and its total
+shrinks when a row stops early, by the output budget it did not use. tqdm's ETA, (total - done)
+over the measured rate, is then an upper bound that is sane from the first steps. Rows not yet
+read are costed at the average of those read so far.
+
+Messages (stages, resume notes) go through `note`, which prints above the bar without breaking it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+from batchpage.metrics import RunStats, tokens_per_s
+
+
+@dataclass
+class TokenWork:
+    """The arithmetic behind the bar, kept apart from tqdm so it can be tested."""
+
+    rows_total: int | None  # None: unknown until the input is read to its end
+    rows_known: int = 0  # rows whose cost has been added
+    cost_known: int = 0  # their prompt tokens plus output budgets, less budgets released
+    done: int = 0  # tokens handled
+
+    def add_rows(self, costs: list[int]) -> None:
+        self.rows_known += len(costs)
+        self.cost_known += sum(costs)
+
+    def release(self, unused_budget: int) -> None:
+        """A row stopped before its output budget ran out: that work will never be done."""
+        self.cost_known -= unused_budget
+
+    def advance(self, tokens: int) -> None:
+        self.done += tokens
+
+    @property
+    def total(self) -> int:
+        """Known costs, plus the rows not read yet at the average cost so far."""
+        unread = max(0, (self.rows_total or self.rows_known) - self.rows_known)
+        average = self.cost_known / self.rows_known if self.rows_known else 0.0
+        return max(self.done, round(self.cost_known + unread * average))
+
+    def eta_s(self, rate: float) -> float | None:
+        """Seconds left at `rate` tokens/s; None before anything was measured."""
+        return (self.total - self.done) / rate if rate > 0 else None
+
+
+class JobProgress:
+    """One bar for the whole job (rows done are shown beside it)."""
+
+    def __init__(self, rows_total: int | None, enabled: bool) -> None:
+        self.work = TokenWork(rows_total)
+        self.rows_total = rows_total
+        self.rows_done = 0
+        self.bar = tqdm(
+            total=0,
+            unit="tok",
+            unit_scale=True,
+            desc="tokens",
+            disable=not enabled,
+            dynamic_ncols=True,
+        )
+        self._window_base = 0  # tokens handled before the current window's run
+        self._stage = "starting"
+
+    def note(self, message: str) -> None:
+        tqdm.write(message, file=sys.stderr)  # above the bar; plain stderr when there is none
+
+    def stage(self, name: str) -> None:
+        self._stage = name
+        self._refresh()
+
+    def rows_skipped(self, count: int) -> None:
+        """Rows that need no generation (resumed, or failed before generating)."""
+        self.rows_done += count
+        if self.work.rows_total is not None:
+            self.work.rows_total -= count
+        self._refresh()
+
+    def window_started(self, costs: list[int]) -> None:
+        self.work.add_rows(costs)
+        self._window_base = self.work.done
+        self._refresh()
+
+    def step(self, stats: RunStats, tok_s: float) -> None:
+        """After each engine step: `stats` is the running window's, `tok_s` the job's rate."""
+        handled = stats.prefill_tokens_computed + stats.cached_prompt_tokens
+        self.work.done = self._window_base + handled + stats.generated_tokens
+        self._stage = "generating" if stats.generated_tokens else "prefill"
+        self._refresh(tok_s)
+
+    def row_finished(self, unused_budget: int) -> None:
+        self.rows_done += 1
+        self.work.release(unused_budget)
+        self._refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def _refresh(self, tok_s: float | None = None) -> None:
+        self.bar.total = self.work.total
+        self.bar.n = min(self.work.done, self.bar.total)
+        rows = f"{self.rows_done}/{self.rows_total}" if self.rows_total is not None else "?"
+        fields = {"rows": rows, "stage": self._stage}
+        if tok_s is not None:
+            fields["out_tok_s"] = f"{tok_s:.1f}"
+        self.bar.set_postfix(fields, refresh=False)
+        self.bar.refresh()
+
+
+def job_rate(before: RunStats, current: RunStats) -> float:
+    """The one throughput figure: generated tokens over the time spent generating."""
+    return tokens_per_s(
+        before.generated_tokens + current.generated_tokens, before.elapsed_s + current.elapsed_s
+    )

@@ -1,0 +1,124 @@
+"""From rows to prompts: each row's token ids and SamplingParams, or the reason it failed.
+
+How a row is posed (PromptPlan, settled by plan_job before the model loads):
+- a `messages` chat goes through the model's chat template;
+- a code-completion prompt set (the evals preset) in the instruct style becomes one user turn
+  that asks for the function (the code is taken from the reply afterwards); in the completion
+  style it is sent as raw text, its stop strings being in the job's SamplingParams already;
+- a plain prompt goes through the chat template as a user turn when dataset.chat_template=true
+  or a system_prompt is set, and is sent as raw text otherwise.
+Prompts are tokenized here, so the job knows every row's cost before it is generated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from batchpage.data.rows import Row
+from batchpage.model.tokenizer import Tokenizer
+from batchpage.output.files import ResultRow
+from batchpage.outputs import RequestOutput
+from batchpage.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    chat_template: str = "auto"  # auto | true | false (dataset.chat_template)
+    instruct: str | None = None  # the user turn around {prompt}, in the instruct style
+
+
+class Prepared(NamedTuple):
+    row: Row
+    prompt_ids: list[int]
+    text: str  # what the output's prompt column holds (the rendered chat for chats)
+    params: SamplingParams
+
+
+def row_seed(base_seed: int, index: int) -> int:
+    """A row's own seed from the job seed and its input position: independent of windows, batch
+    order and resume, and unrelated between neighbouring rows."""
+    digest = hashlib.blake2b(f"{base_seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # 63 bits: a valid torch seed
+
+
+def row_params(row: Row, base: SamplingParams, base_seed: int) -> SamplingParams:
+    """The job's params with the row's overrides (SamplingParams checks every value, against
+    the job's own: ValueError or TypeError names the field) and the row's own seed."""
+    params = base.replace(**row.overrides) if row.overrides else base
+    if not params.is_greedy and "seed" not in row.overrides:
+        params = params.replace(seed=row_seed(base_seed, row.index))
+    return params
+
+
+def chat_of(row: Row, plan: PromptPlan) -> list[dict[str, str]] | None:
+    """The row as a chat, or None when its prompt is sent as raw text."""
+    if row.messages is not None:
+        return row.messages
+    prompt = row.prompt or ""
+    if plan.instruct is not None:
+        prompt = plan.instruct.replace("{prompt}", prompt)
+    elif plan.chat_template != "true" and not row.system_prompt:
+        return None
+    system = [{"role": "system", "content": row.system_prompt}] if row.system_prompt else []
+    return [*system, {"role": "user", "content": prompt}]
+
+
+def prepare_window(
+    rows: Iterable[Row],
+    tokenizer: Tokenizer | None,
+    base: SamplingParams,
+    base_seed: int,
+    plan: PromptPlan | None = None,
+) -> tuple[list[Prepared], list[ResultRow]]:
+    """Rows -> (prompts to generate, rows that already failed with their error). The tokenizer
+    may be None only when no row is left to generate."""
+    plan = plan or PromptPlan()
+    ready: list[Prepared] = []
+    failed: list[ResultRow] = []
+    for row in rows:
+        if row.error is not None:
+            failed.append(ResultRow.failed(row.index, row.id, row.error, row.prompt))
+            continue
+        try:
+            params = row_params(row, base, base_seed)
+        except (ValueError, TypeError) as e:
+            failed.append(
+                ResultRow.failed(row.index, row.id, f"bad sampling value: {e}", row.prompt)
+            )
+            continue
+        if tokenizer is None:
+            raise ValueError("prepare_window needs the tokenizer for rows left to generate")
+        chat = chat_of(row, plan)
+        if chat is None:
+            text = row.prompt or ""
+            ready.append(Prepared(row, tokenizer.encode(text), text, params))
+            continue
+        try:
+            ids = tokenizer.apply_chat_template(chat)
+        except Exception as e:  # a template can fail on one odd chat; only that row fails
+            failed.append(ResultRow.failed(row.index, row.id, f"chat template failed: {e}"))
+            continue
+        ready.append(Prepared(row, ids, tokenizer.decode(ids, skip_special_tokens=False), params))
+    return ready, failed
+
+
+def to_result(p: Prepared, out: RequestOutput, n: int) -> ResultRow:
+    if out.error is not None:
+        return ResultRow(
+            p.row.index, p.row.id, p.text, prompt_tokens=len(out.prompt_token_ids), error=out.error
+        )
+    texts = [o.text for o in out.outputs]
+    reasons = [o.finish_reason or "length" for o in out.outputs]
+    return ResultRow(
+        index=p.row.index,
+        id=p.row.id,
+        prompt=p.text,
+        completion=texts[0] if n == 1 else texts,
+        finish_reason=reasons[0] if n == 1 else reasons,
+        prompt_tokens=len(out.prompt_token_ids),
+        completion_tokens=sum(len(o.token_ids) for o in out.outputs),
+        cached_tokens=out.num_cached_tokens,
+    )

@@ -1,0 +1,137 @@
+"""What a job tells afterwards: run.json (config, the settings that were resolved, one entry per
+run into the output_dir and the totals over them) and the summary the command line prints."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from batchpage.job.config import JobConfig, to_plain
+from batchpage.job.plan import JobPlan
+from batchpage.metrics import RunStats
+from batchpage.output import RUN_FILE, write_run_json
+
+
+@dataclass
+class JobResult:
+    output_dir: Path
+    rows: int
+    rows_resumed: int
+    rows_generated: int
+    errors: int
+    first_error: str | None
+    metrics: dict[str, Any]  # totals over every run into output_dir, as in run.json
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    samples: list[dict[str, Any]] = field(default_factory=list)  # a few finished rows
+    score: dict[str, Any] | None = None  # with cfg.score: the scorer's summary
+
+
+@dataclass(frozen=True)
+class ThisRun:
+    """One invocation of the job, for run.json's history."""
+
+    started: float  # time.time()
+    wall_s: float
+    rows_generated: int
+    rows_resumed: int
+    stats: RunStats
+
+
+def resolved_settings(plan: JobPlan, llm: Any | None) -> dict[str, Any]:
+    """What "auto" became: device, dtype, attention backend, threads, pool size."""
+    import torch
+
+    settings: dict[str, Any] = {
+        "device": str(plan.engine.device),
+        "dtype": str(plan.engine.dtype).removeprefix("torch."),
+        "max_model_len": plan.engine.max_model_len,
+        "kv_blocks": plan.engine.num_blocks,
+        "kv_cache_bytes": plan.engine.kv_cache_bytes,
+        "threads": torch.get_num_threads(),
+        "style": plan.style,
+    }
+    if llm is not None:
+        settings["attention_backend"] = type(llm.engine.runner.attention).__name__
+    return settings
+
+
+def write_report(
+    out: Path, cfg: JobConfig, plan: JobPlan, settings: dict[str, Any], run: ThisRun, rows: int
+) -> dict[str, Any]:
+    """Append this run to run.json's history (a run that generated nothing adds no entry) and
+    rewrite the totals. Returns the totals."""
+    runs = _previous_runs(out)
+    if run.rows_generated or not runs:
+        runs.append(
+            {
+                "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(run.started)),
+                "wall_s": run.wall_s,
+                "rows_generated": run.rows_generated,
+                "rows_resumed": run.rows_resumed,
+                "settings": settings,
+                "stats": run.stats.to_record(),
+                "metrics": run.stats.as_dict(),
+            }
+        )
+    block_size = cfg.engine.block_size
+    merged = RunStats.merged([RunStats.from_record(r["stats"], block_size) for r in runs])
+    totals = merged.as_dict()
+    # Time to first token is measured from each run's own start: it is reported per run only.
+    del totals["ttft_s"]
+    totals |= {
+        "wall_s": sum(r["wall_s"] for r in runs),
+        "runs": len(runs),
+        "rows": rows,
+        "rows_generated": sum(r["rows_generated"] for r in runs),
+    }
+    config = {
+        "job": to_plain(cfg),
+        "resolved": runs[-1]["settings"],  # of the last run that generated
+        "model": {
+            "path": cfg.model.path,
+            "kind": plan.source.kind,
+            "file": str(plan.source.path),
+            "identity": plan.fingerprint["model"],
+        },
+        "dataset": {
+            "files": list(plan.info.files),
+            "format": plan.info.format,
+            "preset": plan.info.preset,
+            "num_rows": plan.info.num_rows,
+        },
+        "fingerprint": plan.fingerprint,
+    }
+    write_run_json(out, config, totals, runs=runs)
+    return totals
+
+
+def _previous_runs(out: Path) -> list[dict[str, Any]]:
+    try:
+        runs = json.loads((out / RUN_FILE).read_text()).get("runs")
+    except (OSError, ValueError):
+        return []
+    return runs if isinstance(runs, list) and all("stats" in r for r in runs) else []
+
+
+def summarize(path: Path, n_samples: int = 2) -> tuple[dict[str, int], list[dict[str, Any]], str]:
+    """Finish reasons counted, a few finished rows and the first error of completions.parquet."""
+    table = pq.read_table(path, columns=["id", "completion", "finish_reason", "error"])
+    reasons: Counter[str] = Counter()
+    samples: list[dict[str, Any]] = []
+    first_error = ""
+    for rec in table.to_pylist():
+        if rec["error"] is not None:
+            first_error = first_error or rec["error"]
+            reasons["error"] += 1
+            continue
+        found = rec["finish_reason"]
+        reasons.update(found if isinstance(found, list) else [found])
+        if len(samples) < n_samples and rec["completion"]:
+            samples.append({"id": rec["id"], "completion": rec["completion"]})
+    return dict(reasons), samples, first_error

@@ -3,7 +3,8 @@
 Modules: kv_write (store new K/V at their slots), paged_decode_attention (single-pass and split-KV
 decode), extend_attention (varlen prefill over a paged prefix), reference (torch references),
 testing (random paged inputs for the tests and jobs/gpu_bench.py), all Triton; and
-cpu_paged_decode, the C++ decode kernel for CPUs.
+cpu_paged_decode, the launcher of the C++ decode kernel for CPUs (cpu_paged_decode.cpp, shipped
+as package data).
 
 Triton decides at decoration time, when a kernel module is first imported, whether @triton.jit
 compiles for a GPU or runs in its numpy interpreter. Without CUDA nothing could compile, so this

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from batchpage.attention.metadata import AttentionMetadata
-
 
 @dataclass(frozen=True)
 class PagedCase:
@@ -31,18 +29,6 @@ class PagedCase:
     @property
     def max_seqlen_q(self) -> int:
         return max(self.query_lens, default=0)
-
-    def metadata(self) -> AttentionMetadata:
-        """The case as one engine step's metadata, for the attention backends."""
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping,
-            query_start_loc=self.cu_seqlens_q,
-            seq_lens=self.seq_lens,
-            block_tables=self.block_table,
-            block_size=self.k_cache.shape[1],
-            query_lens_cpu=self.query_lens,
-            seq_lens_cpu=tuple(self.seq_lens.tolist()),
-        )
 
 
 def make_paged_case(

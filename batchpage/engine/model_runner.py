@@ -1,6 +1,6 @@
-"""ModelRunner: executes one step: swaps and block copies, one forward over the flattened tokens,
-logits of the rows that sample. It holds the model, the KV pool tensors, the attention backend and
-the host copies of swapped-out sequences."""
+"""ModelRunner: executes one step: swaps and block copies, the step's attention plan, one forward
+over the flattened tokens, logits of the rows that sample. It holds the model, the KV pool
+tensors, the attention backend and the host copies of swapped-out sequences."""
 
 from __future__ import annotations
 
@@ -60,9 +60,9 @@ class ModelRunner:
             self.kv.swap_in(s.blocks, self.swapped.pop(s.seq_id))
         for c in decision.copies:
             self.kv.copy_block(c.src, c.dst)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, inputs.meta, self.kv, self.attention
-        )
+        # What every layer's attention does depends only on the step's metadata: planned once.
+        attention = self.attention.plan(inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv, attention)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if not inputs.prompt_targets:
             return logits, None

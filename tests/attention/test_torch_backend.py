@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from batchpage.attention.metadata import AttentionMetadata
-from batchpage.attention.torch_backend import TorchPagedAttention, length_groups, plan_parts
+from batchpage.attention.parts import plan_parts
+from batchpage.attention.torch_backend import TorchPagedAttention
 from batchpage.cache.kv_cache import KVCache
 
 
@@ -73,23 +75,11 @@ def test_paged_matches_dense(block_size, heads, query_lens):
     new_k = torch.cat([k[c:] for k, c in zip(full_k, cached, strict=True)])
     new_v = torch.cat([v[c:] for v, c in zip(full_v, cached, strict=True)])
     scale = head_dim**-0.5
-    out = TorchPagedAttention()(0, q, new_k, new_v, kv, meta, scale)
+    out = TorchPagedAttention().plan(meta)(0, q, new_k, new_v, kv, meta, scale)
     for b, n in enumerate(query_lens):
         s = qsl[b].item()
         ref = dense_reference(q[s : s + n], full_k[b], full_v[b], n, scale)
         torch.testing.assert_close(out[s : s + n], ref, atol=1e-5, rtol=1e-5)
-
-
-def test_length_groups_cover_every_sequence_once() -> None:
-    lens = tuple(int(x) for x in torch.randint(1, 3000, (100,)))
-    seqs = list(range(0, 100, 2))
-    groups = length_groups(seqs, lens)
-    assert sorted(b for g in groups for b in g) == seqs
-    assert len(groups) > 1
-    for g in groups:
-        assert [lens[b] for b in g] == sorted((lens[b] for b in g), reverse=True)
-        padded, held = len(g) * lens[g[0]], sum(lens[b] for b in g)
-        assert len(g) <= 8 or padded <= 1.25 * held
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -143,9 +133,29 @@ def test_decode_over_shared_prefix_blocks(block_size: int, shared_tokens: int) -
     q = torch.randn(seqs, num_heads, head_dim)
     new_k = torch.stack([k[-1] for k in full_k])
     new_v = torch.stack([v[-1] for v in full_v])
-    out = TorchPagedAttention()(0, q, new_k, new_v, kv, meta, head_dim**-0.5)
+    out = TorchPagedAttention().plan(meta)(0, q, new_k, new_v, kv, meta, head_dim**-0.5)
     cascades = [p for p in plan_parts(meta) if p.prefix_blocks is not None]
     assert bool(cascades) == bool(shared_blocks)  # the path under test really ran
     for b in range(seqs):
         ref = dense_reference(q[b : b + 1], full_k[b], full_v[b], 1, head_dim**-0.5)
         torch.testing.assert_close(out[b : b + 1], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_step_refuses_another_steps_metadata() -> None:
+    """A plan holds one step's rows and blocks; used with another step's metadata it would attend
+    the wrong rows silently."""
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([3], dtype=torch.long),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([4], dtype=torch.int32),
+        block_tables=torch.tensor([[0]], dtype=torch.int32),
+        block_size=4,
+        query_lens_cpu=(1,),
+        seq_lens_cpu=(4,),
+    )
+    kv = KVCache.allocate(1, 2, 4, 1, 8, torch.float32, "cpu")
+    step = TorchPagedAttention().plan(meta)
+    q, k = torch.randn(1, 2, 8), torch.randn(1, 1, 8)
+    assert step(0, q, k, k, kv, meta, 0.3).shape == q.shape
+    with pytest.raises(ValueError, match="call backend.plan\\(meta\\) for each step"):
+        step(0, q, k, k, kv, dataclasses.replace(meta), 0.3)

@@ -8,24 +8,12 @@ import torch
 
 from batchpage.attention.torch_backend import TorchPagedAttention
 from batchpage.attention.triton_backend import TritonPagedAttention
-from batchpage.cache.kv_cache import KVCache
-from batchpage.kernels.testing import (
-    PagedCase,
-    interpreter_skip_reason,
-    make_paged_case,
-    tolerances,
-)
+from batchpage.kernels.testing import interpreter_skip_reason, make_paged_case, tolerances
+from tests.attention.case_inputs import case_metadata, two_layer_pool
 
 _SKIP = interpreter_skip_reason()
 pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _kv(case: PagedCase) -> KVCache:
-    # Layer 1 is the one under test; layer 0 is a bystander that must stay untouched. Zeros, not
-    # the case's NaN fill: the torch backend's SDPA multiplies masked-off values by 0.
-    k, v = case.k_cache.nan_to_num(), case.v_cache.nan_to_num()
-    return KVCache(k=[torch.zeros_like(k), k], v=[torch.zeros_like(v), v])
 
 
 @pytest.mark.parametrize(
@@ -43,14 +31,23 @@ def test_triton_backend_matches_torch_backend(seq_lens, query_lens, dtype, num_s
         seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, device=DEVICE,
         shared_blocks=1, write_new=False,
     )  # fmt: skip
-    meta = case.metadata()
-    kv_triton, kv_torch = _kv(case), _kv(case)
+    meta = case_metadata(case)
+    kv_triton, kv_torch = two_layer_pool(case), two_layer_pool(case)
     scale = head_dim**-0.5
     args = (case.q, case.k_new, case.v_new)
-    out = TritonPagedAttention(num_splits=num_splits)(1, *args, kv_triton, meta, scale)
-    ref = TorchPagedAttention()(1, *args, kv_torch, meta, scale)
+    step = TritonPagedAttention(num_splits=num_splits).plan(meta)
+    assert step.kernel == ("decode" if max(query_lens) == 1 else "extend")
+    out = step(1, *args, kv_triton, meta, scale)
+    ref = TorchPagedAttention().plan(meta)(1, *args, kv_torch, meta, scale)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     torch.testing.assert_close(out, ref, **tolerances(dtype))
     for a, b in zip(kv_triton.k + kv_triton.v, kv_torch.k + kv_torch.v, strict=True):
         assert torch.equal(a, b)
     assert not kv_triton.k[0].any() and not kv_triton.v[0].any()
+
+
+def test_triton_step_refuses_another_steps_metadata():
+    case = make_paged_case([16, 9], [1, 1], 4, 2, 64, 8, torch.float32, device=DEVICE)
+    step = TritonPagedAttention().plan(case_metadata(case))
+    with pytest.raises(ValueError, match="call backend.plan\\(meta\\) for each step"):
+        step(1, case.q, case.k_new, case.v_new, two_layer_pool(case), case_metadata(case), 0.1)

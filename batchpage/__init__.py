@@ -11,14 +11,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from batchpage.llm import LLM
     from batchpage.outputs import CompletionOutput, RequestOutput
-    from batchpage.sampling_params import SamplingParams
+    from batchpage.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 _HOMES = {
     "LLM": "batchpage.llm",
     "SamplingParams": "batchpage.sampling_params",
+    "StructuredOutputsParams": "batchpage.sampling_params",
     "RequestOutput": "batchpage.outputs",
     "CompletionOutput": "batchpage.outputs",
 }

@@ -1,7 +1,10 @@
 """SamplingParams: how to generate one request's completions (vLLM's names and defaults).
 
 Every field is validated in ``__post_init__`` so that a bad value fails where it is created, with a
-ValueError that names the field, the value and the allowed range. Per-row overrides from a dataset
+ValueError that names the field, the value and the allowed range. ``StructuredOutputsParams``
+(vLLM's names) constrains the output to a JSON schema, a regex, a list of choices or an EBNF
+grammar; the engine compiles it with xgrammar, so a schema or regex that xgrammar refuses is that
+request's error, not a ValueError here. Per-row overrides from a dataset
 go through :meth:`SamplingParams.replace`, which validates again and turns unknown names into a
 ValueError too, so the job can record the row's error and carry on.
 
@@ -12,6 +15,7 @@ The dataclass is mutable like vLLM's; assigning to a field afterwards skips vali
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 from dataclasses import dataclass
@@ -21,6 +25,7 @@ from typing import Any
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 # OpenAI's documented range for logit_bias values.
 _MAX_LOGIT_BIAS = 100.0
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def _as_int(name: str, value: Any) -> int:
@@ -62,6 +67,104 @@ def _optional_int(name: str, value: Any, minimum: int) -> int | None:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output; set exactly one kind (vLLM's StructuredOutputsParams):
+
+    - json: a JSON schema (a dict, or its JSON text); the output is one JSON value matching it,
+      laid out as ``json.dumps`` does (``{"a": 1, "b": [2, 3]}``);
+    - regex: the whole output matches the regular expression;
+    - choice: the output is exactly one of these strings;
+    - grammar: an EBNF grammar with a ``root`` rule (xgrammar's GBNF dialect);
+    - json_object=True: any JSON object.
+
+    A constrained output ends when its grammar does: end-of-sequence is allowed only where the
+    grammar is complete, so an output that finishes with "stop" is a complete match.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        chosen = [k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError(
+                f"structured_outputs needs exactly one of {', '.join(_CONSTRAINT_KINDS)}; "
+                f"got {', '.join(chosen) or 'none'}"
+            )
+        self.json_object = _as_bool("structured_outputs.json_object", self.json_object)
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON text: {e}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema object, got {self.json!r:.80}"
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be non-empty text, got {value!r}")
+        if self.choice is not None:
+            choice = self.choice
+            if isinstance(choice, str) or not isinstance(choice, (list, tuple)) or not choice:
+                raise ValueError(
+                    f"structured_outputs.choice must be a non-empty list of strings, got {choice!r}"
+                )
+            if not all(isinstance(c, str) and c for c in choice):
+                raise ValueError(
+                    f"structured_outputs.choice must hold non-empty strings, got {choice!r}"
+                )
+            self.choice = list(choice)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, regex, choice, grammar or json_object."""
+        return next(k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What the compiled grammar depends on: equal keys compile to the same grammar. Key
+        order in a schema is kept, since it is the order of the output's properties."""
+        value = getattr(self, self.kind)
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        return self.kind, text
+
+    @classmethod
+    def from_response_format(cls, value: Any) -> StructuredOutputsParams | None:
+        """The constraint of an OpenAI ``response_format`` (a dict, or its JSON text):
+        ``{"type": "json_schema", "json_schema": {"schema": {...}}}``, ``{"type":
+        "json_object"}``, or ``{"type": "text"}`` (None: no constraint). Raises ValueError
+        naming what is wrong."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"response_format is not valid JSON text: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"response_format must be an object with a type, got {value!r:.80}")
+        kind = value.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls(json_object=True)
+        if kind != "json_schema":
+            raise ValueError(
+                f"response_format type must be json_schema, json_object or text, got {kind!r}"
+            )
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if schema is None:
+            raise ValueError(
+                'response_format of type json_schema needs {"json_schema": {"schema": {...}}}'
+            )
+        return cls(json=schema)
+
+
+@dataclass
 class SamplingParams:
     """Generation settings for one request; see vLLM's SamplingParams for the meaning of each."""
 
@@ -89,6 +192,7 @@ class SamplingParams:
     beam_width: int | None = None  # None: n (see effective_beam_width)
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never" (HF's beam-search semantics)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -97,6 +201,7 @@ class SamplingParams:
         self._check_stops()
         self._check_outputs()
         self._check_beam_search()
+        self._check_structured_outputs()
 
     # -- validation, one group of fields per method ------------------------------------------------
 
@@ -226,6 +331,34 @@ class SamplingParams:
             raise ValueError(
                 "top_k, top_p and min_p must be off with use_beam_search, got "
                 f"top_k={self.top_k}, top_p={self.top_p}, min_p={self.min_p}"
+            )
+
+    def _check_structured_outputs(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        if isinstance(so, dict):  # e.g. {"json": schema} from a config or JSON file
+            unknown = sorted(set(so) - set(_CONSTRAINT_KINDS))
+            if unknown:
+                raise ValueError(
+                    f"structured_outputs has unknown key(s) {unknown}; "
+                    f"known: {', '.join(_CONSTRAINT_KINDS)}"
+                )
+            so = self.structured_outputs = StructuredOutputsParams(**so)
+        if not isinstance(so, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}"
+            )
+        # The grammar decides where a constrained output ends; these would contradict it.
+        if self.ignore_eos:
+            raise ValueError(
+                "ignore_eos must be False with structured_outputs: the output ends where its "
+                "grammar does"
+            )
+        if self.min_tokens:
+            raise ValueError(
+                f"min_tokens must be 0 with structured_outputs (the grammar decides the length), "
+                f"got {self.min_tokens}"
             )
 
     # -- derived views ---------------------------------------------------------------------------

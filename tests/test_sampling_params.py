@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import numpy as np
 import pytest
 
-from batchpage.sampling_params import SamplingParams
+from batchpage.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def test_defaults_match_vllm() -> None:
@@ -122,3 +125,91 @@ def test_verify_vocab() -> None:
         SamplingParams(logit_bias={10: 1.0}).verify_vocab(10)
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=[99]).verify_vocab(10)
+
+
+# --- structured outputs --------------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+
+
+def test_structured_outputs_takes_exactly_one_kind() -> None:
+    assert StructuredOutputsParams(regex=r"\d+").kind == "regex"
+    assert StructuredOutputsParams(json_object=True).kind == "json_object"
+    with pytest.raises(
+        ValueError, match="exactly one of json, regex, choice, grammar, json_object; got none"
+    ):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="got json, regex"):
+        StructuredOutputsParams(json=SCHEMA, regex="a")
+    with pytest.raises(ValueError, match="got choice, json_object"):
+        StructuredOutputsParams(choice=["a"], json_object=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"json": "{not json"}, "structured_outputs.json is not valid JSON text"),
+        ({"json": "[1, 2]"}, "structured_outputs.json must be a JSON schema object"),
+        ({"json": 5}, "structured_outputs.json must be a JSON schema object"),
+        ({"regex": ""}, "structured_outputs.regex must be non-empty text"),
+        ({"grammar": 3}, "structured_outputs.grammar must be non-empty text"),
+        ({"choice": "yes"}, "structured_outputs.choice must be a non-empty list of strings"),
+        ({"choice": []}, "structured_outputs.choice must be a non-empty list of strings"),
+        ({"choice": ["a", 1]}, "structured_outputs.choice must hold non-empty strings"),
+        ({"choice": ["a", ""]}, "structured_outputs.choice must hold non-empty strings"),
+        ({"json_object": "yes"}, "structured_outputs.json_object must be a bool"),
+    ],
+)
+def test_structured_outputs_bad_values(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_structured_outputs_key_is_the_content_in_order() -> None:
+    as_text = StructuredOutputsParams(json='{"type": "object", "properties": {"b": {"type": '
+                                      '"integer"}, "a": {"type": "string"}}}')  # fmt: skip
+    assert as_text.json == SCHEMA
+    assert as_text.key == StructuredOutputsParams(json=SCHEMA).key
+    # Property order is the output's order: a reordered schema is another constraint.
+    reordered = {"type": "object", "properties": dict(reversed(SCHEMA["properties"].items()))}
+    assert StructuredOutputsParams(json=reordered).key != as_text.key
+    assert StructuredOutputsParams(choice=("x", "y")).key == ("choice", '["x", "y"]')
+    assert StructuredOutputsParams(regex="a").key != StructuredOutputsParams(grammar="a").key
+
+
+def test_from_response_format_follows_openai() -> None:
+    from_rf = StructuredOutputsParams.from_response_format
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}
+    assert from_rf(rf) == StructuredOutputsParams(json=SCHEMA)
+    assert from_rf(json.dumps(rf)) == StructuredOutputsParams(json=SCHEMA)
+    assert from_rf({"type": "json_object"}) == StructuredOutputsParams(json_object=True)
+    assert from_rf('{"type": "text"}') is None
+    for bad, message in [
+        ("{nope", "response_format is not valid JSON text"),
+        (["json_object"], "response_format must be an object with a type"),
+        ({"type": "xml"}, "type must be json_schema, json_object or text, got 'xml'"),
+        ({"json_schema": {"schema": SCHEMA}}, "got None"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, '"json_schema": {"schema"'),
+        ({"type": "json_schema", "schema": SCHEMA}, '"json_schema": {"schema"'),
+        ({"type": "json_schema", "json_schema": {"schema": "{bad"}}, "not valid JSON text"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            from_rf(bad)
+
+
+def test_sampling_params_structured_outputs() -> None:
+    so = StructuredOutputsParams(regex="[ab]+")
+    p = SamplingParams(structured_outputs=so, stop=["b"])
+    assert p.structured_outputs is so and p.replace(max_tokens=3).structured_outputs is so
+    assert SamplingParams(structured_outputs={"choice": ["x"]}).structured_outputs.choice == ["x"]
+    assert SamplingParams().structured_outputs is None
+    with pytest.raises(ValueError, match=r"structured_outputs has unknown key\(s\) \['jsn'\]"):
+        SamplingParams(structured_outputs={"jsn": SCHEMA})
+    with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs="[ab]+")
+    with pytest.raises(ValueError, match="ignore_eos must be False with structured_outputs"):
+        SamplingParams(structured_outputs=so, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"min_tokens must be 0 with structured_outputs .*got 2"):
+        SamplingParams(structured_outputs=so, min_tokens=2, max_tokens=5)
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True).replace(structured_outputs=so)

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from batchpage.engine.beam_runner import worst_case_blocks
 from batchpage.engine.config import EngineConfig
-from batchpage.engine.engine import Engine
+from batchpage.engine.engine import BEAM_SEARCH_WITH_CONSTRAINT, Engine
 from batchpage.engine.plan import plan_engine
 from batchpage.engine.sampler import TopLogprobs
 from batchpage.engine.sequence import Request, Sequence
@@ -114,7 +114,13 @@ class LLM:
             error = f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}"
         else:
             error = self._check_params(params, len(ids))
-        return Request(index, text, ids, params, error=error)
+        grammar = None
+        if error is None and params.structured_outputs is not None:
+            try:  # compiled once per distinct constraint; a bad one fails this request only
+                grammar = self.engine.grammars.compile(params.structured_outputs)
+            except ValueError as exc:
+                error = str(exc)
+        return Request(index, text, ids, params, error=error, grammar=grammar)
 
     def _check_params(self, params: SamplingParams, prompt_len: int) -> str | None:
         """What the engine's limits rule out for these params; None when they fit."""
@@ -122,14 +128,14 @@ class LLM:
             params.verify_vocab(self.model_config.vocab_size)
         except ValueError as exc:
             return str(exc)
+        if params.use_beam_search and params.structured_outputs is not None:
+            return BEAM_SEARCH_WITH_CONSTRAINT
         max_seqs = self.config.max_num_seqs
         width = params.effective_beam_width if params.use_beam_search else params.n
         if width > max_seqs:
             return f"n / beam_width {width} exceeds max_num_seqs={max_seqs}: raise max_num_seqs"
         if params.use_beam_search:
-            need = worst_case_blocks(
-                params, prompt_len, self.max_model_len, self.config.block_size
-            )
+            need = worst_case_blocks(params, prompt_len, self.max_model_len, self.config.block_size)
             if need > self.plan.num_blocks:
                 return (
                     f"beam search with beam_width {width} may need {need} KV blocks, the pool "

@@ -16,6 +16,8 @@ import torch
 from batchpage.cache.kv_cache import KVCache
 from batchpage.engine.beam_runner import BeamSearchRunner
 from batchpage.engine.config import EngineConfig
+from batchpage.engine.constraint import GrammarMasks, advance
+from batchpage.engine.grammar_cache import GrammarCache
 from batchpage.engine.kv_manager import KVCacheManager, StaticKVCacheManager
 from batchpage.engine.model_runner import ModelRunner, make_attention_backend
 from batchpage.engine.plan import EnginePlan
@@ -24,11 +26,17 @@ from batchpage.engine.scheduler import ScheduledSeq, Scheduler
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.engine.sequence_factory import SequenceFactory
 from batchpage.engine.step_inputs import StepInputs, build_step
+from batchpage.engine.stop_checker import StopDecision
 from batchpage.host_memory import keep_freed_memory
 from batchpage.metrics import RunStats
 from batchpage.model.config import ModelConfig
 from batchpage.model.llama import LlamaForCausalLM
 from batchpage.model.tokenizer import Tokenizer
+
+BEAM_SEARCH_WITH_CONSTRAINT = (
+    "structured_outputs cannot be combined with use_beam_search: use sampling or greedy "
+    "decoding (n > 1 for several candidates)"
+)
 
 
 class Engine:
@@ -75,6 +83,8 @@ class Engine:
             schedule=cfg.schedule,
         )
         self.eos_ids = tokenizer.eos_token_ids
+        self.grammars = GrammarCache(tokenizer.hf, model_cfg.vocab_size, self.eos_ids)
+        self.masks = GrammarMasks(model_cfg.vocab_size)
         self.factory = SequenceFactory(tokenizer, self.eos_ids, plan.max_model_len, cfg.seed)
         self.beams = BeamSearchRunner(
             self.kv_manager,
@@ -91,7 +101,11 @@ class Engine:
 
     def add_requests(self, requests: list[Request]) -> RunStats:
         """Queue every valid request (those with an error are skipped). When nothing was running,
-        this starts a new run: the returned RunStats is filled by the steps that follow."""
+        this starts a new run: the returned RunStats is filled by the steps that follow.
+
+        A request with structured_outputs gets its grammar compiled here unless the caller did
+        it (LLM does, to turn a bad constraint into that request's error); a bad one raises
+        ValueError, as does one combined with beam search."""
         if not self.has_unfinished():
             self.stats = RunStats(self.kv_manager.num_blocks, self.cfg.block_size)
             self._started = set()
@@ -100,6 +114,7 @@ class Engine:
         for req in requests:
             if req.error is not None:
                 continue
+            self._compile_grammar(req)
             self.stats.requests += 1
             self.stats.prompt_tokens += len(req.prompt_token_ids)
             if req.params.use_beam_search:
@@ -108,6 +123,14 @@ class Engine:
                 seqs += self.factory.for_request(req, share_prompt=share)
         self.scheduler.add_batch(seqs)
         return self.stats
+
+    def _compile_grammar(self, req: Request) -> None:
+        constraint = req.params.structured_outputs
+        if constraint is None or req.grammar is not None:
+            return
+        if req.params.use_beam_search:
+            raise ValueError(BEAM_SEARCH_WITH_CONSTRAINT)
+        req.grammar = self.grammars.compile(constraint)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.beams.has_unfinished()
@@ -211,6 +234,7 @@ class Engine:
             p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.min_tokens
             for p in params
         )
+        constraints = [s.constraint for s in seqs]
         result = sample(
             logits,
             params=params,
@@ -218,7 +242,9 @@ class Engine:
             prompt_ids=[s.token_ids[: s.num_prompt_tokens] if history else () for s in seqs],
             output_ids=[s.output_token_ids if history else () for s in seqs],
             eos_ids=[self.eos_ids] * len(seqs),
+            token_mask=self.masks.fill(constraints),
         )
+        advance(constraints, result.token_ids)
         stats = self.stats
         finished = []
         for i, (seq, token) in enumerate(zip(seqs, result.token_ids, strict=True)):
@@ -230,11 +256,23 @@ class Engine:
             stats.generated_tokens += 1
             if result.logprobs[i] is not None:
                 seq.logprobs = (seq.logprobs or []) + [result.logprobs[i]]
-            decision = seq.stop.append(token)
-            if decision is not None:
-                seq.finish_reason = decision.finish_reason
-                seq.stop_reason = decision.stop_reason
-                seq.text = seq.stop.text
+            if self._stops(seq, token):
                 self.scheduler.finish(seq)
                 finished.append(seq)
         return finished
+
+    @staticmethod
+    def _stops(seq: Sequence, token: int) -> bool:
+        """Run the stop checks on the new token; when it ends the sequence, set its finish
+        reason and final text."""
+        decision = seq.stop.append(token)
+        text = seq.stop.text
+        if seq.constraint is not None and (decision is None or decision.finish_reason == "length"):
+            hit = seq.constraint.find_stop(text)
+            if hit is not None:  # a stop string where the grammar is complete
+                decision, text = StopDecision("stop", hit.stop), text[: hit.end]
+        if decision is None:
+            return False
+        seq.finish_reason, seq.stop_reason = decision.finish_reason, decision.stop_reason
+        seq.text = text
+        return True

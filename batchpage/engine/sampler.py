@@ -2,6 +2,8 @@
 
 Processing follows HF transformers / vLLM, in this order:
 
+0. structured outputs: tokens outside a constrained row's grammar get -inf (``token_mask``, the
+   packed bitmask xgrammar fills; see batchpage.engine.constraint);
 1. logit_bias (added to the logits);
 2. min_tokens: EOS and stop_token_ids get -inf while the output is shorter than min_tokens;
 3. repetition_penalty (HF/CTRL semantics, over prompt + output tokens: positive logits are divided
@@ -29,6 +31,7 @@ from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 import torch
+import xgrammar as xgr
 
 from batchpage.sampling_params import SamplingParams
 
@@ -45,6 +48,14 @@ class TopLogprobs(NamedTuple):
     top_logprobs: list[float]
 
 
+class TokenMask(NamedTuple):
+    """Allowed tokens of some rows: xgrammar's packed bitmask (int32 [N, ceil(V / 32)] on the
+    CPU; bit j of word w allows token 32 * w + j) and the logits rows it applies to."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+
+
 class SamplerOutput(NamedTuple):
     token_ids: list[int]  # one per row
     logprobs: list[TopLogprobs | None]  # None where the row's params.logprobs is None
@@ -57,9 +68,12 @@ def sample(
     prompt_ids: Sequence[Sequence[int]],
     output_ids: Sequence[Sequence[int]],
     eos_ids: Sequence[Collection[int]] | None = None,
+    token_mask: TokenMask | None = None,
 ) -> SamplerOutput:
     """Pick one token per row of ``logits`` [N, V]; the input tensor is never modified.
 
+    ``token_mask`` restricts its rows to the tokens it allows; the other rows are untouched, so
+    they get the same token whether or not constrained rows share their batch.
     ``eos_ids[i]`` are row i's end-of-sequence ids, masked (with params.stop_token_ids) while the
     row is shorter than params.min_tokens; they are not masked when params.ignore_eos is set.
     ``prompt_ids`` / ``output_ids`` are only read for rows with penalties or min_tokens.
@@ -77,12 +91,15 @@ def sample(
     greedy = [p.is_greedy for p in params]
     process = [_needs_processing(p, len(out)) for p, out in zip(params, output_ids, strict=True)]
 
-    if all(greedy) and not any(process):
+    if all(greedy) and not any(process) and token_mask is None:
         tokens = logits.argmax(dim=-1)  # the hot path: no copy, no processing
     else:
         work = logits.float()
-        if any(process):
+        if any(process) or token_mask is not None:
             work = work.clone() if work is logits else work
+        if token_mask is not None:
+            apply_token_mask(work, token_mask)
+        if any(process):
             apply_penalties(work, params, prompt_ids, output_ids, eos)
         tokens = _choose(work, params, generators, greedy)
 
@@ -123,6 +140,16 @@ def _choose(
     apply_filters(sub, sub_params)
     tokens[index] = _draw(sub.softmax(dim=-1), [generators[i] for i in random_rows])
     return tokens
+
+
+# -- step 0: structured outputs ------------------------------------------------------------------
+
+
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    """Set the logits of the tokens the mask does not allow to -inf, in place, in its rows."""
+    bitmask = mask.bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=mask.rows)
+    return logits
 
 
 # -- step 1-4: biases and penalties (greedy and sampled rows alike) ------------------------------

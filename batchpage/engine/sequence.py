@@ -15,6 +15,9 @@ import torch
 from batchpage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
+
+    from batchpage.engine.constraint import Constraint
     from batchpage.engine.sampler import TopLogprobs
     from batchpage.engine.stop_checker import StopChecker
 
@@ -26,6 +29,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     error: str | None = None  # set for a bad request: it gets no sequence and no completion
+    grammar: CompiledGrammar | None = None  # params.structured_outputs compiled (GrammarCache)
 
 
 class SeqStatus(enum.Enum):
@@ -59,6 +63,8 @@ class Sequence:
     swapped_tokens: int = 0
     # Sample indices still to fork from this sequence once its prompt is computed (n > 1).
     pending_forks: list[int] = field(default_factory=list)
+    # The grammar state of a request with structured_outputs; None when unconstrained.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -1,4 +1,5 @@
-"""Makes the sequences of a request: their ids, seeded generators and stop checkers."""
+"""Makes the sequences of a request: their ids, seeded generators, stop checkers and, for a
+request with structured_outputs, each sequence's own grammar matcher."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Collection
 
 import torch
 
+from batchpage.engine.constraint import Constraint
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.engine.stop_checker import StopChecker
 
@@ -29,19 +31,33 @@ class SequenceFactory:
 
     def make(self, req: Request, sample_index: int) -> Sequence:
         """A fresh sequence for one sample of req, holding its prompt and no blocks."""
+        params = req.params
         gen = None
-        if not req.params.is_greedy:
+        if not params.is_greedy:
             gen = torch.Generator(device="cpu")
-            gen.manual_seed(sequence_seed(req.params.seed, self.seed, req.index, sample_index))
+            gen.manual_seed(sequence_seed(params.seed, self.seed, req.index, sample_index))
+        constraint = None
+        if params.structured_outputs is not None:
+            if req.grammar is None:
+                raise ValueError(f"request {req.index} has structured_outputs but no grammar")
+            constraint = Constraint(
+                req.grammar,
+                stop_token_ids={*self.eos_ids, *params.stop_token_ids},
+                stops=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            # Stop strings are the constraint's to check: it knows where the output may end.
+            params = params.replace(stop=[])
         seq = Sequence(
             seq_id=self._next_id,
             request=req,
             sample_index=sample_index,
             token_ids=list(req.prompt_token_ids),
             generator=gen,
+            constraint=constraint,
             stop=StopChecker(
                 self.tokenizer,
-                req.params,
+                params,
                 self.eos_ids,
                 prompt_len=len(req.prompt_token_ids),
                 max_model_len=self.max_model_len,

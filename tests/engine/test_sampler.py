@@ -14,7 +14,13 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from batchpage.engine.sampler import apply_filters, apply_penalties, compute_logprobs, sample
+from batchpage.engine.sampler import (
+    TokenMask,
+    apply_filters,
+    apply_penalties,
+    compute_logprobs,
+    sample,
+)
 from batchpage.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -29,7 +35,7 @@ def _random_ids(rows: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(0, VOCAB, (rows, length), generator=g).tolist()
 
 
-def _sample(logits, params, generators=None, prompt=None, output=None, eos=None):
+def _sample(logits, params, generators=None, prompt=None, output=None, eos=None, mask=None):
     n = len(params)
     return sample(
         logits,
@@ -38,6 +44,7 @@ def _sample(logits, params, generators=None, prompt=None, output=None, eos=None)
         prompt or [[]] * n,
         output or [[]] * n,
         eos,
+        token_mask=mask,
     )
 
 
@@ -270,3 +277,64 @@ def test_half_precision_logits() -> None:
 def test_mismatched_lengths_are_rejected() -> None:
     with pytest.raises(ValueError, match="one entry per logits row"):
         sample(_logits(2), [SamplingParams()], [None], [[]], [[]])
+
+
+def _random_token_mask(rows: int, masked: list[int], vocab: int, seed: int) -> tuple:
+    """A packed bitmask (xgrammar's layout) for the masked rows, and the same as sets of ids."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = [set() for _ in range(rows)]
+    for r in masked:
+        allowed[r] = set(torch.randperm(vocab, generator=g)[: 3 + r * 7 % 11].tolist())
+    words = -(-vocab // 32)
+    packed = [[0] * words for _ in range(rows)]
+    for r in range(rows):
+        for t in allowed[r] if r in masked else range(vocab):
+            packed[r][t // 32] |= 1 << (t % 32)
+    as_int32 = [[w - (1 << 32) if w >= 1 << 31 else w for w in row] for row in packed]
+    return TokenMask(torch.tensor(as_int32, dtype=torch.int32), masked), allowed
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 70])  # 70: the last word of the bitmask is partial
+def test_token_mask_restricts_only_its_rows(vocab: int) -> None:
+    logits = _logits(6, vocab=vocab, seed=60)
+    before = logits.clone()
+    masked = [1, 2, 4, 5]
+    mask, allowed = _random_token_mask(6, masked, vocab, seed=61)
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0, presence_penalty=1.0),
+        SamplingParams(temperature=1.5, top_k=3),
+    ]
+    gens = [torch.Generator().manual_seed(70 + i) for i in range(6)]
+    out = _sample(logits, params, gens, [[1]] * 6, [[2, 3]] * 6, mask=mask)
+    plain = _sample(
+        logits, params, [torch.Generator().manual_seed(70 + i) for i in range(6)], [[1]] * 6,
+        [[2, 3]] * 6,
+    )  # fmt: skip
+    assert torch.equal(logits, before)
+    for r in range(6):
+        if r in masked:
+            assert out.token_ids[r] in allowed[r]
+        else:  # unconstrained rows: the same token as without any mask in the batch
+            assert out.token_ids[r] == plain.token_ids[r]
+    # A greedy masked row takes the best allowed token.
+    best = max(allowed[1], key=lambda t: logits[1, t].item())
+    assert out.token_ids[1] == best
+
+
+def test_token_mask_sampled_rows_follow_the_renormalised_distribution() -> None:
+    logits = _logits(1, seed=62)
+    mask, allowed = _random_token_mask(1, [0], VOCAB, seed=63)
+    ids = sorted(allowed[0])
+    want = logits[0, ids].softmax(-1)
+    g = torch.Generator().manual_seed(5)
+    draws = 4000
+    counts = torch.zeros(len(ids))
+    params = [SamplingParams(temperature=1.0)]
+    for _ in range(draws):
+        token = _sample(logits, params, [g], mask=mask).token_ids[0]
+        counts[ids.index(token)] += 1
+    assert torch.allclose(counts / draws, want, atol=0.03)

@@ -2,7 +2,9 @@
 
 Nothing here raises for bad data: a null, empty or non-text prompt or a malformed chat becomes
 the row's `error`, and the job goes on without it. Per-row overrides are carried as found; a bad
-one becomes the row's error when the job builds its SamplingParams.
+one becomes the row's error when the job builds its SamplingParams. A `response_format` column
+(OpenAI's shape) is read here into the row's `structured_outputs` override, so a malformed one is
+the row's error at once; a schema that does not compile is the row's error when it runs.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-DEFAULT_OVERRIDES = ("max_tokens", "temperature")
+from batchpage.sampling_params import StructuredOutputsParams
+
+DEFAULT_OVERRIDES = ("max_tokens", "temperature", "response_format")
 
 
 # Per-row SamplingParams overrides, with the type their text is parsed as in a CSV. Only types
@@ -35,8 +39,11 @@ OVERRIDE_FIELDS: MappingProxyType[str, type] = MappingProxyType(
         "repetition_penalty": float,
         "ignore_eos": bool,
         "stop": list,
+        "response_format": StructuredOutputsParams,  # OpenAI's shape, as a struct or JSON text
     }
 )
+# Override columns named otherwise than the SamplingParams field they set.
+_FIELD_OF_COLUMN = {"response_format": "structured_outputs"}
 
 
 @dataclass
@@ -95,7 +102,11 @@ def make_row(
         blank = from_text and isinstance(value, str) and not value.strip()
         if value is None or blank or (isinstance(value, float) and math.isnan(value)):
             continue  # no override for this row: the job's sampling applies
-        row.overrides[name] = coerce_override(name, value, from_text)
+        field_name = _FIELD_OF_COLUMN.get(name, name)
+        try:
+            row.overrides[field_name] = coerce_override(name, value, from_text)
+        except ValueError as e:
+            errors.append(f"bad {name}: {e}")
     row.error = "; ".join(errors) or None
     return row
 
@@ -103,8 +114,14 @@ def make_row(
 def coerce_override(name: str, value: Any, from_text: bool = False) -> Any:
     """One per-row override in the form SamplingParams takes: a single stop string becomes a
     list, and CSV text is parsed as the field's type (text that does not parse stays text, and
-    SamplingParams names the field when the job builds the row's parameters)."""
+    SamplingParams names the field when the job builds the row's parameters). A response_format
+    becomes StructuredOutputsParams (None for {"type": "text"}: no constraint); a malformed one
+    raises ValueError."""
     kind = OVERRIDE_FIELDS[name]
+    if kind is StructuredOutputsParams:
+        # Arrow gives every row of a struct column the union of all rows' fields, the missing
+        # ones as nulls: dropped, so each row's schema is its own (JSON text is taken as is).
+        return StructuredOutputsParams.from_response_format(_drop_nulls(value))
     if kind is list:
         return (
             [value]
@@ -115,6 +132,14 @@ def coerce_override(name: str, value: Any, from_text: bool = False) -> Any:
         )
     if from_text and isinstance(value, str):
         return _parse_text(value.strip(), kind)
+    return value
+
+
+def _drop_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
     return value
 
 

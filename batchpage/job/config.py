@@ -15,7 +15,7 @@ from typing import Any
 
 from batchpage.data.spec import DatasetSpec
 from batchpage.engine.config import EngineConfig
-from batchpage.sampling_params import SamplingParams
+from batchpage.sampling_params import SamplingParams, StructuredOutputsParams
 
 # SamplingParams fields that the job does not expose: logprobs are not written to the output,
 # logit_bias has int keys and early_stopping is a bool-or-str union, which OmegaConf cannot type.
@@ -29,6 +29,20 @@ class ModelSpec:
     """A bundled name (smollm2), a Hugging Face model folder or a .gguf file."""
 
     path: str = "smollm2"
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """StructuredOutputsParams for every row (a row's response_format column overrides it): set
+    one field, or none for unconstrained output. json is the schema as JSON text, since OmegaConf
+    cannot type a dict-or-text field: sampling.structured_outputs.json='{"type": "object", ...}'.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
 
 
 @dataclass
@@ -59,10 +73,16 @@ class SamplingConfig:
     use_beam_search: bool = False
     beam_width: int | None = None
     length_penalty: float = 1.0
+    # Not None by default: Hydra cannot set `sampling.structured_outputs.json=...` on a None node.
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def to_params(self) -> SamplingParams:
         """The validated SamplingParams (raises ValueError naming a bad field)."""
-        return SamplingParams(**dataclasses.asdict(self))
+        fields = dataclasses.asdict(self)
+        constraint = fields.pop("structured_outputs")
+        chosen = {k: v for k, v in constraint.items() if v not in (None, False)}
+        structured = StructuredOutputsParams(**chosen) if chosen else None
+        return SamplingParams(**fields, structured_outputs=structured)
 
 
 @dataclass
@@ -83,6 +103,9 @@ class JobConfig:
     flush_rows: int = 256
     flush_seconds: float = 30.0
     progress: bool = True
+    # "humaneval": after generating, run each completion's tests in the sandbox and report
+    # pass@1 (scores.parquet, run.json). Opt-in: it executes model-written code.
+    score: str | None = None
 
 
 def register_configs() -> None:

@@ -43,7 +43,12 @@ Checker = Callable[[dict[str, Any], str], tuple[bool, str]]
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--history", type=Path, default=Path("nightly/history.parquet"))
+    p.add_argument(
+        "--history",
+        type=Path,
+        default=Path("nightly/history.parquet"),
+        help="every run's pass@1 is appended here",
+    )
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per problem's tests")
     p.add_argument("--workers", type=int, default=2, help="checks run in parallel")
     p.add_argument(

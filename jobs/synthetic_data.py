@@ -46,7 +46,12 @@ class DedupStats:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("synthetic.parquet"))
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("synthetic.parquet"),
+        help="the (seed_id, prompt, completion) file; the job runs into <out>.job/",
+    )
     p.add_argument(
         "overrides",
         nargs="*",

@@ -1,7 +1,7 @@
 """End-to-end throughput on this CPU: batchpage against HF transformers with static batches.
 
-    python jobs/bench_throughput.py --out bench/throughput.json    # the real measurement
-    python jobs/bench_throughput.py --smoke                        # < 1 minute: does it run?
+    python -m jobs.bench.throughput --out bench/throughput.json    # the real measurement
+    python -m jobs.bench.throughput --smoke                        # < 1 minute: does it run?
 
 Workload: ShareGPT V3 first-turn prompts (a seeded random sample, through the model's chat
 template), each generating exactly its real reply's token length (capped; ignore_eos), so both
@@ -26,32 +26,27 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-# Run as a script (python jobs/bench_throughput.py): its folder is on sys.path.
-from bench_common import (
-    Ceiling,
-    WorkloadRequest,
+from batchpage import LLM
+from batchpage.model.loader import ModelSource, resolve_model_source
+from jobs.bench.ceiling import Ceiling, measure_matmul_ceiling, model_flops_per_token
+from jobs.bench.engine_runs import WARM_UP_TEXTS, load_llm, run_workload
+from jobs.bench.report import (
+    args_json,
     command_line,
     environment,
     fmt,
+    log,
     markdown_table,
-    measure_matmul_ceiling,
-    model_flops_per_token,
-    sample_sharegpt,
     timed,
-    workload_summary,
     write_json,
 )
-
-from batchpage import LLM, SamplingParams
-from batchpage.model.loader import ModelSource, resolve_model_source
+from jobs.bench.workloads import WorkloadRequest, sample_sharegpt, workload_summary
 
 TARGET_SPEEDUP = 3.0
 
@@ -107,7 +102,6 @@ class Result:
 
 def engine_args(args: argparse.Namespace, prefix_caching: bool) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
-        "dtype": "float32",
         "block_size": args.block_size,
         "max_model_len": args.max_prompt_tokens + args.max_output_tokens,
         "prefix_caching": prefix_caching,
@@ -120,46 +114,23 @@ def engine_args(args: argparse.Namespace, prefix_caching: bool) -> dict[str, Any
     return kwargs
 
 
-def warm_up_requests(tokenizer: Any) -> list[WorkloadRequest]:
-    """Two short plain-text requests that share no prefix with the workload (no chat template),
-    so warming up leaves nothing in the prefix cache that the timed run could reuse."""
-    texts = ("Warm-up: count from one to ten.", "Another warm-up line about the weather.")
-    return [WorkloadRequest(f"warm-up-{i}", tokenizer.encode(t), 2, 2) for i, t in enumerate(texts)]
-
-
-def warm_up_engine(llm: LLM, warm_up: list[WorkloadRequest]) -> None:
-    """One-time costs (allocator, first kernels, thread pools) stay out of the timing."""
-    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    llm.generate([r.prompt_token_ids for r in warm_up], params, use_tqdm=False)
-
-
 def run_batchpage(llm: LLM, requests: list[WorkloadRequest], label: str) -> Result:
-    params = [
-        SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests
-    ]
-    prompts = [r.prompt_token_ids for r in requests]
-    # Wall clock around the whole call, as for HF (the engine's own elapsed_s, in engine_stats,
-    # covers only its step loop).
-    outs, seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
-    for r, out in zip(requests, outs, strict=True):
-        got = len(out.outputs[0].token_ids) if out.outputs else 0
-        if out.error or got != r.output_len:
-            raise RuntimeError(
-                f"batchpage request {r.id}: {got}/{r.output_len} tokens, {out.error}"
-            )
+    # Wall clock around the whole generate call, as for HF (the engine's own elapsed_s, in
+    # engine_stats, covers only its step loop).
+    run = run_workload(llm, requests, label)
     # Token sums from the workload, not the engine's counters: both systems are scored alike.
     return Result(
         system=label,
         batch_size=f"continuous (max {llm.config.max_num_seqs})",
         requests=len(requests),
-        elapsed_s=seconds,
+        elapsed_s=run.wall_s,
         useful_tokens=sum(r.output_len for r in requests),
         prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
         extra={
-            "engine_stats": llm.stats,
+            "engine_stats": run.stats,
             "attention": type(llm.engine.runner.attention).__name__,
         },
-        outputs={i: list(o.outputs[0].token_ids) for i, o in enumerate(outs)},
+        outputs={i: samples[0] for i, samples in enumerate(run.outputs)},
     )
 
 
@@ -338,11 +309,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def log(message: str) -> None:
-    """Progress on stderr, so stdout stays the clean Markdown report."""
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 def run_engines(
     args: argparse.Namespace,
 ) -> tuple[list[WorkloadRequest], list[WorkloadRequest], int, list[Result]]:
@@ -354,8 +320,8 @@ def run_engines(
     warm_up: list[WorkloadRequest] = []
     pad_id = 0
     for prefix_caching in variants:
-        (llm, seconds) = timed(lambda p=prefix_caching: LLM(args.model, **engine_args(args, p)))
-        log(f"batchpage loaded in {seconds:.1f} s")
+        label = "batchpage" + ("" if prefix_caching else " (no prefix cache)")
+        llm = load_llm(args.model, label, **engine_args(args, prefix_caching))
         if not requests:  # the same token ids for every system
             requests = sample_sharegpt(
                 llm.tokenizer, args.num_requests, args.seed, args.max_prompt_tokens,
@@ -364,11 +330,12 @@ def run_engines(
             # Left padding is masked out, so any id works; prefer the tokenizer's own.
             candidates = [llm.tokenizer.pad_token_id, *sorted(llm.tokenizer.eos_token_ids), 0]
             pad_id = next(i for i in candidates if i is not None)
-            warm_up = warm_up_requests(llm.tokenizer)
-        warm_up_engine(llm, warm_up)
-        label = "batchpage" + ("" if prefix_caching else " (no prefix cache)")
+            # HF warms up on the engine's warm-up requests.
+            warm_up = [
+                WorkloadRequest(f"warm-up-{i}", llm.tokenizer.encode(text), 2, 2)
+                for i, text in enumerate(WARM_UP_TEXTS)
+            ]
         results.append(run_batchpage(llm, requests, label))
-        log(f"{label}: {results[-1].useful_tok_s:,.1f} useful tok/s")
         del llm
         gc.collect()  # free the KV pool before the next system allocates its own
     for r in results[1:]:
@@ -471,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
             args.out,
             {
                 "command": command_line(),
-                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                "args": args_json(args),
                 "environment": env,
                 "workload": workload_summary(requests),
                 "results": [r.as_json() for r in results],

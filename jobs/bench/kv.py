@@ -1,7 +1,7 @@
 """KV cache allocation on this CPU: paged vs static, block sizes, and memory saved by sharing.
 
-    python jobs/bench_kv.py --out bench/kv.json      # the real measurement
-    python jobs/bench_kv.py --smoke                  # < 1 minute: does it run?
+    python -m jobs.bench.kv --out bench/kv.json      # the real measurement
+    python -m jobs.bench.kv --smoke                  # < 1 minute: does it run?
 
 1. paged: kv_allocator=paged vs static (each sequence reserves max_model_len slots at admission
    and holds them until it finishes, as before PagedAttention) on the same KV memory: a pool of
@@ -31,32 +31,28 @@ from typing import Any
 
 import torch
 
-# Run as a script (python jobs/bench_kv.py): its folder is on sys.path.
-from bench_common import (
-    GenerateRun,
-    WorkloadRequest,
+from batchpage import LLM, SamplingParams
+from batchpage.cache.kv_cache import bytes_per_block
+from batchpage.engine.kv_manager import blocks_for
+from batchpage.model.loader import load_tokenizer, resolve_model_source
+from jobs.bench.engine_runs import GenerateRun, load_llm, run_workload, same_outputs, timed_generate
+from jobs.bench.report import (
     args_json,
     command_line,
     environment,
     fmt,
-    kv_bytes_per_token,
-    load_tokenizer,
     log,
     markdown_table,
-    round_up,
-    same_outputs,
+    pct,
+    write_json,
+)
+from jobs.bench.workloads import (
+    WorkloadRequest,
     sample_sharegpt,
     sharegpt_records,
     text_of_tokens,
-    timed,
-    timed_generate,
-    warm_up_llm,
     workload_summary,
-    write_json,
 )
-
-from batchpage import LLM, SamplingParams
-from batchpage.model.loader import resolve_model_source
 
 TARGET_PAGED_WASTE = 0.04
 TARGET_CONCURRENCY = 3.0
@@ -79,32 +75,6 @@ class Pool:
         return self.bytes / 2**20
 
 
-def load_llm(args: argparse.Namespace, label: str, **engine_args: Any) -> LLM:
-    kwargs: dict[str, Any] = {"dtype": "float32", "prefix_caching": False, **engine_args}
-    llm, seconds = timed(lambda: LLM(args.model, **kwargs))
-    log(f"{label}: engine loaded in {seconds:.1f} s")
-    warm_up_llm(llm)
-    return llm
-
-
-def run_workload(llm: LLM, requests: list[WorkloadRequest], label: str) -> GenerateRun:
-    """Greedy, ignore_eos: each request generates exactly its target length."""
-    params = [
-        SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests
-    ]
-    run = timed_generate(llm, [r.prompt_token_ids for r in requests], params, label)
-    got = [len(samples[0]) for samples in run.outputs]
-    if got != [r.output_len for r in requests]:
-        raise RuntimeError(f"{label}: generated lengths differ from the targets")
-    log(f"{label}: {run.wall_s:.1f} s, {run.generated_tok_s:.1f} generated tok/s, peak running "
-        f"{run.stats['peak_running']}, waste {run.stats['kv_waste']:.1%}")  # fmt: skip
-    return run
-
-
-def pct(x: float) -> str:
-    return f"{x:.1%}"
-
-
 # --- 1. paged vs static ------------------------------------------------------------------------
 
 
@@ -117,8 +87,9 @@ def paged_vs_static(
     kept: LLM | None = None
     for allocator in ("paged", "static"):
         llm = load_llm(
-            args,
+            args.model,
             allocator,
+            prefix_caching=False,
             block_size=args.block_size,
             kv_cache_memory=pool.bytes,
             max_model_len=args.max_model_len,
@@ -200,8 +171,8 @@ def block_size_sweep(
             llm, reuse = reuse, None
         else:
             llm = load_llm(
-                args, label, block_size=bs, kv_cache_memory=pool.bytes,
-                max_model_len=args.max_model_len,
+                args.model, label, prefix_caching=False, block_size=bs,
+                kv_cache_memory=pool.bytes, max_model_len=args.max_model_len,
             )  # fmt: skip
         runs[bs] = run_workload(llm, requests, label)
         del llm
@@ -267,12 +238,17 @@ def sharing(
     """Returns the runs by name, why beam search was skipped (or None), the pool, and
     max_model_len."""
     n, out, bs = args.share_n, args.share_output_tokens, args.block_size
-    max_model_len = round_up(len(prompt) + out + 1, bs)
+    max_model_len = bs * blocks_for(len(prompt) + out + 1, bs)
     # Room for n whole sequences at once (the no-sharing baseline must never preempt, or its
     # peak would be the pool's size) plus slack for beam candidates.
     pool = Pool((n + 2) * max_model_len, bytes_per_token)
     llm = load_llm(
-        args, "sharing", block_size=bs, kv_cache_memory=pool.bytes, max_model_len=max_model_len
+        args.model,
+        "sharing",
+        prefix_caching=False,
+        block_size=bs,
+        kv_cache_memory=pool.bytes,
+        max_model_len=max_model_len,
     )
     temp, seed = args.share_temperature, args.seed
     runs: dict[str, GenerateRun] = {}
@@ -407,7 +383,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     sections = args.sections.split(",")
-    bytes_per_token = kv_bytes_per_token(resolve_model_source(args.model).config, torch.float32)
+    cfg = resolve_model_source(args.model).config
+    bytes_per_token = bytes_per_block(
+        cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, torch.float32
+    )
     tokenizer = load_tokenizer(args.model)  # workloads first, engines per configuration below
     env = environment()
     report: list[str] = [

@@ -1,4 +1,4 @@
-"""Tiny Llama-family checkpoints built in code, for tests that compare against HF transformers.
+"""Tiny checkpoints of every family built in code, for tests that compare against HF transformers.
 
 Nothing here downloads: the tokenizer is a small byte-level BPE trained on a few sentences and
 the models are random transformers models with every parameter (norms and biases included) drawn
@@ -8,6 +8,7 @@ at random, so a mapping mistake anywhere changes the logits.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,13 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Phi3Config,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from batchpage.attention.metadata import AttentionMetadata
@@ -47,6 +52,7 @@ _CORPUS = [
 ]
 
 # Keyword arguments per named variant; sizes stay tiny so one forward takes milliseconds.
+# The scaled-rope variants use a 32-token original length, so test sequences cross it.
 _BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256)
 VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
     "llama_gqa_tied": (
@@ -86,7 +92,125 @@ VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
         MistralConfig,
         dict(_BASE, num_attention_heads=4, num_key_value_heads=4, head_dim=16),
     ),
+    "llama_linear_rope": (
+        LlamaConfig,
+        dict(
+            _BASE,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
+        ),
+    ),
+    "llama_dynamic_rope": (
+        LlamaConfig,
+        dict(
+            _BASE,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,  # sequences past 32 tokens grow the base
+            rope_parameters=dict(rope_type="dynamic", factor=4.0, rope_theta=10000.0),
+        ),
+    ),
+    "qwen3_tied": (  # head_dim 24 != hidden / heads
+        Qwen3Config,
+        dict(
+            _BASE,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3_bias_yarn": (
+        Qwen3Config,
+        dict(
+            _BASE,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            attention_bias=True,
+            tie_word_embeddings=False,
+            max_position_embeddings=128,  # = factor x original
+            rope_parameters=dict(
+                rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=1e6
+            ),
+        ),
+    ),
+    "phi3_longrope": (  # the 128k variants: long factors once a sequence passes 32 tokens
+        Phi3Config,
+        dict(
+            _BASE,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            original_max_position_embeddings=32,
+            pad_token_id=0,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                short_factor=[1.0 + 0.05 * i for i in range(8)],
+                long_factor=[1.0 + 0.9 * i for i in range(8)],
+            ),
+        ),
+    ),
+    "phi4_mini_partial": (  # Phi-4-mini's layout: model_type phi3, 3/4 of each head rotated, tied
+        Phi3Config,
+        dict(
+            _BASE,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            pad_token_id=0,
+            partial_rotary_factor=0.75,
+        ),
+    ),
+    "qwen3_moe": (  # layer 1 dense (mlp_only_layers), layers 0 and 2 routed
+        Qwen3MoeConfig,
+        dict(
+            _BASE,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "qwen3_moe_step2": (  # decoder_sparse_step 2: layer 1 routed, no renormalization
+        Qwen3MoeConfig,
+        dict(
+            _BASE,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+        ),
+    ),
+    "mixtral": (
+        MixtralConfig,
+        dict(_BASE, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4),
+    ),
 }
+
+# Variants whose rope depends on the sequence length at each step. HF's `generate` does more
+# than its forward for them: dynamic rope keeps state across calls, and Phi-3 drops its cache
+# when a sequence crosses the original length. tests/model/test_families.py compares them step
+# by step; engine-level comparisons with `generate` leave them out.
+LENGTH_DEPENDENT_ROPE = ("llama_dynamic_rope", "phi3_longrope")
+# The engine-level comparison (tests/engine/test_engine.py) runs one variant per family and
+# layout, ~20 s each; these rope and routing variants are compared at model level only.
+MODEL_LEVEL_ONLY = (
+    *LENGTH_DEPENDENT_ROPE,
+    "llama_linear_rope",
+    "qwen3_bias_yarn",
+    "qwen3_moe_step2",
+)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -153,6 +277,49 @@ def hf_logits(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:  # f32 [T
     return model(torch.tensor([ids])).logits[0].float()
 
 
+@torch.no_grad()
+def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new: int) -> list[int]:
+    """HF's greedy continuation of one prompt, as a fresh model would produce it.
+
+    HF's dynamic rope keeps the longest length it has seen across calls and reuses those
+    frequencies for a later, shorter sequence; a one-token forward resets that state first."""
+    model(torch.tensor([[0]]))
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def paged_greedy(
+    model: torch.nn.Module, prompt: list[int], max_new: int, block_size: int = 4
+) -> list[int]:
+    """Our model's greedy continuation: the prompt in one step, then one token per step, its KV
+    in scattered blocks of a paged pool (the engine's step pattern, without the engine)."""
+    from batchpage.attention.torch_backend import TorchPagedAttention
+
+    total = len(prompt) + max_new
+    num_blocks = -(-total // block_size)
+    table = list(range(num_blocks))[::-1]  # reversed, so block order != position order
+    kv = new_kv_cache(model.config, num_blocks, block_size)
+    backend = TorchPagedAttention()
+    ids, out = list(prompt), []
+    while len(out) < max_new:
+        done = len(ids) - 1 if out else 0  # tokens already in the pool
+        new = ids[done:]
+        meta, positions = step_meta([table], [done], [len(new)], block_size)
+        hidden = model(torch.tensor(new), positions, meta, kv, backend.plan(meta))
+        token = int(model.compute_logits(hidden[-1:]).argmax(-1))
+        out.append(token)
+        ids.append(token)
+    return out
+
+
 def prefill_meta(num_tokens: int, block_size: int = 16) -> AttentionMetadata:
     """One sequence, every token new, stored in blocks 0..n-1 in order."""
     num_blocks = -(-num_tokens // block_size)
@@ -202,6 +369,8 @@ _HF_TO_GGUF_BLOCK = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -237,7 +406,17 @@ def write_gguf(
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    if head_dim != cfg.hidden_size // heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    rope = cfg.rope_parameters
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if rope["rope_type"] == "llama3":
+        w.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(rope, head_dim))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(1)
@@ -259,6 +438,25 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def llama_cpp_rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
+    """What llama.cpp's converter stores for llama3 rope scaling: per frequency, the divisor
+    (1 for high frequencies, `factor` for low ones, a smooth blend in between)."""
+    theta, factor = rope["rope_theta"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old_len / high:
+            divisors.append(1.0)
+        elif wavelen > old_len / low:
+            divisors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
 
 
 def _gguf_name(hf_name: str) -> str:

@@ -1,5 +1,7 @@
-"""The Llama-family model, its HF/GGUF loaders and the tokenizer."""
+"""The model families (shared layers + one file per family), their HF/GGUF loaders and the
+tokenizer."""
 
+from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig, UnsupportedModelError
 from batchpage.model.llama import LlamaForCausalLM
 from batchpage.model.loader import (
@@ -14,6 +16,7 @@ from batchpage.model.tokenizer import Tokenizer
 
 __all__ = [
     "BUNDLED_MODELS",
+    "CausalLM",
     "LlamaForCausalLM",
     "LoadedModel",
     "ModelConfig",

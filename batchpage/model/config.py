@@ -1,21 +1,84 @@
-"""ModelConfig: the architecture numbers of a Llama-family decoder, from HF or GGUF metadata.
+"""ModelConfig: the architecture numbers of a decoder, and the one table that says which model
+family runs each checkpoint type.
 
-One frozen dataclass serves Llama, Mistral and Qwen2: they differ only in flags (q/k/v biases,
-rope scaling, head_dim, tied embeddings), so the model code in llama.py reads nothing else.
+A ModelConfig is read from a HF config.json (hf_config.py) or a GGUF header (gguf_loader.py)
+without touching any weight, so an unsupported checkpoint is refused before loading starts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal
 
-SUPPORTED_HF_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2")
+# The one table: checkpoint type -> model family (the family's class is in families.py).
+# Keys are ("hf", config.json model_type) or ("gguf", general.architecture).
+FAMILIES: dict[tuple[Literal["hf", "gguf"], str], str] = {
+    ("hf", "llama"): "llama",
+    ("hf", "mistral"): "llama",
+    ("hf", "qwen2"): "llama",
+    ("hf", "qwen3"): "qwen3",
+    ("hf", "phi3"): "phi3",
+    ("hf", "qwen3_moe"): "qwen3_moe",
+    ("hf", "mixtral"): "mixtral",
+    ("gguf", "llama"): "llama",
+    ("gguf", "qwen2"): "llama",
+    ("gguf", "qwen3"): "qwen3",
+}
 
 
 class UnsupportedModelError(ValueError):
     """The checkpoint is readable but its architecture or a feature of it is not implemented."""
+
+
+def family_for(kind: Literal["hf", "gguf"], name: str | None) -> str:
+    """The family that runs checkpoint type `name`; raises UnsupportedModelError naming the
+    supported ones."""
+    family = FAMILIES.get((kind, str(name)))
+    if family is None:
+        what = (
+            f"model_type {name!r} in config.json" if kind == "hf" else f"GGUF architecture {name!r}"
+        )
+        known = ", ".join(n for k, n in FAMILIES if k == kind)
+        raise UnsupportedModelError(
+            f"unsupported {what}: batchpage runs {known}; use a checkpoint of one of these "
+            "architectures"
+        )
+    return family
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A rope variant beyond plain RoPE, with every default already resolved.
+
+    kind: linear | dynamic | yarn | llama3 | longrope | freq_factors (a GGUF's rope_freqs tensor,
+    which llama.cpp stores in place of llama3's parameters). `original_max_position_embeddings`
+    is the pretraining length the variant scales from (for dynamic: max_position_embeddings).
+    """
+
+    kind: str
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    attention_factor: float | None = None  # yarn, longrope: None = the variant's default
+    short_factor: tuple[float, ...] = ()  # longrope, per frequency
+    long_factor: tuple[float, ...] = ()  # longrope
+    freq_factors: tuple[float, ...] = ()  # freq_factors: inv_freq is divided by these
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    norm_topk_prob: bool  # renormalize the top-k router probabilities to sum to 1
+    # Per layer: True routes to experts; False runs a dense MLP of ModelConfig.intermediate_size.
+    sparse_layers: tuple[bool, ...]
 
 
 @dataclass(frozen=True)
@@ -27,166 +90,74 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    family: str = "llama"  # a key of families.MODEL_CLASSES
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # None, {"rope_type": "linear", "factor"} or {"rope_type": "llama3", "factor",
-    # "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}.
-    rope_scaling: dict[str, Any] | None = None
+    rope_scaling: RopeScaling | None = None
+    partial_rotary_factor: float = 1.0  # rotate only this leading fraction of each head
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # biases on q/k/v (Qwen2; Llama with attention_bias=True)
-    o_proj_bias: bool = False  # bias on o_proj (only Llama with attention_bias=True)
+    attention_bias: bool = False  # biases on q/k/v
+    o_proj_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Mistral-style sliding-window attention. The engine attends over the full context, which is
-    # exact as long as max_model_len <= sliding_window; callers must cap max_model_len to it.
-    sliding_window: int | None = None
-    model_type: str = "llama"
+    # Sliding-window size per layer (None: full attention); () when no layer has a window.
+    # The attention backends attend over the full context, which is exact while
+    # max_model_len <= the smallest window, so max_model_len is capped to it.
+    layer_windows: tuple[int | None, ...] = ()
+    moe: MoEConfig | None = None
+    model_type: str = "llama"  # the checkpoint's own name for its architecture
     torch_dtype: str | None = None  # the checkpoint's own dtype name, used by dtype="auto"
 
     def __post_init__(self) -> None:
+        sizes = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+        bad = [f"{n}={getattr(self, n)}" for n in sizes if getattr(self, n) <= 0]
+        if bad:
+            raise ValueError(f"model sizes must be positive: {', '.join(bad)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.rotary_dim % 2 or self.rotary_dim <= 0:
+            raise ValueError(
+                f"rotary dimension {self.rotary_dim} (head_dim={self.head_dim} x "
+                f"partial_rotary_factor={self.partial_rotary_factor}) must be even and positive"
+            )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(
+                f"{len(self.layer_windows)} layer windows for {self.num_layers} layers"
+            )
+        if self.moe and len(self.moe.sparse_layers) != self.num_layers:
+            raise ValueError(
+                f"{len(self.moe.sparse_layers)} MoE flags for {self.num_layers} layers"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The smallest window of any layer, or None when every layer attends to everything."""
+        return min((w for w in self.layer_windows if w), default=None)
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def context_limit(self) -> int:
+        """Positions the rope supports: max_position_embeddings, extended by linear, dynamic and
+        yarn scaling (llama3 and longrope checkpoints state their extended length themselves)."""
+        s = self.rope_scaling
+        if s is None or s.kind not in ("linear", "dynamic", "yarn"):
+            return self.max_position_embeddings
+        scaled = int(
+            (s.original_max_position_embeddings or self.max_position_embeddings) * s.factor
+        )
+        return max(self.max_position_embeddings, scaled)
 
     @property
     def max_model_len(self) -> int:
         """The longest context this checkpoint supports without leaving its trained regime."""
-        limit = self.max_position_embeddings
-        return min(limit, self.sliding_window) if self.sliding_window else limit
-
-    @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelConfig:
-        """From a Hugging Face config.json dict (transformers 4.x or 5.x layout)."""
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_HF_TYPES:
-            raise UnsupportedModelError(
-                f"unsupported model_type {model_type!r} in config.json; batchpage runs "
-                f"{', '.join(SUPPORTED_HF_TYPES)} checkpoints"
-            )
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise UnsupportedModelError(f"unsupported hidden_act {act!r}: only silu is implemented")
-        if cfg.get("mlp_bias"):
-            raise UnsupportedModelError("mlp_bias=True is not implemented")
-
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        theta, scaling = _hf_rope(cfg)
-        if model_type == "qwen2":
-            qkv_bias, o_bias = True, False  # Qwen2 hard-codes q/k/v biases and no o_proj bias
-        else:
-            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
-        window = cfg.get("sliding_window")
-        if model_type == "llama" or (model_type == "qwen2" and not cfg.get("use_sliding_window")):
-            window = None
-        return cls(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=qkv_bias,
-            o_proj_bias=o_bias,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_id_tuple(cfg.get("eos_token_id")),
-            sliding_window=int(window) if window else None,
-            model_type=model_type,
-            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-        )
-
-    @classmethod
-    def from_gguf_metadata(cls, meta: Mapping[str, Any], has_output_weight: bool) -> ModelConfig:
-        """From GGUF key/values (scalars and strings; arrays only as their length).
-
-        has_output_weight: whether the file holds `output.weight`; without it the lm_head is the
-        token embedding (llama.cpp drops the copy when the HF model ties them).
-        """
-        arch = meta.get("general.architecture")
-        if arch not in SUPPORTED_GGUF_ARCHS:
-            raise UnsupportedModelError(
-                f"unsupported GGUF architecture {arch!r}; batchpage runs "
-                f"{', '.join(SUPPORTED_GGUF_ARCHS)} GGUF files"
-            )
-
-        def key(name: str, default: Any = None) -> Any:
-            return meta.get(f"{arch}.{name}", default)
-
-        hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-        vocab = key("vocab_size") or meta.get("tokenizer.ggml.tokens")
-        if vocab is None:
-            raise ValueError("GGUF file has neither a vocab_size key nor tokenizer tokens")
-        scaling = None
-        scaling_type = key("rope.scaling.type")
-        if scaling_type == "linear":
-            scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
-        elif scaling_type not in (None, "none"):
-            raise UnsupportedModelError(f"unsupported GGUF rope scaling {scaling_type!r}")
-        eos = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
-        return cls(
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(key("feed_forward_length")),
-            num_layers=int(key("block_count")),
-            num_heads=heads,
-            num_kv_heads=int(key("attention.head_count_kv") or heads),
-            head_dim=int(key("attention.key_length") or hidden // heads),
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            max_position_embeddings=int(key("context_length", 2048)),
-            tie_word_embeddings=not has_output_weight,
-            attention_bias=arch == "qwen2",
-            o_proj_bias=False,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-            model_type=arch,
-            torch_dtype=None,
-        )
-
-
-def _id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
-
-
-def _hf_rope(cfg: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, normalized scaling) from either `rope_parameters` (transformers 5) or the
-    older top-level `rope_theta` + `rope_scaling`."""
-    params = cfg.get("rope_parameters")
-    if params:
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling: Mapping[str, Any] | None = params
-    else:
-        theta = float(cfg.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling")
-    if not scaling:
-        return theta, None
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return theta, None
-    if kind == "linear":
-        return theta, {"rope_type": "linear", "factor": float(scaling["factor"])}
-    if kind == "llama3":
-        return theta, {
-            "rope_type": "llama3",
-            "factor": float(scaling["factor"]),
-            "low_freq_factor": float(scaling["low_freq_factor"]),
-            "high_freq_factor": float(scaling["high_freq_factor"]),
-            "original_max_position_embeddings": int(scaling["original_max_position_embeddings"]),
-        }
-    raise UnsupportedModelError(
-        f"unsupported rope scaling {kind!r}: batchpage implements default, linear and llama3"
-    )
+        window = self.sliding_window
+        return min(self.context_limit, window) if window else self.context_limit

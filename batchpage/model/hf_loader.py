@@ -1,4 +1,4 @@
-"""Load a Hugging Face checkpoint folder (config.json + safetensors) into LlamaForCausalLM."""
+"""Load a Hugging Face checkpoint folder (config.json + safetensors) into its family's model."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
-from batchpage.model.llama import LlamaForCausalLM
+from batchpage.model.families import build_model
+from batchpage.model.hf_config import model_config_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -19,7 +21,18 @@ def read_hf_config(folder: Path) -> ModelConfig:
     path = folder / "config.json"
     if not path.is_file():
         raise ValueError(f"{folder} has no config.json: pass a Hugging Face model folder")
-    return ModelConfig.from_hf_config(json.loads(path.read_text()))
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"{path} is not valid JSON ({e}): restore the model's config.json"
+        ) from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} is not a JSON object: restore the model's config.json")
+    try:
+        return model_config_from_hf(raw)
+    except ValueError as e:  # one line that says which checkpoint, keeping the error's type
+        raise type(e)(f"{folder}: {e}") from None
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -57,8 +70,8 @@ def load_hf_model(
     dtype: torch.dtype,
     device: torch.device | str,
     max_positions: int | None = None,
-) -> tuple[LlamaForCausalLM, ModelConfig]:
+) -> tuple[CausalLM, ModelConfig]:
     cfg = read_hf_config(folder)
-    model = LlamaForCausalLM(cfg, dtype=dtype, device=device, max_positions=max_positions)
+    model = build_model(cfg, dtype, device, max_positions)
     model.load_weights(iter_safetensors(safetensors_files(folder)))
     return model.eval(), cfg

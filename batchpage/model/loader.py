@@ -13,10 +13,12 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
-from batchpage.model.gguf_loader import gguf_config, load_gguf_model, read_gguf_header
+from batchpage.model.gguf_config import gguf_config
+from batchpage.model.gguf_file import read_gguf_header
+from batchpage.model.gguf_loader import load_gguf_model
 from batchpage.model.hf_loader import load_hf_model, read_hf_config, safetensors_files
-from batchpage.model.llama import LlamaForCausalLM
 from batchpage.model.tokenizer import Tokenizer, check_hf_tokenizer_files
 
 # Bundled name -> (Python package that ships the file, file name, pip distribution).
@@ -35,7 +37,7 @@ class ModelSource:
 
 
 class LoadedModel(NamedTuple):
-    model: LlamaForCausalLM
+    model: CausalLM
     tokenizer: Tokenizer
     config: ModelConfig
     source: ModelSource
@@ -67,7 +69,7 @@ def resolve_model_source(model: str) -> ModelSource:
     """
     if model in BUNDLED_MODELS:
         path = bundled_model_path(model)
-        return ModelSource(model, "gguf", path, gguf_config(read_gguf_header(path)))
+        return ModelSource(model, "gguf", path, gguf_config(path, read_gguf_header(path)))
     path = Path(model).expanduser()
     if path.is_dir():
         config = read_hf_config(path)
@@ -81,7 +83,7 @@ def resolve_model_source(model: str) -> ModelSource:
                 "model folder (the folder, not a file in it), or a bundled name "
                 f"({', '.join(BUNDLED_MODELS)})"
             )
-        return ModelSource(model, "gguf", path, gguf_config(read_gguf_header(path)))
+        return ModelSource(model, "gguf", path, gguf_config(path, read_gguf_header(path)))
     hint = (
         " Models are not downloaded from the Hugging Face Hub: download it and pass its folder."
         if model.count("/") == 1 and not model.startswith((".", "/", "~"))
@@ -120,7 +122,7 @@ def load_model(
     max_positions: int | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer. max_positions sizes the RoPE tables (default: the model's
-    max_position_embeddings); pass the engine's max_model_len."""
+    max_model_len); pass the engine's max_model_len."""
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
     torch_dtype = resolve_dtype(dtype, source.config, device)
     if source.kind == "hf":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Any
 
 from batchpage.fileio import atomic_dir
 from batchpage.paths import cache_dir as batchpage_cache_dir
+
+log = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -48,6 +51,8 @@ class Tokenizer:
         cached = _cache_entry(path, cache_dir)
         if cached is not None and (cached / "tokenizer.json").is_file():
             return cls(AutoTokenizer.from_pretrained(str(cached)), config_eos_ids)
+        where = f"; once, then cached in {cached}" if cached is not None else ""
+        log.info("converting the tokenizer inside %s (about 10 s%s)", path.name, where)
         hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         if cached is not None:
             # A cache that cannot be written is skipped: the tokenizer in memory is good.

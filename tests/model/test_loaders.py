@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 from batchpage.attention.torch_backend import TorchPagedAttention
 from batchpage.model import (
-    LlamaForCausalLM,
+    CausalLM,
     Tokenizer,
     UnsupportedModelError,
     load_model,
@@ -21,12 +22,15 @@ from batchpage.model import (
 )
 from batchpage.model.config import ModelConfig
 from batchpage.model.gguf_loader import load_gguf_model, unpermute_rows
+from batchpage.model.hf_loader import read_hf_config
 from tests.model_factory import (
     HAS_SMOLLM2,
     build_hf_model,
+    hf_greedy,
     hf_logits,
     llama_cpp_permute,
     new_kv_cache,
+    paged_greedy,
     prefill_meta,
     save_hf_folder,
     tiny_tokenizer,
@@ -38,10 +42,11 @@ PROMPT = [{"role": "user", "content": "Write a haiku about paged memory."}]
 
 
 @torch.no_grad()
-def prefill_logits(model: LlamaForCausalLM, ids: list[int], block_size: int = 16) -> torch.Tensor:
+def prefill_logits(model: CausalLM, ids: list[int], block_size: int = 16) -> torch.Tensor:
     kv = new_kv_cache(model.config, -(-len(ids) // block_size), block_size)
     meta = prefill_meta(len(ids), block_size)
-    hidden = model(torch.tensor(ids), torch.arange(len(ids)), meta, kv, TorchPagedAttention())
+    attention = TorchPagedAttention().plan(meta)
+    hidden = model(torch.tensor(ids), torch.arange(len(ids)), meta, kv, attention)
     return model.compute_logits(hidden)
 
 
@@ -79,7 +84,7 @@ def test_dtype_selection(tmp_path, tokenizer):
     assert load_model(str(tmp_path), dtype="auto").model.norm.weight.dtype == torch.float32
     bf16 = load_model(str(tmp_path), dtype="bfloat16").model
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
-    cfg = ModelConfig.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    cfg = read_hf_config(tmp_path)
     assert resolve_dtype(torch.float16, cfg, "cpu") == torch.float16
     for config_dtype, want in [("float16", torch.float16), (None, torch.bfloat16)]:
         c = ModelConfig(**{**cfg.__dict__, "torch_dtype": config_dtype})
@@ -126,7 +131,10 @@ def test_unpermute_inverts_llama_cpp_permute():
         ("llama_gqa_tied", "llama", "F16"),
         ("mistral_mha", "llama", "Q4_1"),  # untied; Mistral GGUFs use the llama arch
         ("llama_hd80_mqa", "llama", "Q8_0"),
+        ("llama3_rope", "llama", "F16"),  # llama3 scaling stored as rope_freqs.weight
+        ("llama_linear_rope", "llama", "F32"),
         ("qwen2_bias_gqa", "qwen2", "F32"),
+        ("qwen3_tied", "qwen3", "Q8_0"),  # q/k norms, head_dim 24 as attention.key_length
     ],
 )
 def test_tiny_gguf_matches_transformers(tmp_path, variant, arch, matrix_type):
@@ -137,8 +145,26 @@ def test_tiny_gguf_matches_transformers(tmp_path, variant, arch, matrix_type):
     model, cfg = load_gguf_model(path, torch.float32, "cpu")
     assert cfg.model_type == arch and cfg.attention_bias == (arch == "qwen2")
     assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
-    ids = list(range(3, 50))
+    assert cfg.head_dim == model.layers[0].self_attn.head_dim == getattr(hf.config, "head_dim", 16)
+    ids = list(range(3, 50))  # past the llama3 variant's 32-token original length
     torch.testing.assert_close(prefill_logits(model, ids), hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("variant", "arch"),
+    [("llama3_rope", "llama"), ("qwen2_bias_gqa", "qwen2"), ("qwen3_tied", "qwen3")],
+)
+def test_gguf_and_hf_folder_of_one_model_decode_alike(tmp_path, tokenizer, variant, arch):
+    """Greedy decoding from the GGUF equals decoding from the HF folder of the same (rounded)
+    weights, and both equal HF's generate."""
+    hf = build_hf_model(variant)
+    gguf_model, _ = load_gguf_model(write_gguf(hf, tmp_path / "m.gguf", arch), torch.float32, "cpu")
+    folder = load_model(str(save_hf_folder(hf, tmp_path / "hf", tokenizer)), "float32")
+    for prompt in ([5, 17, 42, 9], list(range(60, 100))):
+        with torch.no_grad():
+            want = hf_greedy(hf, prompt, 12)
+            assert paged_greedy(gguf_model, prompt, 12) == want
+            assert paged_greedy(folder.model, prompt, 12) == want
 
 
 @needs_smollm2
@@ -176,26 +202,96 @@ def test_wrong_paths_name_the_problem_and_fix(tmp_path):
         resolve_model_source(str(tmp_path / "fake.gguf"))
 
 
-def test_unsupported_architectures(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 8}))
-    with pytest.raises(UnsupportedModelError, match="unsupported model_type 'gpt2'"):
-        resolve_model_source(str(tmp_path))
-    with pytest.raises(UnsupportedModelError, match="unsupported GGUF architecture 'gpt2'"):
-        resolve_model_source(str(minimal_gguf(tmp_path / "gpt2.gguf", "gpt2", ["token_embd"])))
-    llama3 = minimal_gguf(tmp_path / "llama3.gguf", "llama", ["token_embd", "rope_freqs"])
-    with pytest.raises(UnsupportedModelError, match="rope_freqs"):
-        resolve_model_source(str(llama3))
+def refused(model: str, error: type[ValueError], match: str) -> str:
+    """resolve_model_source's error for `model`: of that type, matching, one line."""
+    with pytest.raises(error, match=match) as info:
+        resolve_model_source(model)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
 
 
-def minimal_gguf(path, arch: str, tensors: list[str]):
+def unreadable_hf_folder(folder, tokenizer, **config) -> str:
+    """A HF folder with a tokenizer, the given config.json and weights that cannot be read: a
+    refusal from it proves no weight was read."""
+    save_hf_folder(build_hf_model("llama_gqa_tied"), folder, tokenizer)
+    (folder / "model.safetensors").write_bytes(b"not safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+LLAMA_CONFIG = dict(
+    model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=96,
+    num_hidden_layers=2, num_attention_heads=4,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [
+        {"quant_method": "awq", "bits": 4, "group_size": 128},
+        {"quant_method": "gptq", "bits": 4},
+        {"quant_method": "fp8", "weight_block_size": [128, 128]},
+        {"quant_method": "bitsandbytes", "load_in_4bit": True},
+    ],
+)
+def test_quantized_hf_checkpoints_are_refused_before_weights(tmp_path, tokenizer, quant):
+    folder = unreadable_hf_folder(tmp_path, tokenizer, **LLAMA_CONFIG, quantization_config=quant)
+    message = refused(folder, UnsupportedModelError, "quantized checkpoint")
+    assert quant["quant_method"] in message and "unquantized" in message
+
+
+@pytest.mark.parametrize(
+    ("patch", "error", "match"),
+    [
+        ({"model_type": "gpt2"}, UnsupportedModelError, r"model_type 'gpt2' in config.json.*qwen3"),
+        ({"model_type": "gemma3_text"}, UnsupportedModelError, "unsupported model_type"),
+        ({"hidden_size": None}, ValueError, "lacks hidden_size.*config.json that came with"),
+        ({"num_hidden_layers": "2"}, ValueError, "num_hidden_layers must be a non-negative int"),
+        ({"model_type": "mixtral"}, ValueError, "lacks num_experts_per_tok, num_local_experts"),
+        ({"rope_scaling": {"rope_type": "mrope"}}, UnsupportedModelError, "rope scaling 'mrope'"),
+        ({"rope_scaling": {"rope_type": "llama3"}}, ValueError, "'llama3' needs 'factor'"),
+    ],
+)
+def test_unsupported_or_incomplete_hf_configs_are_refused_before_weights(
+    tmp_path, tokenizer, patch, error, match
+):
+    config = {k: v for k, v in {**LLAMA_CONFIG, **patch}.items() if v is not None}
+    message = refused(unreadable_hf_folder(tmp_path, tokenizer, **config), error, match)
+    assert str(tmp_path) in message
+
+
+def minimal_gguf(path, arch: str, tensors: list[str], **meta):
+    """A GGUF with the given `<arch>.<key>` integers (default: complete tiny sizes) and tensors."""
+    sizes = dict(
+        embedding_length=8, block_count=1, feed_forward_length=8, attention__head_count=2,
+        vocab_size=4,
+    )  # fmt: skip
     w = gguf.GGUFWriter(str(path), arch)
+    for key, value in {**sizes, **meta}.items():
+        if value is not None:
+            w.add_uint32(f"{arch}.{key.replace('__', '.')}", value)
     for name in tensors:
         w.add_tensor(f"{name}.weight", np.zeros((4, 8), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
+    return str(path)
+
+
+def test_unsupported_or_incomplete_gguf_files_are_refused(tmp_path):
+    gpt2 = minimal_gguf(tmp_path / "gpt2.gguf", "gpt2", ["token_embd"])
+    refused(gpt2, UnsupportedModelError, "unsupported GGUF architecture 'gpt2'.*qwen3")
+    no_sizes = minimal_gguf(tmp_path / "n.gguf", "llama", ["token_embd"], block_count=None)
+    refused(no_sizes, ValueError, "lacks llama.block_count.*convert the model again")
+    moe = minimal_gguf(tmp_path / "moe.gguf", "llama", ["token_embd"], expert_count=8)
+    refused(moe, UnsupportedModelError, "mixture-of-experts GGUF.*Hugging Face folder")
+    freqs = minimal_gguf(tmp_path / "f.gguf", "qwen3", ["token_embd", "rope_freqs"])
+    refused(freqs, ValueError, "rope_freqs.weight has 32 entries, expected 2")
+    truncated = tmp_path / "t.gguf"
+    truncated.write_bytes(Path(gpt2).read_bytes()[:40])
+    refused(str(truncated), ValueError, "corrupt or truncated GGUF header")
 
 
 def test_missing_bundled_package_says_how_to_install(monkeypatch):

@@ -1,0 +1,141 @@
+"""CausalLM: what every family shares: token embedding, rope, the decoder layers, final norm,
+lm_head, and loading checkpoint tensors by name.
+
+A family subclass says how to build layer i (`make_layer`) and how its checkpoint names map to
+its parameters (`RENAMES`, or `checkpoint_target` for names a table cannot express).
+
+The model sees one engine step at a time: the new tokens of all scheduled sequences flattened
+into T rows, with their absolute positions. Attention is delegated to an AttentionBackend, which
+writes the rows' K/V into the paged pool and attends through the block tables in `meta`; the
+model itself holds no per-request state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import skip_init
+
+from batchpage.attention.backend import StepAttention
+from batchpage.attention.metadata import AttentionMetadata
+from batchpage.cache.kv_cache import KVCache
+from batchpage.model.config import ModelConfig
+from batchpage.model.layers import RMSNorm, linear
+from batchpage.model.rope import RotaryEmbedding
+
+ShardKey = Hashable | None  # None: the whole parameter
+
+
+class CausalLM(nn.Module):
+    family: ClassVar[str]
+    # Checkpoint module name (between dots) -> (our module name, shard key within it).
+    RENAMES: ClassVar[dict[str, tuple[str, ShardKey]]] = {}
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        max_positions: int | None = None,
+    ):
+        """max_positions: size of the rope tables (default: cfg.max_model_len); pass the
+        engine's max_model_len to save memory on long-context checkpoints."""
+        super().__init__()
+        device = torch.device(device if device is not None else "cpu")
+        self.config = cfg
+        self.max_positions = max_positions or cfg.max_model_len
+        self.embed_tokens = skip_init(
+            nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
+        )
+        self.rotary = RotaryEmbedding(cfg, self.max_positions, device)
+        self.layers = nn.ModuleList(
+            self.make_layer(i, cfg, dtype, device) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+        )
+
+    def make_layer(
+        self, layer: int, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    ) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} must build its decoder layers")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T], absolute position of each token in its sequence
+        meta: AttentionMetadata,
+        kv: KVCache,
+        attn: StepAttention,  # this step's attention, planned by the backend
+    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        cos, sin = self.rotary(positions, meta)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, kv, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> f32 [N, V]
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def checkpoint_target(self, name: str) -> tuple[str, ShardKey]:
+        """Checkpoint name without `model.` -> (our parameter name, shard key)."""
+        for theirs, (ours, shard) in self.RENAMES.items():
+            if f".{theirs}." in name:
+                return name.replace(f".{theirs}.", f".{ours}.", 1), shard
+        return name, None
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors named as in the family's HF checkpoint (`model.layers.0.self_attn.q_proj.
+        weight`, `lm_head.weight`, ...) into this model, casting to its dtype and device.
+
+        Raises ValueError on unknown names, wrong shapes, or parameters left unloaded.
+        """
+        params = dict(self.named_parameters())
+        pending = {(name, key) for name in params for key in self._shard_keys(name)}
+        for ckpt_name, tensor in weights:
+            name = ckpt_name.removeprefix("model.")
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # old checkpoints store it; we derive it from the config
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints still carry the copy
+            target, key = self.checkpoint_target(name)
+            if target not in params:
+                raise ValueError(f"unexpected weight {ckpt_name!r} for this architecture")
+            dest = self._shard_view(target, key)
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            keys = self._shard_keys(target) if key is None else [key]
+            pending.difference_update((target, k) for k in keys)
+        missing = sorted({name for name, _ in pending})
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
+
+    def _owner(self, name: str) -> tuple[nn.Module, str]:
+        module, _, leaf = name.rpartition(".")
+        return self.get_submodule(module), leaf
+
+    def _shard_keys(self, name: str) -> list[ShardKey]:
+        owner, leaf = self._owner(name)
+        return owner.shard_keys(leaf) if hasattr(owner, "shard_keys") else [None]
+
+    def _shard_view(self, name: str, key: ShardKey) -> torch.Tensor:
+        owner, leaf = self._owner(name)
+        if key is None:
+            return getattr(owner, leaf)
+        if not hasattr(owner, "shard_view"):
+            raise ValueError(f"{name} is not a merged parameter")
+        return owner.shard_view(leaf, key)

@@ -1,0 +1,35 @@
+"""Family name -> the class that runs it. Which checkpoint types belong to which family is the
+table in config.py; this only names each family's class."""
+
+from __future__ import annotations
+
+import torch
+
+from batchpage.model.causal_lm import CausalLM
+from batchpage.model.config import ModelConfig
+from batchpage.model.llama import LlamaForCausalLM
+from batchpage.model.mixtral import MixtralForCausalLM
+from batchpage.model.phi3 import Phi3ForCausalLM
+from batchpage.model.qwen3 import Qwen3ForCausalLM
+from batchpage.model.qwen3_moe import Qwen3MoeForCausalLM
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    cls.family: cls
+    for cls in (
+        LlamaForCausalLM,
+        Qwen3ForCausalLM,
+        Phi3ForCausalLM,
+        Qwen3MoeForCausalLM,
+        MixtralForCausalLM,
+    )
+}
+
+
+def build_model(
+    cfg: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    max_positions: int | None = None,
+) -> CausalLM:
+    """The family's model for `cfg`, parameters uninitialized until `load_weights`."""
+    return MODEL_CLASSES[cfg.family](cfg, dtype=dtype, device=device, max_positions=max_positions)

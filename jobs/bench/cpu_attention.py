@@ -1,7 +1,7 @@
 """Decode attention on this CPU: the C++ paged-decode kernel against the torch backend.
 
-    python jobs/bench_cpu_attention.py --out bench/cpu_attention.json
-    python jobs/bench_cpu_attention.py --smoke         # seconds: does it run?
+    python -m jobs.bench.cpu_attention --out bench/cpu_attention.json
+    python -m jobs.bench.cpu_attention --smoke         # seconds: does it run?
 
 One layer of SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64, float32, block size 16):
 a batch of decode rows whose contexts sit in shuffled blocks of a pool much larger than the
@@ -25,14 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_common import command_line, environment, log, markdown_table, write_json
 
 from batchpage.attention.cpu_backend import CpuPagedAttention
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.attention.torch_backend import TorchPagedAttention
-from batchpage.cache.kv_cache import KVCache
+from batchpage.cache.kv_cache import KVCache, bytes_per_block
+from batchpage.engine.kv_manager import blocks_for
 from batchpage.host_memory import keep_freed_memory
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
+from jobs.bench.report import command_line, environment, log, markdown_table, write_json
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -40,7 +41,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 def decode_step(lens: list[int], pool_blocks: int, seed: int) -> tuple[AttentionMetadata, KVCache]:
     """Metadata for one decode row per context and a one-layer pool of random K/V."""
     gen = torch.Generator().manual_seed(seed)
-    per_seq = [-(-n // BLOCK) for n in lens]
+    per_seq = [blocks_for(n, BLOCK) for n in lens]
     ids = torch.randperm(pool_blocks, generator=gen)[: sum(per_seq)].tolist()
     tables, slots = [], []
     for n, nb in zip(lens, per_seq, strict=True):
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(torch.get_num_threads())
     keep_freed_memory()  # as the engine does on a CPU
     kernel = CpuPagedDecode.build()
-    token_bytes = 2 * KV_HEADS * HEAD_DIM * 4  # K and V of one token, one layer
+    token_bytes = bytes_per_block(1, 1, KV_HEADS, HEAD_DIM, torch.float32)  # one token, one layer
     pool_blocks = int(args.pool_gib * 2**30 / (BLOCK * token_bytes))
     lo, hi = (int(x) for x in args.spread.split(","))
     cases: list[tuple[str, list[int]]] = []
@@ -105,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
 
     rows, results = [], []
     for i, (label, lens) in enumerate(cases):
-        meta, kv = decode_step(lens, max(pool_blocks, 2 * sum(-(-n // BLOCK) for n in lens)), i)
+        meta, kv = decode_step(
+            lens, max(pool_blocks, 2 * sum(blocks_for(n, BLOCK) for n in lens)), i
+        )
         t_torch = time_backend(TorchPagedAttention().plan(meta), meta, kv, args.repeats)
         t_cpu = time_backend(CpuPagedAttention(kernel).plan(meta), meta, kv, args.repeats)
         gbytes = sum(lens) * token_bytes / 1e9

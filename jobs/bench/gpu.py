@@ -1,8 +1,8 @@
 """GPU benchmark of the paged attention kernels (issue 5).
 
-    python jobs/gpu_bench.py                          # (a) + (b) + (c) on the CUDA device
-    python jobs/gpu_bench.py --parts b --peak-tbps 4.8 --out bench.json
-    python jobs/gpu_bench.py --smoke                  # CPU: tiny shapes, Triton interpreter
+    python -m jobs.bench.gpu                          # (a) + (b) + (c) on the CUDA device
+    python -m jobs.bench.gpu --parts b --peak-tbps 4.8 --out bench.json
+    python -m jobs.bench.gpu --smoke                  # CPU: tiny shapes, Triton interpreter
 
 (a) correctness: each kernel (KV write, decode single-pass / split-KV / auto, extend) against the
     torch references of batchpage.kernels.reference at real model shapes, ragged contexts,
@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 # Importing batchpage.kernels on a machine without CUDA turns on Triton's interpreter.
+from batchpage.engine.config import DTYPES
 from batchpage.kernels.extend_attention import extend_attention
 from batchpage.kernels.kv_write import write_kv
 from batchpage.kernels.paged_decode_attention import (
@@ -43,8 +44,8 @@ from batchpage.kernels.paged_decode_attention import (
 )
 from batchpage.kernels.reference import ref_paged_attention, ref_write_kv
 from batchpage.kernels.testing import make_paged_case, tolerances
+from jobs.bench.report import log, markdown_table, write_json
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 Row = dict[str, Any]
 
 
@@ -240,7 +241,7 @@ def bench_decode(
                     max_abs_err_vs_sdpa=err,
                 )
             )
-            print(_fmt_row(rows[-1]), file=sys.stderr, flush=True)
+            log(", ".join(f"{k} {_cell(v)}" for k, v in rows[-1].items()))
             del q, k, v, k_cache, v_cache, table, seq_lens, out, sdpa
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -393,13 +394,11 @@ def bench_engine(
 # ---------------------------------------------------------------------------------------------
 
 
-def _fmt_row(row: Row) -> str:
-    def cell(v: object) -> str:
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
-        return str(v)
-
-    return "| " + " | ".join(cell(v) for v in row.values()) + " |"
+def _cell(v: object) -> str:
+    """Three significant digits: errors near 1e-3 and times near 1e-2 ms both stay readable."""
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
 
 
 def markdown(title: str, rows: list[Row]) -> str:
@@ -408,9 +407,8 @@ def markdown(title: str, rows: list[Row]) -> str:
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r if k not in keys]
-    lines = [f"### {title}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += [_fmt_row({k: r.get(k, "") for k in keys}) for r in rows]
-    return "\n".join(lines) + "\n"
+    table = markdown_table(keys, [[_cell(r.get(k, "")) for k in keys] for r in rows])
+    return f"### {title}\n\n{table}\n"
 
 
 def _ints(text: str) -> list[int]:
@@ -421,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU (interpreter)")
     ap.add_argument("--parts", default="a,b,c", help="comma list of a, b, c")
-    ap.add_argument("--dtype", default="float16", choices=sorted(DTYPES))
+    ap.add_argument("--dtype", default="float16", choices=DTYPES)
     ap.add_argument("--peak-tbps", type=float, default=4.8, help="HBM peak, TB/s (H200: 4.8)")
     ap.add_argument("--batches", default="1,4,16,64,128,256")
     ap.add_argument("--contexts", default="512,2048,8192,32768")
@@ -439,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.smoke:
         ap.error("no CUDA device: only --smoke runs on CPU")
-    dtype = DTYPES[args.dtype]
+    dtype = getattr(torch, args.dtype)
     parts = set(args.parts.split(","))
     if args.smoke:  # tiny everything: the interpreter runs each program in numpy
         args.batches, args.contexts = "1,3", "32,64"
@@ -480,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\n".join(report))
     if args.out:
-        args.out.write_text(json.dumps(results, indent=2, default=str))
+        write_json(args.out, results)
     failed = [r for r in results.get("correctness", []) if not r["ok"]]
     # `not <=` so that a NaN error counts as a failure
     bad = [r for r in results.get("decode", []) if not r.get("max_abs_err_vs_sdpa", 0) <= 0.05]

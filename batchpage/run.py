@@ -1,16 +1,19 @@
 """`python -m batchpage.run dataset=evals ...`: compose the config with Hydra, run the job.
 
 All the work is in batchpage.job; this file only turns Hydra's config into a JobConfig, picks the
-output folder and maps failures to exit codes: 0 done (some rows may carry an error), 1 every row
-failed or a crash, 2 a config problem found before the model loaded (message on stderr, no
-traceback), 130 interrupted (finished rows are kept; rerun into the same output_dir to resume).
+output folder, prints the summary and maps failures to exit codes: 0 done (some rows may carry
+an error), 1 every row failed or a crash, 2 a config problem found before the model loaded
+(message on stderr, no traceback), 130 interrupted by Ctrl-C, 143 stopped by SIGTERM (finished
+rows are kept either way; rerun into the same output_dir to resume).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from batchpage.job import JobConfigError, JobResult, run_job
 from batchpage.job.config import JobConfig, register_configs
@@ -57,6 +61,10 @@ def compose_job(overrides: Sequence[str] = ()) -> JobConfig:
     """The JobConfig that `python -m batchpage.run <overrides>` would run, for scripts (jobs/)
     and tests. output_dir stays None unless an override sets it. Raises Hydra's errors for an
     unknown key or preset, and ValueError for a bad engine value."""
+    return OmegaConf.to_object(_compose(overrides))  # type: ignore[return-value]
+
+
+def _compose(overrides: Sequence[str]) -> DictConfig:
     from hydra import compose, initialize_config_dir, initialize_config_module
 
     register_configs()
@@ -67,8 +75,23 @@ def compose_job(overrides: Sequence[str] = ()) -> JobConfig:
         else initialize_config_dir(config_dir=where, version_base="1.3")
     )
     with init:
-        cfg = compose(config_name="config", overrides=list(overrides))
-    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+        return compose(config_name="config", overrides=list(overrides))
+
+
+class Terminated(Exception):
+    """SIGTERM (SLURM, Kubernetes, `kill`): unwinds like Ctrl-C, so buffered rows are saved."""
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _app(cfg: DictConfig) -> None:
@@ -78,29 +101,55 @@ def _app(cfg: DictConfig) -> None:
         _fail(str(e))
     job.output_dir = output_dir_for(job.output_dir)
     try:
-        if job.dry_run:
-            _print_report(dry_run(job))
-            return
-        result = run_job(job)
+        # Library messages (a kernel build, a tokenizer conversion) print above the bar.
+        with sigterm_raises(), logging_redirect_tqdm():
+            if job.dry_run:
+                _print_report(dry_run(job))
+                return
+            result = run_job(job)
     except JobConfigError as e:
         _fail(str(e))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as e:
+        stopped = "terminated" if isinstance(e, Terminated) else "interrupted"
         print(
-            f"\ninterrupted: finished rows are saved; rerun with output_dir={job.output_dir} "
+            f"\n{stopped}: finished rows are saved; rerun with output_dir={job.output_dir} "
             "to resume",
             file=sys.stderr,
         )
-        sys.exit(130)
-    m = result.metrics
-    print(
-        f"{result.rows} rows ({result.rows_generated} generated, {result.rows_resumed} resumed, "
-        f"{result.errors} with errors) -> {result.output_dir / 'completions.parquet'}\n"
-        f"{m['generated_tokens']} tokens, {m['output_tokens_per_s']:.1f} tok/s, "
-        f"prefix hit rate {m['prefix_hit_rate']:.0%}, {m['elapsed_s']:.1f} s"
-    )
+        sys.exit(143 if isinstance(e, Terminated) else 130)
+    print(summary(result))
     if result.rows and result.errors == result.rows:
         print(f"every row failed; the first error: {result.first_error}", file=sys.stderr)
         sys.exit(1)
+
+
+def summary(result: JobResult) -> str:
+    """The lines the job prints when it ends."""
+    m = result.metrics
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(result.finish_reasons.items()))
+    lines = [
+        f"{result.rows} rows ({result.rows_generated} generated, {result.rows_resumed} resumed, "
+        f"{result.errors} with errors) -> {result.output_dir / 'completions.parquet'}",
+        f"finish reasons: {reasons or 'none'}",
+        f"{m['generated_tokens']} tokens generated at {m['output_tokens_per_s']:.1f} tok/s, "
+        f"prefix hit rate {m['prefix_hit_rate']:.0%}, wall time {m['wall_s']:.1f} s",
+    ]
+    if result.first_error:
+        lines.append(f"first error: {result.first_error}")
+    for sample in result.samples:
+        text = sample["completion"]
+        text = text[0] if isinstance(text, list) else text
+        shown = text if len(text) <= 300 else text[:300] + " ..."
+        lines.append(f"--- {sample['id']}\n{shown}")
+    if result.score is not None:
+        s = result.score
+        lines.append(
+            f"{s['scorer']} pass@1 {s['pass_at_1']:.1%} ({s['passed']} of {s['samples']} "
+            f"samples passed, {s['problems']} problems) -> scores.parquet"
+        )
+        if s["unconfined"]:
+            lines.append(f"sandbox was partial here: {'; '.join(s['unconfined'])}")
+    return "\n".join(lines)
 
 
 def _fail(message: str) -> None:
@@ -131,7 +180,29 @@ def run_for_script(build: Callable[[], JobConfig]) -> tuple[JobConfig, JobResult
 
 def main() -> None:
     register_configs()
+    _check_overrides(sys.argv[1:])
     hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")(_app)()
+
+
+def _check_overrides(args: list[str]) -> None:
+    """A mistyped key, a wrong type or an unknown preset fails here in one line with exit 2
+    (Hydra itself would exit 1 with a wrapped message). Sweeps (-m, a,b,c) and Hydra's own flags
+    are left to Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if any(a.startswith("-") for a in args):
+        return
+    try:
+        if any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(args)):
+            return
+        OmegaConf.to_object(_compose(args))
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        # Hydra wraps OmegaConf's error, whose first line says what is wrong with which key.
+        cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        _fail(f"{first} (see every key and its type: python -m batchpage.run --cfg job)")
 
 
 if __name__ == "__main__":

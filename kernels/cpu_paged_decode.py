@@ -21,6 +21,7 @@ raises KernelBuildError, with the compiler's message, when that is impossible.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -35,6 +36,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 class KernelBuildError(RuntimeError):
     pass
+
+
+log = logging.getLogger(__name__)
 
 
 def _cpu_flags() -> str:
@@ -68,6 +72,17 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
+def _is_built(name: str) -> bool:
+    """Whether torch's extension folder already holds this build (then loading takes ~1 s)."""
+    from torch.utils import cpp_extension
+
+    try:
+        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+    except (AttributeError, OSError, RuntimeError):  # a private helper: it may move
+        return False
+    return (folder / f"{name}.so").exists()
+
+
 class CpuPagedDecode:
     """The compiled kernel. Build with `CpuPagedDecode.build()`; call like a function."""
 
@@ -89,6 +104,11 @@ class CpuPagedDecode:
                 "whose wheel ships kernels/*.cpp; attention_backend='torch' runs without it"
             ) from exc
         name = extension_name(source)
+        if not _is_built(name):
+            log.info(
+                "building the CPU attention kernel %s (about 45 s on 2 cores; once, then cached)",
+                name,
+            )
         try:
             module = cpp_extension.load(
                 name=name,

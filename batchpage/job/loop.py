@@ -22,6 +22,7 @@ from batchpage.job.plan import JobConfigError, JobPlan, plan_job
 from batchpage.job.progress import JobProgress, job_rate
 from batchpage.job.prompts import Prepared, prepare_window, to_result
 from batchpage.job.report import JobResult, ThisRun, resolved_settings, summarize, write_report
+from batchpage.job.score import code_of, code_schema, score_output
 from batchpage.metrics import RunStats
 from batchpage.output import OutputDirError, ShardWriter, finalize
 from batchpage.outputs import RequestOutput
@@ -45,6 +46,7 @@ def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
             overwrite=cfg.overwrite,
             flush_rows=cfg.flush_rows,
             flush_seconds=cfg.flush_seconds,
+            extra_schema=code_schema(plan.params.n) if plan.style else None,
         )
     except OutputDirError as e:
         raise JobConfigError(str(e)) from None
@@ -79,14 +81,24 @@ def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
             progress.close()
         writer.flush()
         final = finalize(out, rows)  # still under the writer's lock
+    score = score_output(out, cfg.score) if cfg.score else None
     run = ThisRun(
         started_wall, time.perf_counter() - started, generated, resumed,
         RunStats.merged(window_stats),
     )  # fmt: skip
-    metrics = write_report(out, cfg, plan, resolved_settings(plan, llm), run, rows)
+    metrics = write_report(out, cfg, plan, resolved_settings(plan, llm), run, rows, score)
     reasons, samples, first_error = summarize(final.path)
     return JobResult(
-        out, rows, resumed, generated, final.errors, first_error or None, metrics, reasons, samples
+        out,
+        rows,
+        resumed,
+        generated,
+        final.errors,
+        first_error or None,
+        metrics,
+        reasons,
+        samples,
+        score,
     )
 
 
@@ -110,7 +122,11 @@ def _generate(
 
     def saved(out: RequestOutput, index: int) -> None:
         p = ready[index]
-        writer.add(to_result(p, out, p.params.n))
+        result = to_result(p, out, p.params.n)
+        if plan.style is not None and out.error is None:
+            codes = [code_of(plan.style, p.row.prompt, c.text) for c in out.outputs]
+            result.extra["code"] = codes[0] if p.params.n == 1 else codes
+        writer.add(result)
         writer.maybe_flush()
         used = sum(len(c.token_ids) for c in out.outputs)
         progress.row_finished(unused_budget=max(0, budget(p) - used) if out.error is None else 0)

@@ -17,6 +17,7 @@ from batchpage.engine.plan import EnginePlan, plan_engine
 from batchpage.fileio import file_digest
 from batchpage.job.config import JobConfig
 from batchpage.job.prompts import PromptPlan
+from batchpage.job.score import SCORERS
 from batchpage.model.loader import ModelSource, load_tokenizer, resolve_model_source
 from batchpage.sampling_params import SamplingParams
 
@@ -52,6 +53,8 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         source = resolve_model_source(cfg.model.path)
         engine_cfg = EngineConfig(**asdict(cfg.engine))  # validated again: cfg may be hand-built
         engine = plan_engine(engine_cfg, source)
+        if cfg.score is not None and cfg.score not in SCORERS:
+            raise ValueError(f"score={cfg.score!r} is unknown; use one of {', '.join(SCORERS)}")
         style, prompts = _prompt_plan(cfg, info, source)
         if style == "completion" and info.styles is not None:
             stops = [*(params.stop or []), *info.styles.completion_stop]

@@ -62,7 +62,13 @@ def resolved_settings(plan: JobPlan, llm: Any | None) -> dict[str, Any]:
 
 
 def write_report(
-    out: Path, cfg: JobConfig, plan: JobPlan, settings: dict[str, Any], run: ThisRun, rows: int
+    out: Path,
+    cfg: JobConfig,
+    plan: JobPlan,
+    settings: dict[str, Any],
+    run: ThisRun,
+    rows: int,
+    score: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Append this run to run.json's history (a run that generated nothing adds no entry) and
     rewrite the totals. Returns the totals."""
@@ -90,6 +96,8 @@ def write_report(
         "rows": rows,
         "rows_generated": sum(r["rows_generated"] for r in runs),
     }
+    if score is not None:
+        totals["score"] = score
     config = {
         "job": to_plain(cfg),
         "resolved": runs[-1]["settings"],  # of the last run that generated

@@ -38,6 +38,13 @@ def function_start(code: str, name: str) -> int | None:
     return None if found is None else found.start()
 
 
+def entry_point_of(prompt: str) -> str | None:
+    """The function a HumanEval-style prompt asks for: its last top-level definition (helpers
+    come before it)."""
+    names = re.findall(r"^(?:async[ \t]+)?def[ \t]+(\w+)", prompt, re.M)
+    return names[-1] if names else None
+
+
 def defines_function(code: str, name: str) -> bool:
     """Whether `code` defines `name` at top level (then it is a whole solution, not a body)."""
     return function_start(code, name) is not None

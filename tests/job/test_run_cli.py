@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -124,6 +125,62 @@ def test_a_user_error_exits_2_with_the_message_and_no_traceback(tmp_path, tiny_f
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("engine.nope=1", "Key 'nope' not in 'EngineConfig'"),
+        ("engine.block_size=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
+        ("dataset=nope", "Could not find 'dataset/nope'"),
+    ],
+)
+def test_a_bad_key_or_value_exits_2_in_one_line(tmp_path, override: str, message: str) -> None:
+    proc = cli([override, f"output_dir={tmp_path / 'out'}"], tmp_path, stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_an_output_dir_that_is_a_file_exits_2(tmp_path, tiny_folder) -> None:
+    data = write_prompts(tmp_path / "d.jsonl", 2)
+    (tmp_path / "taken").write_text("not a folder")
+    proc = cli(
+        tiny_job_args(data, tiny_folder, tmp_path / "taken"), tmp_path, stderr=subprocess.PIPE
+    )
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "output_dir" in err and "taken" in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_buffered_rows_and_exits_143(tmp_path, tiny_folder) -> None:
+    """SLURM and Kubernetes stop jobs with SIGTERM: rows finished so far are flushed (here the
+    buffer would otherwise wait for 1000 rows or 1000 s) and the message says how to resume."""
+    data = write_prompts(tmp_path / "d.jsonl", 400)
+    out = tmp_path / "out"
+    job = [
+        *tiny_job_args(data, tiny_folder, out),
+        "dataset.window_rows=8",
+        "flush_rows=1000",
+        "flush_seconds=1000",
+        "sampling.max_tokens=4",
+        "sampling.ignore_eos=true",
+    ]
+    job = [a if a != "progress=false" else "progress=true" for a in job]
+    proc = cli(job, tmp_path, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    seen, deadline = "", time.monotonic() + 300
+    # The bar says how many rows are done; stop once a few are (they sit in the buffer).
+    while not re.search(r"rows=([3-9]|\d\d+)/400", seen):
+        assert proc.poll() is None and time.monotonic() < deadline, seen[-2000:]
+        seen += os.read(proc.stderr.fileno(), 65536).decode(errors="replace")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert f"rerun with output_dir={out} to resume" in err and "Traceback" not in err
+    saved = sum(pq.read_metadata(s).num_rows for s in out.glob("shard-*.parquet"))
+    assert 0 < saved < 400
+
+
 def test_a_sweep_writes_one_output_folder_per_job(tmp_path, tiny_folder) -> None:
     data = write_prompts(tmp_path / "d.jsonl", 3)
     args = [*tiny_job_args(data, tiny_folder, tmp_path / "sweep"), "sampling.max_tokens=2"]
@@ -155,7 +212,7 @@ def test_sigkill_at_random_moments_then_resume_equals_a_clean_run(tmp_path, tiny
         log = tmp_path / "stderr.txt"
         with open(log, "w") as err:
             proc = cli(job, tmp_path, stderr=err)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         # Kill once this run has made progress of its own, at a random moment after that.
         while proc.poll() is None and len(list(out.glob("shard-*.parquet"))) <= before:
             assert time.monotonic() < deadline, "the job made no progress"

@@ -97,3 +97,12 @@ def test_defines_function_only_at_top_level():
         "class A:\n    def has_close_elements(self):\n", "has_close_elements"
     )
     assert not defines_function("def has_close_elements_fast(x):\n", "has_close_elements")
+
+
+def test_entry_point_of_every_humaneval_prompt_is_its_entry_point() -> None:
+    from batchpage.scoring.code_extract import entry_point_of
+    from batchpage.scoring.humaneval import load_problems
+
+    problems = load_problems()
+    assert all(entry_point_of(p["prompt"]) == p["entry_point"] for p in problems.values())
+    assert entry_point_of("x = 1\n") is None

@@ -1,0 +1,70 @@
+"""Scoring a finished job (`score=humaneval`): the code each row produced, and its check.
+
+The `code` column of completions.parquet is what gets checked: for the instruct style the code
+taken from the reply's code block, for the completion style the completion itself (the body that
+follows the prompt). scores.parquet then holds one row per sample with its verdict, and the
+summary (pass@1) goes to run.json and the command line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchpage.fileio import atomic_path
+
+SCORES_FILE = "scores.parquet"
+SCORERS = ("humaneval",)
+
+
+def code_schema(n: int) -> pa.Schema:
+    return pa.schema([("code", pa.string() if n == 1 else pa.list_(pa.string()))])
+
+
+def code_of(style: str, prompt: str | None, completion: str) -> str:
+    """The program text a completion stands for (see the module docstring)."""
+    if style != "instruct":
+        return completion
+    from batchpage.scoring.code_extract import entry_point_of, extract_code
+
+    entry_point = entry_point_of(prompt or "")
+    return extract_code(completion, entry_point) if entry_point else completion
+
+
+def score_output(output_dir: Path, scorer: str, workers: int = 2) -> dict[str, Any]:
+    """Check every sample of completions.parquet; write scores.parquet; return the summary."""
+    if scorer != "humaneval":
+        raise ValueError(f"score={scorer!r} is unknown; use one of {SCORERS}")
+    from batchpage.scoring.humaneval import load_problems, score
+    from batchpage.scoring.sandbox import Limits
+
+    table = pq.read_table(output_dir / "completions.parquet")
+    column = "code" if "code" in table.column_names else "completion"
+    pairs: list[tuple[str, str | None]] = []
+    for task_id, code in zip(
+        table.column("id").to_pylist(), table.column(column).to_pylist(), strict=True
+    ):
+        samples = code if isinstance(code, list) else [code]
+        pairs += [(task_id, c) for c in samples]
+    report = score(pairs, load_problems(), Limits(), workers=workers)
+    scores = pa.table(
+        {
+            "id": [r.task_id for r in report.results],
+            "passed": [r.passed for r in report.results],
+            "status": [r.outcome.status.value for r in report.results],
+            "reason": [r.outcome.reason for r in report.results],
+        }
+    )
+    with atomic_path(output_dir / SCORES_FILE) as tmp:
+        pq.write_table(scores, tmp)
+    return {
+        "scorer": scorer,
+        "pass_at_1": report.pass_at_1,
+        "problems": report.problems,
+        "samples": len(report.results),
+        "passed": sum(r.passed for r in report.results),
+        "unconfined": list(report.unconfined),
+    }

@@ -1,0 +1,72 @@
+"""score=humaneval: the code column of completions.parquet is checked in the sandbox, against
+HumanEval's own canonical solutions as the reference of what passes."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchpage.job import run_job
+from batchpage.job.score import SCORES_FILE, code_of, score_output
+from batchpage.run import compose_job
+from batchpage.scoring.humaneval import load_problems
+
+
+@pytest.fixture(scope="module")
+def problems() -> dict:
+    return load_problems()
+
+
+def test_canonical_solutions_pass_and_wrong_ones_fail(tmp_path, problems) -> None:
+    ids = ["HumanEval/0", "HumanEval/2", "HumanEval/4"]
+    wrong = "    return None\n"
+    codes = [problems["HumanEval/0"]["canonical_solution"], wrong, wrong]
+    # An instruct reply: the whole function in a fence, extracted into the code column.
+    reply = (
+        "Here it is:\n```python\ndef truncate_number(number: float) -> float:\n"
+        "    return number % 1.0\n```\nIt keeps the fraction."
+    )
+    codes[1] = code_of("instruct", problems["HumanEval/2"]["prompt"], reply)
+    table = pa.table({"id": ids, "completion": ["x"] * 3, "code": codes})
+    pq.write_table(table, tmp_path / "completions.parquet")
+    summary = score_output(tmp_path, "humaneval")
+    assert (summary["samples"], summary["passed"], summary["problems"]) == (3, 2, 3)
+    assert summary["pass_at_1"] == pytest.approx(2 / 3)
+    scores = pq.read_table(tmp_path / SCORES_FILE).to_pylist()
+    assert [s["passed"] for s in scores] == [True, True, False]
+    assert scores[2]["status"] == "failed" and scores[2]["reason"]
+
+
+def test_a_job_with_score_writes_code_and_scores(tmp_path, tiny_folder, monkeypatch) -> None:
+    monkeypatch.setenv("BATCHPAGE_CACHE", str(tmp_path / "cache"))
+    cfg = compose_job(
+        [
+            "dataset.limit=2",
+            "dataset.style=completion",  # the tiny model's tokenizer has a template too
+            f"model.path={tiny_folder}",
+            "sampling.max_tokens=3",
+            "engine.max_model_len=2048",
+            "score=humaneval",
+            f"output_dir={tmp_path / 'out'}",
+            "progress=false",
+        ]
+    )
+    result = run_job(cfg)
+    rows = pq.read_table(tmp_path / "out" / "completions.parquet").to_pylist()
+    assert [r["code"] for r in rows] == [r["completion"] for r in rows]  # completion style
+    assert result.score is not None and result.score["samples"] == 2
+    assert result.score["pass_at_1"] == 0.0  # a random tiny model solves nothing
+    report = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert report["metrics"]["score"]["scorer"] == "humaneval"
+    assert len(pq.read_table(tmp_path / "out" / SCORES_FILE)) == 2
+
+
+def test_an_unknown_scorer_is_refused_before_the_model_loads(tmp_path) -> None:
+    from batchpage.job import JobConfigError
+
+    cfg = compose_job(["score=bleu", f"output_dir={tmp_path}", "dataset=demo"])
+    with pytest.raises(JobConfigError, match="score='bleu' is unknown"):
+        run_job(cfg, lambda *a, **k: pytest.fail("the model must not load"))

@@ -94,7 +94,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
-    partial_rotary_factor: float = 1.0  # rotate only this leading fraction of each head
+    rotary_dim: int = 0  # leading dimensions of each head that rope rotates; 0: all of them
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # biases on q/k/v
@@ -110,6 +110,8 @@ class ModelConfig:
     torch_dtype: str | None = None  # the checkpoint's own dtype name, used by dtype="auto"
 
     def __post_init__(self) -> None:
+        if not self.rotary_dim:
+            object.__setattr__(self, "rotary_dim", self.head_dim)  # frozen: set once, here
         sizes = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
         bad = [f"{n}={getattr(self, n)}" for n in sizes if getattr(self, n) <= 0]
         if bad:
@@ -118,10 +120,10 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
-        if self.rotary_dim % 2 or self.rotary_dim <= 0:
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(
-                f"rotary dimension {self.rotary_dim} (head_dim={self.head_dim} x "
-                f"partial_rotary_factor={self.partial_rotary_factor}) must be even and positive"
+                f"rotary dimension {self.rotary_dim} must be even, positive and at most "
+                f"head_dim={self.head_dim}"
             )
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(
@@ -131,10 +133,6 @@ class ModelConfig:
             raise ValueError(
                 f"{len(self.moe.sparse_layers)} MoE flags for {self.num_layers} layers"
             )
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def sliding_window(self) -> int | None:

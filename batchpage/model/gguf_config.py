@@ -61,7 +61,7 @@ def gguf_config(path: Path, header: GGUFHeader) -> ModelConfig:
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        partial_rotary_factor=rotary / head_dim,
+        rotary_dim=rotary,
         max_position_embeddings=int(key("context_length", 2048)),
         # llama.cpp drops output.weight when the HF model ties it to the token embedding
         tie_word_embeddings="output.weight" not in names,

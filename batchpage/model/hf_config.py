@@ -66,7 +66,7 @@ def model_config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        partial_rotary_factor=partial,
+        rotary_dim=int(head_dim * partial),  # as HF rounds it
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=qkv_bias,
@@ -197,10 +197,11 @@ def _rope(
             )
         return params[key]
 
-    original = params.get("original_max_position_embeddings") or max_pos
-    if model_type == "phi3" and cfg.get("original_max_position_embeddings"):
-        original = cfg["original_max_position_embeddings"]  # Phi-3 keeps it at the top level
-    original = int(original)
+    original = int(params.get("original_max_position_embeddings") or max_pos)
+    if model_type == "phi3" and kind in ("llama3", "yarn", "longrope"):
+        # Phi-3 keeps it at the top level, and HF prefers that
+        top = cfg.get("original_max_position_embeddings")
+        original = int(top or need("original_max_position_embeddings"))
     if kind in ("linear", "dynamic"):
         # dynamic scales from max_position_embeddings itself (HF ignores any "original" here)
         scaling = RopeScaling(kind, float(need("factor")), 0 if kind == "linear" else max_pos)

@@ -64,6 +64,11 @@ def test_every_variant_reads_as_transformers_configures_it(variant):
     assert cfg.rope_theta == hf.rope_parameters["rope_theta"]
     kind = hf.rope_parameters["rope_type"]
     assert (cfg.rope_scaling.kind if cfg.rope_scaling else "default") == kind
+    if kind in ("llama3", "yarn", "longrope"):  # HF's own resolution of the pretraining length
+        want = hf.rope_parameters["original_max_position_embeddings"]
+        assert cfg.rope_scaling.original_max_position_embeddings == want
+    rotary = int(cfg.head_dim * hf.rope_parameters.get("partial_rotary_factor", 1.0))
+    assert cfg.rotary_dim == rotary
     assert cfg.tie_word_embeddings == hf.tie_word_embeddings
 
 
@@ -163,10 +168,17 @@ def test_phi3_rope_quirks():
     assert s.factor == 32.0 and s.long_factor == (2.0,) * half
     with pytest.raises(ValueError, match="short_factor/long_factor have 3/8 entries, need 8"):
         model_config_from_hf(
-            dict(BASE, model_type="phi3", rope_scaling={**rope, "short_factor": [1.0] * 3})
+            dict(
+                BASE,
+                model_type="phi3",
+                original_max_position_embeddings=4096,
+                rope_scaling={**rope, "short_factor": [1.0] * 3},
+            )
         )
     partial = model_config_from_hf(dict(BASE, model_type="phi3", partial_rotary_factor=0.75))
     assert partial.rotary_dim == 12
+    with pytest.raises(ValueError, match="'longrope' needs 'original_max_position_embeddings'"):
+        model_config_from_hf(dict(BASE, model_type="phi3", rope_scaling=rope))  # HF refuses too
 
 
 @pytest.mark.parametrize(

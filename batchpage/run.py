@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,7 @@ def _compose(overrides: Sequence[str]) -> DictConfig:
     from hydra import compose, initialize_config_dir, initialize_config_module
 
     register_configs()
+    register_resolvers()
     where = config_dir()
     init = (
         initialize_config_module("batchpage.conf", version_base="1.3")
@@ -178,8 +180,19 @@ def run_for_script(build: Callable[[], JobConfig]) -> tuple[JobConfig, JobResult
         return None
 
 
+def run_dir(output_dir: str | None) -> str:
+    """hydra.run.dir (conf/config.yaml): see the comment there."""
+    return "." if output_dir else time.strftime("outputs/%Y-%m-%d/%H-%M-%S")
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("batchpage_run_dir"):
+        OmegaConf.register_new_resolver("batchpage_run_dir", run_dir)
+
+
 def main() -> None:
     register_configs()
+    register_resolvers()
     _check_overrides(sys.argv[1:])
     hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")(_app)()
 

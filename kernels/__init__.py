@@ -2,7 +2,7 @@
 
 Modules: kv_write (store new K/V at their slots), paged_decode_attention (single-pass and split-KV
 decode), extend_attention (varlen prefill over a paged prefix), reference (torch references),
-testing (random paged inputs for the tests and jobs/gpu_bench.py), all Triton; and
+testing (random paged inputs for the tests and jobs/bench/gpu.py), all Triton; and
 cpu_paged_decode, the launcher of the C++ decode kernel for CPUs (cpu_paged_decode.cpp, shipped
 as package data).
 

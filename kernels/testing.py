@@ -1,4 +1,4 @@
-"""Random paged-attention inputs for the kernel tests and jobs/gpu_bench.py.
+"""Random paged-attention inputs for the kernel tests and jobs/bench/gpu.py.
 
 A case is a batch of sequences whose contexts live in a shuffled, non-contiguous set of pool
 blocks. Every pool slot a sequence does not own holds NaN (unless the pool is lazy, see below), so

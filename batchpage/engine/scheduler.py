@@ -175,7 +175,8 @@ class Scheduler:
         """Whether seq shares at least one more full block with a sequence admitted this step
         than the cache gave it: computing that block once, then hitting it next step, beats
         computing it twice now."""
-        if self.kv.tree is None:
+        # Sequences that score their prompt never borrow cached blocks: nothing to wait for.
+        if self.kv.tree is None or seq.params.prompt_logprobs is not None:
             return False
         bs = self.kv.block_size
         limit = seq.num_tokens - 1  # the cache never covers the last prompt token

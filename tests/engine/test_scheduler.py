@@ -144,3 +144,19 @@ def test_prefix_cache_serves_shared_prompts_and_defers_one_step():
     assert b.num_cached_tokens == 8 and out.scheduled[1].num_new_tokens == 2
     assert b.block_table[:2] == a.block_table[:2]
     sched.check_integrity()
+
+
+def test_prompt_scoring_sequences_with_a_shared_prefix_are_admitted_together() -> None:
+    """Sequences that score their prompt never borrow cached blocks, so holding them back for a
+    shared prefix (as plain ones are, to compute it once) would only run them one per step."""
+
+    def scoring(i: int) -> Sequence:
+        seq = make_seq(i, 12)
+        seq.request.params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+        return seq
+
+    for make, admitted in ((scoring, 4), (lambda i: make_seq(i, 12), 1)):
+        kv = KVCacheManager(num_blocks=64, block_size=4, prefix_caching=True)
+        scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=256)
+        scheduler.add_batch([make(i) for i in range(4)])
+        assert len(scheduler.schedule().scheduled) == admitted

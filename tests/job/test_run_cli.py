@@ -140,6 +140,15 @@ def test_a_bad_key_or_value_exits_2_in_one_line(tmp_path, override: str, message
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_a_given_output_dir_leaves_no_hydra_folder_or_log_behind(tmp_path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = ["dataset=demo", "dry_run=true", f"output_dir={tmp_path / 'out'}"]
+    cmd = [sys.executable, "-m", "batchpage.run", *args]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no outputs/, .hydra/ or run.log
+
+
 def test_an_output_dir_that_is_a_file_exits_2(tmp_path, tiny_folder) -> None:
     data = write_prompts(tmp_path / "d.jsonl", 2)
     (tmp_path / "taken").write_text("not a folder")

@@ -214,10 +214,9 @@ def test_attention_benchmark_smoke(kernel, tmp_path: Path) -> None:
 
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "cpu_attention.json"
-    script = root / "jobs" / "bench_cpu_attention.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, check=False,
+        [sys.executable, "-m", "jobs.bench.cpu_attention", "--smoke", "--out", str(out)],
+        cwd=root, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "| decode rows x context |" in done.stdout

@@ -137,13 +137,16 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
     for col in wanted:
         if col not in columns:
             raise DatasetError(_missing_column_message(col, columns, spec, files))
+    if spec.id_column is not None:
+        _check_ids(fmt, files, spec, spec.id_column)
 
     if num_rows is None and fmt in ("jsonl", "csv"):
         num_rows = count_records(fmt, files, spec.limit)
     if num_rows is not None and spec.limit is not None:
         num_rows = min(num_rows, spec.limit)
     key = {
-        "files": [file_digest(f) for f in files],
+        # By path, so that a refused resume names the file that changed.
+        "files": {str(f): file_digest(f) for f in files},
         "format": fmt,
         "split": spec.split if fmt == "hf" else None,
         "columns": [prompt_col, messages_col, id_column, list(overrides)],
@@ -191,6 +194,37 @@ def _missing_column_message(col: str, columns: list[str], spec: DatasetSpec, fil
     else:
         msg += " Pick one with dataset.prompt_column=/messages_column=/id_column=..."
     return msg
+
+
+def _check_ids(fmt: str, files: list[Path], spec: DatasetSpec, column: str) -> None:
+    """Ids key the output rows: refuse duplicates, and nulls (which would fall back to the row
+    index and could collide with a real id), naming the first few. One pass over the column."""
+    seen: dict[str, int] = {}
+    duplicates: list[str] = []
+    nulls: list[int] = []
+    records = open_records(fmt, files, spec.split, [column], spec.window_rows)
+    for index, rec in enumerate(records):
+        if spec.limit is not None and index >= spec.limit:
+            break
+        value = rec.get(column) if isinstance(rec, dict) else None
+        if value is None:
+            nulls.append(index)
+            continue
+        key = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+        if key in seen and len(duplicates) < 5:
+            duplicates.append(f"{key!r} (rows {seen[key]} and {index})")
+        seen.setdefault(key, index)
+    if duplicates:
+        raise DatasetError(
+            f"dataset.id_column={column!r} has duplicate ids: {', '.join(duplicates)}; ids must "
+            "be unique (drop id_column to use the row index)"
+        )
+    if nulls:
+        shown = ", ".join(map(str, nulls[:5])) + (", ..." if len(nulls) > 5 else "")
+        raise DatasetError(
+            f"dataset.id_column={column!r} is null at rows {shown}; fill those ids (or drop "
+            "id_column to use the row index)"
+        )
 
 
 def _resolve_files(path: str) -> tuple[list[Path], presets.ResolvedPreset | None]:

@@ -198,8 +198,8 @@ def test_json_array_file_goes_through_hf(tmp_path: Path) -> None:
 
 
 def test_id_column_values_become_text(tmp_path: Path) -> None:
-    f = write_parquet(tmp_path / "a.parquet", prompt=["a", "b"], key=[7, None])
-    assert [r.id for r in rows(DatasetSpec(path=str(f), id_column="key"))] == ["7", "1"]
+    f = write_parquet(tmp_path / "a.parquet", prompt=["a", "b"], key=[7, 8])
+    assert [r.id for r in rows(DatasetSpec(path=str(f), id_column="key"))] == ["7", "8"]
 
 
 def test_messages_column_with_system_prompt(tmp_path: Path) -> None:
@@ -438,3 +438,17 @@ def test_jsonl_and_csv_inputs_know_their_row_count(tmp_path: Path, limit: int | 
         spec = DatasetSpec(path=str(path), limit=limit)
         info = validate(spec)
         assert info.num_rows == len(rows(spec)) == min(expected, limit or expected)
+
+
+def test_duplicate_or_null_ids_are_refused_before_anything_runs(tmp_path: Path) -> None:
+    f = write_jsonl(
+        tmp_path / "d.jsonl",
+        [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}, {"id": "a", "prompt": "z"}],
+    )
+    with pytest.raises(DatasetError, match=r"duplicate ids: 'a' \(rows 0 and 2\)"):
+        validate(DatasetSpec(path=str(f), id_column="id"))
+    assert validate(DatasetSpec(path=str(f), id_column="id", limit=2)).num_rows == 2
+    g = write_parquet(tmp_path / "n.parquet", id=["0", None, "2"], prompt=["x", "y", "z"])
+    with pytest.raises(DatasetError, match=r"null at rows 1;"):
+        validate(DatasetSpec(path=str(g), id_column="id"))
+    assert validate(DatasetSpec(path=str(g))).num_rows == 3  # no id column: row indices

@@ -9,8 +9,12 @@
    changed model or sampling is refused unless overwrite=true. The job poses HumanEval in the
    form the model answers (dataset.style) and checks every completion in batchpage's sandbox
    (batchpage.scoring): scores.parquet, pass@1 in run.json.
-2. Appends a row to the history Parquet and prints the change since the last comparable run
+2. With --lm-eval-tasks, also runs those lm-evaluation-harness tasks through batchpage's lm-eval
+   backend on the same model (results in <run>/lm_eval.json, headline metrics in the history).
+3. Appends a row to the history Parquet and prints the change since the last comparable run
    (same model path, same number of problems), with the problems that flipped.
+
+    python -m jobs.nightly_eval --lm-eval-tasks arc_easy,my_task --lm-eval-include-path tasks/
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=Path("nightly/history.parquet"),
         help="every run's pass@1 is appended here",
     )
+    p.add_argument("--lm-eval-tasks", default="", help="comma-separated lm-eval task names")
+    p.add_argument(
+        "--lm-eval-include-path", type=Path, default=None, help="a folder of local task YAMLs"
+    )
+    p.add_argument("--lm-eval-limit", type=int, default=None, help="samples per task (quick runs)")
     p.add_argument(
         "overrides",
         nargs="*",
@@ -104,8 +113,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sampling": json.dumps(dataclasses.asdict(cfg.sampling), sort_keys=True, default=str),
         "style": cfg.dataset.style,
     }
+    if args.lm_eval_tasks:
+        row["lm_eval"] = json.dumps(run_lm_eval(cfg, args, result.output_dir), sort_keys=True)
     print(report(row, append_history(args.history, row)))
+    if "lm_eval" in row:
+        print(f"lm-eval: {row['lm_eval']}")
     return 0
+
+
+def run_lm_eval(cfg: Any, args: argparse.Namespace, out: Path) -> dict[str, dict[str, float]]:
+    """The tasks through the batchpage backend, on the job's model and engine settings; the
+    full results go to <out>/lm_eval.json, each task's numeric metrics are returned."""
+    import lm_eval
+
+    import batchpage.lm_eval  # noqa: F401  (registers the model "batchpage")
+
+    engine = {k: v for k, v in dataclasses.asdict(cfg.engine).items() if v is not None}
+    model_args = ",".join(
+        [f"pretrained={cfg.model.path}", *(f"{k}={v}" for k, v in engine.items())]
+    )
+    manager = lm_eval.tasks.TaskManager(
+        include_path=str(args.lm_eval_include_path) if args.lm_eval_include_path else None
+    )
+    results = lm_eval.simple_evaluate(
+        model="batchpage",
+        model_args=model_args,
+        tasks=args.lm_eval_tasks.split(","),
+        task_manager=manager,
+        limit=args.lm_eval_limit,
+    )
+    (out / "lm_eval.json").write_text(json.dumps(results["results"], indent=2, default=str))
+    return {
+        task: {k: v for k, v in metrics.items() if isinstance(v, float)}
+        for task, metrics in results["results"].items()
+    }
 
 
 if __name__ == "__main__":

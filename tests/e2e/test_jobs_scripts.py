@@ -98,6 +98,32 @@ def test_the_nightly_generation_runs_alone_as_a_hydra_experiment(
     assert json.loads((out / "run.json").read_text())["metrics"] == run["metrics"]
 
 
+@pytest.mark.slow
+def test_nightly_eval_runs_lm_eval_tasks_through_the_backend(tiny_folder, tmp_path, capsys) -> None:
+    from tests.test_lm_eval import write_tasks
+
+    tasks = write_tasks(tmp_path)
+    out = tmp_path / "run"
+    args = [
+        "dataset.limit=1",
+        "sampling.max_tokens=2",
+        *tiny(tiny_folder),
+        f"output_dir={out}",
+        f"--history={tmp_path / 'history.parquet'}",
+        "--lm-eval-tasks=tiny_mc,tiny_ppl",
+        f"--lm-eval-include-path={tasks}",
+        "--lm-eval-limit=2",
+    ]
+    assert nightly.main(args) == 0
+    results = json.loads((out / "lm_eval.json").read_text())
+    assert set(results) == {"tiny_mc", "tiny_ppl"}
+    (row,) = pq.read_table(tmp_path / "history.parquet").to_pylist()
+    headline = json.loads(row["lm_eval"])
+    assert 0.0 <= headline["tiny_mc"]["acc,none"] <= 1.0
+    assert headline["tiny_ppl"]["word_perplexity,none"] > 1.0
+    assert "lm-eval:" in capsys.readouterr().out
+
+
 def test_the_report_names_what_changed() -> None:
     now = {"pass_at_1": 0.5, "problems": 3, "model": "m", "passed_tasks": ["a", "b"]}
     before = {**now, "pass_at_1": 0.25, "passed_tasks": ["c"], "timestamp": "yesterday"}

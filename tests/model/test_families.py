@@ -20,6 +20,7 @@ from tests.model_factory import (
     build_hf_model,
     hf_greedy,
     hf_logits,
+    hf_stepwise_greedy,
     new_kv_cache,
     paged_greedy,
     prefill_meta,
@@ -112,23 +113,6 @@ def test_chunked_prefill_and_decode_in_a_shared_pool(checkpoints, variant):
             row += new[b]
             done[b] += new[b]
     assert done == [23, 17]
-
-
-@torch.no_grad()
-def hf_stepwise_greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    """HF's greedy tokens from its own forward: the prompt, then one token at a time with its
-    KV cache kept throughout."""
-    from transformers import DynamicCache
-
-    model(torch.tensor([[0]]))  # reset dynamic rope state (see hf_greedy)
-    cache = DynamicCache(config=model.config)
-    logits = model(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]
-    out = [int(logits.argmax())]
-    while len(out) < max_new:
-        pos = torch.tensor([[len(prompt) + len(out) - 1]])
-        step = model(torch.tensor([[out[-1]]]), cache=cache, use_cache=True, position_ids=pos)
-        out.append(int(step.logits[0, -1].argmax()))
-    return out
 
 
 @pytest.mark.parametrize("variant", LENGTH_DEPENDENT_ROPE + ("qwen3_bias_yarn",))

@@ -78,8 +78,10 @@ def file_digest(path: Path, sample_bytes: int | None = None) -> list:
     replaced whole rather than edited in place.
     """
     if path.is_dir():
-        return [str(path), [file_digest(f, sample_bytes) for f in sorted(path.rglob("*"))
-                            if f.is_file()]]
+        return [
+            str(path),
+            [file_digest(f, sample_bytes) for f in sorted(path.rglob("*")) if f.is_file()],
+        ]
     size = path.stat().st_size
     h = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:

@@ -72,4 +72,3 @@ class EngineConfig:
 
     def batched_tokens(self) -> int:
         return self.max_num_batched_tokens or max(2048, self.max_num_seqs)
-

@@ -200,4 +200,3 @@ def _diff(old: Any, new: Any, path: str = "") -> str:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
-

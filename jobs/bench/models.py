@@ -224,9 +224,12 @@ def moe_ratio(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # --- main --------------------------------------------------------------------------------------
 
+SECTIONS = ("fidelity", "decode", "moe")
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=5, help="timings: best of this many rounds")
@@ -247,6 +250,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--smoke", action="store_true", help="small run to check it works")
     args = p.parse_args(argv)
+    args.sections = args.sections.split(",")
+    if set(args.sections) - set(SECTIONS):
+        p.error(f"unknown section(s) in {args.sections}; known: {', '.join(SECTIONS)}")
     args.variants = args.variants.split(",")
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:
@@ -259,54 +265,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    env = environment()
-    with tempfile.TemporaryDirectory() as tmp:
-        fid = fidelity(args, Path(tmp))
-        speed = decode_speed(args, Path(tmp))
-    moe = moe_ratio(args)
-    llama = next(r["decode_tok_s"] for r in speed if r["family"] == "llama")
-    report = [
-        f"## Model families: fidelity to HF and decode speed ({env['date_utc']})",
-        "",
-        f"Command: `{command_line()}`",
-        "",
-        f"CPU {env['cpu']} ({env['cpu_count']} cores), {env['torch_threads']} torch threads, "
-        f"torch {env['torch']}, transformers {env['transformers']}, float32.",
-        "",
+def fidelity_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
+    def vs_forward(r: dict[str, Any]) -> str:
+        return "-" if r["exact_vs_forward"] is None else f"{r['exact_vs_forward']}/{r['prompts']}"
+
+    headers = ["variant", "family", "exact prompts", "tokens before first difference"]
+    return [
         f"### Greedy exact match against HF generate ({args.prompts} prompts of 4..40 tokens, "
         f"{args.new_tokens} new tokens, tiny random models)",
         "",
         markdown_table(
-            [
-                "variant",
-                "family",
-                "exact prompts",
-                "tokens before first difference",
-                "exact vs HF forward",
-            ],
+            [*headers, "exact vs HF forward"],
             [
                 [
                     r["variant"],
                     r["family"],
                     f"{r['exact']}/{r['prompts']}",
                     f"{r['tokens_before_first_difference']}/{r['tokens']}",
-                    "-"
-                    if r["exact_vs_forward"] is None
-                    else f"{r['exact_vs_forward']}/{r['prompts']}",
+                    vs_forward(r),
                 ]
-                for r in fid
+                for r in rows
             ],
-        ),
+        ),  # fmt: skip
         "",
         "Exact vs HF forward: for the rope variants that depend on the sequence length, HF's "
         "greedy from its own forward, one token at a time with its KV cache kept. HF's Phi-3 "
         "`generate` instead drops its cache once when a sequence passes the original length "
         "and recomputes every token with the long factors; batchpage keeps the cached K/V.",
-        "",
+    ]
+
+
+def decode_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
+    llama = next(r["decode_tok_s"] for r in rows if r["family"] == "llama")
+    return [
         f"### Decode at batch {args.batch} (hidden {args.hidden}, {args.layers} layers, "
         f"{args.heads} heads / {args.kv_heads} KV heads, dense MLP {args.intermediate}, "
         f"MoE top-2 of experts of {args.intermediate // 2}, vocab {args.vocab})",
@@ -320,10 +311,14 @@ def main(argv: list[str] | None = None) -> None:
                     r["decode_tok_s"],
                     f"{r['decode_tok_s'] / llama:.2f}x",
                 ]
-                for r in speed
+                for r in rows
             ],
         ),  # fmt: skip
-        "",
+    ]
+
+
+def moe_table(rows: list[dict[str, Any]]) -> list[str]:
+    return [
         "### MoE block: experts grouped (one matmul per expert) vs a per-token loop",
         "",
         markdown_table(
@@ -338,16 +333,39 @@ def main(argv: list[str] | None = None) -> None:
                     fmt(r["loop_ms"], 2),
                     f"{r['speedup']:.1f}x",
                 ]
-                for r in moe
+                for r in rows
             ],
         ),  # fmt: skip
     ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    env = environment()
+    report = [
+        f"## Model families: fidelity to HF and decode speed ({env['date_utc']})",
+        "",
+        f"Command: `{command_line()}`",
+        "",
+        f"CPU {env['cpu']} ({env['cpu_count']} cores), {env['torch_threads']} torch threads, "
+        f"torch {env['torch']}, transformers {env['transformers']}, float32.",
+    ]
+    results: dict[str, Any] = {"args": args_json(args), "env": env}
+    with tempfile.TemporaryDirectory() as tmp:
+        if "fidelity" in args.sections:
+            results["fidelity"] = fidelity(args, Path(tmp))
+            report += ["", *fidelity_table(args, results["fidelity"])]
+        if "decode" in args.sections:
+            results["decode"] = decode_speed(args, Path(tmp))
+            report += ["", *decode_table(args, results["decode"])]
+    if "moe" in args.sections:
+        results["moe"] = moe_ratio(args)
+        report += ["", *moe_table(results["moe"])]
     print("\n".join(report))
     if args.out:
-        write_json(
-            args.out,
-            dict(args=args_json(args), env=env, fidelity=fid, decode=speed, moe=moe),
-        )
+        write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,13 @@ def _is_built(name: str) -> bool:
         folder = Path(cpp_extension._get_build_directory(name, verbose=False))
     except (AttributeError, OSError, RuntimeError):  # a private helper: it may move
         return False
-    return (folder / f"{name}.so").exists()
+    # ninja rebuilds when the source's path differs from the one the build was made from (a
+    # moved checkout), so a library alone does not mean loading is quick.
+    try:
+        made_from_here = str(SOURCE) in (folder / "build.ninja").read_text()
+    except OSError:
+        return False
+    return made_from_here and (folder / f"{name}.so").exists()
 
 
 class CpuPagedDecode:

@@ -29,8 +29,8 @@ from batchpage.engine.step_inputs import StepInputs, build_step
 from batchpage.engine.stop_checker import StopDecision
 from batchpage.host_memory import keep_freed_memory
 from batchpage.metrics import RunStats
+from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
-from batchpage.model.llama import LlamaForCausalLM
 from batchpage.model.tokenizer import Tokenizer
 
 BEAM_SEARCH_WITH_CONSTRAINT = (
@@ -42,7 +42,7 @@ BEAM_SEARCH_WITH_CONSTRAINT = (
 class Engine:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         tokenizer: Tokenizer,
         model_cfg: ModelConfig,
         cfg: EngineConfig,

@@ -12,7 +12,7 @@ from batchpage.attention.backend import AttentionBackend
 from batchpage.cache.kv_cache import KVCache
 from batchpage.engine.scheduler import SchedulerOutput
 from batchpage.engine.step_inputs import StepInputs
-from batchpage.model.llama import LlamaForCausalLM
+from batchpage.model.causal_lm import CausalLM
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -41,7 +41,7 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: KVCache, attention: AttentionBackend) -> None:
+    def __init__(self, model: CausalLM, kv: KVCache, attention: AttentionBackend) -> None:
         self.model = model
         self.kv = kv
         self.attention = attention

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from batchpage.model.config import ModelConfig, RopeScaling, UnsupportedModelError, family_for
+from batchpage.model.gguf_checks import check_metadata
 from batchpage.model.gguf_file import GGUFHeader, read_named_tensor
 
 _SIZE_KEYS = ("embedding_length", "block_count", "feed_forward_length", "attention.head_count")
@@ -22,6 +23,7 @@ def gguf_config(path: Path, header: GGUFHeader) -> ModelConfig:
     meta = header.meta
     arch = meta.get("general.architecture")
     family = family_for("gguf", arch)
+    check_metadata(path, header)  # every size an integer in range before any is used
 
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)

@@ -17,6 +17,7 @@ import torch
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
 from batchpage.model.families import build_model
+from batchpage.model.gguf_checks import check_declared_size
 from batchpage.model.gguf_config import ROPE_FREQS, gguf_config
 from batchpage.model.gguf_file import GGUFHeader, read_gguf_header, read_tensor
 
@@ -69,7 +70,13 @@ def _iter_tensors(
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
         if cfg.model_type == "llama" and kind in ("attn_q", "attn_k"):
             # Only the llama arch is permuted: llama.cpp runs it with interleaved-pair RoPE.
-            tensor = unpermute_rows(tensor, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
+            heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
+            if tensor.shape[0] != heads * cfg.head_dim:  # else the reshape fails without a name
+                raise ValueError(
+                    f"{path}: tensor {t.name!r} has {tensor.shape[0]} rows, expected "
+                    f"{heads} heads x {cfg.head_dim}: download or convert the file again"
+                )
+            tensor = unpermute_rows(tensor, heads)
         yield name, tensor
 
 
@@ -81,6 +88,7 @@ def load_gguf_model(
 ) -> tuple[CausalLM, ModelConfig]:
     header = read_gguf_header(path)
     cfg = gguf_config(path, header)
+    check_declared_size(path, header, cfg)  # before sizes from the header allocate memory
     model = build_model(cfg, dtype, device, max_positions)
     model.load_weights(_iter_tensors(path, header, cfg))
     return model.eval(), cfg

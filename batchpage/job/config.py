@@ -22,6 +22,7 @@ from batchpage.sampling_params import SamplingParams, StructuredOutputsParams
 SAMPLING_FIELDS_NOT_IN_JOB = frozenset(
     {"logprobs", "prompt_logprobs", "logit_bias", "early_stopping"}
 )
+EXECUTOR_KINDS = ("local", "ray")
 
 
 @dataclass
@@ -86,6 +87,38 @@ class SamplingConfig:
 
 
 @dataclass
+class ExecutorConfig:
+    """Where the job generates: `local` (one engine in this process) or `ray` (num_replicas
+    engine replicas, each a Ray actor holding one LLM, fed contiguous windows of the job's prefix
+    order through a work queue; the driver still writes every row). Nothing here changes the
+    results, so it is not part of the job's fingerprint: a job may resume under another executor.
+    """
+
+    kind: str = "local"  # local | ray
+    num_replicas: int = 2
+    gpus_per_replica: float = 0.0
+    # Torch threads in each replica (and the CPUs Ray reserves for it).
+    cpus_per_replica: int = 1
+    # "": start a local Ray instance sized to this machine; "auto" or "ray://host:port": join.
+    address: str = ""
+    # Rows per window handed to a replica. Cuts fall where neighbours share the least prefix.
+    window_rows: int = 64
+    # Windows queued on a replica at once: one running, the next ready, so it never waits.
+    windows_per_replica: int = 2
+
+    def __post_init__(self) -> None:
+        if self.kind not in EXECUTOR_KINDS:
+            raise ValueError(
+                f"executor.kind={self.kind!r} is unknown; use executor=local or executor=ray"
+            )
+        for name in ("num_replicas", "cpus_per_replica", "window_rows", "windows_per_replica"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"executor.{name}={getattr(self, name)} must be >= 1")
+        if self.gpus_per_replica < 0:
+            raise ValueError(f"executor.gpus_per_replica={self.gpus_per_replica} must be >= 0")
+
+
+@dataclass
 class JobConfig:
     """One batch job: `python -m batchpage.run` composes this from conf/ and the command line."""
 
@@ -93,6 +126,7 @@ class JobConfig:
     dataset: DatasetSpec = field(default_factory=DatasetSpec)
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     # None: Hydra's run folder (outputs/<date>/<time>); give a fixed folder to be able to resume.
     output_dir: str | None = None
     # Refuse nothing: delete results of another job found in output_dir and start over.

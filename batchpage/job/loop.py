@@ -36,6 +36,8 @@ def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
     if not cfg.output_dir:
         raise JobConfigError("output_dir is not set: pass output_dir=<folder>")
     started_wall, started = time.time(), time.perf_counter()
+    if llm_factory is None:
+        llm_factory = _executor_factory(cfg)
     plan = plan_job(cfg)
     out = Path(cfg.output_dir)
     try:
@@ -79,6 +81,8 @@ def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
                     generated += len(ready)
         finally:
             progress.close()
+            if hasattr(llm, "close"):  # an executor's replicas
+                llm.close()
         writer.flush()
         final = finalize(out, rows)  # still under the writer's lock
     score = score_output(out, cfg.score) if cfg.score else None
@@ -86,7 +90,7 @@ def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
         started_wall, time.perf_counter() - started, generated, resumed,
         RunStats.merged(window_stats),
     )  # fmt: skip
-    metrics = write_report(out, cfg, plan, resolved_settings(plan, llm), run, rows, score)
+    metrics = write_report(out, cfg, plan, _settings(plan, llm), run, rows, score)
     reasons, samples, first_error = summarize(final.path)
     return JobResult(
         out,
@@ -160,7 +164,31 @@ def _load_llm(cfg: JobConfig, factory: LLMFactory | None, progress: JobProgress)
     progress.note(
         f"model ready in {time.perf_counter() - start:.1f} s: {plan.device}, "
         f"{str(plan.dtype).removeprefix('torch.')}, "
-        f"attention {type(llm.engine.runner.attention).__name__}, "
+        f"attention {_attention_name(llm)}, "
         f"{plan.num_blocks} KV blocks"
     )
     return llm
+
+
+def _executor_factory(cfg: JobConfig) -> LLMFactory | None:
+    """None for executor=local; for executor=ray a factory of engine replicas (Ray checked now,
+    before anything loads)."""
+    from batchpage.executor import executor_factory
+
+    try:
+        return executor_factory(cfg.executor)
+    except ValueError as e:
+        raise JobConfigError(str(e)) from None
+
+
+def _attention_name(llm: Any) -> str:
+    name = getattr(llm, "attention_name", None)  # an executor's replicas report theirs
+    return name or type(llm.engine.runner.attention).__name__
+
+
+def _settings(plan: JobPlan, llm: Any) -> dict[str, Any]:
+    """What `auto` resolved to, and where the job generated (describe(): an executor's own)."""
+    describe = getattr(llm, "describe", None)
+    if describe is None:
+        return {**resolved_settings(plan, llm), "executor": {"kind": "local"}}
+    return {**resolved_settings(plan, None), **describe()}

@@ -1,0 +1,68 @@
+"""Reaching Ray: check that it is installed, then join a cluster or start a local instance.
+
+executor.address empty starts a local instance sized to this machine (its CPUs, its GPUs), with
+no dashboard; `auto` joins the cluster this node belongs to (`ray start` ran here), and
+`ray://host:port` joins one through Ray Client. A process that already called ray.init (a
+script, a test) is used as it is and left connected afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+
+from batchpage.job.config import ExecutorConfig
+
+INSTALL_HINT = "pip install 'batchpage[ray]'"
+
+
+def check_installed() -> None:
+    """ValueError with the install command when Ray is missing (found without importing it)."""
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError(f"executor=ray needs Ray, which is not installed: {INSTALL_HINT}")
+
+
+@dataclass(frozen=True)
+class Connection:
+    address: str  # what the job ran on: "local", "auto" or the ray:// address
+    owned: bool  # this job called ray.init, so it shuts Ray down at the end
+
+
+def connect(cfg: ExecutorConfig) -> Connection:
+    """ray.init as executor.address says; ValueError naming the fix when it cannot."""
+    import ray
+
+    if ray.is_initialized():
+        return Connection("existing", owned=False)
+    quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
+    if cfg.address:
+        try:
+            ray.init(address=cfg.address, **quiet)
+        except (ConnectionError, ValueError, RuntimeError) as e:
+            raise ValueError(
+                f"executor.address={cfg.address} cannot be joined ({e}); start the cluster with "
+                "`ray start --head` (or leave executor.address empty for a local instance)"
+            ) from None
+        return Connection(cfg.address, owned=True)
+    cpus, gpus = local_resources()
+    need_cpus = cfg.num_replicas * cfg.cpus_per_replica
+    need_gpus = cfg.num_replicas * cfg.gpus_per_replica
+    if need_cpus > cpus or need_gpus > gpus:
+        raise ValueError(
+            f"executor.num_replicas={cfg.num_replicas} replicas need {need_cpus} CPUs and "
+            f"{need_gpus:g} GPUs, this machine has {cpus} and {gpus}: lower "
+            "executor.num_replicas, executor.cpus_per_replica or executor.gpus_per_replica, or "
+            "join a cluster with executor.address=auto"
+        )
+    ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **quiet)
+    return Connection("local", owned=True)
+
+
+def local_resources() -> tuple[int, int]:
+    """CPUs this process may run on and the GPUs torch sees."""
+    import torch
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cpus or 1, torch.cuda.device_count()

@@ -1,0 +1,234 @@
+"""ReplicaPool: N engine replicas on Ray behind LLM's generate() contract, so the job loop (and
+with it the output writer, resume and run.json) is the same under both executors.
+
+generate(prompts, params, on_output=..., on_step=...) puts the call's rows in the engine's prefix
+order, cuts that order into contiguous windows (windows.py) and hands them out through a work
+queue (work_queue.py): each replica holds at most `windows_per_replica` windows, so memory is
+bounded by the windows in flight. Replicas stream finished rows back (replica.py); each row
+reaches on_output exactly once, in the driver, which writes it as the local job does. A replica
+that dies (its process killed, its node lost) puts its undelivered rows back at the front of the
+queue for the others; the job fails only when every replica is gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from batchpage.executor.figures import CallStats, ReplicaFigures
+from batchpage.executor.ray_cluster import Connection, connect
+from batchpage.executor.replica import Replica, ReplicaUpdate
+from batchpage.executor.windows import cut_windows, prefix_order
+from batchpage.executor.work_queue import Window, WorkQueue
+from batchpage.job.config import ExecutorConfig
+from batchpage.metrics import RunStats
+from batchpage.model.loader import load_tokenizer, resolve_model_source
+from batchpage.outputs import RequestOutput
+from batchpage.sampling_params import SamplingParams
+
+OnOutput = Callable[[RequestOutput, int], None]
+OnStep = Callable[[RunStats], None]
+_WAIT_S = 1.0  # the longest the driver waits without reporting progress
+
+
+class ReplicaPool:
+    def __init__(self, model: str, executor: ExecutorConfig, **engine_args: Any) -> None:
+        import ray
+
+        self.cfg = executor
+        self.schedule = engine_args.get("schedule", "prefix")
+        # The driver tokenizes (the job's prompts are built here) but never loads weights.
+        self.tokenizer = load_tokenizer(resolve_model_source(model))
+        # Replicas may start in another folder, or on another node with the same files.
+        where = str(Path(model).resolve()) if Path(model).exists() else model
+        self.connection: Connection = connect(executor)
+        remote = ray.remote(Replica).options(
+            num_cpus=executor.cpus_per_replica,
+            num_gpus=executor.gpus_per_replica,
+            max_restarts=0,
+            max_task_retries=0,
+        )
+        self.actors = [
+            remote.remote(where, engine_args, executor.cpus_per_replica)
+            for _ in range(executor.num_replicas)
+        ]
+        try:
+            infos = ray.get([a.describe.remote() for a in self.actors])
+        except ray.exceptions.RayError as e:
+            self.close()
+            raise ValueError(f"a replica could not load {model}: {_cause(e)}") from None
+        self.replicas = [ReplicaFigures(i, info) for i, info in enumerate(infos)]
+        self.info = infos[0]
+        self.plan = self.info["plan"]  # what `auto` became on the first replica
+        self.run_stats = RunStats(self.info["kv_blocks"], self.info["block_size"])
+        self.requeued_rows = 0
+
+    # --- LLM's contract -----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[list[int] | str],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        on_output: OnOutput | None = None,
+        on_step: OnStep | None = None,
+    ) -> list[RequestOutput]:
+        """As LLM.generate: one output per prompt, in input order; on_output(output, index) as
+        each row finishes (on any replica), on_step(stats) with the call's figures so far."""
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(ids)
+        else:
+            params = list(sampling_params)
+        if len(params) != len(ids):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(ids)} prompts")
+        order = prefix_order(ids, self.schedule)
+        windows = cut_windows([ids[p] for p in order], self.cfg.window_rows)
+        work = WorkQueue([order[i] for i in r] for r in windows)
+        run = _Run(self, work, ids, params, on_output, on_step)
+        outputs = run.until_done()
+        self.run_stats = run.stats.finish()
+        self.requeued_rows += work.requeued_rows
+        return outputs
+
+    # --- what the job records -----------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """Settings for run.json: what `auto` became on the replicas, and the executor with
+        each replica's figures (throughput over its own generating time, prefix hit rate)."""
+        keep = ("device", "dtype", "max_model_len", "kv_blocks", "kv_cache_bytes", "threads")
+        return {
+            **{k: self.info[k] for k in keep},
+            "attention_backend": self.info["attention_backend"],
+            "executor": {
+                "kind": "ray",
+                "address": self.connection.address,
+                "num_replicas": self.cfg.num_replicas,
+                "cpus_per_replica": self.cfg.cpus_per_replica,
+                "gpus_per_replica": self.cfg.gpus_per_replica,
+                "window_rows": self.cfg.window_rows,
+                "replicas_lost": sum(r.lost for r in self.replicas),
+                "rows_requeued": self.requeued_rows,
+                "replicas": [r.record() for r in self.replicas],
+            },
+        }
+
+    @property
+    def attention_name(self) -> str:
+        return str(self.info["attention_backend"])
+
+    def close(self) -> None:
+        """Stop the replicas (and the Ray instance this job started)."""
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+        if self.connection.owned:
+            ray.shutdown()
+
+
+class _Run:
+    """One generate call: dispatch windows, collect rows, handle dead replicas."""
+
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        work: WorkQueue,
+        ids: list[list[int]],
+        params: list[SamplingParams],
+        on_output: OnOutput | None,
+        on_step: OnStep | None,
+    ) -> None:
+        self.pool, self.work, self.ids, self.params = pool, work, ids, params
+        self.on_output, self.on_step = on_output, on_step
+        self.outputs: list[RequestOutput | None] = [None] * len(ids)
+        self.stats = CallStats(pool.info["kv_blocks"], pool.info["block_size"])
+        self.tasks: dict[Any, tuple[int, Window]] = {}  # generator -> (replica, window)
+
+    def until_done(self) -> list[RequestOutput]:
+        import ray
+
+        while not self.work.finished:
+            self._dispatch()
+            if not self.tasks:
+                raise RuntimeError(
+                    f"every replica died with {self.work.total - self.work.delivered} rows left; "
+                    "finished rows are saved: rerun the same command to resume"
+                )
+            ready, _ = ray.wait(list(self.tasks), num_returns=1, timeout=_WAIT_S)
+            for task in ready:
+                if task in self.tasks:  # a death handled earlier in this loop drops it
+                    self._advance(task)
+            if self.on_step is not None:
+                self.on_step(self.stats.current())
+        return [out for out in self.outputs if out is not None]
+
+    def _dispatch(self) -> None:
+        busy = [replica for replica, _ in self.tasks.values()]
+        most = self.pool.cfg.windows_per_replica
+        for figures, actor in zip(self.pool.replicas, self.pool.actors, strict=True):
+            while not figures.lost and busy.count(figures.index) < most:
+                window = self.work.take()
+                if window is None:
+                    return
+                task = actor.run.options(num_returns="streaming").remote(
+                    [self.ids[p] for p in window.positions],
+                    [self.params[p] for p in window.positions],
+                )
+                self.tasks[task] = (figures.index, window)
+                busy.append(figures.index)
+
+    def _advance(self, task: Any) -> None:
+        import ray
+
+        replica, window = self.tasks[task]
+        try:
+            update: ReplicaUpdate = ray.get(next(task))
+        except StopIteration:
+            del self.tasks[task]
+            self.work.release(window.id)
+            return
+        except ray.exceptions.RayActorError:
+            self._lose(replica)
+            return
+        except ray.exceptions.RayTaskError as e:  # the engine raised: a bug, not a lost node
+            raise RuntimeError(f"replica {replica} failed: {_cause(e)}") from e
+        figures = self.pool.replicas[replica]
+        for local, out in update.outputs:
+            position = window.positions[local]
+            if not self.work.deliver(window.id, position):
+                continue
+            self.outputs[position] = out
+            figures.rows += 1
+            if self.on_output is not None:
+                self.on_output(out, position)
+        if update.done:  # the generator ends next: the replica can take its next window now
+            final = RunStats.from_record(update.stats, self.stats.block_size)
+            final.first_token_s = update.first_token_s
+            self.stats.close(window.id, final)
+            figures.stats.append(final)
+            figures.windows += 1
+            del self.tasks[task]
+            self.work.release(window.id)
+        else:
+            self.stats.update(window.id, update.stats)
+
+    def _lose(self, replica: int) -> None:
+        """The replica is gone: its windows' undelivered rows go back on the queue."""
+        import ray
+
+        self.pool.replicas[replica].lost = True
+        ray.kill(self.pool.actors[replica])  # make sure: an unreachable one may come back
+        for task, (owner, window) in list(self.tasks.items()):
+            if owner == replica:
+                del self.tasks[task]
+                self.stats.close(window.id)
+                self.work.release(window.id)
+
+
+def _cause(error: Exception) -> str:
+    """The first line of what went wrong inside Ray's wrapper."""
+    cause = getattr(error, "cause", None) or error
+    return (str(cause).strip().splitlines() or [type(cause).__name__])[0]

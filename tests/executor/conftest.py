@@ -1,0 +1,14 @@
+"""A local Ray instance shared by a test module (starting one takes tens of seconds on 2 cores)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    ray = pytest.importorskip("ray", reason="pip install 'batchpage[ray]'")
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True, logging_level="WARNING")
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,110 @@
+"""executor=ray on a local Ray instance with 2 replicas of the tiny model: the same
+completions.parquet as executor=local (greedy and seeded sampling), error rows as locally,
+run.json's per-replica figures, and a replica killed mid-job costing no row."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+
+from batchpage.executor.ray_executor import ReplicaPool
+from batchpage.job import run_job
+from tests.executor.jobs import (
+    compared,
+    job,
+    job_args,
+    ray_args,
+    run_json,
+    shard_indices,
+    write_rows,
+)
+
+
+def local_and_ray(tmp_path, tiny_folder, *extra: str, rows: int = 16) -> tuple[list, list]:
+    data = write_rows(tmp_path / "d.jsonl", rows)
+    local = job(job_args(data, tiny_folder, tmp_path / "local", *extra))
+    run_job(local)
+    ray = job(job_args(data, tiny_folder, tmp_path / "ray", *extra, *ray_args()))
+    run_job(ray)
+    return compared(tmp_path / "local"), compared(tmp_path / "ray")
+
+
+def test_two_replicas_give_the_local_output_with_error_rows(
+    tmp_path, tiny_folder, ray_instance
+) -> None:
+    # Two input windows, each cut into windows of 3 rows for the replicas.
+    local, ray = local_and_ray(tmp_path, tiny_folder, "dataset.window_rows=8")
+    assert ray == local
+    assert [r["index"] for r in ray] == list(range(16))
+    failed = [r["index"] for r in ray if r["error"] is not None]
+    assert failed == [1, 4, 7] and "max_model_len" in ray[7]["error"]
+    assert "temperature" in ray[4]["error"]
+    assert all(r["completion"] for r in ray if r["error"] is None)
+
+    report = run_json(tmp_path / "ray")
+    executor = report["runs"][-1]["settings"]["executor"]
+    assert executor["kind"] == "ray" and executor["num_replicas"] == 2
+    replicas = executor["replicas"]
+    assert len(replicas) == 2 and all(r["windows"] >= 1 for r in replicas)
+    assert len({r["pid"] for r in replicas}) == 2 and not executor["replicas_lost"]
+    # Every row sent to an engine came back from exactly one replica; the totals add them up.
+    assert sum(r["rows"] for r in replicas) == report["runs"][-1]["rows_generated"]
+    totals = report["metrics"]
+    assert sum(r["generated_tokens"] for r in replicas) == totals["generated_tokens"] > 0
+    assert sum(r["cached_prompt_tokens"] for r in replicas) == totals["cached_prompt_tokens"]
+    assert all(0.0 <= r["prefix_hit_rate"] <= 1.0 for r in replicas)
+    assert all(r["output_tokens_per_s"] > 0 for r in replicas)
+    assert report["config"]["resolved"]["threads"] == 1
+    assert run_json(tmp_path / "local")["runs"][-1]["settings"]["executor"] == {"kind": "local"}
+
+
+@pytest.mark.slow
+def test_seeded_sampling_is_the_same_on_replicas(tmp_path, tiny_folder, ray_instance) -> None:
+    local, ray = local_and_ray(
+        tmp_path,
+        tiny_folder,
+        "sampling=default",
+        "sampling.temperature=1.0",
+        "sampling.n=2",
+        "sampling.seed=7",
+        rows=12,
+    )
+    assert ray == local
+    assert len({c for r in ray if r["completion"] for c in r["completion"]}) > 9  # they differ
+
+
+class KillsReplicaZero(ReplicaPool):
+    """Kills replica 0's process (SIGKILL) when the first row arrives, while it holds windows."""
+
+    killed = False
+
+    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
+        saved = kwargs["on_output"]
+        pid = self.replicas[0].info["pid"]
+
+        def on_output(out: Any, index: int) -> None:
+            if not self.killed:
+                os.kill(pid, signal.SIGKILL)
+                self.killed = True
+            saved(out, index)
+
+        return super().generate(prompts, sampling_params, **{**kwargs, "on_output": on_output})
+
+
+@pytest.mark.slow
+def test_a_replica_killed_mid_job_costs_no_row(tmp_path, tiny_folder, ray_instance) -> None:
+    data = write_rows(tmp_path / "d.jsonl", 24, bad=False)
+    args = job_args(data, tiny_folder, tmp_path / "ray", "flush_rows=2", *ray_args())
+    cfg = job(args)
+    run_job(cfg, lambda model, **engine: KillsReplicaZero(model, cfg.executor, **engine))
+    indices = shard_indices(tmp_path / "ray")
+    assert sorted(indices) == list(range(24)), "a row was lost or written twice"
+    executor = run_json(tmp_path / "ray")["runs"][-1]["settings"]["executor"]
+    assert executor["replicas_lost"] == 1 and executor["rows_requeued"] >= 1
+    assert [r["lost"] for r in executor["replicas"]] == [True, False]
+
+    run_job(job(job_args(data, tiny_folder, tmp_path / "local")))
+    assert compared(tmp_path / "ray") == compared(tmp_path / "local")

@@ -105,3 +105,30 @@ def softmax_step(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+# No window: a window longer than any context, so `pos - window` stays negative without an int32
+# overflow and the kernels need no separate code path for it.
+NO_WINDOW = 1 << 30
+
+
+def kernel_window(sliding_window: int | None) -> int:
+    """The launchers' `sliding_window` as the kernels' integer argument (see NO_WINDOW)."""
+    assert sliding_window is None or 0 < sliding_window < NO_WINDOW, sliding_window
+    return sliding_window or NO_WINDOW
+
+
+def kernel_softcap(logit_softcap: float | None) -> float:
+    """The soft-cap in the kernels' base-2 score units: s2 / (c * LOG2E) == s / c, so capping the
+    base-2 score by c * LOG2E is capping the natural one by c, then converting. 0.0: none."""
+    assert logit_softcap is None or logit_softcap > 0, logit_softcap
+    return logit_softcap * LOG2E if logit_softcap else 0.0
+
+
+@triton.jit
+def soft_cap(s, cap):
+    """cap * tanh(s / cap) (Gemma 2's attention logit soft-capping), with tanh written through
+    exp2 as 1 - 2 / (exp(2x) + 1): exp2 overflowing to inf gives 1 and underflowing to 0 gives
+    -1, so large scores saturate rather than turning into NaN."""
+    e = tl.exp2(s / cap * (2.0 * 1.4426950408889634))
+    return cap * (1.0 - 2.0 / (e + 1.0))

@@ -51,7 +51,9 @@ static void decode_rows(
     const int32_t* block_tables,    // [N, max_blocks], contiguous
     const int32_t* seq_lens,        // [N]
     int64_t n_rows, int64_t heads, int64_t kv_heads, int64_t dim_arg, int64_t block_size,
-    int64_t max_blocks, int64_t q_row, int64_t out_row, float scale) {
+    int64_t max_blocks, int64_t q_row, int64_t out_row, float scale,
+    int64_t window,   // > 0: the row sees its last `window` positions only; 0: all of them
+    float softcap) {  // > 0: scores become softcap * tanh(score / softcap); 0: none
   const int64_t dim = DIM > 0 ? DIM : dim_arg;
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * dim;  // a token holds all kv heads, contiguously
@@ -68,21 +70,27 @@ static void decode_rows(
     std::vector<f32x16> qv(kVector ? heads * C : 0), accv(kVector ? heads * C : 0);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t n = 0; n < n_rows; ++n) {
-      const int64_t len = seq_lens[n];
-      const int64_t num_blocks = (len + block_size - 1) / block_size;
+      const int64_t seq_len = seq_lens[n];
+      // The window is [lo, seq_len): blocks before lo's block are never touched, and lo's own
+      // block is read from lo on. Scores are indexed from lo, so `len` is the span's length.
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
+      const int64_t len = seq_len - lo;
+      const int64_t first_block = lo / block_size;
+      const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
       const int32_t* table = block_tables + n * max_blocks;
       const scalar_t* qn = q + n * q_row;
       for (int64_t i = 0; i < heads * dim; ++i) qf[i] = static_cast<float>(qn[i]) * scale;
       if constexpr (kVector)
         for (int64_t i = 0; i < heads * C; ++i) qv[i] = load16(qf.data() + i * 16);
-      scores.resize(heads * len);  // [heads, len]
-      prefetch(k_cache + static_cast<int64_t>(table[0]) * block_stride, 2 * token_bytes);
-      for (int64_t b = 0; b < num_blocks; ++b) {
+      scores.resize(heads * len);  // [heads, len], position lo + t at t
+      prefetch(k_cache + static_cast<int64_t>(table[first_block]) * block_stride, 2 * token_bytes);
+      for (int64_t b = first_block; b < num_blocks; ++b) {
         const scalar_t* kb = k_cache + static_cast<int64_t>(table[b]) * block_stride;
         const scalar_t* knext =
             k_cache + static_cast<int64_t>(table[std::min(b + 1, num_blocks - 1)]) * block_stride;
-        const int64_t t0 = b * block_size, used = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < used; ++j) {
+        // t0: the block's first position as a score index (negative in lo's block)
+        const int64_t t0 = b * block_size - lo, used = std::min(block_size, len - t0);
+        for (int64_t j = std::max<int64_t>(0, -t0); j < used; ++j) {
           const scalar_t* kt = kb + j * token_stride;
           prefetch(knext + j * token_stride, token_bytes);
           if constexpr (kVector) {
@@ -108,6 +116,11 @@ static void decode_rows(
           }
         }
       }
+      if (softcap > 0.f) {
+        const float inv_cap = 1.f / softcap;
+        for (int64_t i = 0; i < heads * len; ++i)
+          scores[i] = softcap * std::tanh(scores[i] * inv_cap);
+      }
       for (int64_t hq = 0; hq < heads; ++hq) {
         float* sh = scores.data() + hq * len;
         const float top = *std::max_element(sh, sh + len);
@@ -121,12 +134,13 @@ static void decode_rows(
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       if constexpr (kVector) std::fill(accv.begin(), accv.end(), f32x16{});
-      prefetch(v_cache + static_cast<int64_t>(table[0]) * block_stride, 2 * token_bytes);
-      for (int64_t b = 0; b < num_blocks; ++b) {
+      prefetch(v_cache + static_cast<int64_t>(table[first_block]) * block_stride, 2 * token_bytes);
+      for (int64_t b = first_block; b < num_blocks; ++b) {
         const scalar_t* vb = v_cache + static_cast<int64_t>(table[b]) * block_stride;
         const scalar_t* vnext =
             v_cache + static_cast<int64_t>(table[std::min(b + 1, num_blocks - 1)]) * block_stride;
-        const int64_t t0 = b * block_size, used = std::min(block_size, len - t0);
+        const int64_t t0 = b * block_size - lo, used = std::min(block_size, len - t0);
+        const int64_t j0 = std::max<int64_t>(0, -t0);  // lo's block: from lo on
         if constexpr (kVector) {
           const int64_t slice = (used * token_bytes + heads - 1) / heads;
           for (int64_t hq = 0; hq < heads; ++hq) {
@@ -134,14 +148,15 @@ static void decode_rows(
             f32x16 a[C];
             for (int c = 0; c < C; ++c) a[c] = accv[hq * C + c];
             const float* vh = vb + (hq / group) * DIM;
-            const float* ph = scores.data() + hq * len + t0;
-            for (int64_t j = 0; j < used; ++j)
-              for (int c = 0; c < C; ++c) a[c] += ph[j] * load16(vh + j * token_stride + c * 16);
+            const float* ph = scores.data() + hq * len + t0 + j0;  // position of token j0
+            for (int64_t j = j0; j < used; ++j)
+              for (int c = 0; c < C; ++c)
+                a[c] += ph[j - j0] * load16(vh + j * token_stride + c * 16);
             for (int c = 0; c < C; ++c) accv[hq * C + c] = a[c];
           }
           continue;
         }
-        for (int64_t j = 0; j < used; ++j) {
+        for (int64_t j = j0; j < used; ++j) {
           const scalar_t* vt = vb + j * token_stride;
           prefetch(vnext + j * token_stride, token_bytes);
           for (int64_t hq = 0; hq < heads; ++hq) {
@@ -165,7 +180,7 @@ static void decode_rows(
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                   torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
-                  double scale) {
+                  double scale, int64_t window, double softcap) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     auto run = [&](auto dim_tag) {
       decode_rows<scalar_t, decltype(dim_tag)::value>(
@@ -173,7 +188,7 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
           v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
           seq_lens.data_ptr<int32_t>(), q.size(0), q.size(1), k_cache.size(2), q.size(2),
           k_cache.size(1), block_tables.size(1), q.stride(0), out.stride(0),
-          static_cast<float>(scale));
+          static_cast<float>(scale), window, static_cast<float>(softcap));
     };
     switch (q.size(2)) {
       case 64: run(std::integral_constant<int, 64>{}); break;

@@ -11,7 +11,9 @@ paged_decode_attention.py (Triton), with the same inputs and the same float32 so
 Work split: one task per sequence, handed out one at a time to torch's intra-op threads (OpenMP
 dynamic schedule: contexts differ in length). A task reads its blocks front to back, K then V;
 each K/V row is loaded once for all the query heads that share its kv head. It computes all
-scores of its context, a float32 softmax, then the weighted sum of V.
+scores of its context, a float32 softmax, then the weighted sum of V. With a sliding window W the
+context is the last W positions: the task starts at the window's first token, so the blocks
+before it are never read. A logit soft-cap c turns each score s into c * tanh(s / c).
 
 The build needs a C++ compiler with OpenMP (g++) and ninja. `CpuPagedDecode.build()` compiles
 on first use (about 45 s) into torch's extension folder and reuses the library afterwards; it
@@ -140,9 +142,15 @@ class CpuPagedDecode:
         seq_lens: torch.Tensor,  # int32 [N]: context length, the query's own token included
         scale: float,
         out: torch.Tensor | None = None,  # [N, num_heads, head_dim]
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [N, num_heads, head_dim], q's dtype
         """Row n attends to the first seq_lens[n] tokens of its paged context (its own token is
-        the last of them: already written to the pool)."""
+        the last of them: already written to the pool); with sliding_window W, to the last W of
+        them only (keys k > seq_lens[n] - 1 - W, HF's semantics). logit_softcap c: scores
+        s * scale become c * tanh(s * scale / c) before the softmax."""
+        assert sliding_window is None or sliding_window > 0, sliding_window
+        assert logit_softcap is None or logit_softcap > 0, logit_softcap
         n, heads, dim = q.shape
         num_blocks, block_size, kv_heads, cache_dim = k_cache.shape
         assert q.device.type == "cpu", "the CPU kernel takes CPU tensors"
@@ -164,5 +172,8 @@ class CpuPagedDecode:
         assert out.stride(2) == 1 and out.stride(1) == dim
         if n:
             with torch.profiler.record_function("batchpage::cpu_paged_decode"):
-                self._module.paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
+                self._module.paged_decode(
+                    out, q, k_cache, v_cache, block_tables, seq_lens, scale,
+                    sliding_window or 0, logit_softcap or 0.0,
+                )  # fmt: skip
         return out

@@ -6,6 +6,11 @@ over a prefix-cache hit, a chunk of a long prompt and mixed decode rows are one 
 q rows are the last q_len positions of a context of seqused_k[b] tokens, all read through its
 block table. One program owns BLOCK_M consecutive q rows of one sequence and one query head and
 streams K/V tiles up to its last row's position; only keys past a row's own position are masked.
+
+A sliding window W lets the row at position p see keys p - W < k <= p only (HF's semantics): a
+program starts its K/V walk at its first row's window start, so the blocks before it are never
+read, and masks the keys that fall out of each later row's window. A logit soft-cap c turns
+each score s into c * tanh(s / c) before the mask.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ from batchpage.kernels.common import (
     check_kv_cache,
     check_runnable,
     dot_precision,
+    kernel_softcap,
+    kernel_window,
     next_pow2,
     padded_dim,
     paged_token_offsets,
+    soft_cap,
     softmax_step,
 )
 
@@ -37,6 +45,8 @@ def _extend_kernel(
     seq_lens_ptr,  # int32 [B]: context length including the new tokens
     block_table_ptr,  # int32 [B, max_blocks]
     qk_scale,
+    softcap,  # base-2 units (common.kernel_softcap); read when HAS_SOFTCAP
+    window,  # common.kernel_window: NO_WINDOW when the layer has none
     group,
     head_dim,
     block_size,
@@ -53,6 +63,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     # grid: (cdiv(max_seqlen_q, BLOCK_M), B, num_heads)
     q_tile = tl.program_id(0)
@@ -76,6 +87,8 @@ def _extend_kernel(
 
     # Causal: keys up to the last row's position, the tile's own triangle and nothing after it.
     kv_end = tl.minimum(seq_len, prefix + (q_tile + 1) * BLOCK_M) if CAUSAL else seq_len
+    # Window: nothing before the first row's window start (the launcher refuses non-causal).
+    kv_start = tl.maximum(prefix + q_tile * BLOCK_M - window + 1, 0)
     kv_head = head // group
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_ch
@@ -83,16 +96,19 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for tile_start in range(0, kv_end, BLOCK_N):
+    for tile_start in range(kv_start, kv_end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         tok = paged_token_offsets(table_row, offs_n, n_mask, block_size, stride_cb, stride_cs)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:
+            s = soft_cap(s, softcap)
         valid = n_mask[None, :]
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= q_pos[:, None])
+            valid = valid & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(valid, s, float("-inf"))
         v = tl.load(v_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc, m_i, l_i = softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
@@ -125,9 +141,16 @@ def extend_attention(
     out: torch.Tensor | None = None,  # [total_q, num_heads, head_dim]
     block_m: int | None = None,
     block_n: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [total_q, num_heads, head_dim]
     """Varlen attention over paged K/V (cf. flash_attn_varlen_func with seqused_k and
-    block_table). max_seqlen_q (host int, >= every q_len) sizes the grid without a sync."""
+    block_table). max_seqlen_q (host int, >= every q_len) sizes the grid without a sync.
+
+    sliding_window W (causal only): the row at position p sees keys p - W < k <= p, its last W
+    positions (HF's semantics); blocks wholly before a program's first window are not read.
+    logit_softcap c: scores s * scale become c * tanh(s * scale / c) before the mask."""
+    assert sliding_window is None or causal, "a sliding window needs causal attention"
     _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
     assert q.dim() == 3 and q.shape[2] == head_dim, f"q must be [T, H, {head_dim}]"
     total_q, num_heads, _ = q.shape
@@ -155,10 +178,12 @@ def extend_attention(
     grid = (triton.cdiv(max_seqlen_q, tile_m), batch, num_heads)
     _extend_kernel[grid](
         out, q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table,
-        scale * LOG2E, num_heads // num_kv_heads, head_dim, block_size,
+        scale * LOG2E, kernel_softcap(logit_softcap), kernel_window(sliding_window),
+        num_heads // num_kv_heads, head_dim, block_size,
         out.stride(0), out.stride(1), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         CAUSAL=causal, BLOCK_M=tile_m, BLOCK_N=tile_n, D_PAD=padded_dim(head_dim),
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
+        DOT_PRECISION=dot_precision(q.dtype), HAS_SOFTCAP=logit_softcap is not None,
+        num_warps=4,
     )  # fmt: skip
     return out

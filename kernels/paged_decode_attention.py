@@ -12,6 +12,11 @@ stream memory:
 
 Tiles are independent of the page size: each token's page is looked up in the block table, so
 block sizes 8, 16, 32 and larger all work with the same tile (see common.paged_token_offsets).
+
+A sliding window W makes the query (position seq_len - 1) see only its last W positions,
+[seq_len - W, seq_len): the kernels walk that span alone, so the blocks before it are never read,
+and the split-KV partitions divide the span rather than the whole context. A logit soft-cap c
+turns each score s into c * tanh(s / c) before the softmax.
 """
 
 from __future__ import annotations
@@ -26,9 +31,12 @@ from batchpage.kernels.common import (
     check_kv_cache,
     check_runnable,
     dot_precision,
+    kernel_softcap,
+    kernel_window,
     next_pow2,
     padded_dim,
     paged_token_offsets,
+    soft_cap,
     softmax_step,
 )
 
@@ -49,6 +57,7 @@ def _attend_partition(
     start,
     end,
     qk_scale,
+    softcap,
     group,
     head_dim,
     block_size,
@@ -62,6 +71,7 @@ def _attend_partition(
     D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """Attention state (acc [GROUP_PAD, D_PAD], m [GROUP_PAD], l [GROUP_PAD]) of the query
     heads of one KV head over context positions [start, end)."""
@@ -86,6 +96,8 @@ def _attend_partition(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, BLOCK_N]
+        if HAS_SOFTCAP:
+            s = soft_cap(s, softcap)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         v = tl.load(v_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc, m_i, l_i = softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
@@ -101,6 +113,8 @@ def _decode_single_kernel(
     seq_lens_ptr,  # int32 [B]
     block_table_ptr,  # int32 [B, max_blocks]
     qk_scale,
+    softcap,
+    window,
     group,
     head_dim,
     block_size,
@@ -116,15 +130,17 @@ def _decode_single_kernel(
     D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     # grid: (B, num_kv_heads)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    window_start = tl.maximum(seq_len - window, 0)
     acc, m_i, l_i = _attend_partition(
-        q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head, 0, seq_len, qk_scale,
-        group, head_dim, block_size, stride_qb, stride_qh, stride_cb, stride_cs, stride_ch,
-        stride_bt, GROUP_PAD, D_PAD, BLOCK_N, DOT_PRECISION,
+        q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head, window_start, seq_len,
+        qk_scale, softcap, group, head_dim, block_size, stride_qb, stride_qh, stride_cb,
+        stride_cs, stride_ch, stride_bt, GROUP_PAD, D_PAD, BLOCK_N, DOT_PRECISION, HAS_SOFTCAP,
     )  # fmt: skip
     # An empty context (padding rows) has l == 0: write zeros rather than NaN.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -146,6 +162,8 @@ def _decode_split_kernel(
     seq_lens_ptr,  # int32 [B]
     block_table_ptr,  # int32 [B, max_blocks]
     qk_scale,
+    softcap,
+    window,
     group,
     head_dim,
     block_size,
@@ -165,20 +183,22 @@ def _decode_split_kernel(
     D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
-    # grid: (B, num_kv_heads, num_splits); partition p covers [p * size, (p + 1) * size)
+    # grid: (B, num_kv_heads, num_splits); partition p covers [lo + p * size, lo + (p + 1) * size)
+    # of the span [lo, seq_len) the query sees (lo = 0 without a window).
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * partition_size
+    start = tl.maximum(seq_len - window, 0) + split * partition_size
     if start >= seq_len:
-        return  # a shorter sequence of the batch: the merge kernel skips this partition
+        return  # a shorter span of the batch: the merge kernel skips this partition
     end = tl.minimum(start + partition_size, seq_len)
     acc, m_i, l_i = _attend_partition(
         q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head, start, end, qk_scale,
-        group, head_dim, block_size, stride_qb, stride_qh, stride_cb, stride_cs, stride_ch,
-        stride_bt, GROUP_PAD, D_PAD, BLOCK_N, DOT_PRECISION,
+        softcap, group, head_dim, block_size, stride_qb, stride_qh, stride_cb, stride_cs,
+        stride_ch, stride_bt, GROUP_PAD, D_PAD, BLOCK_N, DOT_PRECISION, HAS_SOFTCAP,
     )  # fmt: skip
     # A non-empty partition has l >= 1 (its max term contributes exp2(0)).
     offs_g = tl.arange(0, GROUP_PAD)
@@ -199,6 +219,7 @@ def _merge_splits_kernel(
     partial_ptr,  # float32 [B, num_heads, num_splits, head_dim]
     lse_ptr,  # float32 [B, num_heads, num_splits], base 2
     seq_lens_ptr,  # int32 [B]
+    window,
     head_dim,
     partition_size,
     stride_ob,
@@ -216,7 +237,8 @@ def _merge_splits_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_parts = tl.cdiv(seq_len, partition_size)  # partitions past the end were never written
+    span = seq_len - tl.maximum(seq_len - window, 0)
+    num_parts = tl.cdiv(span, partition_size)  # partitions past the end were never written
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
     s_mask = offs_s < num_parts
@@ -270,8 +292,14 @@ def paged_decode_attention(
     num_splits: int = 0,
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim]
     tile_n: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
     """Decode attention through block tables (cf. flash_attn_with_kvcache with block_table).
+
+    sliding_window W: the query sees its last W positions only (keys k > seq_len - 1 - W, HF's
+    semantics), and only their blocks are read. logit_softcap c: scores s * scale become
+    c * tanh(s * scale / c) before the softmax.
 
     num_splits: 0 picks by shape (choose_num_splits), 1 forces the single-pass kernel, > 1 forces
     the split-KV kernel with that many partitions (fewer if the context is short).
@@ -298,7 +326,9 @@ def paged_decode_attention(
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     if max_seqlen_k is None:
         max_seqlen_k = block_table.shape[1] * block_size
-    max_seqlen_k = max(max_seqlen_k, 1)
+    window = kernel_window(sliding_window)
+    # The partitions divide the span a query reads, at most the window.
+    max_seqlen_k = max(min(max_seqlen_k, window), 1)
     tile = tile_n or default_tile_n(head_dim, q.dtype)
     assert tile >= 16 and tile == next_pow2(tile), f"tile_n must be a power of two >= 16: {tile}"
     if num_splits == 0:
@@ -309,6 +339,8 @@ def paged_decode_attention(
 
     common = dict(
         qk_scale=scale * LOG2E,
+        softcap=kernel_softcap(logit_softcap),
+        window=window,
         group=group,
         head_dim=head_dim,
         block_size=block_size,
@@ -326,6 +358,7 @@ def paged_decode_attention(
         D_PAD=padded_dim(head_dim),
         BLOCK_N=tile,
         DOT_PRECISION=dot_precision(q.dtype),
+        HAS_SOFTCAP=logit_softcap is not None,
         num_warps=4,
     )
     if num_splits == 1:
@@ -346,7 +379,7 @@ def paged_decode_attention(
         **strides, **consts,
     )  # fmt: skip
     _merge_splits_kernel[(batch, num_heads)](
-        out, partial, lse, cache_seqlens, head_dim, partition,
+        out, partial, lse, cache_seqlens, window, head_dim, partition,
         out.stride(0), out.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1),
         SPLITS_PAD=next_pow2(num_splits), D_PAD=padded_dim(head_dim), num_warps=4,

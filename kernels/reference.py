@@ -45,9 +45,17 @@ def ref_paged_attention(
     block_table: torch.Tensor,  # int32 [B, max_blocks]
     softmax_scale: float | None = None,
     causal: bool = True,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [total_q, num_heads, head_dim], q's dtype
     """Each sequence's q rows are the last q_len positions of its context; row i (position
-    seq_len - q_len + i) sees keys 0..its position when causal, all seq_len keys otherwise."""
+    p = seq_len - q_len + i) sees keys 0..p when causal, all seq_len keys otherwise.
+
+    sliding_window W (causal only): row p sees only keys k with p - W < k <= p, its last W
+    positions itself included (HF's sliding_window_overlay: kv_idx > q_idx - W).
+    logit_softcap c: scores become c * tanh(scores / c) after the scale, before the mask (Gemma
+    2's attn_logit_softcapping)."""
+    assert sliding_window is None or (causal and sliding_window > 0), sliding_window
     num_heads, head_dim = q.shape[1:]
     group = num_heads // key_cache.shape[2]
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
@@ -62,10 +70,15 @@ def ref_paged_attention(
         k = gather_sequence(key_cache, block_table[b], seq_len).repeat_interleave(group, dim=1)
         v = gather_sequence(value_cache, block_table[b], seq_len).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q_lo:q_hi].float(), k) * scale
+        if logit_softcap is not None:
+            scores = logit_softcap * torch.tanh(scores / logit_softcap)
         if causal:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            k_pos = torch.arange(seq_len, device=q.device)
-            scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+            k_pos = torch.arange(seq_len, device=q.device)[None, :]
+            hidden = k_pos > q_pos
+            if sliding_window is not None:
+                hidden |= k_pos <= q_pos - sliding_window
+            scores = scores.masked_fill(hidden[None], float("-inf"))
         out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out.to(q.dtype)
 
@@ -77,8 +90,11 @@ def ref_decode_attention(
     cache_seqlens: torch.Tensor,  # int32 [B]
     block_table: torch.Tensor,  # int32 [B, max_blocks]
     softmax_scale: float | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return ref_paged_attention(
-        q, key_cache, value_cache, cu, cache_seqlens, block_table, softmax_scale, causal=True
-    )
+        q, key_cache, value_cache, cu, cache_seqlens, block_table, softmax_scale, causal=True,
+        sliding_window=sliding_window, logit_softcap=logit_softcap,
+    )  # fmt: skip

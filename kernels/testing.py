@@ -8,7 +8,7 @@ a kernel that reads one slot outside a context, or a masked-off lane, turns its 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -148,3 +148,28 @@ def tolerances(dtype: torch.dtype) -> dict[str, float]:
     if dtype == torch.float32:
         return {"atol": 1e-4, "rtol": 1e-4}
     return {"atol": 4e-3, "rtol": 4e-3} if dtype == torch.float16 else {"atol": 3e-2, "rtol": 3e-2}
+
+
+def hide_outside_windows(case: PagedCase, window: int, whole_blocks: bool = False) -> PagedCase:
+    """The case with NaN in every pool slot that no query row's sliding window covers (row p
+    sees p - window < k <= p), so a kernel that reads one of them, even masked off, returns NaN.
+
+    A slot shared by several sequences (prefix blocks) stays when any of them sees it.
+    whole_blocks: hide only blocks none of whose slots any window covers, for a backend that
+    reads the window's first block whole and masks its leading slots."""
+    block_size = case.k_cache.shape[1]
+    seen = torch.zeros(case.k_cache.shape[:2], dtype=torch.bool, device=case.k_cache.device)
+    owned = torch.zeros_like(seen)
+    for b, (seq_len, q_len) in enumerate(zip(case.seq_lens.tolist(), case.query_lens, strict=True)):
+        first = max(0, seq_len - q_len - window + 1)  # the first row's window start
+        blocks = case.block_table[b].long().repeat_interleave(block_size)[:seq_len]
+        offs = torch.arange(seq_len, device=seen.device) % block_size
+        owned[blocks, offs] = True
+        seen[blocks[first:], offs[first:]] = True
+    if whole_blocks:
+        seen = seen.any(dim=1, keepdim=True).expand_as(seen)
+    hide = owned & ~seen
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    k_cache[hide] = float("nan")
+    v_cache[hide] = float("nan")
+    return replace(case, k_cache=k_cache, v_cache=v_cache)

@@ -28,9 +28,24 @@ class StepAttention(Protocol):
         kv: KVCache,
         meta: AttentionMetadata,  # the metadata the step was planned for
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Store k/v at meta.slot_mapping in layer `layer` of the pool, then attend each query row
-        causally over its sequence's paged context (see metadata.py)."""
+        causally over its sequence's paged context (see metadata.py).
+
+        sliding_window W: the row at position p sees the keys at positions k with
+        p - W < k <= p, its last W positions with itself included. That is HF transformers'
+        sliding_window_overlay (kv_idx > q_idx - sliding_window) for Mistral, Qwen2 and Gemma
+        2/3. The backends read only the blocks from the earliest row's window start on.
+        Every layer still keeps every block of its sequence: the KV manager's accounting and the
+        prefix cache are per sequence, not per layer, so a cached block holds every layer's K/V
+        whatever span each layer attends to (the cost: out-of-window blocks are not freed early).
+
+        logit_softcap c: scores (q.k * scale) become c * tanh(scores / c) before the mask and
+        the softmax (Gemma 2's attn_logit_softcapping).
+        """
         ...
 
 
@@ -48,3 +63,18 @@ def check_planned_for(planned: AttentionMetadata, meta: AttentionMetadata) -> No
             "attention was called with metadata it was not planned for: call "
             "backend.plan(meta) for each step and use its result for that step's layers"
         )
+
+
+def check_window_and_softcap(sliding_window: int | None, logit_softcap: float | None) -> None:
+    """A window of 0 or a cap of 0 would silently mean something else in the kernels (no
+    window, a division by zero): refuse them with what is expected."""
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, int)
+        or sliding_window < 1
+    ):
+        raise ValueError(
+            f"sliding_window must be a positive number of positions or None, got {sliding_window!r}"
+        )
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be positive or None, got {logit_softcap!r}")

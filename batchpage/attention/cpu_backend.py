@@ -1,7 +1,7 @@
 """The CPU attention backend: decode rows through the C++ paged-decode kernel, which reads the
 pool in place (kernels/cpu_paged_decode.py); rows of a sequence with several new tokens (prefill,
 a prefill chunk) through the torch parts (parts.py), whose cost there is the attention itself,
-not the gather.
+not the gather. Sliding windows and logit soft-caps go to both (see backend.py for their meaning).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from batchpage.attention.backend import check_planned_for
+from batchpage.attention.backend import check_planned_for, check_window_and_softcap
 from batchpage.attention.metadata import AttentionMetadata
-from batchpage.attention.parts import AttentionPart, attend_parts, plan_parts
+from batchpage.attention.parts import StepParts, attend_parts
 from batchpage.attention.torch_backend import write_kv
 from batchpage.cache.kv_cache import KVCache
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
@@ -28,7 +28,7 @@ class CpuStepAttention:
     decode_rows: torch.Tensor  # int64 [Nd]: the one-token sequences' rows
     decode_tables: torch.Tensor  # int32 [Nd, max_blocks]
     decode_lens: torch.Tensor  # int32 [Nd]
-    parts: list[AttentionPart]  # everything else, for the torch path
+    parts: StepParts  # everything else, for the torch path
 
     def __call__(
         self,
@@ -39,13 +39,20 @@ class CpuStepAttention:
         kv: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         check_planned_for(self.meta, meta)
+        check_window_and_softcap(sliding_window, logit_softcap)
         k_cache, v_cache = kv.k[layer], kv.v[layer]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         q = q.to(k_cache.dtype).contiguous()
+        window = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
         if self.all_decode:
-            return self.kernel(q, k_cache, v_cache, self.decode_tables, self.decode_lens, scale)
+            return self.kernel(
+                q, k_cache, v_cache, self.decode_tables, self.decode_lens, scale, **window
+            )
         out = torch.empty_like(q)
         if self.decode_rows.numel():
             o = self.kernel(
@@ -55,9 +62,10 @@ class CpuStepAttention:
                 self.decode_tables,
                 self.decode_lens,
                 scale,
+                **window,
             )
             out.index_copy_(0, self.decode_rows, o)
-        attend_parts(q, k_cache, v_cache, self.parts, scale, out)
+        attend_parts(q, k_cache, v_cache, self.parts(sliding_window), scale, out, logit_softcap)
         return out
 
 
@@ -70,7 +78,13 @@ class CpuPagedAttention:
     def plan(self, meta: AttentionMetadata) -> CpuStepAttention:
         if meta.is_decode_only:
             return CpuStepAttention(
-                self.kernel, meta, True, torch.empty(0), meta.block_tables, meta.seq_lens, []
+                self.kernel,
+                meta,
+                True,
+                torch.empty(0),
+                meta.block_tables,
+                meta.seq_lens,
+                StepParts(meta, decode_rows=False),
             )
         decode = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
         index = torch.tensor(decode, dtype=torch.long)
@@ -81,5 +95,5 @@ class CpuPagedAttention:
             meta.query_start_loc[:-1].long()[index],
             meta.block_tables[index].contiguous(),
             meta.seq_lens[index].contiguous(),
-            plan_parts(meta, decode_rows=False),
+            StepParts(meta, decode_rows=False),
         )

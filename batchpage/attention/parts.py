@@ -7,11 +7,18 @@ or a fork, a cascade that reads those blocks once); or the new rows of one seque
 (prefill, a prefill chunk, prefill over a cached prefix), one SDPA call with a causal mask offset
 by its cached context. The torch backend attends every row this way; the CPU backend only the
 rows its C++ decode kernel does not serve.
+
+Parts depend on the layer's sliding window (which blocks each row reads, which keys it sees), so
+a step plans one set of parts per window its layers use (StepParts). A windowed part gathers only
+the blocks from its first row's window start on: the blocks wholly before it are never read.
+Windowed decodes take no cascade: each member's window starts at its own place, so a shared
+leading block is not a common prefix of what they read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -66,20 +73,31 @@ def _decode_part(
     starts: list[int],
     tables: torch.Tensor,
     meta: AttentionMetadata,
-    skip: int = 0,
+    first: list[int],
+    lo: list[int] | None = None,
     prefix: torch.Tensor | None = None,
 ) -> AttentionPart:
-    """One row per sequence of `group` (longest first), reading blocks from `skip` on."""
+    """One row per sequence of `group` (longest span first): sequence b reads its blocks from
+    first[b] on and sees its keys from position lo[b] on (its window start; None: all)."""
     device, bs = tables.device, meta.block_size
-    own = [meta.seq_lens_cpu[b] - skip * bs for b in group]
-    length = own[0]
+    own = [meta.seq_lens_cpu[b] - first[b] * bs for b in group]
+    length = max(own)
     nb = -(-length // bs)
-    index = torch.tensor(group, device=device)
+    skip = torch.tensor([first[b] for b in group], device=device)[:, None]
+    # A shorter member's columns past its last block read that block again (masked out): never
+    # the table's padding, which names some other sequence's block, possibly one outside this
+    # layer's window or past the table's width.
+    last = torch.tensor([-(-meta.seq_lens_cpu[b] // bs) - 1 for b in group], device=device)
+    cols = torch.minimum(skip + torch.arange(nb, device=device), last[:, None])
+    index = torch.tensor(group, device=device)[:, None]
+    keys = torch.arange(length, device=device)[None, :]
     # Keys past a sequence's length are other data (or padding blocks): masked out.
-    mask = torch.arange(length, device=device)[None, :] < torch.tensor(own, device=device)[:, None]
+    mask = keys < torch.tensor(own, device=device)[:, None]
+    if lo is not None:  # and so are keys before the window, in its first block
+        mask &= keys >= torch.tensor([lo[b] for b in group], device=device)[:, None] - skip * bs
     return AttentionPart(
         rows=torch.tensor([starts[b] for b in group], device=device),
-        blocks=tables[index, skip : skip + nb].reshape(-1),
+        blocks=tables[index, cols].reshape(-1),
         num_seqs=len(group),
         num_queries=1,
         length=length,
@@ -113,45 +131,91 @@ def shared_prefix_clusters(
     return clusters
 
 
-def plan_parts(meta: AttentionMetadata, decode_rows: bool = True) -> list[AttentionPart]:
+def plan_parts(
+    meta: AttentionMetadata, decode_rows: bool = True, window: int | None = None
+) -> list[AttentionPart]:
     """The step's parts, covering every query row once: decode groups (cascades over shared
     leading blocks first), then one part per sequence with several new tokens.
 
     decode_rows=False leaves out the sequences with one new token (a backend that serves them
-    some other way plans only the rest)."""
+    some other way plans only the rest). window: the layers' sliding window (see
+    backend.StepAttention), None for full attention."""
+    if window is not None and window >= meta.max_seq_len:
+        window = None  # the window holds every context whole: full attention, cascades and all
     starts = meta.query_start_loc.tolist() if meta.num_seqs else []
     tables = meta.block_tables.long()
-    device = meta.block_tables.device
     bs = meta.block_size
     parts = []
     decode = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1] if decode_rows else []
-    rest: list[int] = []
-    for cluster, shared in shared_prefix_clusters(decode, meta):
-        if shared == 0:
-            rest += cluster
-            continue
-        prefix = tables[cluster[0], :shared]
-        for group in length_groups(cluster, meta.seq_lens_cpu):
-            parts.append(_decode_part(group, starts, tables, meta, skip=shared, prefix=prefix))
-    for group in length_groups(rest, meta.seq_lens_cpu):
-        parts.append(_decode_part(group, starts, tables, meta))
+    if window is None:
+        rest: list[int] = []
+        for cluster, shared in shared_prefix_clusters(decode, meta):
+            if shared == 0:
+                rest += cluster
+                continue
+            prefix = tables[cluster[0], :shared]
+            for group in length_groups(cluster, meta.seq_lens_cpu):
+                first = [shared] * meta.num_seqs
+                parts.append(_decode_part(group, starts, tables, meta, first, prefix=prefix))
+        for group in length_groups(rest, meta.seq_lens_cpu):
+            parts.append(_decode_part(group, starts, tables, meta, [0] * meta.num_seqs))
+    else:
+        # A decode row at position L - 1 sees keys L - window .. L - 1.
+        lo = [max(0, length - window) for length in meta.seq_lens_cpu]
+        first = [start // bs for start in lo]
+        spans = tuple(length - f * bs for length, f in zip(meta.seq_lens_cpu, first, strict=True))
+        for group in length_groups(decode, spans):
+            parts.append(_decode_part(group, starts, tables, meta, first, lo))
     for b, n in enumerate(meta.query_lens_cpu):
         if n > 1:
-            length = meta.seq_lens_cpu[b]
-            # Query row i sits at position length - n + i and sees keys 0..that position.
-            q_pos = torch.arange(length - n, length, device=device)
-            mask = torch.arange(length, device=device)[None, :] <= q_pos[:, None]
-            parts.append(
-                AttentionPart(
-                    rows=torch.arange(starts[b], starts[b] + n, device=device),
-                    blocks=tables[b, : -(-length // bs)],
-                    num_seqs=1,
-                    num_queries=n,
-                    length=length,
-                    mask=mask[None, None],
-                )
-            )
+            parts.append(_extend_part(b, n, starts[b], tables, meta, window))
     return parts
+
+
+def _extend_part(
+    b: int,
+    n: int,
+    start: int,
+    tables: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None,
+) -> AttentionPart:
+    """Sequence b's n new rows, reading its blocks from its first row's window start on."""
+    device, bs = tables.device, meta.block_size
+    length = meta.seq_lens_cpu[b]
+    # Query row i sits at position p = length - n + i and sees keys 0..p, or p - window + 1..p.
+    lo = 0 if window is None else max(0, length - n - window + 1)
+    first = lo // bs
+    q_pos = torch.arange(length - n, length, device=device)[:, None]
+    k_pos = torch.arange(first * bs, length, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return AttentionPart(
+        rows=torch.arange(start, start + n, device=device),
+        blocks=tables[b, first : -(-length // bs)],
+        num_seqs=1,
+        num_queries=n,
+        length=length - first * bs,
+        mask=mask[None, None],
+    )
+
+
+@dataclass
+class StepParts:
+    """One step's parts per sliding window, planned when a layer with that window first asks and
+    then reused by every later layer with it (the metadata is the same for all layers)."""
+
+    meta: AttentionMetadata
+    decode_rows: bool = True
+    planned: dict[int | None, list[AttentionPart]] = field(default_factory=dict)
+
+    def __call__(self, window: int | None) -> list[AttentionPart]:
+        if window is not None and window >= self.meta.max_seq_len:
+            window = None  # the same parts as full attention: plan them once
+        if window not in self.planned:
+            self.planned[window] = plan_parts(self.meta, self.decode_rows, window)
+        return self.planned[window]
 
 
 def gather_keys(
@@ -171,6 +235,7 @@ def cascade_decode(
     v_cache: torch.Tensor,
     part: AttentionPart,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [G, H, d], float32
     """Attention over [shared prefix | own tokens] with the prefix's K/V read once for all G
     sequences: softmax over both pieces, merged through their running maxima."""
@@ -189,6 +254,8 @@ def cascade_decode(
     ks = gather_keys(k_cache, part).float()  # [G, kvh, S, d]
     vs = gather_keys(v_cache, part).float()
     s_own = torch.matmul(qf, ks.transpose(-1, -2)) * scale  # [G, kvh, group, S]
+    if softcap is not None:
+        s_pre, s_own = soft_cap(s_pre, softcap), soft_cap(s_own, softcap)
     s_own = s_own.masked_fill(~part.mask, float("-inf"))
     top = torch.maximum(s_pre.amax(-1, keepdim=True), s_own.amax(-1, keepdim=True))
     p_pre, p_own = (s_pre - top).exp(), (s_own - top).exp()
@@ -202,6 +269,30 @@ def cascade_decode(
     return o.reshape(g_seqs, heads, d)
 
 
+def soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    return cap * torch.tanh(scores / cap)
+
+
+def capped_attention(
+    q: torch.Tensor,  # [Bg, H, n, d]
+    k: torch.Tensor,  # [Bg, kvh, L, d]
+    v: torch.Tensor,  # [Bg, kvh, L, d]
+    mask: torch.Tensor,  # bool [Bg, 1, n, L]
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:  # [Bg, H, n, d], float32
+    """SDPA's attention with the scores soft-capped before the mask, which SDPA cannot do;
+    float32 throughout. Query head h reads kv head h // group, as SDPA's enable_gqa."""
+    bg, heads, n, d = q.shape
+    kvh = k.shape[1]
+    group = heads // kvh
+    qf = q.float().reshape(bg, kvh, group * n, d)
+    s = soft_cap(torch.matmul(qf, k.float().transpose(-1, -2)) * scale, softcap)
+    s = s.view(bg, kvh, group, n, -1).masked_fill(~mask[:, :, None], -math.inf)
+    p = s.softmax(-1).view(bg, kvh, group * n, -1)
+    return torch.matmul(p, v.float()).view(bg, heads, n, d)
+
+
 def attend_parts(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -209,22 +300,24 @@ def attend_parts(
     parts: list[AttentionPart],
     scale: float,
     out: torch.Tensor,  # [T, num_heads, head_dim]: the parts' rows are written
+    softcap: float | None = None,
 ) -> None:
     """One layer's attention for the rows the parts cover, over the pool's K/V (the step's new
-    tokens already written to it)."""
+    tokens already written to it); softcap: scores become softcap * tanh(scores / softcap)."""
     heads, d = q.shape[1:]
     for part in parts:
         if part.prefix_blocks is not None:
-            o = cascade_decode(q.index_select(0, part.rows), k_cache, v_cache, part, scale)
+            qc = q.index_select(0, part.rows)
+            o = cascade_decode(qc, k_cache, v_cache, part, scale, softcap)
             out.index_copy_(0, part.rows, o.to(q.dtype))
             continue
         qg = q.index_select(0, part.rows).view(part.num_seqs, part.num_queries, heads, d)
-        o = F.scaled_dot_product_attention(
-            qg.transpose(1, 2).to(k_cache.dtype),  # [Bg, H, n, d]
-            gather_keys(k_cache, part),
-            gather_keys(v_cache, part),
-            attn_mask=part.mask,
-            scale=scale,
-            enable_gqa=True,
-        )  # [Bg, H, n, d]
+        qg = qg.transpose(1, 2).to(k_cache.dtype)  # [Bg, H, n, d]
+        keys, values = gather_keys(k_cache, part), gather_keys(v_cache, part)
+        if softcap is None:
+            o = F.scaled_dot_product_attention(
+                qg, keys, values, attn_mask=part.mask, scale=scale, enable_gqa=True
+            )  # [Bg, H, n, d]
+        else:
+            o = capped_attention(qg, keys, values, part.mask, scale, softcap)
         out.index_copy_(0, part.rows, o.transpose(1, 2).reshape(-1, heads, d).to(q.dtype))

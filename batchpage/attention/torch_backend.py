@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from batchpage.attention.backend import check_planned_for
+from batchpage.attention.backend import check_planned_for, check_window_and_softcap
 from batchpage.attention.metadata import AttentionMetadata
-from batchpage.attention.parts import AttentionPart, attend_parts, plan_parts
+from batchpage.attention.parts import StepParts, attend_parts
 from batchpage.cache.kv_cache import KVCache
 
 
@@ -31,10 +31,11 @@ def write_kv(
 
 @dataclass(frozen=True)
 class TorchStepAttention:
-    """A step planned by TorchPagedAttention: every row attends through its part."""
+    """A step planned by TorchPagedAttention: every row attends through its part, planned per
+    sliding window on the first layer that uses it."""
 
     meta: AttentionMetadata
-    parts: list[AttentionPart]
+    parts: StepParts
 
     def __call__(
         self,
@@ -45,12 +46,16 @@ class TorchStepAttention:
         kv: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         check_planned_for(self.meta, meta)
+        check_window_and_softcap(sliding_window, logit_softcap)
         k_cache, v_cache = kv.k[layer], kv.v[layer]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        attend_parts(q, k_cache, v_cache, self.parts, scale, out)
+        attend_parts(q, k_cache, v_cache, self.parts(sliding_window), scale, out, logit_softcap)
         return out
 
 
@@ -58,4 +63,4 @@ class TorchPagedAttention:
     """AttentionBackend over the paged pool, in torch (see backend.py for the contract)."""
 
     def plan(self, meta: AttentionMetadata) -> TorchStepAttention:
-        return TorchStepAttention(meta, plan_parts(meta))
+        return TorchStepAttention(meta, StepParts(meta))

@@ -4,6 +4,8 @@ protocol (see backend.py and metadata.py for the contract).
 The plan picks the kernel for the step: the decode kernel when every sequence has exactly one new
 token, the extend kernel otherwise (it also serves decode rows mixed into a prefill step). Per
 layer: write the new tokens' K/V into their slots, then one attention launch over the whole batch.
+Both kernels take the layer's sliding window (reading only the blocks inside it) and logit
+soft-cap, with the meaning backend.py gives them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from batchpage.attention.backend import check_planned_for
+from batchpage.attention.backend import check_planned_for, check_window_and_softcap
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
 from batchpage.kernels.extend_attention import extend_attention
@@ -41,8 +43,12 @@ class TritonStepAttention:
         kv: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         check_planned_for(self.meta, meta)
+        check_window_and_softcap(sliding_window, logit_softcap)
         k_cache, v_cache = kv.k[layer], kv.v[layer]
         assert meta.block_size == k_cache.shape[1], "metadata and pool disagree on block_size"
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -62,6 +68,8 @@ class TritonStepAttention:
                 softmax_scale=scale,
                 max_seqlen_k=self.max_seqlen_k,
                 num_splits=self.num_splits,
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
             )
         else:
             out = extend_attention(
@@ -73,6 +81,8 @@ class TritonStepAttention:
                 meta.block_tables,
                 max_seqlen_q=self.max_seqlen_q,
                 softmax_scale=scale,
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
             )
         return out.to(q.dtype)
 

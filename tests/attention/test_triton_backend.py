@@ -9,7 +9,12 @@ import torch
 from batchpage.attention.torch_backend import TorchPagedAttention
 from batchpage.attention.triton_backend import TritonPagedAttention
 from batchpage.kernels.testing import interpreter_skip_reason, make_paged_case, tolerances
-from tests.attention.case_inputs import case_metadata, two_layer_pool
+from tests.attention.case_inputs import (
+    case_metadata,
+    hidden_pool,
+    mixed_step_lens,
+    two_layer_pool,
+)
 
 _SKIP = interpreter_skip_reason()
 pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
@@ -44,6 +49,32 @@ def test_triton_backend_matches_torch_backend(seq_lens, query_lens, dtype, num_s
     for a, b in zip(kv_triton.k + kv_triton.v, kv_torch.k + kv_torch.v, strict=True):
         assert torch.equal(a, b)
     assert not kv_triton.k[0].any() and not kv_triton.v[0].any()
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(3, None), (6, 8.0), (None, 5.0)], ids=str)
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode"])
+def test_windows_and_softcap_match_torch_backend(window, softcap, decode_only):
+    """Decodes over shared prefix blocks with a prompt and a chunk (extend kernel), or the
+    decodes alone (decode kernel, split in two), the blocks wholly before every window NaN."""
+    seq_lens, query_lens = mixed_step_lens(8)
+    if decode_only:
+        seq_lens = [s for s, n in zip(seq_lens, query_lens, strict=True) if n == 1]
+        query_lens = [1] * len(seq_lens)
+    case = make_paged_case(
+        seq_lens, query_lens, 4, 2, 64, 8, torch.float32, device=DEVICE, shared_blocks=2,
+        write_new=False,
+    )  # fmt: skip
+    meta = case_metadata(case)
+    scale = 1.0 if softcap else 0.125
+    args = (case.q, case.k_new, case.v_new)
+    extra = dict(sliding_window=window, logit_softcap=softcap)
+    step = TritonPagedAttention(num_splits=2).plan(meta)
+    out = step(1, *args, hidden_pool(case, window), meta, scale, **extra)
+    ref = TorchPagedAttention().plan(meta)(
+        1, *args, hidden_pool(case, window), meta, scale, **extra
+    )
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, ref, **tolerances(torch.float32))
 
 
 def test_triton_step_refuses_another_steps_metadata():

@@ -21,8 +21,13 @@ from batchpage.host_memory import keep_freed_memory
 from batchpage.kernels import cpu_paged_decode
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
 from batchpage.kernels.reference import ref_paged_attention
-from batchpage.kernels.testing import PagedCase, make_paged_case, tolerances
-from tests.attention.case_inputs import case_metadata, two_layer_pool
+from batchpage.kernels.testing import (
+    PagedCase,
+    hide_outside_windows,
+    make_paged_case,
+    tolerances,
+)
+from tests.attention.case_inputs import case_metadata, hidden_pool, mixed_step_lens, two_layer_pool
 from tests.model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 
 
@@ -59,6 +64,38 @@ def test_decode_matches_reference(kernel, dtype, heads, kv_heads, head_dim, bloc
     out = _decode(kernel, case, scale)
     assert out.shape == case.q.shape and out.dtype == dtype
     torch.testing.assert_close(out, _reference(case, scale), **tolerances(dtype))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "window", "softcap"),
+    [
+        pytest.param(torch.float32, 64, 5, None, id="f32-vector-window-lt-block"),
+        pytest.param(torch.float32, 80, 20, 5.0, id="f32-plain-window-in-block-cap"),
+        pytest.param(torch.bfloat16, 64, 1, None, id="bf16-window-1"),
+        pytest.param(torch.float32, 128, None, 5.0, id="f32-vector-cap-only"),
+        pytest.param(torch.float16, 80, 37, 10.0, id="f16-window-over-shared-cap"),
+    ],
+)
+def test_window_and_softcap_match_reference(kernel, dtype, head_dim, window, softcap):
+    """Windows shorter than a block, ending inside one and reaching back into the two shared
+    prefix blocks; every slot before a window is NaN, so reading one fails the test."""
+    block_size = 16
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 97, 200]
+    case = make_paged_case(
+        seq_lens, [1] * len(seq_lens), 6, 2, head_dim, block_size, dtype, shared_blocks=2, seed=5
+    )
+    scale = 1.0 if softcap else head_dim**-0.5  # large scores, so the cap bends them
+    ref = ref_paged_attention(
+        case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens, case.block_table,
+        scale, sliding_window=window, logit_softcap=softcap,
+    )  # fmt: skip
+    if window:
+        case = hide_outside_windows(case, window)
+    out = kernel(
+        case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens, scale,
+        sliding_window=window, logit_softcap=softcap,
+    )  # fmt: skip
+    torch.testing.assert_close(out, ref, **tolerances(dtype))
 
 
 def test_decode_shared_blocks_and_strided_rows(kernel):
@@ -125,6 +162,31 @@ def test_backend_matches_torch_backend(kernel, seq_lens, query_lens):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="call backend.plan\\(meta\\) for each step"):
         step(1, *args, pools[0], case_metadata(case), scale)
+
+
+@pytest.mark.parametrize(
+    ("window", "softcap"), [(None, 5.0), (3, None), (6, 8.0), (21, None)], ids=str
+)
+def test_backend_windows_match_torch_backend(kernel, window, softcap):
+    """A step of decodes over shared prefix blocks, a prompt and a chunk (kernel and torch parts
+    together), then its decodes alone (kernel only), with the blocks wholly before every window
+    NaN: both backends read only inside the windows and agree."""
+    seq_lens, query_lens = mixed_step_lens(4)
+    decode = [b for b, n in enumerate(query_lens) if n == 1]
+    steps = [(seq_lens, query_lens), ([seq_lens[b] for b in decode], [1] * len(decode))]
+    for lens, q_lens in steps:
+        case = make_paged_case(
+            lens, q_lens, 6, 2, 64, 4, torch.float32, shared_blocks=2, write_new=False
+        )
+        meta = case_metadata(case)
+        pools = [hidden_pool(case, window), hidden_pool(case, window)]
+        scale = 1.0 if softcap else 0.125
+        args = (case.q, case.k_new, case.v_new)
+        extra = dict(sliding_window=window, logit_softcap=softcap)
+        out = CpuPagedAttention(kernel).plan(meta)(1, *args, pools[0], meta, scale, **extra)
+        ref = TorchPagedAttention().plan(meta)(1, *args, pools[1], meta, scale, **extra)
+        assert out.isfinite().all()
+        torch.testing.assert_close(out, ref, **tolerances(torch.float32))
 
 
 @pytest.mark.parametrize("variant", ["llama_hd80_mqa", "qwen2_bias_gqa"])

@@ -13,7 +13,12 @@ import torch
 
 from batchpage.kernels.extend_attention import extend_attention
 from batchpage.kernels.reference import ref_paged_attention
-from batchpage.kernels.testing import interpreter_skip_reason, make_paged_case, tolerances
+from batchpage.kernels.testing import (
+    hide_outside_windows,
+    interpreter_skip_reason,
+    make_paged_case,
+    tolerances,
+)
 
 _SKIP = interpreter_skip_reason()
 pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
@@ -57,6 +62,47 @@ def test_extend_matches_reference(heads, kv_heads, head_dim, block_size, dtype, 
     ref = ref_paged_attention(
         case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens, case.block_table
     )
+    torch.testing.assert_close(out, ref, **tolerances(dtype))
+
+
+WINDOW_CASES = [
+    # heads, kv_heads, block_size, dtype, (block_m, block_n), window, softcap
+    pytest.param(4, 2, 8, torch.float32, (16, 16), 5, None, id="window-lt-block"),
+    pytest.param(8, 1, 16, torch.float16, (16, 32), 21, 30.0, id="window-in-block-cap-f16"),
+    pytest.param(4, 4, 8, torch.float32, (16, 16), 19, None, id="window-over-shared-prefix"),
+    pytest.param(4, 2, 8, torch.float32, (32, 16), None, 5.0, id="cap-only"),
+    pytest.param(8, 2, 16, torch.float32, (16, 16), 1, 8.0, id="window-1-cap"),
+]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "block_size", "dtype", "tiles", "window", "softcap"), WINDOW_CASES
+)
+def test_window_and_softcap_match_reference(
+    heads, kv_heads, block_size, dtype, tiles, window, softcap
+):
+    """Prompts, chunks after a cached (shared) prefix and a decode row with windows smaller
+    than a block, ending inside one and reaching back into the shared blocks. Slots no row's
+    window covers hold NaN, so reading one of them fails the test."""
+    seq_lens, query_lens = _lens(block_size)
+    seq_lens.append(6 * block_size + 5)  # a chunk long enough that its first windows end early
+    query_lens.append(3 * block_size + 2)
+    case = make_paged_case(
+        seq_lens, query_lens, heads, kv_heads, 64, block_size, dtype, device=DEVICE,
+        shared_blocks=2, seed=window or 3,
+    )  # fmt: skip
+    scale = 1.0 if softcap else None  # large scores, so the cap bends them
+    args = (case.cu_seqlens_q, case.seq_lens, case.block_table)
+    ref = ref_paged_attention(
+        case.q, case.k_cache, case.v_cache, *args, scale,
+        sliding_window=window, logit_softcap=softcap,
+    )  # fmt: skip
+    if window:
+        case = hide_outside_windows(case, window)
+    out = extend_attention(
+        case.q, case.k_cache, case.v_cache, *args, case.max_seqlen_q, scale,
+        block_m=tiles[0], block_n=tiles[1], sliding_window=window, logit_softcap=softcap,
+    )  # fmt: skip
     torch.testing.assert_close(out, ref, **tolerances(dtype))
 
 

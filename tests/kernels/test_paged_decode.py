@@ -14,7 +14,12 @@ import torch
 
 from batchpage.kernels.paged_decode_attention import choose_num_splits, paged_decode_attention
 from batchpage.kernels.reference import ref_decode_attention
-from batchpage.kernels.testing import interpreter_skip_reason, make_paged_case, tolerances
+from batchpage.kernels.testing import (
+    hide_outside_windows,
+    interpreter_skip_reason,
+    make_paged_case,
+    tolerances,
+)
 
 _SKIP = interpreter_skip_reason()
 pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
@@ -53,6 +58,60 @@ def test_decode_matches_reference(heads, kv_heads, head_dim, block_size, dtype, 
     )  # fmt: skip
     ref = ref_decode_attention(case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table)
     torch.testing.assert_close(out, ref, **tolerances(dtype))
+
+
+WINDOW_CASES = [
+    # heads, kv_heads, block_size, dtype, num_splits, tile_n, window, softcap
+    pytest.param(8, 2, 8, torch.float32, 1, 16, 5, None, id="window-lt-block-single"),
+    pytest.param(4, 4, 16, torch.float16, 1, None, 20, 30.0, id="window-in-block-cap-f16"),
+    pytest.param(8, 1, 8, torch.float32, 3, 16, 29, None, id="window-split3"),
+    pytest.param(8, 2, 8, torch.float32, 1, 16, None, 5.0, id="cap-only"),
+    pytest.param(4, 2, 16, torch.float32, 2, 16, 40, 10.0, id="window-cap-split2"),
+]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "block_size", "dtype", "splits", "tile", "window", "softcap"),
+    WINDOW_CASES,
+)
+def test_window_and_softcap_match_reference(
+    heads, kv_heads, block_size, dtype, splits, tile, window, softcap
+):
+    """Windows shorter than a block, ending inside one and reaching into the shared prefix
+    block; every slot before a window is NaN, so a kernel that reads one fails."""
+    seq_lens = _seq_lens(block_size)
+    case = make_paged_case(
+        seq_lens, [1] * len(seq_lens), heads, kv_heads, 64, block_size, dtype, device=DEVICE,
+        shared_blocks=1, seed=window or 7,
+    )  # fmt: skip
+    scale = 1.0 if softcap else None  # large scores, so the cap bends them
+    ref = ref_decode_attention(
+        case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table, scale,
+        sliding_window=window, logit_softcap=softcap,
+    )  # fmt: skip
+    if window:
+        case = hide_outside_windows(case, window)
+    out = paged_decode_attention(
+        case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table, scale,
+        num_splits=splits, tile_n=tile, sliding_window=window, logit_softcap=softcap,
+    )  # fmt: skip
+    torch.testing.assert_close(out, ref, **tolerances(dtype))
+    if softcap:  # the cap changed the answer: the test would see it ignored
+        plain = paged_decode_attention(
+            case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table, scale,
+            num_splits=splits, tile_n=tile, sliding_window=window,
+        )  # fmt: skip
+        assert (plain - ref).abs().max() > 0.1
+
+
+def test_hidden_slots_poison_a_kernel_that_reads_them():
+    """The check behind the window tests: one slot past the window is enough to give NaN."""
+    case = make_paged_case([40, 3], [1, 1], 4, 2, 64, 8, torch.float32, device=DEVICE)
+    hidden = hide_outside_windows(case, 10)
+    args = (hidden.q, hidden.k_cache, hidden.v_cache, hidden.seq_lens, hidden.block_table)
+    assert paged_decode_attention(*args, tile_n=16, sliding_window=10).isfinite().all()
+    wider = paged_decode_attention(*args, tile_n=16, sliding_window=11)
+    assert wider[0].isnan().all() and wider[1].isfinite().all()  # row 1 has only 3 tokens
 
 
 def test_split_equals_single_pass():

@@ -20,9 +20,14 @@ FAMILIES: dict[tuple[Literal["hf", "gguf"], str], str] = {
     ("hf", "phi3"): "phi3",
     ("hf", "qwen3_moe"): "qwen3_moe",
     ("hf", "mixtral"): "mixtral",
+    ("hf", "gemma2"): "gemma2",
+    ("hf", "gemma3_text"): "gemma3",
+    ("hf", "gemma3"): "gemma3",  # the multimodal folder: its text model runs, images do not
     ("gguf", "llama"): "llama",
     ("gguf", "qwen2"): "llama",
     ("gguf", "qwen3"): "qwen3",
+    ("gguf", "gemma2"): "gemma2",
+    ("gguf", "gemma3"): "gemma3",
 }
 
 
@@ -106,6 +111,12 @@ class ModelConfig:
     # max_model_len <= the smallest window, so max_model_len is capped to it.
     layer_windows: tuple[int | None, ...] = ()
     moe: MoEConfig | None = None
+    attn_scale: float | None = None  # multiplies q.k; None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # scores become cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # the same on the output logits
+    # Rope base of the layers with a sliding window, which also skip rope_scaling (Gemma 3's
+    # local layers); None: every layer uses rope_theta and rope_scaling.
+    local_rope_theta: float | None = None
     model_type: str = "llama"  # the checkpoint's own name for its architecture
     torch_dtype: str | None = None  # the checkpoint's own dtype name, used by dtype="auto"
 

@@ -7,6 +7,7 @@ import torch
 
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
+from batchpage.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from batchpage.model.llama import LlamaForCausalLM
 from batchpage.model.mixtral import MixtralForCausalLM
 from batchpage.model.phi3 import Phi3ForCausalLM
@@ -21,6 +22,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
         Phi3ForCausalLM,
         Qwen3MoeForCausalLM,
         MixtralForCausalLM,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
     )
 }
 

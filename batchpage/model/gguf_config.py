@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from batchpage.model.config import ModelConfig, RopeScaling, UnsupportedModelError, family_for
+from batchpage.model.gemma_config import GEMMA_FAMILIES, gemma_gguf_config
 from batchpage.model.gguf_checks import check_metadata
 from batchpage.model.gguf_file import GGUFHeader, read_named_tensor
 
@@ -51,7 +52,7 @@ def gguf_config(path: Path, header: GGUFHeader) -> ModelConfig:
     rotary = int(key("rope.dimension_count") or head_dim)
     scaling = _rope_scaling(path, header, key, rotary)
     eos = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
-    return ModelConfig(
+    cfg = ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -74,6 +75,7 @@ def gguf_config(path: Path, header: GGUFHeader) -> ModelConfig:
         model_type=str(arch),
         torch_dtype=None,
     )
+    return gemma_gguf_config(cfg, key) if family in GEMMA_FAMILIES else cfg
 
 
 def _rope_scaling(path: Path, header: GGUFHeader, key: Any, rotary: int) -> RopeScaling | None:

@@ -17,6 +17,7 @@ import torch
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
 from batchpage.model.families import build_model
+from batchpage.model.gemma_config import GEMMA_FAMILIES, GGUF_BLOCK_NAMES
 from batchpage.model.gguf_checks import check_declared_size
 from batchpage.model.gguf_config import ROPE_FREQS, gguf_config
 from batchpage.model.gguf_file import GGUFHeader, read_gguf_header, read_tensor
@@ -41,13 +42,14 @@ _BLOCK = {
 }
 
 
-def gguf_to_hf_name(name: str) -> str:
+def gguf_to_hf_name(name: str, family: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     if name in _TOP_LEVEL:
         return _TOP_LEVEL[name]
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _BLOCK:
-        return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}.{parts[3]}"
+    block = {**_BLOCK, **GGUF_BLOCK_NAMES} if family in GEMMA_FAMILIES else _BLOCK
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in block:
+        return f"model.layers.{parts[1]}.{block[parts[2]]}.{parts[3]}"
     raise ValueError(f"unexpected GGUF tensor {name!r}")
 
 
@@ -65,8 +67,10 @@ def _iter_tensors(
     for t in header.tensors:
         if t.name == ROPE_FREQS:
             continue  # already in cfg.rope_scaling
-        name = gguf_to_hf_name(t.name)
+        name = gguf_to_hf_name(t.name, cfg.family)
         tensor = read_tensor(data, header, t)
+        if cfg.family in GEMMA_FAMILIES and t.name.endswith("norm.weight"):
+            tensor = tensor - 1  # llama.cpp stores Gemma's norm weights with its 1 + added
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
         if cfg.model_type == "llama" and kind in ("attn_q", "attn_k"):
             # Only the llama arch is permuted: llama.cpp runs it with interleaved-pair RoPE.

@@ -33,6 +33,11 @@ def model_config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
     model_type = cfg.get("model_type")
     family = family_for("hf", model_type)
     _refuse_quantized(cfg)
+    if family in ("gemma2", "gemma3"):
+        # gemma_config builds on this module's helpers, so it is imported here, not at the top
+        from batchpage.model.gemma_config import gemma_config_from_hf
+
+        return gemma_config_from_hf(cfg, family)
     _require(cfg, _REQUIRED + _MOE_REQUIRED.get(str(model_type), ()))
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):

@@ -18,7 +18,7 @@ from batchpage.job.config import JobConfig, ModelSpec
     [
         ({"quantization_config": {"quant_method": "awq"}}, "quantized checkpoint.*'awq'"),
         ({"hidden_size": None}, "lacks hidden_size"),
-        ({"model_type": "gemma2"}, "unsupported model_type 'gemma2'"),
+        ({"model_type": "gemma3n_text"}, "unsupported model_type 'gemma3n_text'"),
     ],
 )
 def test_unsupported_checkpoints_fail_in_plan_job(tmp_path, tiny_folder, patch, message):

@@ -245,7 +245,7 @@ def test_quantized_hf_checkpoints_are_refused_before_weights(tmp_path, tokenizer
     ("patch", "error", "match"),
     [
         ({"model_type": "gpt2"}, UnsupportedModelError, r"model_type 'gpt2' in config.json.*qwen3"),
-        ({"model_type": "gemma3_text"}, UnsupportedModelError, "unsupported model_type"),
+        ({"model_type": "gemma3n_text"}, UnsupportedModelError, "unsupported model_type"),
         ({"hidden_size": None}, ValueError, "lacks hidden_size.*config.json that came with"),
         ({"num_hidden_layers": "2"}, ValueError, "num_hidden_layers must be a non-negative int"),
         ({"model_type": "mixtral"}, ValueError, "lacks num_experts_per_tok, num_local_experts"),

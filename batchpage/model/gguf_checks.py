@@ -53,19 +53,21 @@ def check_metadata(path: Path, header: GGUFHeader) -> None:
         ):
             raise _bad(path, f"{arch}.{name}", value, "a finite positive number")
 
+    # Every layer has tensors of its own: a block_count beyond the number of tensors is refused
+    # here, cheaply (building even a meta-device model takes time linear in its layers).
+    layers = meta.get(f"{arch}.block_count")
+    if isinstance(layers, int) and layers > len(header.tensors):
+        raise CorruptGGUFError(
+            f"{path}: the GGUF metadata says {layers} layers ({arch}.block_count) but the file "
+            f"holds only {len(header.tensors)} tensors: download or convert the file again"
+        )
+
 
 def check_declared_size(path: Path, header: GGUFHeader, cfg: ModelConfig) -> None:
     """The model the metadata describes, built on the meta device (no memory), must not have
     more parameters than the file holds weights: each parameter is loaded from one."""
     from batchpage.model.families import build_model  # the model classes import this package
 
-    # Layers first, from the tensor names alone: building is linear in them, even on meta.
-    blocks = {t.name.split(".")[1] for t in header.tensors if t.name.startswith("blk.")}
-    if cfg.num_layers > len(blocks):
-        raise CorruptGGUFError(
-            f"{path}: the GGUF metadata says {cfg.num_layers} layers (block_count) but the file "
-            f"holds tensors for {len(blocks)}: download or convert the file again"
-        )
     declared = sum(p.numel() for p in build_model(cfg, torch.float32, "meta", 1).parameters())
     stored = sum(math.prod(t.shape) for t in header.tensors)
     if declared > stored:

@@ -1,0 +1,140 @@
+"""Bad inputs a careless or hostile user gives the job, each run once through the command line:
+its exit code and the first line of what it said (for a row error: that row's error)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from jobs.bench.kill_trials import FINAL, compare, start_job
+from jobs.gguf_fuzz import tiny_gguf
+
+
+@dataclass(frozen=True)
+class Outcome:
+    case: str
+    exit_code: int
+    message: str
+    rows_as_clean: str  # for the cases that finish: do the rows match the clean run's?
+
+
+def run_cases(job: list[str], clean: Path, workdir: Path) -> list[Outcome]:
+    """`job`: the clean run's overrides (without output_dir); `clean`: its output folder."""
+    cases: list[Callable[[list[str], Path, Path], Outcome]] = [
+        _bad_utf8, _duplicate_ids, _output_dir_is_a_file, _unknown_key, _wrong_type,
+        _gguf_truncated, _gguf_huge_vocab, _gguf_zero_heads, _gguf_huge_block_count,
+        _damaged_shard,
+    ]  # fmt: skip
+    return [case(job, clean, workdir) for case in cases]
+
+
+def _run(case: str, args: list[str], workdir: Path) -> tuple[int, str, str]:
+    """Exit code, the first line that says what is wrong, and the whole stderr."""
+    log = workdir / f"{case}.log"
+    proc = start_job(args, workdir, log)
+    proc.wait()
+    text = log.read_text(errors="replace")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    said = next((line for line in lines if line.startswith("error:")), lines[0] if lines else "")
+    return proc.returncode, said, text
+
+
+def _dataset(workdir: Path, name: str, lines: list[bytes]) -> Path:
+    path = workdir / name
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def _plain(job: list[str]) -> list[str]:
+    """The job without its dataset choice, for cases that bring their own file."""
+    return [a for a in job if not a.startswith(("dataset=", "dataset.limit="))]
+
+
+def _bad_utf8(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    data = _dataset(
+        workdir,
+        "utf8.jsonl",
+        [b'{"prompt": "def add(a, b):"}', b'{"prompt": "caf\xe9 \xff"}', b'{"prompt": "x = 1"}'],
+    )
+    out = workdir / "utf8_out"
+    code, said, _ = _run(
+        "utf8", [*_plain(job), f"dataset.path={data}", f"output_dir={out}"], workdir
+    )
+    if code == 0:
+        errors = [
+            e for e in pq.read_table(out / FINAL, columns=["error"])["error"].to_pylist() if e
+        ]
+        said = errors[0] if errors else "(no row error: the bad line was generated)"
+    return Outcome("invalid UTF-8 in one JSONL line", code, said, "-")
+
+
+def _duplicate_ids(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    rows = [json.dumps({"id": i, "prompt": f"p{n}"}).encode() for n, i in enumerate("abab")]
+    data = _dataset(workdir, "dup.jsonl", rows)
+    args = [*_plain(job), f"dataset.path={data}", "dataset.id_column=id"]
+    code, said, _ = _run("dup", [*args, f"output_dir={workdir / 'dup_out'}"], workdir)
+    return Outcome("duplicate ids (dataset.id_column=id)", code, said, "-")
+
+
+def _output_dir_is_a_file(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    taken = workdir / "taken"
+    taken.write_text("a file")
+    code, said, _ = _run("taken", [*job, f"output_dir={taken}"], workdir)
+    return Outcome("output_dir is a file", code, said, "-")
+
+
+def _unknown_key(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    args = [*job, "sampling.temprature=0.5", f"output_dir={workdir / 'key_out'}"]
+    code, said, _ = _run("key", args, workdir)
+    return Outcome("unknown Hydra key (sampling.temprature)", code, said, "-")
+
+
+def _wrong_type(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    args = [*job, "engine.block_size=big", f"output_dir={workdir / 'type_out'}"]
+    code, said, _ = _run("type", args, workdir)
+    return Outcome("wrong type (engine.block_size=big)", code, said, "-")
+
+
+def _hostile_gguf(case: str, label: str, path: Path, job: list[str], workdir: Path) -> Outcome:
+    args = [*job, f"model.path={path}", f"output_dir={workdir / (case + '_out')}"]
+    code, said, _ = _run(case, args, workdir)
+    return Outcome(label, code, said.replace(str(workdir) + "/", ""), "-")
+
+
+def _gguf_truncated(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    path = tiny_gguf(workdir / "truncated.gguf")
+    path.write_bytes(path.read_bytes()[:1500])  # inside the vocabulary
+    return _hostile_gguf("trunc", "GGUF cut inside its header", path, job, workdir)
+
+
+def _gguf_huge_vocab(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    path = tiny_gguf(workdir / "vocab.gguf", {"vocab_size": 4_000_000_000})
+    return _hostile_gguf("vocab", "GGUF with a 4e9 vocab_size", path, job, workdir)
+
+
+def _gguf_zero_heads(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    path = tiny_gguf(workdir / "heads.gguf", {"attention__head_count": 0})
+    return _hostile_gguf("heads", "GGUF with head_count 0", path, job, workdir)
+
+
+def _gguf_huge_block_count(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    path = tiny_gguf(workdir / "blocks.gguf", {"block_count": 2**31 - 1})
+    return _hostile_gguf("blocks", "GGUF with block_count 2^31-1", path, job, workdir)
+
+
+def _damaged_shard(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    """The clean output with garbage in its first shard, run again."""
+    out = workdir / "damaged_out"
+    shutil.copytree(clean, out)
+    next(iter(sorted(out.glob("shard-*.parquet")))).write_bytes(b"garbage")
+    code, _, text = _run("damaged", [*job, f"output_dir={out}"], workdir)
+    said = next((line.strip() for line in text.splitlines() if "unreadable shard" in line), "")
+    said = said[said.find("unreadable") :].replace(str(workdir) + "/", "")
+    c = compare(clean, out)
+    same = f"{c.rows} rows, {c.lost} lost, {c.duplicated} dup., {c.different} differ"
+    return Outcome("damaged shard (garbage bytes), rerun", code, said, same)

@@ -32,11 +32,12 @@ def plan_engine(cfg: EngineConfig, source: ModelSource) -> EnginePlan:
     model_cfg = source.config
     device = cfg.resolved_device()
     dtype = resolve_dtype(cfg.dtype, model_cfg, device)
-    limit = model_cfg.max_model_len  # positions, capped by a sliding window
+    limit = model_cfg.max_model_len  # positions the model's rope supports
     if cfg.max_model_len is not None and cfg.max_model_len > limit:
         raise ValueError(
             f"max_model_len={cfg.max_model_len} exceeds the model's limit of {limit} "
-            "positions (max_position_embeddings, or its sliding window): lower max_model_len"
+            "positions (max_position_embeddings, extended by its rope scaling): lower "
+            "max_model_len"
         )
     max_model_len = cfg.max_model_len or limit
     per_block = bytes_per_block(

@@ -107,8 +107,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Sliding-window size per layer (None: full attention); () when no layer has a window.
-    # The attention backends attend over the full context, which is exact while
-    # max_model_len <= the smallest window, so max_model_len is capped to it.
+    # Every attention backend applies it (attention/backend.py), so windows cap no length.
     layer_windows: tuple[int | None, ...] = ()
     moe: MoEConfig | None = None
     attn_scale: float | None = None  # multiplies q.k; None: head_dim ** -0.5
@@ -168,5 +167,4 @@ class ModelConfig:
     @property
     def max_model_len(self) -> int:
         """The longest context this checkpoint supports without leaving its trained regime."""
-        window = self.sliding_window
-        return min(self.context_limit, window) if window else self.context_limit
+        return self.context_limit

@@ -106,8 +106,9 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        # Carried for the backends; today max_model_len <= window makes full attention exact.
+        # Per layer, for the backend (see attention/backend.py for their exact meaning).
         self.sliding_window = cfg.window(layer)
+        self.logit_softcap = cfg.attn_logit_softcap
         self.qkv_proj = merged_linear(
             cfg.hidden_size,
             (self.q_size, self.kv_size, self.kv_size),
@@ -137,7 +138,17 @@ class Attention(nn.Module):
         # q and k are adjacent heads of qk: rotate them in one call.
         q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        o = attn(self.layer, q, k, v, kv, meta, self.scale)  # [T, num_heads, head_dim]
+        o = attn(  # [T, num_heads, head_dim]
+            self.layer,
+            q,
+            k,
+            v,
+            kv,
+            meta,
+            self.scale,
+            sliding_window=self.sliding_window,
+            logit_softcap=self.logit_softcap,
+        )
         return self.o_proj(o.reshape(t, self.q_size))
 
 

@@ -109,7 +109,7 @@ def test_sliding_windows_per_layer():
     cfg = model_config_from_hf(
         dict(BASE, model_type="mistral", sliding_window=512, max_position_embeddings=4096)
     )
-    assert cfg.sliding_window == 512 and cfg.max_model_len == 512  # capped to the window
+    assert cfg.sliding_window == 512 and cfg.max_model_len == 4096  # windows cap no length
 
 
 def test_moe_layout():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from batchpage.cache.kv_cache import KVCache
+from batchpage.engine.admission import GrowthEstimate
 from batchpage.engine.beam_runner import BeamSearchRunner
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.constraint import GrammarMasks, advance
@@ -81,6 +82,8 @@ class Engine:
             enable_chunked_prefill=cfg.enable_chunked_prefill,
             preemption_mode=cfg.preemption_mode,
             schedule=cfg.schedule,
+            max_model_len=plan.max_model_len,
+            growth=GrowthEstimate(),
         )
         self.eos_ids = tokenizer.eos_token_ids
         self.grammars = GrammarCache(tokenizer.hf, model_cfg.vocab_size, self.eos_ids)

@@ -7,10 +7,13 @@ Continuous batching with one token budget per step (max_num_batched_tokens):
    stay in the prefix cache) and it later prefills its prompt and what it generated so far; with
    "swap" its K/V is copied to host memory first and copied back when it is readmitted.
 2. Then waiting sequences are admitted in queue order while the budget, max_num_seqs and free
-   blocks allow; each first borrows its longest cached prefix from the KV cache manager and
-   computes only the rest. A prompt larger than the budget is prefilled in chunks over several
-   steps, in the same forward as the running decodes. A sequence that shares an uncached block
-   with one admitted in the same step waits one step, so that block is computed once and shared.
+   blocks allow, the free blocks counting what the running sequences are expected to still need
+   (admission.py: admitting on the prompt alone fills the pool with sequences that then all grow
+   and preempt each other). Each first borrows its longest cached prefix from the KV cache
+   manager and computes only the rest. A prompt larger than the budget is prefilled in chunks
+   over several steps, in the same forward as the running decodes. A sequence that shares an
+   uncached block with one admitted in the same step waits one step, so that block is computed
+   once and shared.
 The scheduler owns the queues; the KVCacheManager owns the blocks.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from batchpage.engine.admission import GrowthEstimate
 from batchpage.engine.kv_manager import BlockCopy, KVCacheManager, blocks_for
 from batchpage.engine.sequence import SeqStatus, Sequence
 
@@ -65,8 +69,16 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         preemption_mode: str = "recompute",
         schedule: str = "prefix",
+        max_model_len: int | None = None,
+        growth: GrowthEstimate | None = None,
     ) -> None:
+        """With `growth` (and max_model_len, which bounds a sequence's budget), admission keeps
+        room for the growth it expects; without, a sequence is admitted when its prompt fits."""
+        if growth is not None and max_model_len is None:
+            raise ValueError("admission by expected growth needs max_model_len")
         self.kv = kv
+        self.max_model_len = max_model_len
+        self.growth = growth
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -119,6 +131,7 @@ class Scheduler:
 
         # Admitting while preempting would only thrash: the pool is already short this step. But
         # when preemption left nothing to run, the queue's head (perhaps the victim) goes next.
+        reserved = self._expected_growth(self.running)
         admitted: list[Sequence] = []
         while (not out.preempted or not out.scheduled) and self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -128,34 +141,59 @@ class Scheduler:
             if seq.swapped_tokens:
                 if not self._swap_in(seq, budget, out):
                     break
-            elif not self._admit(seq, budget, admitted, out):
+            elif not self._admit(seq, budget, reserved, admitted, out):
                 break
+            reserved += self._expected_growth([seq])
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             seq.admitted_once = True
             self.running.append(seq)
             admitted.append(seq)
             budget -= out.scheduled[-1].num_new_tokens
+        if self.growth is not None:
+            self.growth.stepped(preempted=bool(out.preempted))
         return out
 
+    def _expected_growth(self, seqs: list[Sequence]) -> int:
+        """Blocks these sequences are expected to take beyond those they hold: the rest of their
+        tokens (a prompt not yet computed, or still being chunked), then their expected output;
+        each sample still to fork grows on its own."""
+        if self.growth is None or self.max_model_len is None:
+            return 0
+        bs = self.kv.block_size
+        return sum(
+            (1 + len(s.pending_forks)) * self.growth.expected_blocks(s, self.max_model_len, bs)
+            + blocks_for(s.num_tokens, bs)
+            - len(s.block_table)
+            for s in seqs
+        )
+
     def _admit(
-        self, seq: Sequence, budget: int, admitted: list[Sequence], out: SchedulerOutput
+        self,
+        seq: Sequence,
+        budget: int,
+        reserved: int,
+        admitted: list[Sequence],
+        out: SchedulerOutput,
     ) -> bool:
         cached = self.kv.lend_prefix(seq)
         n = seq.num_uncomputed_tokens
+        chunk = min(n, budget)
         if (
             self._waits_for_shared_prefix(seq, admitted)
             or (n > budget and not self.enable_chunked_prefill)
-            or not self.kv.can_allocate(seq, min(n, budget))
+            or not self.kv.can_allocate(seq, chunk)
+            # Its whole prompt and expected growth must fit beside the running sequences'; but
+            # with nothing running it goes in whatever it may grow to: the job must progress.
+            or (self.running and reserved + self._expected_growth([seq]) > self.kv.num_free_blocks)
         ):
             self.kv.free(seq, cache=False)  # give the lent prefix back; it stays queued
             seq.num_computed_tokens = 0
             return False
         if not seq.admitted_once:
             seq.num_cached_tokens = cached
-        n = min(n, budget)
-        out.copies += self.kv.allocate(seq, n)
-        out.scheduled.append(ScheduledSeq(seq, n))
+        out.copies += self.kv.allocate(seq, chunk)
+        out.scheduled.append(ScheduledSeq(seq, chunk))
         return True
 
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:

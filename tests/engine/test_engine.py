@@ -105,10 +105,18 @@ def test_preemption_gives_the_same_outputs(tmp_path: Path, tokenizer) -> None:
     small.engine.check_integrity_each_step = True
     assert small.engine.kv_manager.num_blocks == 24
     want = [o.outputs[0].token_ids for o in big.generate(prompts, params, use_tqdm=False)]
+    # With ignore_eos the default admission reserves each sequence's exact growth and never
+    # preempts here (checked below); admitting on the prompt alone makes this pool preempt.
+    growth = small.engine.scheduler.growth
+    small.engine.scheduler.growth = None
     got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
     assert small.stats["preemptions"] > 0
     assert got == want
     assert small.engine.kv_manager.num_free_blocks == 24
+    small.engine.scheduler.growth = growth
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+    assert small.stats["preemptions"] == 0
+    assert got == want
 
 
 def test_pool_too_small_is_a_clear_error(tmp_path: Path, tokenizer) -> None:

@@ -10,29 +10,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchpage.engine.admission import GrowthEstimate
 from batchpage.engine.kv_manager import KVCacheManager, blocks_for
 from batchpage.engine.scheduler import Scheduler
-from batchpage.engine.sequence import Request, SeqStatus, Sequence
+from batchpage.engine.sequence import SeqStatus, Sequence
 from batchpage.sampling_params import SamplingParams
-
-
-def make_seq(i: int, prompt_len: int) -> Sequence:
-    """Prompts are 0..n-1 and the simulated model's next token is 1000 + position, so all
-    sequences share prefixes and a token's KV never depends on which sequence computed it."""
-    req = Request(
-        index=i,
-        prompt=None,
-        prompt_token_ids=list(range(prompt_len)),
-        params=SamplingParams(max_tokens=1),
-    )
-    return Sequence(
-        seq_id=i,
-        request=req,
-        sample_index=0,
-        token_ids=list(range(prompt_len)),
-        generator=None,
-        stop=None,
-    )  # type: ignore[arg-type]
+from tests.engine.simulate import make_seq, simulate
 
 
 @settings(max_examples=100, deadline=None)
@@ -46,6 +29,8 @@ def make_seq(i: int, prompt_len: int) -> Sequence:
     prefix_caching=st.booleans(),
     policy=st.sampled_from(["lru", "lfu", "fifo"]),
     preemption=st.sampled_from(["recompute", "swap"]),
+    admission=st.booleans(),
+    slacks=st.lists(st.integers(0, 10), min_size=12, max_size=12),
 )
 def test_random_workload_finishes_without_leaks(
     lengths,
@@ -57,43 +42,32 @@ def test_random_workload_finishes_without_leaks(
     prefix_caching,
     policy,
     preemption,
+    admission,
+    slacks,
 ):
-    max_len = max(p + o for p, o in lengths)
+    max_len = max(p + o + slack for (p, o), slack in zip(lengths, slacks, strict=False))
     if not chunked:
         budget = max(budget, max_len)
     num_blocks = blocks_for(max_len, block_size) + spare_blocks
     kv = KVCacheManager(num_blocks, block_size, prefix_caching, policy)
     sched = Scheduler(
-        kv, max_num_seqs, budget, enable_chunked_prefill=chunked, preemption_mode=preemption
+        kv,
+        max_num_seqs,
+        budget,
+        enable_chunked_prefill=chunked,
+        preemption_mode=preemption,
+        max_model_len=max_len,
+        growth=GrowthEstimate() if admission else None,
     )
-    seqs = [make_seq(i, p) for i, (p, _) in enumerate(lengths)]
+    # The budget is max_tokens, or unknown (max_model_len bounds it); ignore_eos makes it exact.
+    seqs = [
+        make_seq(i, p, SamplingParams(max_tokens=o + slack, ignore_eos=slack == 0))
+        for i, ((p, o), slack) in enumerate(zip(lengths, slacks, strict=False))
+    ]
     targets = {s.seq_id: o for s, (_, o) in zip(seqs, lengths, strict=True)}
     for s in seqs:
         sched.add(s)
-    for _ in range(10_000):
-        if not sched.has_unfinished():
-            break
-        out = sched.schedule()
-        assert out.scheduled, "no progress"
-        assert out.num_tokens <= budget
-        assert len(out.scheduled) <= max_num_seqs
-        assert len({id(s.seq) for s in out.scheduled}) == len(out.scheduled)
-        for s in out.scheduled:
-            # Every token this step writes has a block.
-            need = blocks_for(s.seq.num_computed_tokens + s.num_new_tokens, block_size)
-            assert len(s.seq.block_table) >= need
-        sched.check_integrity()
-        for s in out.scheduled:
-            sampled = s.completes_prefill
-            s.seq.num_computed_tokens += s.num_new_tokens
-            if s.num_new_tokens > 1:
-                kv.cache_progress(s.seq)
-            if sampled:
-                # The simulated model's token depends only on the position: recompute is exact.
-                s.seq.token_ids.append(1000 + s.seq.num_tokens)
-                if s.seq.num_output_tokens == targets[s.seq.seq_id]:
-                    sched.finish(s.seq)
-        sched.check_integrity()
+    simulate(sched, targets, max_steps=10_000)
     assert not sched.has_unfinished()
     if kv.tree is not None:
         kv.tree.evict(num_blocks)  # what stays cached after the job is evictable

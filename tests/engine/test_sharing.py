@@ -67,6 +67,7 @@ def test_swap_preemption_gives_the_same_outputs(tiny_folder: str, prefix_caching
         preemption_mode="swap",
         prefix_caching=prefix_caching,
     )
+    small.engine.scheduler.growth = None  # admit on the prompt alone, so this pool preempts
     got = tokens(small.generate(ps, params, use_tqdm=False))
     assert got == want
     assert small.stats["swaps"] > 0 and small.stats["preemptions"] >= small.stats["swaps"]
@@ -85,7 +86,10 @@ def test_static_allocator_reserves_max_model_len(tiny_folder: str) -> None:
     )
     # 48 blocks hold two reservations of 24 blocks (96 tokens): at most two run at once.
     assert static.stats["peak_running"] == 2
-    assert paged.stats["peak_running"] == 8
+    # Paged admits what the sequences' real lengths (prompt + 10, ignore_eos) fit: three times
+    # as many, and none is preempted.
+    assert paged.stats["peak_running"] >= 6
+    assert paged.stats["preemptions"] == 0
     assert static.stats["kv_waste"] > 0.5 > 0.25 > paged.stats["kv_waste"]
 
 

@@ -5,6 +5,7 @@ once per session)."""
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,19 @@ import torch
 
 from batchpage.model import load_model, resolve_model_source
 from tests.model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On a machine busier than its cores (a shared runner), run torch single-threaded, here
+    and in the jobs the tests start: an OpenMP barrier waits for every thread of the region, and
+    with the cores taken by others each of the thousands of small regions of a step stalls for
+    a scheduler time slice (measured: a decode step 11x slower with 2 threads than with 1 at a
+    load average of 10 on 2 cores). Results do not depend on the thread count: the references
+    run in the same process."""
+    cores = os.cpu_count() or 1
+    if os.getloadavg()[0] > cores:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

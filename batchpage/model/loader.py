@@ -7,12 +7,14 @@ or an unsupported checkpoint before it spends time loading weights.
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple
 
 import torch
 
+from batchpage.cpu_info import cpu_model, has_native_bf16
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
 from batchpage.model.gguf_config import gguf_config
@@ -99,20 +101,32 @@ def resolve_model_source(model: str) -> ModelSource:
 def resolve_dtype(
     dtype: str | torch.dtype, config: ModelConfig, device: torch.device | str
 ) -> torch.dtype:
-    """ "auto" is float32 on CPU (bf16/fp16 matmuls are slow there and the HF reference runs in
-    float32); on an accelerator it is the checkpoint's torch_dtype, bfloat16 when that is unknown
-    (e.g. a dequantized GGUF)."""
+    """ "auto" on a CPU is bfloat16 where the CPU has native bf16 (cpu_info.py), else float32;
+    on an accelerator it is the checkpoint's torch_dtype, bfloat16 when that is unknown (e.g. a
+    dequantized GGUF). bfloat16 asked for on a CPU without native bf16 runs, with a warning: it
+    is several times slower there than float32."""
+    on_cpu = torch.device(device).type == "cpu"
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}: use float32, bfloat16 or float16")
-        return dtype
-    if dtype != "auto":
+        chosen = dtype
+    elif dtype != "auto":
         if dtype not in _DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}: use auto, float32, bfloat16 or float16")
-        return _DTYPES[dtype]
-    if torch.device(device).type == "cpu":
-        return torch.float32
-    return _DTYPES.get(config.torch_dtype or "", torch.bfloat16)
+        chosen = _DTYPES[dtype]
+    elif on_cpu:
+        return torch.bfloat16 if has_native_bf16() else torch.float32
+    else:
+        return _DTYPES.get(config.torch_dtype or "", torch.bfloat16)
+    if on_cpu and chosen == torch.bfloat16 and not has_native_bf16():
+        # Python shows a warning once per place it is raised from: once per process here.
+        warnings.warn(
+            f"dtype bfloat16 on a CPU without native bf16 ({cpu_model()}): torch emulates it, "
+            "and a matmul runs about 10x slower than in float32 (an engine about 4x slower; "
+            "BENCHMARKS.md). dtype='auto' picks float32 on this CPU.",
+            stacklevel=1,  # attributed to this line, whoever calls: shown once per process
+        )
+    return chosen
 
 
 def load_model(

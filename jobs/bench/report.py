@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from batchpage.cpu_info import cpu_flags, cpu_model, has_native_bf16
+
 T = TypeVar("T")
 
 
@@ -39,16 +41,6 @@ def command_line() -> str:
     return shlex.join([*head, *sys.argv[1:]])
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment() -> dict[str, Any]:
     import transformers
 
@@ -58,6 +50,9 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "cpu": cpu_model(),
+        # The flags that decide the fast dtype (batchpage/cpu_info.py) and the kernels' width.
+        "cpu_flags": sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma"}),
+        "native_bf16": has_native_bf16(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import warnings
 from pathlib import Path
 
 import gguf
@@ -12,11 +13,13 @@ import pytest
 import torch
 
 from batchpage.attention.torch_backend import TorchPagedAttention
+from batchpage.cpu_info import has_native_bf16
 from batchpage.model import (
     CausalLM,
     Tokenizer,
     UnsupportedModelError,
     load_model,
+    loader,
     resolve_dtype,
     resolve_model_source,
 )
@@ -79,9 +82,12 @@ def test_hf_folder_eos_ids_are_the_union(tmp_path, tokenizer):
     assert tok.eos_token_ids == frozenset({2, 0, im_end})
 
 
-def test_dtype_selection(tmp_path, tokenizer):
+def test_dtype_selection(tmp_path, tokenizer, monkeypatch):
     save_hf_folder(build_hf_model("llama_gqa_tied"), tmp_path, tokenizer)
-    assert load_model(str(tmp_path), dtype="auto").model.norm.weight.dtype == torch.float32
+    # auto on a CPU follows its flags: bf16 where it is native, float32 where it is emulated.
+    for native, want in [(False, torch.float32), (True, torch.bfloat16)]:
+        monkeypatch.setattr(loader, "has_native_bf16", lambda native=native: native)
+        assert load_model(str(tmp_path), dtype="auto").model.norm.weight.dtype == want
     bf16 = load_model(str(tmp_path), dtype="bfloat16").model
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
     cfg = read_hf_config(tmp_path)
@@ -91,6 +97,26 @@ def test_dtype_selection(tmp_path, tokenizer):
         assert resolve_dtype("auto", c, "cuda") == want
     with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
         resolve_dtype("int8", cfg, "cpu")
+
+
+def test_emulated_bf16_warns_with_its_cost(tmp_path, tokenizer, monkeypatch):
+    cfg = read_hf_config(save_hf_folder(build_hf_model("llama_gqa_tied"), tmp_path, tokenizer))
+    monkeypatch.setattr(loader, "has_native_bf16", lambda: False)
+    with pytest.warns(UserWarning, match=r"without native bf16.*10x slower.*float32"):
+        assert resolve_dtype("bfloat16", cfg, "cpu") == torch.bfloat16
+    monkeypatch.setattr(loader, "has_native_bf16", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_dtype("bfloat16", cfg, "cpu") == torch.bfloat16
+        assert resolve_dtype("float32", cfg, "cpu") == torch.float32
+
+
+def test_native_bf16_is_read_from_the_flags():
+    assert has_native_bf16(frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert has_native_bf16(frozenset({"amx_bf16", "amx_tile"}))
+    assert not has_native_bf16(frozenset({"avx2", "fma", "avx512f"}))
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    assert has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
 
 
 def test_tokenizer_roundtrip_and_chat(tokenizer):

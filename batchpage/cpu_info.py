@@ -1,0 +1,38 @@
+"""What this CPU is and which dtype is fast on it, read from /proc/cpuinfo.
+
+Native bf16 (AVX-512 BF16 or AMX) makes a bfloat16 matmul about twice as fast as float32; without
+it torch emulates bf16 and the same matmul is about ten times slower (BENCHMARKS.md, "dtype per
+CPU"). The engine's dtype="auto" on a CPU follows these flags.
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def _field(name: str) -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == name:
+                return value.strip()
+    except OSError:
+        pass
+    return None
+
+
+def cpu_model() -> str:
+    return _field("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of the first CPU (empty where /proc/cpuinfo is not readable)."""
+    return frozenset((_field("flags") or "").split())
+
+
+def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
+    flags = cpu_flags() if flags is None else flags
+    return any(f in flags for f in NATIVE_BF16_FLAGS)

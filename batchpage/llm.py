@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from batchpage.chat_messages import normalize_messages
 from batchpage.engine.beam_runner import worst_case_blocks
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.engine import BEAM_SEARCH_WITH_CONSTRAINT, Engine
@@ -16,6 +17,7 @@ from batchpage.engine.sampler import TopLogprobs
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.metrics import RunStats, tokens_per_s
 from batchpage.model.loader import load_model, resolve_model_source
+from batchpage.model.tokenizer import check_chat_template_kwargs, resolve_chat_template
 from batchpage.outputs import CompletionOutput, RequestOutput
 from batchpage.sampling_params import SamplingParams
 
@@ -35,6 +37,7 @@ class LLM:
         self.config = cfg = EngineConfig(**engine_args)
         # Everything that can be wrong is checked from the config alone, before weights load.
         source = resolve_model_source(model)
+        self.chat_template = resolve_chat_template(cfg.chat_template)  # None: the model's own
         self.plan = plan = plan_engine(cfg, source)
         self.max_model_len = plan.max_model_len
         loaded = load_model(source, plan.dtype, plan.device, max_positions=plan.max_model_len)
@@ -74,17 +77,33 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         on_output: OnOutput | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation, then generates."""
+        """Applies the chat template to each conversation, then generates. chat_template (a
+        .jinja file or the template text) replaces the model's (or LLM(chat_template=...)) for
+        this call; chat_template_kwargs are variables of the template, e.g.
+        {"enable_thinking": False}. Message content may be a list of OpenAI text parts; a bad
+        message (an unknown role, a non-text part) fails its own request only."""
+        template = resolve_chat_template(chat_template) or self.chat_template
+        check_chat_template_kwargs(chat_template_kwargs or {})
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = _per_prompt(sampling_params, len(conversations))
         requests = []
         for i, (conv, sp) in enumerate(zip(conversations, params, strict=True)):
             try:
+                turns = normalize_messages(conv)
+            except ValueError as exc:
+                requests.append(Request(i, None, [], sp, error=f"bad messages: {exc}"))
+                continue
+            try:
                 ids = self.tokenizer.apply_chat_template(
-                    list(conv), add_generation_prompt=add_generation_prompt
+                    turns,
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template=template,
+                    chat_template_kwargs=chat_template_kwargs,
                 )
-            except Exception as exc:  # a malformed conversation only fails its own request
+            except Exception as exc:  # a template can fail on one odd chat: only its request
                 requests.append(Request(i, None, [], sp, error=f"chat template failed: {exc}"))
                 continue
             requests.append(self._make_request(i, ids, sp))

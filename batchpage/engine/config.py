@@ -30,6 +30,9 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     seed: int = 0
     device: str = "auto"
+    # A chat template replacing the model's: a .jinja file or the template text. Read and checked
+    # by the tokenizer (batchpage.model.tokenizer.resolve_chat_template); the engine ignores it.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:

@@ -12,14 +12,32 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from batchpage.chat_messages import normalize_messages
 from batchpage.fileio import atomic_dir
 from batchpage.paths import cache_dir as batchpage_cache_dir
 
 log = logging.getLogger(__name__)
+
+# transformers' own apply_chat_template arguments: not template variables.
+_RESERVED_TEMPLATE_ARGS = frozenset(
+    {
+        "conversation",
+        "chat_template",
+        "add_generation_prompt",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class Tokenizer:
@@ -85,19 +103,72 @@ class Tokenizer:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Render with the model's template, then tokenize without adding special tokens again
-        (templates write BOS themselves), the same as transformers' apply_chat_template."""
-        if not self.has_chat_template:
+        """Render with the model's template (or `chat_template`, the template text), then
+        tokenize without adding special tokens again (templates write BOS themselves), the same
+        as transformers' apply_chat_template. `chat_template_kwargs` become variables of the
+        template (e.g. enable_thinking=False), as in vLLM. The messages are checked and
+        normalised first (batchpage.chat_messages): ValueError names a bad one."""
+        if chat_template is None and not self.has_chat_template:
             raise ValueError(
                 "this model's tokenizer has no chat template: use generate() with plain prompts, "
-                "or pick a chat/instruct model"
+                "pick a chat/instruct model, or give one with chat_template=<file.jinja>"
             )
+        kwargs = dict(chat_template_kwargs or {})
+        check_chat_template_kwargs(kwargs)
         text = self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            normalize_messages(messages),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            **kwargs,
         )
         return self.encode(text, add_special_tokens=False)
+
+
+def check_chat_template_kwargs(kwargs: Mapping[str, Any]) -> None:
+    """Refuse names that are transformers' own arguments rather than template variables."""
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"chat_template_kwargs must map names to values, got {kwargs!r:.80}")
+    reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_ARGS)
+    if reserved:
+        raise ValueError(
+            f"chat_template_kwargs has {reserved}, which batchpage sets itself; pass only "
+            "variables of the template (e.g. enable_thinking)"
+        )
+
+
+def resolve_chat_template(value: str | None) -> str | None:
+    """A chat-template override as template text: the contents of a .jinja file, or the text
+    itself (as vLLM's --chat-template takes either). Parsed now, so that a broken template fails
+    before any weight loads."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"chat_template must be a .jinja file or template text, got {value!r}")
+    path = Path(os.path.expanduser(value))
+    if "{" not in value and "\n" not in value:
+        if not path.is_file():
+            raise ValueError(
+                f"chat_template={value!r}: no such file ({path.absolute()}); give a .jinja file "
+                "or the template text itself"
+            )
+        text = path.read_text(encoding="utf-8")
+    else:
+        text = value
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"chat_template {value[:60]!r} is not a valid Jinja template: {e}") from e
+    return text
 
 
 def check_hf_tokenizer_files(folder: Path) -> None:

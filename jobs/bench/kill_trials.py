@@ -44,8 +44,9 @@ class Comparison:
 @dataclass(frozen=True)
 class Trial:
     aimed_at: str
-    landed: str  # the phase the kill found the job in, or "finished first"
+    landed: str  # the phase the kill found the job in, or "ended first"
     at_s: float
+    first_exit: int  # of the run that was to be killed: -9 when the kill landed
     shards_left: int
     rerun_exit: int
     result: Comparison
@@ -88,8 +89,7 @@ def kill_trial(
     job: list[str], clean: Path, timeline: Timeline, aim: str, out: Path, rng: random.Random
 ) -> Trial:
     """Start, SIGKILL during `aim`, rerun to the end, compare with the clean output."""
-    log = out.parent / f"{out.name}.log"
-    proc = start_job([*job, f"output_dir={out}"], out.parent, log)
+    proc = start_job([*job, f"output_dir={out}"], out.parent, out.parent / f"{out.name}.kill.log")
     started = time.monotonic()
     if aim == "load":  # anywhere before the clean run's first shard
         _sleep_while(proc, rng.uniform(0.0, timeline.first_shard))
@@ -100,16 +100,16 @@ def kill_trial(
     else:  # the merge lasts milliseconds: poll for its temporary file
         while proc.poll() is None and not merging(out) and not (out / FINAL).exists():
             time.sleep(0.0005)
-    landed = _phase(out) if proc.poll() is None else "finished first"
+    landed = _phase(out) if proc.poll() is None else "ended first"
     at = time.monotonic() - started
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    if proc.returncode == 0:
-        landed = "finished first"
+    if proc.returncode != -signal.SIGKILL:
+        landed = "ended first"  # its log (<trial>.kill.log) says why when the exit is not 0
     left = shards(out)
-    rerun = start_job([*job, f"output_dir={out}"], out.parent, log)
+    rerun = start_job([*job, f"output_dir={out}"], out.parent, out.parent / f"{out.name}.log")
     rerun.wait()
-    return Trial(aim, landed, at, left, rerun.returncode, compare(clean, out))
+    return Trial(aim, landed, at, proc.returncode, left, rerun.returncode, compare(clean, out))
 
 
 def compare(clean: Path, resumed: Path) -> Comparison:

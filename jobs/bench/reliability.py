@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import random
+import signal
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 from jobs.bench.bad_inputs import run_cases
-from jobs.bench.kill_trials import run_trials
+from jobs.bench.kill_trials import Trial, run_trials
 from jobs.bench.report import command_line, cpu_model, log, markdown_table
 from jobs.gguf_fuzz import load_outcome, mutate, random_mutations, tiny_gguf
 
@@ -99,30 +100,19 @@ def main() -> None:
     print(markdown_table(["outcome", "files"], sorted(outcomes.items(), key=lambda kv: -kv[1])))
 
 
-def kill_table(trials: list) -> str:
-    rows = [
-        (
-            i + 1,
-            t.aimed_at,
-            t.landed,
-            f"{t.at_s:.2f}",
-            t.shards_left,
-            t.rerun_exit,
-            t.result.rows,
-            t.result.lost,
-            t.result.duplicated,
-            t.result.different,
-        )  # fmt: skip
+def kill_table(trials: list[Trial]) -> str:
+    """One row per trial, then the totals. "exit" is the killed run's: -9 when the kill landed."""
+    rows: list[list[object]] = [
+        [i + 1, t.aimed_at, t.landed, f"{t.at_s:.2f}", t.first_exit, t.shards_left]
+        + [t.rerun_exit, t.result.rows, t.result.lost, t.result.duplicated, t.result.different]
         for i, t in enumerate(trials)
     ]
-    total = [
-        "all", "", f"{sum(t.landed != 'finished first' for t in trials)} killed", "", "",
-        f"{sum(t.rerun_exit != 0 for t in trials)} failed", sum(t.result.rows for t in trials),
-        sum(t.result.lost for t in trials), sum(t.result.duplicated for t in trials),
-        sum(t.result.different for t in trials),
-    ]  # fmt: skip
-    headers = ["trial", "aimed at", "kill landed in", "after s", "shards kept", "rerun exit"]
-    return markdown_table([*headers, "rows", "lost", "duplicated", "different"], [*rows, total])
+    killed = sum(t.first_exit == -signal.SIGKILL for t in trials)
+    failed = sum(t.rerun_exit != 0 for t in trials)
+    sums = [sum(r[k] for r in rows) for k in range(7, 11)]  # type: ignore[misc]
+    rows.append(["all", "", f"{killed} killed", "", "", "", f"{failed} failed", *sums])
+    headers = ["trial", "aimed at", "kill landed in", "after s", "exit", "shards kept"]
+    return markdown_table([*headers, "rerun exit", "rows", "lost", "duplicated", "different"], rows)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from batchpage.job.config import ExecutorConfig
+from batchpage.executor.config import ExecutorConfig
 
 
 def executor_factory(cfg: ExecutorConfig) -> Callable[..., Any] | None:

@@ -13,7 +13,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from batchpage.job.config import ExecutorConfig
+from batchpage.executor.config import ExecutorConfig
 
 INSTALL_HINT = "pip install 'batchpage[ray]'"
 

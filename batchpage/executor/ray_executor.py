@@ -16,12 +16,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from batchpage.executor.config import ExecutorConfig
 from batchpage.executor.figures import CallStats, ReplicaFigures
 from batchpage.executor.ray_cluster import Connection, connect
 from batchpage.executor.replica import Replica, ReplicaUpdate
 from batchpage.executor.windows import cut_windows, prefix_order
 from batchpage.executor.work_queue import Window, WorkQueue
-from batchpage.job.config import ExecutorConfig
 from batchpage.metrics import RunStats
 from batchpage.model.loader import load_tokenizer, resolve_model_source
 from batchpage.outputs import RequestOutput

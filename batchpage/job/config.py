@@ -15,6 +15,7 @@ from typing import Any
 
 from batchpage.data.spec import DatasetSpec
 from batchpage.engine.config import EngineConfig
+from batchpage.executor.config import ExecutorConfig
 from batchpage.sampling_params import SamplingParams, StructuredOutputsParams
 
 # SamplingParams fields that the job does not expose: logprobs are not written to the output,
@@ -22,7 +23,6 @@ from batchpage.sampling_params import SamplingParams, StructuredOutputsParams
 SAMPLING_FIELDS_NOT_IN_JOB = frozenset(
     {"logprobs", "prompt_logprobs", "logit_bias", "early_stopping"}
 )
-EXECUTOR_KINDS = ("local", "ray")
 
 
 @dataclass
@@ -84,38 +84,6 @@ class SamplingConfig:
         chosen = {k: v for k, v in constraint.items() if v not in (None, False)}
         structured = StructuredOutputsParams(**chosen) if chosen else None
         return SamplingParams(**fields, structured_outputs=structured)
-
-
-@dataclass
-class ExecutorConfig:
-    """Where the job generates: `local` (one engine in this process) or `ray` (num_replicas
-    engine replicas, each a Ray actor holding one LLM, fed contiguous windows of the job's prefix
-    order through a work queue; the driver still writes every row). Nothing here changes the
-    results, so it is not part of the job's fingerprint: a job may resume under another executor.
-    """
-
-    kind: str = "local"  # local | ray
-    num_replicas: int = 2
-    gpus_per_replica: float = 0.0
-    # Torch threads in each replica (and the CPUs Ray reserves for it).
-    cpus_per_replica: int = 1
-    # "": start a local Ray instance sized to this machine; "auto" or "ray://host:port": join.
-    address: str = ""
-    # Rows per window handed to a replica. Cuts fall where neighbours share the least prefix.
-    window_rows: int = 64
-    # Windows queued on a replica at once: one running, the next ready, so it never waits.
-    windows_per_replica: int = 2
-
-    def __post_init__(self) -> None:
-        if self.kind not in EXECUTOR_KINDS:
-            raise ValueError(
-                f"executor.kind={self.kind!r} is unknown; use executor=local or executor=ray"
-            )
-        for name in ("num_replicas", "cpus_per_replica", "window_rows", "windows_per_replica"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"executor.{name}={getattr(self, name)} must be >= 1")
-        if self.gpus_per_replica < 0:
-            raise ValueError(f"executor.gpus_per_replica={self.gpus_per_replica} must be >= 0")
 
 
 @dataclass

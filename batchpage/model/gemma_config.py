@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from batchpage.model.config import ModelConfig, RopeScaling, UnsupportedModelError
-from batchpage.model.hf_config import _id_tuple, _int, _require, _rope
+from batchpage.model.hf_fields import id_tuple, int_field, require_keys, rope_fields
 
 GEMMA_FAMILIES = ("gemma2", "gemma3")
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -78,7 +78,7 @@ def gemma_config_from_hf(raw: Mapping[str, Any], family: str) -> ModelConfig:
     """Raises UnsupportedModelError / ValueError naming the problem and the fix."""
     cfg = _text_config(raw)
     model_type, multimodal = str(cfg["model_type"]), raw.get("model_type") == "gemma3"
-    _require(cfg, _REQUIRED)
+    require_keys(cfg, _REQUIRED)
     if cfg.get("use_bidirectional_attention"):
         raise UnsupportedModelError(
             "use_bidirectional_attention=True is an embedding model's config: batchpage runs "
@@ -90,22 +90,22 @@ def gemma_config_from_hf(raw: Mapping[str, Any], family: str) -> ModelConfig:
             f"unsupported hidden_activation {act!r} for {model_type}: only {_ACTIVATION} is "
             "implemented"
         )
-    layers, head_dim = _int(cfg, "num_hidden_layers"), _int(cfg, "head_dim")
-    max_pos = _int(cfg, "max_position_embeddings")
+    layers, head_dim = int_field(cfg, "num_hidden_layers"), int_field(cfg, "head_dim")
+    max_pos = int_field(cfg, "max_position_embeddings")
     if model_type == "gemma2":
-        theta, scaling, partial = _rope(model_type, cfg, max_pos, head_dim)
+        theta, scaling, partial = rope_fields(model_type, cfg, max_pos, head_dim)
         local_theta, attn_cap = None, _cap(cfg, "attn_logit_softcapping")
     else:
         theta, scaling, partial, local_theta = _gemma3_rope(cfg, max_pos, head_dim)
         attn_cap = None  # HF's Gemma 3 attention does not apply attn_logit_softcapping
     bias = bool(cfg.get("attention_bias", False))
     return ModelConfig(
-        vocab_size=_int(cfg, "vocab_size"),
-        hidden_size=_int(cfg, "hidden_size"),
-        intermediate_size=_int(cfg, "intermediate_size"),
+        vocab_size=int_field(cfg, "vocab_size"),
+        hidden_size=int_field(cfg, "hidden_size"),
+        intermediate_size=int_field(cfg, "intermediate_size"),
         num_layers=layers,
-        num_heads=_int(cfg, "num_attention_heads"),
-        num_kv_heads=_int(cfg, "num_key_value_heads"),
+        num_heads=int_field(cfg, "num_attention_heads"),
+        num_kv_heads=int_field(cfg, "num_key_value_heads"),
         head_dim=head_dim,
         family=family,
         rms_norm_eps=float(cfg["rms_norm_eps"]),
@@ -117,7 +117,7 @@ def gemma_config_from_hf(raw: Mapping[str, Any], family: str) -> ModelConfig:
         attention_bias=bias,
         o_proj_bias=bias,
         bos_token_id=raw.get("bos_token_id", cfg.get("bos_token_id")),
-        eos_token_ids=_id_tuple(raw.get("eos_token_id", cfg.get("eos_token_id"))),
+        eos_token_ids=id_tuple(raw.get("eos_token_id", cfg.get("eos_token_id"))),
         layer_windows=_hf_windows(cfg, model_type, layers),
         attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5,
         attn_logit_softcap=attn_cap,
@@ -142,7 +142,7 @@ def _text_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     # a key set to null stays null, as in transformers (final_logit_softcapping: null)
     cfg = {**_HF_DEFAULTS[str(raw["model_type"])], **raw}
     if cfg.get("head_dim") is None:
-        cfg["head_dim"] = _int(cfg, "hidden_size") // _int(cfg, "num_attention_heads")
+        cfg["head_dim"] = int_field(cfg, "hidden_size") // int_field(cfg, "num_attention_heads")
     return cfg
 
 
@@ -159,7 +159,7 @@ def _hf_windows(cfg: Mapping[str, Any], model_type: str, layers: int) -> tuple[i
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
     if types is None:
-        period = 2 if model_type == "gemma2" else _int(cfg, "sliding_window_pattern")
+        period = 2 if model_type == "gemma2" else int_field(cfg, "sliding_window_pattern")
         types = [SLIDING if (i + 1) % period else FULL for i in range(layers)] if period else []
     if len(types) != layers or not set(types) <= {SLIDING, FULL}:
         raise ValueError(
@@ -171,7 +171,7 @@ def _hf_windows(cfg: Mapping[str, Any], model_type: str, layers: int) -> tuple[i
             f"config.json: {model_type} layers of type {SLIDING!r} without a sliding_window: "
             "set the model's sliding_window"
         )
-    windows = tuple(_int(cfg, "sliding_window") if t == SLIDING else None for t in types)
+    windows = tuple(int_field(cfg, "sliding_window") if t == SLIDING else None for t in types)
     return windows if any(windows) else ()
 
 
@@ -191,7 +191,7 @@ def _gemma3_rope(
             f"rope scaling on Gemma 3's sliding-window layers ({local}) is not implemented"
         )
     flat = {"rope_parameters": full, "partial_rotary_factor": cfg.get("partial_rotary_factor")}
-    theta, scaling, partial = _rope("gemma3_text", flat, max_pos, head_dim)
+    theta, scaling, partial = rope_fields("gemma3_text", flat, max_pos, head_dim)
     return theta, scaling, partial, float(local.get("rope_theta") or 10000.0)
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from batchpage.executor.config import ExecutorConfig
 from batchpage.executor.ray_cluster import connect
 from batchpage.job import JobConfigError, run_job
-from batchpage.job.config import ExecutorConfig
 from batchpage.run import compose_job
 from tests.executor.jobs import job, job_args, write_rows
 

@@ -72,7 +72,7 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | Seq[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | Seq[list[dict[str, Any]]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -36,6 +36,7 @@ _EXTENSIONS = {
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _HF_BUILDERS = {"parquet": "parquet", "jsonl": "json", "csv": "csv"}
 _JSONL_PEEK_LINES = 100
+JSON_LINES = ("jsonl", "openai_batch")  # formats read line by line as JSON objects
 
 
 class DatasetError(ValueError):
@@ -50,6 +51,8 @@ def resolve_format(fmt: str, paths: list[Path]) -> tuple[str, list[Path]]:
         return "hf", paths
     if fmt == "hf":
         return fmt, paths  # load_dataset takes a data folder or files as they are
+    if fmt == "openai_batch":
+        return fmt, resolve_format("jsonl", paths)[1]
     files: list[Path] = []
     for p in paths:
         if p.is_dir():
@@ -89,7 +92,7 @@ def peek_columns(fmt: str, files: list[Path], split: str) -> tuple[list[str], in
                 if all(n in m.schema_arrow.names for m in metas[1:])
             ]
             return names, sum(m.metadata.num_rows for m in metas)
-        if fmt == "jsonl":
+        if fmt in JSON_LINES:
             return _peek_jsonl(files[0]), None
         if fmt == "csv":
             first = _open_csv(files[0], None).schema.names
@@ -106,6 +109,40 @@ def peek_columns(fmt: str, files: list[Path], split: str) -> tuple[list[str], in
     raise DatasetError(f"unknown dataset format {fmt!r}")
 
 
+def file_schema(fmt: str, files: list[Path], split: str, names: Sequence[str]) -> pa.Schema | None:
+    """The Arrow types of the named columns as a typed input stores them (Parquet: unified over
+    its files; HF datasets: its features); None for JSON lines and CSV, which store none."""
+    if fmt not in ("parquet", "hf"):
+        return None
+    try:
+        if fmt == "hf":
+            found = _load_hf(files, split).features.arrow_schema
+            return pa.schema([found.field(n) for n in names])
+        schemas = [pq.read_schema(f) for f in files]
+        return pa.unify_schemas(
+            [pa.schema([s.field(n) for n in names]) for s in schemas],
+            promote_options="permissive",
+        )
+    except (pa.ArrowException, OSError) as e:
+        raise DatasetError(
+            f"the columns to carry into the output ({', '.join(names)}) have incompatible types "
+            f"across the files of {files[0].parent} ({e}); point dataset.path at files of one "
+            "schema, or choose the columns with dataset.keep_columns=[...]"
+        ) from e
+
+
+def is_openai_batch(path: Path) -> bool:
+    """Whether the first JSON object of a JSON-lines file is an OpenAI Batch request line."""
+    for _, line in _jsonl_lines(path):
+        try:
+            obj = json.loads(line) if line is not None else None
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            return "custom_id" in obj and "body" in obj
+    return False
+
+
 def open_records(
     fmt: str, files: list[Path], split: str, columns: list[str], window_rows: int
 ) -> Iterator[dict[str, Any] | str]:
@@ -114,7 +151,7 @@ def open_records(
         for f in files:
             for batch in pq.ParquetFile(f).iter_batches(batch_size=window_rows, columns=columns):
                 yield from batch.to_pylist()
-    elif fmt == "jsonl":
+    elif fmt in JSON_LINES:
         for f in files:
             yield from _jsonl_records(f)
     elif fmt == "csv":
@@ -220,11 +257,11 @@ def count_records(fmt: str, files: list[Path], limit: int | None = None) -> int:
     """Rows of a JSONL or CSV input (at most `limit`), by one streaming pass that parses no
     JSON value: what the progress bar's total needs. JSONL counts non-blank lines; CSV counts
     the rows its parser finds."""
-    if fmt not in ("jsonl", "csv"):
+    if fmt not in (*JSON_LINES, "csv"):
         raise ValueError(f"count_records counts jsonl and csv, not {fmt}")
     total = 0
     for f in files:
-        if fmt == "jsonl":
+        if fmt in JSON_LINES:
             with _open_binary(f) as fp:
                 for raw in fp:
                     total += bool(raw.strip())

@@ -16,17 +16,29 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from batchpage.chat_messages import normalize_messages
 from batchpage.sampling_params import StructuredOutputsParams
 
-DEFAULT_OVERRIDES = ("max_tokens", "temperature", "response_format")
+# Override columns picked up wherever the data has them (dataset.override_columns=null).
+DEFAULT_OVERRIDES = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "response_format",
+)
 
 
 # Per-row SamplingParams overrides, with the type their text is parsed as in a CSV. Only types
 # are settled here; SamplingParams checks every range, against the job's own values (a row's
-# min_tokens is checked against the job's max_tokens). `n` is left out on purpose: it fixes the
-# output schema for the whole run.
+# min_tokens is checked against the job's max_tokens). An `n` column makes completion and
+# finish_reason lists in every output row (the job plans that from the columns).
 OVERRIDE_FIELDS: MappingProxyType[str, type] = MappingProxyType(
     {
+        "n": int,
         "max_tokens": int,
         "min_tokens": int,
         "temperature": float,
@@ -51,12 +63,15 @@ class Row:
     """One input row. `error` set means: do not generate, write the row with this error."""
 
     index: int  # global position in the input; resume is keyed on it
-    id: str  # the id column's value as text, or str(index)
+    id: str | None  # the id column's value as text, or str(index); None: a batch line without one
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None  # system_prompt already prepended
     system_prompt: str | None = None  # set for plain prompts only (chats carry it inside)
     overrides: dict[str, Any] = field(default_factory=dict)  # non-null per-row sampling values
     error: str | None = None
+    # Values of the output's extra columns that come from the input: the carried columns (and an
+    # OpenAI Batch line's url), by column name.
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def chat_messages(self) -> list[dict[str, str]] | None:
         """The row as a chat: its messages, or [system?, user prompt]; None for an error row."""
@@ -81,14 +96,17 @@ def make_row(
     override_columns: Sequence[str],
     system_prompt: str | None,
     from_text: bool,
+    carried: Sequence[str] = (),
 ) -> Row:
     """Check one record. `rec` is a str when the reader could not parse it (it says why).
 
     from_text: the values are all text (CSV), so numbers in override columns are parsed.
+    carried: the input columns copied to the output row as they are.
     """
     if isinstance(rec, str):
         return Row(index=index, id=str(index), error=rec)
     row = Row(index=index, id=_row_id(rec, id_column, index))
+    row.extra = {name: rec.get(name) for name in carried}
     errors: list[str] = []
     if messages_column is not None:
         row.messages, err = _check_messages(rec.get(messages_column, _MISSING), system_prompt)
@@ -185,15 +203,10 @@ def _check_messages(value: Any, system_prompt: str | None) -> tuple[list | None,
             value = json.loads(value)
         except json.JSONDecodeError:
             return None, "messages is text that is not JSON; expected a list of {role, content}"
-    if not isinstance(value, (list, tuple)) or not value:
-        what = "empty" if isinstance(value, (list, tuple)) else type(value).__name__
-        return None, f"messages must be a non-empty list of {{role, content}} (got {what})"
-    messages = []
-    for i, m in enumerate(value):
-        ok = isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"]
-        if not ok or not isinstance(m.get("content"), str):
-            return None, f"messages[{i}] is not a {{role: str, content: str}} object"
-        messages.append({"role": m["role"], "content": m["content"]})
+    try:
+        messages = normalize_messages(value)
+    except ValueError as e:
+        return None, str(e)
     if system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     return messages, None

@@ -16,15 +16,21 @@ from __future__ import annotations
 
 import glob as globlib
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 import batchpage.data.presets as presets
+from batchpage.data.carry import carried_columns, carried_schema, check_window
+from batchpage.data.openai_batch import ID_FIELD, REQUEST_FIELDS, make_batch_row
 from batchpage.data.readers import (
+    JSON_LINES,
     DatasetError,
     count_records,
+    is_openai_batch,
     open_records,
     peek_columns,
     resolve_format,
@@ -32,7 +38,7 @@ from batchpage.data.readers import (
 from batchpage.data.rows import DEFAULT_OVERRIDES, OVERRIDE_FIELDS, Row, make_row
 from batchpage.fileio import file_digest
 
-FORMATS = ("auto", "parquet", "jsonl", "csv", "hf")
+FORMATS = ("auto", "parquet", "jsonl", "csv", "hf", "openai_batch")
 CHAT_TEMPLATE_MODES = ("auto", "true", "false")
 STYLES = ("auto", "instruct", "completion")
 
@@ -49,9 +55,15 @@ class DatasetSpec:
     chat_template: auto (chats and prompts with a system_prompt go through the model's chat
     template, plain prompts are sent as raw text), true (plain prompts too, as a user turn) or
     false (plain prompts never; a system_prompt then has nowhere to go and is refused).
+    chat_template_kwargs: variables of the chat template (vLLM's chat_template_kwargs), e.g.
+    {enable_thinking: false}.
     style: for code-completion prompt sets (the `evals` preset): instruct (a chat turn asking
     for the function, code taken from the reply), completion (raw prompt, stop strings) or
     auto (instruct when the model has a chat template).
+    keep_columns: the input columns copied into completions.parquet after batchpage's own;
+    None: every column the job does not consume (prompt or messages, id, overrides); []: none.
+    format=openai_batch (auto-detected when the first record has custom_id and body): each line
+    is an OpenAI Batch request; its body holds the prompt and sampling values, custom_id the id.
     """
 
     path: str = "evals"
@@ -65,17 +77,21 @@ class DatasetSpec:
     override_columns: list[str] | None = None
     window_rows: int = 1024
     chat_template: str = "auto"
+    # A mapping (or None). Typed Any because Hydra cannot set `dataset.chat_template_kwargs={...}`
+    # on an empty typed-dict node in struct mode.
+    chat_template_kwargs: Any = None
     style: str = "auto"
+    keep_columns: list[str] | None = None
 
 
 @dataclass(frozen=True)
 class DatasetInfo:
     """What `validate` found: the resolved reading plan and facts the job can report early."""
 
-    format: str  # resolved: parquet | jsonl | csv | hf
+    format: str  # resolved: parquet | jsonl | csv | hf | openai_batch
     files: tuple[str, ...]  # what is read, in order (an HF folder is one entry)
     columns: tuple[str, ...]
-    prompt_column: str | None  # exactly one of these two is set
+    prompt_column: str | None  # exactly one of these two is set (neither for openai_batch)
     messages_column: str | None
     id_column: str | None
     override_columns: tuple[str, ...]
@@ -86,6 +102,8 @@ class DatasetInfo:
     preset: str | None = None
     styles: presets.PromptStyles | None = None  # the ways its prompts can be posed, if any
     chat_template: str = "auto"  # normalised: auto | true | false
+    carried: tuple[str, ...] = ()  # input columns copied to the output, in order
+    carried_schema: pa.Schema = field(default_factory=lambda: pa.schema([]))
 
 
 # --- validate ----------------------------------------------------------------------------------
@@ -111,6 +129,12 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         )
     if spec.style not in STYLES:
         raise DatasetError(f"dataset.style={spec.style!r} is unknown; use one of {STYLES}")
+    kwargs = spec.chat_template_kwargs
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise DatasetError(
+            f"dataset.chat_template_kwargs must map template variables to values, e.g. "
+            f"{{enable_thinking: false}}; got {kwargs!r:.60}"
+        )
     paths, preset = _resolve_files(spec.path)
     if spec.style != "auto" and not (preset and preset.styles):
         raise DatasetError(
@@ -118,29 +142,27 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
             "preset); for other data use dataset.chat_template=true|false"
         )
     fmt, files = resolve_format(spec.format, paths)
-    id_column = spec.id_column if spec.id_column is not None or preset is None else preset.id_column
+    if fmt == "jsonl" and spec.format == "auto" and is_openai_batch(files[0]):
+        fmt = "openai_batch"
     columns, num_rows = peek_columns(fmt, files, spec.split)
-
-    prompt_col, messages_col = _text_columns(spec)
-    wanted = [c for c in (prompt_col, messages_col, id_column) if c is not None]
-    if spec.override_columns is None:
-        overrides = tuple(c for c in DEFAULT_OVERRIDES if c in columns)
+    if fmt == "openai_batch":
+        prompt_col, messages_col, id_column, overrides = _batch_columns(spec, columns, files)
     else:
-        unknown = [c for c in spec.override_columns if c not in OVERRIDE_FIELDS]
-        if unknown:
-            raise DatasetError(
-                f"dataset.override_columns has {unknown}, which are not per-row sampling "
-                f"parameters; allowed: {', '.join(OVERRIDE_FIELDS)}"
-            )
-        overrides = tuple(spec.override_columns)
-        wanted += overrides
-    for col in wanted:
-        if col not in columns:
-            raise DatasetError(_missing_column_message(col, columns, spec, files))
-    if spec.id_column is not None:
-        _check_ids(fmt, files, spec, spec.id_column)
+        id_column = spec.id_column
+        if id_column is None and preset is not None:
+            id_column = preset.id_column
+        prompt_col, messages_col = _text_columns(spec)
+        overrides = _override_columns(spec, columns)
+        for col in (prompt_col, messages_col, id_column, *overrides):
+            if col is not None and col not in columns:
+                raise DatasetError(_missing_column_message(col, columns, spec, files))
+    if id_column is not None and (spec.id_column is not None or fmt == "openai_batch"):
+        _check_ids(fmt, files, spec, id_column)
+    batch = fmt == "openai_batch"
+    consumed = REQUEST_FIELDS if batch else (prompt_col, messages_col, id_column, *overrides)
+    carried = carried_columns(columns, consumed, spec.keep_columns, files[0])
 
-    if num_rows is None and fmt in ("jsonl", "csv"):
+    if num_rows is None and fmt in (*JSON_LINES, "csv"):
         num_rows = count_records(fmt, files, spec.limit)
     if num_rows is not None and spec.limit is not None:
         num_rows = min(num_rows, spec.limit)
@@ -152,6 +174,8 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         "columns": [prompt_col, messages_col, id_column, list(overrides)],
         "system_prompt": spec.system_prompt,
         "chat_template": chat_template,
+        "chat_template_kwargs": dict(kwargs) if kwargs else None,
+        "carried": list(carried),
     }
     return DatasetInfo(
         format=fmt,
@@ -166,7 +190,50 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         preset=preset.name if preset else None,
         styles=preset.styles if preset else None,
         chat_template=chat_template,
+        carried=carried,
+        carried_schema=carried_schema(fmt, files, spec.split, carried),
     )
+
+
+def _override_columns(spec: DatasetSpec, columns: list[str]) -> tuple[str, ...]:
+    if spec.override_columns is None:
+        return tuple(c for c in DEFAULT_OVERRIDES if c in columns)
+    unknown = [c for c in spec.override_columns if c not in OVERRIDE_FIELDS]
+    if unknown:
+        raise DatasetError(
+            f"dataset.override_columns has {unknown}, which are not per-row sampling "
+            f"parameters; allowed: {', '.join(OVERRIDE_FIELDS)}"
+        )
+    return tuple(spec.override_columns)
+
+
+def _batch_columns(
+    spec: DatasetSpec, columns: list[str], files: list[Path]
+) -> tuple[None, None, str, tuple[str, ...]]:
+    """An OpenAI Batch file's lines carry their prompt, id and sampling values: settings that
+    would pick them from columns are refused rather than ignored."""
+    if ID_FIELD not in columns or "body" not in columns:
+        raise DatasetError(
+            f"{files[0]} is not an OpenAI Batch file: its first lines have no custom_id and "
+            "body; drop dataset.format=openai_batch to read it as plain JSON lines"
+        )
+    set_here = [
+        name
+        for name, value, default in (
+            ("prompt_column", spec.prompt_column, DatasetSpec.prompt_column),
+            ("messages_column", spec.messages_column, None),
+            ("id_column", spec.id_column, None),
+            ("override_columns", spec.override_columns, None),
+            ("system_prompt", spec.system_prompt, None),
+        )
+        if value != default
+    ]
+    if set_here:
+        raise DatasetError(
+            "an OpenAI Batch file takes the prompt, id and sampling values from each request "
+            f"line; drop dataset.{', dataset.'.join(set_here)}"
+        )
+    return None, None, ID_FIELD, ()
 
 
 def _text_columns(spec: DatasetSpec) -> tuple[str | None, str | None]:
@@ -219,7 +286,7 @@ def _check_ids(fmt: str, files: list[Path], spec: DatasetSpec, column: str) -> N
             f"dataset.id_column={column!r} has duplicate ids: {', '.join(duplicates)}; ids must "
             "be unique (drop id_column to use the row index)"
         )
-    if nulls:
+    if nulls and fmt != "openai_batch":  # a line without custom_id is that line's error
         shown = ", ".join(map(str, nulls[:5])) + (", ..." if len(nulls) > 5 else "")
         raise DatasetError(
             f"dataset.id_column={column!r} is null at rows {shown}; fill those ids (or drop "
@@ -267,32 +334,48 @@ def iter_rows(spec: DatasetSpec) -> Iterator[Row]:
     if spec.limit == 0:
         return
     from_text = info.format == "csv"  # CSV cells are all text: numbers there are parsed
-    columns = [info.prompt_column or info.messages_column, info.id_column, *info.override_columns]
+    columns = [
+        info.prompt_column or info.messages_column,
+        info.id_column,
+        *info.override_columns,
+        *info.carried,
+    ]
     wanted = list(dict.fromkeys(c for c in columns if c))  # unique, in order
     paths = [Path(f) for f in info.files]
     records = open_records(info.format, paths, spec.split, wanted, spec.window_rows)
     for index, rec in enumerate(records):
-        yield make_row(
-            index,
-            rec,
-            prompt_column=info.prompt_column,
-            messages_column=info.messages_column,
-            id_column=info.id_column,
-            override_columns=info.override_columns,
-            system_prompt=spec.system_prompt,
-            from_text=from_text,
-        )
+        if info.format == "openai_batch":
+            yield make_batch_row(index, rec, info.carried)
+        else:
+            yield make_row(
+                index,
+                rec,
+                prompt_column=info.prompt_column,
+                messages_column=info.messages_column,
+                id_column=info.id_column,
+                override_columns=info.override_columns,
+                system_prompt=spec.system_prompt,
+                from_text=from_text,
+                carried=info.carried,
+            )
         if spec.limit is not None and index + 1 >= spec.limit:
             return
 
 
 def iter_windows(spec: DatasetSpec) -> Iterator[list[Row]]:
-    """Rows in windows of spec.window_rows (the last may be shorter), streamed."""
+    """Rows in windows of spec.window_rows (the last may be shorter), streamed. Carried values
+    of JSON lines, whose types were inferred from the first records, are checked per window."""
+    info = validate(spec)
+    inferred = info.format in JSON_LINES and len(info.carried_schema) > 0
     window: list[Row] = []
     for row in iter_rows(spec):
         window.append(row)
         if len(window) >= spec.window_rows:
+            if inferred:
+                check_window(window, info.carried_schema)
             yield window
             window = []
     if window:
+        if inferred:
+            check_window(window, info.carried_schema)
         yield window

@@ -22,9 +22,10 @@ from batchpage.job.plan import JobConfigError, JobPlan, plan_job
 from batchpage.job.progress import JobProgress, job_rate
 from batchpage.job.prompts import Prepared, prepare_window, to_result
 from batchpage.job.report import JobResult, ThisRun, resolved_settings, summarize, write_report
-from batchpage.job.score import code_of, code_schema, score_output
+from batchpage.job.score import code_of, score_output
 from batchpage.metrics import RunStats
 from batchpage.output import OutputDirError, ShardWriter, finalize
+from batchpage.output.batch_files import write_batch_files
 from batchpage.outputs import RequestOutput
 
 LLMFactory = Callable[..., Any]
@@ -48,7 +49,8 @@ def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
             overwrite=cfg.overwrite,
             flush_rows=cfg.flush_rows,
             flush_seconds=cfg.flush_seconds,
-            extra_schema=code_schema(plan.params.n) if plan.style else None,
+            extra_schema=plan.extra_schema,
+            listed=plan.listed,
         )
     except OutputDirError as e:
         raise JobConfigError(str(e)) from None
@@ -85,6 +87,8 @@ def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
                 llm.close()
         writer.flush()
         final = finalize(out, rows)  # still under the writer's lock
+        if plan.openai_batch:
+            write_batch_files(out, Path(cfg.model.path).name)
     score = score_output(out, cfg.score) if cfg.score else None
     run = ThisRun(
         started_wall, time.perf_counter() - started, generated, resumed,
@@ -126,10 +130,10 @@ def _generate(
 
     def saved(out: RequestOutput, index: int) -> None:
         p = ready[index]
-        result = to_result(p, out, p.params.n)
+        result = to_result(p, out, plan.listed, llm.tokenizer if plan.openai_batch else None)
         if plan.style is not None and out.error is None:
             codes = [code_of(plan.style, p.row.prompt, c.text) for c in out.outputs]
-            result.extra["code"] = codes[0] if p.params.n == 1 else codes
+            result.extra["code"] = codes if plan.listed else codes[0]
         writer.add(result)
         writer.maybe_flush()
         used = sum(len(c.token_ids) for c in out.outputs)

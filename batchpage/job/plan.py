@@ -8,8 +8,11 @@ same job.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import pyarrow as pa
 
 from batchpage.data.spec import DatasetInfo, validate
 from batchpage.engine.config import EngineConfig
@@ -17,8 +20,11 @@ from batchpage.engine.plan import EnginePlan, plan_engine
 from batchpage.fileio import file_digest
 from batchpage.job.config import JobConfig
 from batchpage.job.prompts import PromptPlan
-from batchpage.job.score import SCORERS
+from batchpage.job.score import SCORERS, code_schema
 from batchpage.model.loader import ModelSource, load_tokenizer, resolve_model_source
+from batchpage.model.tokenizer import check_chat_template_kwargs, resolve_chat_template
+from batchpage.output.batch_files import batch_schema
+from batchpage.output.files import output_schema
 from batchpage.sampling_params import SamplingParams
 
 # Bump when the way prompts are built changes: old output_dirs then refuse to resume into a mix.
@@ -43,6 +49,16 @@ class JobPlan:
     prompts: PromptPlan
     style: str | None  # instruct | completion for a code-completion prompt set, else None
     fingerprint: dict[str, Any]
+    # completion and finish_reason are lists (one per sample) in every row: the job's n > 1, an
+    # `n` column, or an OpenAI Batch file (whose bodies may set n).
+    listed: bool = False
+    # The output's columns after batchpage's own: derived (code; url and logprobs of an OpenAI
+    # Batch file), then the carried input columns.
+    extra_schema: pa.Schema | None = None
+
+    @property
+    def openai_batch(self) -> bool:
+        return self.info.format == "openai_batch"
 
 
 def plan_job(cfg: JobConfig) -> JobPlan:
@@ -59,6 +75,8 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         if style == "completion" and info.styles is not None:
             stops = [*(params.stop or []), *info.styles.completion_stop]
             params = params.replace(stop=list(dict.fromkeys(stops)))
+        listed = params.n > 1 or "n" in info.override_columns or info.format == "openai_batch"
+        extra = _extra_schema(cfg, info, style, listed)
     except (ValueError, OSError) as e:
         raise JobConfigError(str(e)) from None
     base_seed = cfg.sampling.seed if cfg.sampling.seed is not None else engine_cfg.seed
@@ -77,7 +95,11 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         "style": style,
         "instruct": prompts.instruct,
     }
-    return JobPlan(info, source, engine, params, base_seed, prompts, style, fingerprint)
+    if prompts.template is not None:  # only then: jobs without an override keep their identity
+        fingerprint["chat_template"] = hashlib.sha256(prompts.template.encode()).hexdigest()[:16]
+    return JobPlan(
+        info, source, engine, params, base_seed, prompts, style, fingerprint, listed, extra
+    )
 
 
 def _prompt_plan(
@@ -85,18 +107,50 @@ def _prompt_plan(
 ) -> tuple[str | None, PromptPlan]:
     """Settle dataset.style (auto: instruct when the model has a chat template, which costs
     reading its tokenizer, not its weights) and check that chats have a template to go into."""
-    if info.messages_column is not None and info.chat_template == "false":
+    chats = info.messages_column is not None or info.format == "openai_batch"
+    if chats and info.chat_template == "false":
+        what = "an OpenAI Batch file" if info.messages_column is None else "a messages column"
         raise ValueError(
-            "a messages column needs the chat template, and dataset.chat_template=false: "
+            f"{what} needs the chat template, and dataset.chat_template=false: "
             "set dataset.chat_template=auto"
         )
+    template = resolve_chat_template(cfg.engine.chat_template)
+    kwargs = dict(cfg.dataset.chat_template_kwargs or {})
+    check_chat_template_kwargs(kwargs)
     if info.styles is None:
-        return None, PromptPlan(info.chat_template)
+        return None, PromptPlan(info.chat_template, None, template, kwargs)
     style = cfg.dataset.style
     if style == "auto":
-        style = "instruct" if load_tokenizer(source).has_chat_template else "completion"
+        has_template = template is not None or load_tokenizer(source).has_chat_template
+        style = "instruct" if has_template else "completion"
     instruct = info.styles.instruct if style == "instruct" else None
-    return style, PromptPlan(info.chat_template, instruct)
+    return style, PromptPlan(info.chat_template, instruct, template, kwargs)
+
+
+def _extra_schema(
+    cfg: JobConfig, info: DatasetInfo, style: str | None, listed: bool
+) -> pa.Schema | None:
+    """Derived columns, then the carried ones; a carried column named like one of batchpage's
+    is refused here, before the model loads."""
+    derived = pa.schema([])
+    if style is not None:
+        derived = code_schema(2 if listed else 1)  # code_schema: lists for n > 1
+    if info.format == "openai_batch":
+        derived = pa.schema([*derived, *batch_schema()])
+    taken = {*output_schema().names, *derived.names}
+    clash = [c for c in info.carried if c in taken]
+    if clash:
+        hint = ""
+        if "id" in clash and info.id_column is None:
+            hint = " To use it as each row's id, set dataset.id_column=id."
+        which = "every input column" if cfg.dataset.keep_columns is None else "dataset.keep_columns"
+        raise ValueError(
+            f"input column(s) {', '.join(clash)} would be carried into completions.parquet "
+            f"({which}), which has its own column(s) of that name: rename them in the data, or "
+            f"choose the columns to carry with dataset.keep_columns=[...] ([] for none).{hint}"
+        )
+    schema = pa.schema([*derived, *info.carried_schema])
+    return schema if len(schema) else None
 
 
 def model_identity(source: ModelSource) -> list[Any]:

@@ -15,10 +15,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from batchpage.data.rows import Row
 from batchpage.model.tokenizer import Tokenizer
+from batchpage.output.batch_files import logprobs_json
 from batchpage.output.files import ResultRow
 from batchpage.outputs import RequestOutput
 from batchpage.sampling_params import SamplingParams
@@ -28,6 +29,8 @@ from batchpage.sampling_params import SamplingParams
 class PromptPlan:
     chat_template: str = "auto"  # auto | true | false (dataset.chat_template)
     instruct: str | None = None  # the user turn around {prompt}, in the instruct style
+    template: str | None = None  # engine.chat_template's text; None: the model's own
+    template_kwargs: dict[str, Any] | None = None  # dataset.chat_template_kwargs
 
 
 class Prepared(NamedTuple):
@@ -79,15 +82,17 @@ def prepare_window(
     ready: list[Prepared] = []
     failed: list[ResultRow] = []
     for row in rows:
+
+        def fail(error: str, prompt: str | None = row.prompt, row: Row = row) -> None:
+            failed.append(ResultRow.failed(row.index, row.id, error, prompt, row.extra))
+
         if row.error is not None:
-            failed.append(ResultRow.failed(row.index, row.id, row.error, row.prompt))
+            fail(row.error)
             continue
         try:
             params = row_params(row, base, base_seed)
         except (ValueError, TypeError) as e:
-            failed.append(
-                ResultRow.failed(row.index, row.id, f"bad sampling value: {e}", row.prompt)
-            )
+            fail(f"bad sampling value: {e}")
             continue
         if tokenizer is None:
             raise ValueError("prepare_window needs the tokenizer for rows left to generate")
@@ -97,28 +102,49 @@ def prepare_window(
             ready.append(Prepared(row, tokenizer.encode(text), text, params))
             continue
         try:
-            ids = tokenizer.apply_chat_template(chat)
+            ids = tokenizer.apply_chat_template(
+                chat, chat_template=plan.template, chat_template_kwargs=plan.template_kwargs
+            )
         except Exception as e:  # a template can fail on one odd chat; only that row fails
-            failed.append(ResultRow.failed(row.index, row.id, f"chat template failed: {e}"))
+            fail(f"chat template failed: {e}", None)
             continue
         ready.append(Prepared(row, ids, tokenizer.decode(ids, skip_special_tokens=False), params))
     return ready, failed
 
 
-def to_result(p: Prepared, out: RequestOutput, n: int) -> ResultRow:
+def to_result(
+    p: Prepared, out: RequestOutput, listed: bool, tokenizer: Tokenizer | None = None
+) -> ResultRow:
+    """The output row of a generated request: completion and finish_reason as lists when
+    `listed`, else the one sample's; the row's carried values. With a tokenizer, an OpenAI
+    Batch row that asked for logprobs gets them (its `logprobs` column)."""
+    extra = dict(p.row.extra)
     if out.error is not None:
         return ResultRow(
-            p.row.index, p.row.id, p.text, prompt_tokens=len(out.prompt_token_ids), error=out.error
+            p.row.index,
+            p.row.id,
+            p.text,
+            prompt_tokens=len(out.prompt_token_ids),
+            error=out.error,
+            extra=extra,
         )
+    if tokenizer is not None and p.params.logprobs is not None:
+        decode = tokenizer.decode
+
+        def token(token_id: int) -> str:
+            return decode([token_id], skip_special_tokens=False)
+
+        extra["logprobs"] = logprobs_json(out, p.params.logprobs, token)
     texts = [o.text for o in out.outputs]
     reasons = [o.finish_reason or "length" for o in out.outputs]
     return ResultRow(
         index=p.row.index,
         id=p.row.id,
         prompt=p.text,
-        completion=texts[0] if n == 1 else texts,
-        finish_reason=reasons[0] if n == 1 else reasons,
+        completion=texts if listed else texts[0],
+        finish_reason=reasons if listed else reasons[0],
         prompt_tokens=len(out.prompt_token_ids),
         completion_tokens=sum(len(o.token_ids) for o in out.outputs),
         cached_tokens=out.num_cached_tokens,
+        extra=extra,
     )

@@ -32,11 +32,14 @@ SHARD_PREFIX = "shard-"
 LOCK_FILE = ".batchpage.lock"
 
 
-def output_schema(n: int = 1, extra: pa.Schema | None = None) -> pa.Schema:
-    """The typed schema of shards and completions.parquet; n > 1 makes the outputs lists.
-    `extra` columns (derived ones such as extracted code, then carried input columns) follow
-    batchpage's own."""
-    text = pa.string() if n == 1 else pa.list_(pa.string())
+def output_schema(
+    n: int = 1, extra: pa.Schema | None = None, *, listed: bool | None = None
+) -> pa.Schema:
+    """The typed schema of shards and completions.parquet. `listed` (default: n > 1) makes
+    completion and finish_reason lists, one item per sample: a job whose rows choose their own
+    n has lists in every row. `extra` columns (derived ones such as extracted code, then
+    carried input columns) follow batchpage's own."""
+    text = pa.list_(pa.string()) if (n > 1 if listed is None else listed) else pa.string()
     own = pa.schema(
         [
             ("id", pa.string()),
@@ -55,6 +58,8 @@ def output_schema(n: int = 1, extra: pa.Schema | None = None) -> pa.Schema:
     clash = sorted(set(own.names) & set(extra.names))
     if clash:
         raise ValueError(f"extra output columns {clash} clash with batchpage's own columns")
+    if len(set(extra.names)) != len(extra.names):
+        raise ValueError(f"extra output columns {extra.names} hold a name twice")
     return pa.schema([*own, *extra])
 
 
@@ -72,7 +77,7 @@ class ResultRow:
     """One output row. An error row has `error` set and no completion."""
 
     index: int
-    id: str
+    id: str | None  # None only for an OpenAI Batch line without a custom_id
     prompt: str | None = None
     completion: str | list[str] | None = None
     finish_reason: str | list[str] | None = None
@@ -88,8 +93,15 @@ class ResultRow:
         return {**own, **self.extra}
 
     @classmethod
-    def failed(cls, index: int, id: str, error: str, prompt: str | None = None) -> ResultRow:
-        return cls(index=index, id=id, prompt=prompt, error=error)
+    def failed(
+        cls,
+        index: int,
+        id: str | None,
+        error: str,
+        prompt: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> ResultRow:
+        return cls(index=index, id=id, prompt=prompt, error=error, extra=dict(extra or {}))
 
 
 class OutputDirError(ValueError):

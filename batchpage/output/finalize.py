@@ -50,7 +50,9 @@ def finalize(
     out = Path(output_dir)
     job = read_job(out)
     extra = job.get("extra_schema")
-    schema = output_schema(int(job.get("n", 1)), schema_from_text(extra) if extra else None)
+    schema = output_schema(
+        int(job.get("n", 1)), schema_from_text(extra) if extra else None, listed=job.get("listed")
+    )
     shards = list_shards(out)
     present = np.zeros(total_rows, dtype=bool)
     for _, path in shards:

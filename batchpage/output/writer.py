@@ -44,6 +44,8 @@ class ShardWriter:
     mismatch can say which fields changed) or an already computed hash string.
     overwrite: on a fingerprint mismatch, delete the old results instead of refusing.
     extra_schema: columns after batchpage's own (derived or carried ones); part of the job.
+    listed: completion and finish_reason as lists in every row (default: n > 1); a job whose
+    rows set their own n needs them.
     """
 
     def __init__(
@@ -56,13 +58,15 @@ class ShardWriter:
         flush_rows: int = 256,
         flush_seconds: float = 30.0,
         extra_schema: pa.Schema | None = None,
+        listed: bool | None = None,
     ) -> None:
         if n < 1 or flush_rows < 1:
             raise ValueError(f"need n >= 1 and flush_rows >= 1, got n={n}, flush_rows={flush_rows}")
         self.output_dir = Path(output_dir)
         self.n = n
+        self.listed = n > 1 if listed is None else listed
         self.extra_schema = extra_schema
-        self.schema = output_schema(n, extra_schema)
+        self.schema = output_schema(n, extra_schema, listed=self.listed)
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
         self._buffer: list[dict[str, Any]] = []
@@ -101,7 +105,7 @@ class ShardWriter:
             raise ValueError(f"a result row needs an int index >= 0, got {index!r}")
         if index in self._done:
             return False
-        want = str if self.n == 1 else list
+        want = list if self.listed else str
         for key in ("completion", "finish_reason"):
             if rec.get(key) is not None and not isinstance(rec[key], want):
                 raise TypeError(f"{key} must be {want.__name__} or None with n={self.n}")
@@ -153,6 +157,8 @@ class ShardWriter:
         job = None if isinstance(config, str) else {**config, "n": self.n}
         if job is not None and extra is not None:
             job["extra"] = extra
+        if job is not None and self.listed != (self.n > 1):  # only then: old jobs keep their id
+            job["listed"] = self.listed
         fp = config if isinstance(config, str) else job_fingerprint(job)
         job_path = self.output_dir / JOB_FILE
         ours = [*self.output_dir.glob(f"{SHARD_PREFIX}*.parquet"), self.output_dir / FINAL_FILE]
@@ -176,7 +182,13 @@ class ShardWriter:
         if problem is not None:
             for p in [*ours, self.output_dir / RUN_FILE]:
                 p.unlink(missing_ok=True)
-        payload = {"fingerprint": fp, "n": self.n, "job": job, "created": time.time()}
+        payload = {
+            "fingerprint": fp,
+            "n": self.n,
+            "listed": self.listed,
+            "job": job,
+            "created": time.time(),
+        }
         if extra is not None:
             payload["extra_schema"] = extra
         atomic_write_text(job_path, json.dumps(payload, indent=2, sort_keys=True, default=str))

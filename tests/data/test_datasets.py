@@ -301,7 +301,7 @@ def test_missing_prompt_column_hints_at_chat(tmp_path: Path) -> None:
         (DatasetSpec(path="demo", limit=-1), "limit=-1"),
         (DatasetSpec(path="demo", prompt_column=None), "neither"),
         (DatasetSpec(path="demo", prompt_column="q", messages_column="m"), "both"),
-        (DatasetSpec(path="demo", override_columns=["n"]), "allowed: max_tokens"),
+        (DatasetSpec(path="demo", override_columns=["best_of"]), "allowed: n, max_tokens"),
         (DatasetSpec(path="demo", override_columns=["max_tokens"]), "'max_tokens' not found"),
     ],
 )

@@ -1,0 +1,142 @@
+"""The job's output columns: carried input columns with their Arrow types after batchpage's own,
+name clashes refused before the model loads, per-row top_p/top_k/seed/stop/n columns applied
+as LLM.generate applies the same SamplingParams, and chat_template=true with template
+variables on a plain question column."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchpage import LLM, SamplingParams
+from batchpage.job import JobConfigError, run_job
+from batchpage.job.prompts import row_seed
+from batchpage.output import output_schema
+from tests.job.test_loop import job as tiny_job
+from tests.job.test_loop import never, table, write_jsonl
+
+UTC = dt.timezone.utc
+ENGINE = {"dtype": "float32", "kv_cache_memory": 2**22, "max_model_len": 256}
+
+
+def typed_input(path: Path) -> pa.Table:
+    t = pa.table(
+        {
+            "task": pa.array(
+                [{"name": "a", "tags": ["x"]}, None, {"name": "c", "tags": []}],
+                type=pa.struct([("name", pa.string()), ("tags", pa.list_(pa.string()))]),
+            ),
+            "question": ["Hello world", "", "A radix tree"],  # row 1: an error row
+            "answer": pa.array([1.5, None, 3.25], type=pa.float32()),
+            "at": pa.array(
+                [dt.datetime(2024, 1, 2, tzinfo=UTC), None, dt.datetime(2025, 3, 4, tzinfo=UTC)],
+                type=pa.timestamp("us", tz="UTC"),
+            ),
+        }
+    )
+    pq.write_table(t, path)
+    return t
+
+
+def test_carried_columns_keep_types_and_values(tmp_path: Path, tiny_folder: Path) -> None:
+    source = typed_input(tmp_path / "q.parquet")
+    cfg = tiny_job(tmp_path / "q.parquet", tiny_folder, tmp_path / "out")
+    cfg.dataset.prompt_column = "question"
+    run_job(cfg)
+    got = pq.read_table(tmp_path / "out" / "completions.parquet")
+    carried = source.drop_columns(["question"])
+    assert got.schema == pa.schema([*output_schema(), *carried.schema])
+    assert got.select(carried.column_names).equals(carried)
+    assert got.column("error").to_pylist()[1] == "prompt is empty"
+
+    # keep_columns picks (and orders) them; [] carries none.
+    cfg = tiny_job(tmp_path / "q.parquet", tiny_folder, tmp_path / "some")
+    cfg.dataset.prompt_column, cfg.dataset.keep_columns = "question", ["at", "task"]
+    run_job(cfg)
+    some = pq.read_table(tmp_path / "some" / "completions.parquet")
+    assert some.schema == pa.schema([*output_schema(), *source.select(["at", "task"]).schema])
+    cfg = tiny_job(tmp_path / "q.parquet", tiny_folder, tmp_path / "none")
+    cfg.dataset.prompt_column, cfg.dataset.keep_columns = "question", []
+    run_job(cfg)
+    assert pq.read_schema(tmp_path / "none" / "completions.parquet") == output_schema()
+
+
+def test_a_name_clash_is_refused_before_the_model_loads(tmp_path: Path, tiny_folder: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": "x1", "prompt": "p", "error": "none"}])
+    cfg = tiny_job(data, tiny_folder, tmp_path / "out")
+    with pytest.raises(JobConfigError, match=r"id, error would be carried.*dataset.id_column=id"):
+        run_job(cfg, llm_factory=never)
+    cfg.dataset.id_column = "id"
+    with pytest.raises(JobConfigError, match=r"column\(s\) error would be carried.*keep_columns"):
+        run_job(cfg, llm_factory=never)
+    cfg.dataset.keep_columns = ["prompt"]
+    with pytest.raises(JobConfigError, match="prompt would be carried"):
+        run_job(cfg, llm_factory=never)
+    assert not (tmp_path / "out").exists()
+
+
+def test_per_row_sampling_columns_match_llm_generate(tmp_path: Path, tiny_folder: Path) -> None:
+    records = [
+        {"prompt": "Hello world", "top_p": 0.8, "seed": 11, "n": 2, "stop": None},
+        {"prompt": "A radix tree", "top_k": 5, "seed": 3, "stop": "e"},
+        {"prompt": "Paged attention", "n": 1, "stop": ["a", "b"], "top_k": None},
+        {"prompt": "Bad", "top_p": 1.5},
+        {"prompt": "Bad too", "n": 0},
+    ]
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    cfg = tiny_job(data, tiny_folder, tmp_path / "out", sampling={"temperature": 0.9})
+    run_job(cfg)
+    rows = table(tmp_path / "out")
+    assert all(isinstance(r["completion"], list) or r["error"] for r in rows)  # n column: lists
+    assert "top_p" in rows[3]["error"] and "n must be" in rows[4]["error"]
+    llm = LLM(str(tiny_folder), **ENGINE)
+    base = {"temperature": 0.9, "max_tokens": 5, "ignore_eos": True}
+    want = [
+        SamplingParams(**base, top_p=0.8, seed=11, n=2),
+        SamplingParams(**base, top_k=5, seed=3, stop=["e"]),
+        SamplingParams(**base, stop=["a", "b"], seed=None),
+    ]
+    for i, params in enumerate(want):
+        if params.seed is None:  # no seed column: the row's seed from the job's
+            params = params.replace(seed=row_seed(0, i))
+        ref = llm.generate(records[i]["prompt"], params, use_tqdm=False)[0]
+        assert rows[i]["completion"] == [o.text for o in ref.outputs], i
+        assert rows[i]["finish_reason"] == [o.finish_reason for o in ref.outputs]
+
+
+def test_chat_template_true_with_template_variables(tmp_path: Path, tiny_folder: Path) -> None:
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n{% if not enable_thinking %}<think></think>{% endif %}"
+    )
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"question": "What is 2+2?", "ref": "4"}])
+    cfg = tiny_job(
+        data,
+        tiny_folder,
+        tmp_path / "out",
+        dataset={
+            "prompt_column": "question",
+            "chat_template": "true",
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+        engine={"chat_template": str(path)},
+    )
+    run_job(cfg)
+    row = table(tmp_path / "out")[0]
+    assert row["prompt"] == (
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think></think>"
+    )
+    assert row["ref"] == "4" and row["error"] is None
+    run = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert run["config"]["job"]["dataset"]["chat_template_kwargs"] == {"enable_thinking": False}
+    # Another template is another job: refused on resume.
+    path.write_text(template.replace("<think></think>", "<think>.</think>"))
+    with pytest.raises(JobConfigError, match="chat_template"):
+        run_job(cfg, llm_factory=never)

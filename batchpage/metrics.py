@@ -113,7 +113,7 @@ class RunStats:
 
     @property
     def elapsed_s(self) -> float:
-        return (self.end or time.perf_counter()) - self.start
+        return (self.end if self.end is not None else time.perf_counter()) - self.start
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -33,6 +33,20 @@ def test_merged_adds_counts_and_recomputes_rates_over_generation_time() -> None:
 def test_merged_of_nothing_is_an_empty_run() -> None:
     m = RunStats.merged([]).as_dict()
     assert m["generated_tokens"] == 0 and m["output_tokens_per_s"] == 0.0
+    # It took no time: a clock that ended at 0 is not a clock still running (the progress bar
+    # once divided a window's tokens by the machine's uptime).
+    assert m["elapsed_s"] == 0.0
+
+
+def test_the_job_rate_of_a_first_window_is_its_own_rate() -> None:
+    from batchpage.job.progress import job_rate
+
+    run = RunStats(kv_blocks_total=8, block_size=4, start=10.0, end=14.0)
+    run.generated_tokens = 40
+    assert job_rate(RunStats.merged([]), run) == 10.0
+    done = RunStats(kv_blocks_total=8, block_size=4, start=0.0, end=6.0)
+    done.generated_tokens = 20
+    assert job_rate(RunStats.merged([done]), run) == 6.0  # (20 + 40) / (6 + 4)
 
 
 def test_percentile_is_nearest_rank() -> None:

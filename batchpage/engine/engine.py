@@ -78,7 +78,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.batched_tokens(),
+            max_num_batched_tokens=cfg.batched_tokens(plan.device),
             enable_chunked_prefill=cfg.enable_chunked_prefill,
             preemption_mode=cfg.preemption_mode,
             schedule=cfg.schedule,

@@ -7,6 +7,8 @@ or an unsupported checkpoint before it spends time loading weights.
 from __future__ import annotations
 
 import importlib.util
+import logging
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,8 @@ from batchpage.model.gguf_file import read_gguf_header
 from batchpage.model.gguf_loader import load_gguf_model
 from batchpage.model.hf_loader import load_hf_model, read_hf_config, safetensors_files
 from batchpage.model.tokenizer import Tokenizer, check_hf_tokenizer_files
+
+log = logging.getLogger(__name__)
 
 # Bundled name -> (Python package that ships the file, file name, pip distribution).
 BUNDLED_MODELS: dict[str, tuple[str, str, str]] = {
@@ -139,10 +143,14 @@ def load_model(
     max_model_len); pass the engine's max_model_len."""
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
     torch_dtype = resolve_dtype(dtype, source.config, device)
+    # Stages a job's progress shows as they happen: weights take seconds to minutes.
+    log.info("loading weights from %s (%s)", source.path.name, str(torch_dtype).split(".")[-1])
+    start = time.perf_counter()
     if source.kind == "hf":
         net, config = load_hf_model(source.path, torch_dtype, device, max_positions)
     else:
         net, config = load_gguf_model(source.path, torch_dtype, device, max_positions)
+    log.info("weights loaded in %.1f s", time.perf_counter() - start)
     return LoadedModel(net, load_tokenizer(source, config.eos_token_ids), config, source)
 
 

@@ -15,16 +15,20 @@ of max_model_len), so the scheduler admits against an estimate of the growth sti
   up as the job shows that sequences stop early; a preemption proves the estimate too low and
   resets it to 1.0 (the worst case), from where it decays again.
 
-A sequence is admitted when the free blocks cover its next chunk, its own expected growth and
-the expected growth of every running sequence. The estimate only gates admission: a running
-sequence that outgrows it still gets blocks, by preempting the newest, as before.
+Sequences do not all reach their ends at once: each frees its blocks when it finishes, and the
+shortest go first. So the check is on the peak of the blocks they will hold together, if every
+running sequence appends one token per step: at step t the sequences still alive are those with
+at least t tokens to come, each holding blocks_for(tokens + t). A sequence is admitted when that
+peak, with it included, fits in the blocks they hold now plus the free ones. The estimate only
+gates admission: a running sequence that outgrows it still gets blocks, by preempting the
+newest, as before.
 """
 
 from __future__ import annotations
 
+from bisect import insort
 from dataclasses import dataclass
 
-from batchpage.engine.kv_manager import blocks_for
 from batchpage.engine.sequence import Sequence
 
 
@@ -56,9 +60,33 @@ class GrowthEstimate:
         certain = min(remaining, max(0, seq.params.min_tokens - seq.num_output_tokens))
         return certain + round(self.ratio * (remaining - certain))
 
-    def expected_blocks(self, seq: Sequence, max_model_len: int, block_size: int) -> int:
-        """Blocks seq will need beyond the slots its current tokens take (computed or not)."""
-        now = blocks_for(seq.num_tokens, block_size)
-        return (
-            blocks_for(seq.num_tokens + self.expected_tokens(seq, max_model_len), block_size) - now
-        )
+
+class Demand:
+    """The future of a set of sequences, each (tokens now, tokens still to come), kept sorted by
+    tokens to come so that the peak is one pass. `peak_blocks` bounds the blocks they hold
+    together when every sequence appends one token per step and frees its blocks when done (a
+    partly filled last block may be counted whole: it never underestimates)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._future: list[tuple[int, int]] = []  # (tokens to come, tokens now), descending
+
+    def add(self, tokens_now: int, to_come: int, copies: int = 1) -> None:
+        for _ in range(copies):
+            insort(self._future, (to_come, tokens_now), key=lambda f: -f[0])
+
+    def peak_blocks(self, extra: tuple[int, int] | None = None) -> int:
+        """The peak with `extra` (tokens now, tokens to come) added, without keeping it."""
+        future = self._future
+        if extra is not None:
+            future = list(future)
+            insort(future, (extra[1], extra[0]), key=lambda f: -f[0])
+        peak = tokens = 0
+        for alive, (to_come, now) in enumerate(future, start=1):
+            # At step to_come the `alive` sequences with at least that many tokens to come are
+            # still running, each holding its tokens now plus to_come:
+            # sum of ceil(x_i / bs) <= ceil((sum of x_i + alive * (bs - 1)) / bs).
+            tokens += now
+            slack = alive * (self.block_size - 1)
+            peak = max(peak, -(-(tokens + alive * to_come + slack) // self.block_size))
+        return peak

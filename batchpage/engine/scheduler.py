@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from batchpage.engine.admission import GrowthEstimate
+from batchpage.engine.admission import Demand, GrowthEstimate
 from batchpage.engine.kv_manager import BlockCopy, KVCacheManager, blocks_for
 from batchpage.engine.sequence import SeqStatus, Sequence
 
@@ -131,7 +131,7 @@ class Scheduler:
 
         # Admitting while preempting would only thrash: the pool is already short this step. But
         # when preemption left nothing to run, the queue's head (perhaps the victim) goes next.
-        reserved = self._expected_growth(self.running)
+        demand = self._demand(self.running)
         admitted: list[Sequence] = []
         while (not out.preempted or not out.scheduled) and self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -141,9 +141,10 @@ class Scheduler:
             if seq.swapped_tokens:
                 if not self._swap_in(seq, budget, out):
                     break
-            elif not self._admit(seq, budget, reserved, admitted, out):
+            elif not self._admit(seq, budget, demand, admitted, out):
                 break
-            reserved += self._expected_growth([seq])
+            if demand is not None:
+                demand.add(*self._future(seq), copies=1 + len(seq.pending_forks))
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             seq.admitted_once = True
@@ -154,25 +155,36 @@ class Scheduler:
             self.growth.stepped(preempted=bool(out.preempted))
         return out
 
-    def _expected_growth(self, seqs: list[Sequence]) -> int:
-        """Blocks these sequences are expected to take beyond those they hold: the rest of their
-        tokens (a prompt not yet computed, or still being chunked), then their expected output;
-        each sample still to fork grows on its own."""
-        if self.growth is None or self.max_model_len is None:
-            return 0
-        bs = self.kv.block_size
-        return sum(
-            (1 + len(s.pending_forks)) * self.growth.expected_blocks(s, self.max_model_len, bs)
-            + blocks_for(s.num_tokens, bs)
-            - len(s.block_table)
-            for s in seqs
-        )
+    def _future(self, seq: Sequence) -> tuple[int, int]:
+        """(tokens seq takes slots for now, tokens it is expected to append)."""
+        assert self.growth is not None and self.max_model_len is not None
+        return seq.num_tokens, self.growth.expected_tokens(seq, self.max_model_len)
+
+    def _demand(self, seqs: list[Sequence]) -> Demand | None:
+        """The running sequences' future, against which admission is checked (admission.py);
+        each sample still to fork grows on its own. None: admission on the prompt alone."""
+        if self.growth is None:
+            return None
+        demand = Demand(self.kv.block_size)
+        for s in seqs:
+            demand.add(*self._future(s), copies=1 + len(s.pending_forks))
+        return demand
+
+    def _fits(self, seq: Sequence, demand: Demand | None) -> bool:
+        """Whether the peak of what the running sequences and seq will hold together fits in
+        what they hold now plus the free blocks. With nothing running, seq goes in whatever it
+        may grow to: the job must progress."""
+        if demand is None or not self.running:
+            return True
+        held = sum(len(s.block_table) for s in self.running) + len(seq.block_table)
+        peak = demand.peak_blocks(self._future(seq))
+        return peak <= held + self.kv.num_free_blocks
 
     def _admit(
         self,
         seq: Sequence,
         budget: int,
-        reserved: int,
+        demand: Demand | None,
         admitted: list[Sequence],
         out: SchedulerOutput,
     ) -> bool:
@@ -183,9 +195,7 @@ class Scheduler:
             self._waits_for_shared_prefix(seq, admitted)
             or (n > budget and not self.enable_chunked_prefill)
             or not self.kv.can_allocate(seq, chunk)
-            # Its whole prompt and expected growth must fit beside the running sequences'; but
-            # with nothing running it goes in whatever it may grow to: the job must progress.
-            or (self.running and reserved + self._expected_growth([seq]) > self.kv.num_free_blocks)
+            or not self._fits(seq, demand)
         ):
             self.kv.free(seq, cache=False)  # give the lent prefix back; it stays queued
             seq.num_computed_tokens = 0

@@ -6,9 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from batchpage.engine.admission import GrowthEstimate
-from batchpage.engine.kv_manager import KVCacheManager
+from batchpage.engine.admission import Demand, GrowthEstimate
+from batchpage.engine.kv_manager import KVCacheManager, blocks_for
 from batchpage.engine.scheduler import Scheduler
 from batchpage.sampling_params import SamplingParams
 from tests.engine.simulate import make_seq, simulate
@@ -26,8 +28,36 @@ def test_expected_tokens_follow_budget_ignore_eos_and_min_tokens() -> None:
     assert g.expected_tokens(unbounded, max_model_len=100) == 90  # what max_model_len leaves
     plain.token_ids += [7] * 40  # its budget is spent
     assert g.expected_tokens(plain, max_model_len=100) == 0
-    # Blocks: 10 tokens hold 3 blocks of 4; 10 + 40 need 13, so 10 more.
-    assert g.expected_blocks(exact, max_model_len=100, block_size=4) == 10
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    futures=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60)), max_size=12),
+    extra=st.tuples(st.integers(0, 60), st.integers(0, 60)),
+    block_size=st.sampled_from([1, 4, 16]),
+)
+def test_peak_blocks_bounds_the_brute_force_peak(futures, extra, block_size) -> None:
+    """Against stepping every sequence one token at a time and freeing it when done: never
+    below the true peak, and above it by less than one block per sequence."""
+
+    def brute(items: list[tuple[int, int]]) -> int:
+        horizon = max((c for _, c in items), default=0)
+        return max(
+            (
+                sum(blocks_for(now + t, block_size) for now, c in items if c >= t)
+                for t in range(horizon + 1)
+            ),
+            default=0,
+        )
+
+    demand = Demand(block_size)
+    for now, to_come in futures:
+        demand.add(now, to_come)
+    alone = demand.peak_blocks()
+    for items, got in [(futures, alone), ([*futures, extra], demand.peak_blocks(extra))]:
+        want = brute(items)
+        assert want <= got <= want + len(items)
+    assert demand.peak_blocks() == alone  # asking with `extra` does not keep it
 
 
 def test_ratio_decays_to_its_floor_and_resets_on_preemption() -> None:

@@ -1,7 +1,7 @@
 """What this CPU is and which dtype is fast on it, read from /proc/cpuinfo.
 
 Native bf16 (AVX-512 BF16 or AMX) makes a bfloat16 matmul about twice as fast as float32; without
-it torch emulates bf16 and the same matmul is about ten times slower (BENCHMARKS.md, "dtype per
+it torch emulates bf16 and the same matmul is several times slower (BENCHMARKS.md, "dtype per
 CPU"). The engine's dtype="auto" on a CPU follows these flags.
 """
 

@@ -102,7 +102,7 @@ def test_dtype_selection(tmp_path, tokenizer, monkeypatch):
 def test_emulated_bf16_warns_with_its_cost(tmp_path, tokenizer, monkeypatch):
     cfg = read_hf_config(save_hf_folder(build_hf_model("llama_gqa_tied"), tmp_path, tokenizer))
     monkeypatch.setattr(loader, "has_native_bf16", lambda: False)
-    with pytest.warns(UserWarning, match=r"without native bf16.*10x slower.*float32"):
+    with pytest.warns(UserWarning, match=r"without native bf16.*several times slower than float32"):
         assert resolve_dtype("bfloat16", cfg, "cpu") == torch.bfloat16
     monkeypatch.setattr(loader, "has_native_bf16", lambda: True)
     with warnings.catch_warnings():

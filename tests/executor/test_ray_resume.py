@@ -44,12 +44,15 @@ def test_driver_killed_then_rerun_equals_a_clean_run(tmp_path, tiny_folder) -> N
     log = (tmp_path / "stderr.txt").read_text()
     assert proc.returncode == -signal.SIGKILL, f"the job ended before the kill: {log}"
     indices = shard_indices(out)
-    assert len(indices) == len(set(indices)) and len(indices) < 40
+    assert len(indices) == len(set(indices))
 
     proc = cli(args, tmp_path, stderr=subprocess.PIPE)
     _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err
-    assert f"{len(indices)} rows already done" in err
+    # The kill may land after the last row was written (in the final merge, or while Ray shuts
+    # down): the rerun must then finish the job just the same.
+    if len(indices) < 40:
+        assert f"{len(indices)} rows already done" in err
     assert sorted(shard_indices(out)) == list(range(40))
 
     run_job(job(job_args(data, tiny_folder, tmp_path / "clean", "sampling.max_tokens=8")))

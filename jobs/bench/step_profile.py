@@ -5,9 +5,10 @@
 For each batch size the engine first admits and prefills that many ShareGPT prompts (the pool and
 max_num_seqs sized to hold them all), then py-spy samples this process while --steps decode steps
 run; the samples are bucketed by the innermost frame of ours that they fall in: linears
-(nn.Linear, MergedLinear), attention (the backends and kernels), norms, rope, activations, the
-model's other code (embedding, residuals, logits gather), sampling, stop checks and
-detokenization, building the step's tensors, the scheduler, and the rest of the engine's Python.
+(nn.Linear, MergedLinear), lm_head (the logits matmul), attention (the backends and kernels),
+norms, rope, activations, the model's other code (embedding, residuals, logits gather),
+sampling, stop checks and detokenization, building the step's tensors, the scheduler, and the
+rest of the engine's Python.
 Prints one Markdown table: the share of each bucket, and the decode step's mean wall time.
 """
 
@@ -32,6 +33,7 @@ from jobs.bench.workloads import sample_sharegpt
 # (bucket, substrings of a py-spy frame "function (file:line)"), matched innermost frame first.
 BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("linears", ("forward (torch/nn/modules/linear.py", "Linear.forward")),
+    ("lm_head", ("compute_logits",)),
     ("attention", ("attention/", "kernels/", "StepAttention", "PagedAttention")),
     ("norms", ("RMSNorm.forward",)),
     ("rope", ("rope.py",)),
@@ -80,6 +82,9 @@ def profile(args: argparse.Namespace, running: int) -> tuple[Counter[str], float
         max_num_seqs=running,
         max_model_len=args.max_prompt + args.steps + 16,
         prefix_caching=False,
+        kv_cache_memory=args.kv_cache_memory,  # room for every sequence to its end
+        # Every prompt in one prefill step, so no sequence finishes before the last is in.
+        max_num_batched_tokens=running * args.max_prompt,
     )
     params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
     requests = [llm._make_request(i, r.prompt_token_ids, params) for i, r in enumerate(reqs)]
@@ -112,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-prompt", type=int, default=256)
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-memory", type=float, default=6e9, help="bytes")
     args = p.parse_args(argv)
     if subprocess.run(["py-spy", "--version"], capture_output=True).returncode != 0:
         sys.exit("py-spy is needed: pip install py-spy")

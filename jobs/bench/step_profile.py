@@ -1,6 +1,6 @@
 """Where a decode step's time goes, at a given number of running sequences.
 
-    python -m jobs.bench.step_profile --running 64,256      # needs py-spy (pip install py-spy)
+    python -m jobs.bench.step_profile --running 64,256      # py-spy comes with the dev extra
 
 For each batch size the engine first admits and prefills that many ShareGPT prompts (the pool and
 max_num_seqs sized to hold them all), then py-spy samples this process while --steps decode steps

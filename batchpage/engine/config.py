@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from batchpage.cache.radix_cache import EVICTION_POLICIES
+from batchpage.model.packed_linear import LINEAR_BACKENDS
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -25,6 +26,9 @@ class EngineConfig:
     prefix_caching: bool = True
     eviction_policy: str = "lru"
     attention_backend: str = "auto"
+    # CPU matmuls: "auto" prepacks weights for oneDNN where it can (model/packed_linear.py),
+    # "onednn" requires it, "torch" keeps F.linear.
+    linear_backend: str = "auto"
     kv_allocator: str = "paged"
     schedule: str = "prefix"
     preemption_mode: str = "recompute"
@@ -48,6 +52,7 @@ class EngineConfig:
         choice("dtype", ("auto", *DTYPES))
         choice("eviction_policy", EVICTION_POLICIES)
         choice("attention_backend", ("auto", "torch", "triton", "cpu"))
+        choice("linear_backend", LINEAR_BACKENDS)
         choice("kv_allocator", ("paged", "static"))
         choice("schedule", ("prefix", "fcfs"))
         choice("preemption_mode", ("recompute", "swap"))

@@ -32,6 +32,7 @@ from batchpage.host_memory import keep_freed_memory
 from batchpage.metrics import RunStats
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
+from batchpage.model.packed_linear import use_onednn
 from batchpage.model.tokenizer import Tokenizer
 
 BEAM_SEARCH_WITH_CONSTRAINT = (
@@ -72,6 +73,8 @@ class Engine:
             self.kv_manager = KVCacheManager(
                 plan.num_blocks, cfg.block_size, cfg.prefix_caching, cfg.eviction_policy
             )
+        if use_onednn(cfg.linear_backend, plan.dtype, plan.device):
+            model.prepack_linears()
         self.runner = ModelRunner(
             model, kv, make_attention_backend(cfg.attention_backend, plan.device)
         )

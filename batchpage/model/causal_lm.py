@@ -25,6 +25,7 @@ from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
 from batchpage.model.config import ModelConfig
 from batchpage.model.layers import RMSNorm, linear
+from batchpage.model.packed_linear import PackedLinear, PackReport, pack_linear_modules
 from batchpage.model.rope import RotaryEmbedding
 
 ShardKey = Hashable | None  # None: the whole parameter
@@ -57,11 +58,14 @@ class CausalLM(nn.Module):
             self.make_layer(i, cfg, dtype, device) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.lm_head = (
+        self.lm_head: nn.Module | None = (
             None
             if cfg.tie_word_embeddings
             else linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
         )
+        # A tied model's lm_head in oneDNN's layout, set by prepack_linears (the embedding keeps
+        # its plain table for lookups).
+        self.tied_head: PackedLinear | None = None
 
     def make_layer(
         self, layer: int, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
@@ -83,8 +87,22 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> f32 [N, V]
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.tied_head is not None:
+            return self.tied_head(hidden).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
+
+    def prepack_linears(self) -> PackReport:
+        """Move every linear, the lm_head included, to oneDNN's prepacked layout (see
+        model/packed_linear.py; the caller checks `onednn_packs` first). Inference only: the
+        plain weights are dropped, so load_weights no longer applies. Packing twice is a no-op."""
+        packed = pack_linear_modules(self)
+        if self.lm_head is not None or self.tied_head is not None:  # untied, or packed before
+            return PackReport(packed, 0)
+        table = self.embed_tokens.weight
+        self.tied_head = PackedLinear(table, None)
+        return PackReport(packed + 1, table.numel() * table.element_size())
 
     def checkpoint_target(self, name: str) -> tuple[str, ShardKey]:
         """Checkpoint name without `model.` -> (our parameter name, shard key)."""

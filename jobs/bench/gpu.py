@@ -331,10 +331,17 @@ def write_random_llama(folder: Path, shape: dict[str, Any], dtype: torch.dtype) 
 
 
 def bench_engine(
-    device: torch.device, smoke: bool, num_prompts: int, prompt_len: int, max_tokens: int
+    device: torch.device,
+    smoke: bool,
+    num_prompts: int,
+    prompt_len: int,
+    max_tokens: int,
+    kv_gib: float | None = None,
+    max_num_seqs: int = 256,
 ) -> list[Row]:
-    """Throughput of batchpage.LLM, paged vs contiguous (static) KV, Triton attention. Each
-    configuration that fails is reported with its error instead of stopping the script."""
+    """Throughput of batchpage.LLM, paged vs contiguous (static) KV, Triton attention, both in
+    the same KV memory (kv_gib; default: the engine's share of free memory). Each configuration
+    that fails is reported with its error instead of stopping the script."""
     try:
         from batchpage import LLM, SamplingParams
     except ImportError as exc:
@@ -351,7 +358,9 @@ def bench_engine(
     ]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     # On CPU the pool is zero-filled RAM: keep it small (the default is 10% of free memory).
-    small = dict(kv_cache_memory=2**24) if device.type == "cpu" else {}
+    memory = dict(kv_cache_memory=2**24) if device.type == "cpu" else {}
+    if kv_gib is not None:
+        memory = dict(kv_cache_memory=int(kv_gib * 2**30))
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_random_llama(Path(tmp) / "llama", shape, dtype)
@@ -363,8 +372,12 @@ def bench_engine(
                 llm = LLM(
                     model=str(folder), dtype=str(dtype).removeprefix("torch."),
                     attention_backend="triton", prefix_caching=False, seed=0,
-                    max_model_len=prompt_len + max_tokens + 16, **kwargs, **small,
+                    max_model_len=prompt_len + max_tokens + 16, max_num_seqs=max_num_seqs,
+                    **kwargs, **memory,
                 )  # fmt: skip
+                # Warm-up off the clock: the first steps JIT-compile the Triton kernels, which
+                # would otherwise be charged to whichever configuration runs first.
+                llm.generate(prompts[:8], params, use_tqdm=False)
                 start = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 elapsed = time.perf_counter() - start
@@ -376,6 +389,7 @@ def bench_engine(
             rows.append(
                 dict(
                     config=name,
+                    kv_blocks=stats.get("kv_blocks_total"),
                     prompts=num_prompts,
                     generated_tokens=generated,
                     elapsed_s=elapsed,
@@ -431,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-prompts", type=int, default=512)
     ap.add_argument("--engine-prompt-len", type=int, default=512)
     ap.add_argument("--engine-max-tokens", type=int, default=256)
+    ap.add_argument("--engine-kv-gib", type=float, help="KV memory of both configurations")
+    ap.add_argument("--engine-max-seqs", type=int, default=256, help="max_num_seqs of both")
     ap.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -471,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     if "c" in parts:
         rows = bench_engine(
             device, args.smoke, args.engine_prompts, args.engine_prompt_len,
-            args.engine_max_tokens,
+            args.engine_max_tokens, args.engine_kv_gib, args.engine_max_seqs,
         )  # fmt: skip
         results["engine"] = rows
         report.append(markdown("(c) engine throughput, random-init Llama, Triton attention", rows))

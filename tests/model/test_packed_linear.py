@@ -74,7 +74,7 @@ def test_prepacked_model_matches_transformers(tmp_path, variant):
 
 
 def test_linear_backend_choice():
-    """"torch" never packs; "auto" packs exactly where oneDNN can; "onednn" packs or says why
+    """ "torch" never packs; "auto" packs exactly where oneDNN can; "onednn" packs or says why
     not. oneDNN's bf16 path needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: read from the CPU flags
     here, independently of the probe that packs a tiny weight."""
     flags = cpu_flags()

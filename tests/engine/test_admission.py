@@ -17,15 +17,23 @@ from tests.engine.simulate import make_seq, simulate
 
 
 def test_expected_tokens_follow_budget_ignore_eos_and_min_tokens() -> None:
-    g = GrowthEstimate(initial=0.5)
+    g = GrowthEstimate(initial=0.7, certain_floor=0.5)
     plain = make_seq(0, 10, SamplingParams(max_tokens=40))
-    assert g.expected_tokens(plain, max_model_len=100) == 20  # half of 40 uncertain
+    assert g.expected_tokens(plain, max_model_len=100) == 28  # 0.7 of 40 uncertain
     exact = make_seq(1, 10, SamplingParams(max_tokens=40, ignore_eos=True))
-    assert g.expected_tokens(exact, max_model_len=100) == 40  # ignore_eos: all of it
+    assert g.expected_tokens(exact, max_model_len=100) == 28  # certain, at the same 0.7
     floor = make_seq(2, 10, SamplingParams(max_tokens=40, min_tokens=30))
-    assert g.expected_tokens(floor, max_model_len=100) == 30 + 5  # 30 certain, half of 10
+    assert g.expected_tokens(floor, max_model_len=100) == 21 + 7  # 30 certain, 10 uncertain
     unbounded = make_seq(3, 10, SamplingParams(max_tokens=None, ignore_eos=True))
-    assert g.expected_tokens(unbounded, max_model_len=100) == 90  # what max_model_len leaves
+    assert g.expected_tokens(unbounded, max_model_len=100) == 63  # of what max_model_len leaves
+    g.ratio = 0.1  # decayed: uncertain growth at 0.1, certain growth never below half
+    assert g.expected_tokens(plain, max_model_len=100) == 4
+    assert g.expected_tokens(exact, max_model_len=100) == 20
+    assert g.expected_tokens(floor, max_model_len=100) == 15 + 1
+    g.stepped(preempted=True)  # the worst case: every budget in full
+    assert g.expected_tokens(plain, max_model_len=100) == 40
+    assert g.expected_tokens(exact, max_model_len=100) == 40
+    assert g.expected_tokens(floor, max_model_len=100) == 40
     plain.token_ids += [7] * 40  # its budget is spent
     assert g.expected_tokens(plain, max_model_len=100) == 0
 
@@ -71,6 +79,8 @@ def test_ratio_decays_to_its_floor_and_resets_on_preemption() -> None:
     assert g.ratio == 1.0
     with pytest.raises(ValueError, match="floor"):
         GrowthEstimate(initial=0.1, floor=0.5)
+    with pytest.raises(ValueError, match="certain_floor"):
+        GrowthEstimate(certain_floor=0.0)
 
 
 def sharegpt_like(seed: int, n: int, ignore_eos: bool) -> tuple[list, dict[int, int]]:

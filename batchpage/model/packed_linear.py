@@ -4,9 +4,10 @@
 each time; a decode step's matmuls have few rows (one per running sequence), so that re-blocking
 and a cache-unfriendly walk over the weight are a large part of their time. oneDNN reorders the
 weight once into its blocked layout (`mkldnn._reorder_linear_weight`) and multiplies against it
-(`mkldnn._linear_pointwise`); measured on a 2-core AMD EPYC (AVX2, float32, SmolLM2-135M
-shapes), a layer's linears run 1.2-1.4x faster at 16-512 rows and the 49152-row lm_head 2x
-faster at 64 rows (BENCHMARKS.md, "Prepacked linears").
+(`mkldnn._linear_pointwise`). Measured on a 2-core AMD EPYC (AVX2, float32, SmolLM2-135M's
+shapes; BENCHMARKS.md, "Prepacked linears"): the 49152-row lm_head runs 1.3-2.6x faster at
+every row count from 1 to 512, a layer's linears 1.45x at 16 rows, 1.1x at 64-256 and even at
+512; at a single row the small ones are slower (0.7-0.8x), the lm_head still 1.7x faster.
 
 The packed weight is a copy in an opaque layout: `pack_linear_modules` (called by
 `CausalLM.prepack_linears`) swaps each `nn.Linear` of a loaded model for a `PackedLinear`,

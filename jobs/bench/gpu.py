@@ -397,6 +397,7 @@ def bench_engine(
                     peak_running=stats.get("peak_running"),
                     kv_utilization=stats.get("kv_utilization"),
                     preemptions=stats.get("preemptions"),
+                    steps=stats.get("steps"),
                 )
             )
             del llm

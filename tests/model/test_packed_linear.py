@@ -115,3 +115,26 @@ def test_engine_tokens_equal_with_and_without_packing(tiny_folder, tokenizer):
             assert la.keys() == lb.keys()
             for tok in la:
                 assert la[tok] == pytest.approx(lb[tok], abs=1e-4)
+
+
+@needs_onednn
+def test_linears_benchmark_measures_both_paths(tiny_folder, tmp_path, capsys):
+    """jobs/bench/linears.py on the tiny model: every shape at every row count, both paths
+    timed, the same products."""
+    import json
+
+    from jobs.bench import linears
+
+    out = tmp_path / "linears.json"
+    linears.main(
+        ["--model", str(tiny_folder), "--rows", "1,8", "--repeats", "2", "--out", str(out)]
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["rows"], r["linear"]) for r in rows] == [
+        (m, name)
+        for m in (1, 8)
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+    ]
+    assert all(r["f_linear_ms"] > 0 and r["onednn_ms"] > 0 for r in rows)
+    assert all(r["max_abs_diff"] < 1e-4 for r in rows)
+    assert "| rows | linear |" in capsys.readouterr().out

@@ -23,19 +23,7 @@ from batchpage import LLM, SamplingParams
 from batchpage.model.loader import load_tokenizer, resolve_model_source
 from jobs.bench.report import command_line, environment, log, markdown_table, write_json
 from jobs.bench.workloads import sample_sharegpt
-
-
-@torch.inference_mode()
-def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=new_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
+from tests.model_factory import hf_greedy
 
 
 def main(argv: list[str] | None = None) -> None:

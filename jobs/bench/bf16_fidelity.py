@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                     "HF top logit",
                 ],
                 rows,
-            )  # fmt: skip
+            )
         )
     if args.out:
         write_json(args.out, {"command": command_line(), "environment": env, "rows": results})

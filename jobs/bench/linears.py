@@ -93,8 +93,10 @@ def main(argv: list[str] | None = None) -> None:
     env = environment()
     print(f"## Prepacked linears: F.linear vs oneDNN ({env['date_utc']})\n")
     print(f"`{command_line()}`\n")
-    print(f"CPU: {env['cpu']} ({', '.join(env['cpu_flags'])}), {env['torch_threads']} threads, ")
-    print(f"{args.dtype}, {args.model}'s shapes, median of {args.repeats} calls.\n")
+    print(
+        f"CPU: {env['cpu']} ({', '.join(env['cpu_flags'])}), {env['torch_threads']} threads, "
+        f"{args.dtype}, {args.model}'s shapes, median of {args.repeats} calls.\n"
+    )
     print(
         markdown_table(
             [
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
                 "max abs diff",
             ],
             rows,
-        )  # fmt: skip
+        )
     )
     if args.out:
         write_json(args.out, {"command": command_line(), "environment": env, "rows": results})

@@ -11,8 +11,9 @@ of max_model_len), so the scheduler admits against an estimate of the growth sti
   with ignore_eos, else what min_tokens still demands. Reserving all of it keeps preemptions at
   zero but holds the batch at what fits at its peak, and a bigger batch costs little more per
   step (a GPU step is bound by reading the weights; a CPU step's small-M matmuls run faster per
-  row as M grows): measured, reserving certain growth in full ran 0.84x (2-core CPU) and 0.73x
-  (H200) of admission on the prompt alone, which preempted far more (BENCHMARKS.md). So certain
+  row as M grows): measured, reserving certain growth in full ran 0.84x and 0.99x (two runs, 2-core
+  CPU) and 0.73x (H200) of admission on the prompt alone, which preempted far more
+  (BENCHMARKS.md). So certain
   growth is overcommitted too, by at most 1 / certain_floor, under the same feedback.
 - `uncertain`: the rest of its budget, which an EOS or a stop string may cut short.
 - `ratio` (SGLang's "new token ratio"): the share of that uncertain budget expected to be used.

@@ -10,6 +10,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define BATCHPAGE_AVX2 1
+#include <immintrin.h>
+#endif
+
 // Requests the cache lines of [p, p + bytes). The next block sits at a random place in the
 // pool, where the hardware prefetcher cannot guess it: each token of the current block asks for
 // the same token of the next block, so the requests are spread evenly over the compute.
@@ -18,30 +23,261 @@ static inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
-// float32 with a head_dim that is a multiple of 16 takes explicit 16-lane vectors: a dot product
-// as a few independent FMAs and one shuffle-tree sum, and the PV accumulator of a head held in
-// registers across a block. (The plain loops below chain every FMA of a dot product through one
-// accumulator and are bound by its latency.) Other dtypes and head_dims use the plain loops.
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
+// What one task needs to attend one decode row: its q (scaled, float32), where its context
+// lives, and the span [lo, seq_len) that its window leaves.
+struct Row {
+  const float* q;        // [H, D], already multiplied by the softmax scale
+  const int32_t* table;  // [max_blocks]: the row's physical blocks
+  int64_t lo, len;       // the span starts at position lo and holds len positions
+  int64_t first_block, num_blocks;
+};
 
-static inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
+struct Shape {
+  int64_t heads, kv_heads, dim, block_size;
+  int64_t token_stride;  // kv_heads * dim: a token holds all kv heads, contiguously
+  int64_t block_stride;  // block_size * token_stride
+  float softcap;         // > 0: scores become softcap * tanh(score / softcap); 0: none
+};
+
+// scores [H, len] -> softmax weights in place (unnormalised); inv_sum[h] = 1 / row sum.
+static void softmax_rows(float* scores, float* inv_sum, int64_t heads, int64_t len,
+                         float softcap);
+
+#ifdef BATCHPAGE_AVX2
+// The AVX2 path (float32, bfloat16 and float16 caches; head_dim a multiple of 8 known at
+// compile time). Every product and sum is float32, in 8-lane vectors:
+// - QK: eight tokens' dot products at a time, each in its own accumulator, then one transposing
+//   reduction (sum8) turns the eight accumulators into the eight scores;
+// - softmax: a vector exp (exp8);
+// - PV: a head's accumulator held in registers across a block.
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const c10::BFloat16* p) {
+  // bf16 is the top half of a float32: widen to 32 bits and shift into place.
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+static inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-static inline float hsum(f32x16 v) {
-  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x4 b =
-      __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
+// a[0..7], each 8 partial sums of one dot product -> [sum(a[0]), ..., sum(a[7])].
+static inline __m256 sum8(const __m256* a) {
+  // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]: two rounds leave
+  // each 128-bit lane holding four quarter sums of four dot products; adding the lanes ends it.
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// DIM > 0: head_dim known at compile time, so the d loops unroll into whole vector registers;
-// DIM == 0: any head_dim, read from dim_arg.
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// e^x to about 1 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r,
+// times 2^n built in the exponent bits). x is clamped to [-87, 88] so 2^n stays a normal float:
+// below -87 the result is ~1e-38 instead of 0, nothing next to a softmax's largest weight of 1.
+// NaN passes through: min/max return their second operand when either is NaN.
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.f), _mm256_min_ps(_mm256_set1_ps(88.f), x));
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // ln2 in two parts, so that n * ln2_hi is exact and r keeps its low bits
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  const __m256i e = _mm256_slli_epi32(biased, 23);  // 2^n: the exponent field alone
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static void softmax_rows(float* scores, float* inv_sum, int64_t heads, int64_t len,
+                         float softcap) {
+  if (softcap > 0.f) {
+    const float inv_cap = 1.f / softcap;
+    for (int64_t i = 0; i < heads * len; ++i) scores[i] = softcap * std::tanh(scores[i] * inv_cap);
+  }
+  const int64_t whole = len / 8 * 8;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = scores + h * len;
+    float top = *std::max_element(s, s + len);
+    const __m256 top8 = _mm256_set1_ps(top);
+    __m256 total8 = _mm256_setzero_ps();
+    for (int64_t t = 0; t < whole; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), top8));
+      _mm256_storeu_ps(s + t, e);
+      total8 = _mm256_add_ps(total8, e);
+    }
+    float total = hsum(total8);
+    if (whole < len) {  // the tail through the same exp8, padded, so every weight rounds alike
+      alignas(32) float tail[8] = {};
+      std::copy(s + whole, s + len, tail);
+      _mm256_store_ps(tail, exp8(_mm256_sub_ps(_mm256_load_ps(tail), top8)));
+      for (int64_t t = whole; t < len; ++t) total += s[t] = tail[t - whole];
+    }
+    inv_sum[h] = 1.f / total;
+  }
+}
+
+// C: 8-float vectors per head (head_dim / 8).
+template <typename scalar_t, int C>
+static void attend_row_avx2(float* out, const Row& row, const scalar_t* k_cache,
+                            const scalar_t* v_cache, const Shape& s, float* scores,
+                            float* inv_sum) {
+  const int64_t group = s.heads / s.kv_heads, len = row.len;
+  const int64_t token_bytes = s.token_stride * static_cast<int64_t>(sizeof(scalar_t));
+  prefetch(k_cache + row.table[row.first_block] * s.block_stride, 2 * token_bytes);
+  for (int64_t b = row.first_block; b < row.num_blocks; ++b) {
+    const scalar_t* kb = k_cache + row.table[b] * s.block_stride;
+    const scalar_t* knext =
+        k_cache + row.table[std::min(b + 1, row.num_blocks - 1)] * s.block_stride;
+    // t0: the block's first position as a score index (negative in lo's block)
+    const int64_t t0 = b * s.block_size - row.lo, used = std::min(s.block_size, len - t0);
+    int64_t j = std::max<int64_t>(0, -t0);
+    prefetch(knext, used * token_bytes);
+    for (; j + 8 <= used; j += 8) {
+      for (int64_t hq = 0; hq < s.heads; ++hq) {
+        const scalar_t* kh = kb + j * s.token_stride + (hq / group) * C * 8;
+        const float* qh = row.q + hq * C * 8;
+        __m256 acc[8];
+        for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+        for (int c = 0; c < C; ++c) {
+          const __m256 qc = _mm256_loadu_ps(qh + c * 8);
+          for (int t = 0; t < 8; ++t)
+            acc[t] = _mm256_fmadd_ps(qc, load8(kh + t * s.token_stride + c * 8), acc[t]);
+        }
+        _mm256_storeu_ps(scores + hq * len + t0 + j, sum8(acc));
+      }
+    }
+    for (; j < used; ++j) {
+      for (int64_t hq = 0; hq < s.heads; ++hq) {
+        const scalar_t* kh = kb + j * s.token_stride + (hq / group) * C * 8;
+        const float* qh = row.q + hq * C * 8;
+        __m256 acc = _mm256_setzero_ps();
+        for (int c = 0; c < C; ++c)
+          acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + c * 8), load8(kh + c * 8), acc);
+        scores[hq * len + t0 + j] = hsum(acc);
+      }
+    }
+  }
+  softmax_rows(scores, inv_sum, s.heads, len, s.softcap);
+  // A head's accumulator lives in registers for a whole block, at most 8 vectors at a time
+  // (AVX2 has 16 registers).
+  constexpr int CH = C < 8 ? C : 8;
+  static_assert(C % CH == 0, "head_dim / 8 must split into chunks of CH vectors");
+  std::fill(out, out + s.heads * C * 8, 0.f);
+  prefetch(v_cache + row.table[row.first_block] * s.block_stride, 2 * token_bytes);
+  for (int64_t b = row.first_block; b < row.num_blocks; ++b) {
+    const scalar_t* vb = v_cache + row.table[b] * s.block_stride;
+    const scalar_t* vnext =
+        v_cache + row.table[std::min(b + 1, row.num_blocks - 1)] * s.block_stride;
+    const int64_t t0 = b * s.block_size - row.lo, used = std::min(s.block_size, len - t0);
+    const int64_t j0 = std::max<int64_t>(0, -t0);  // lo's block: from lo on
+    prefetch(vnext, used * token_bytes);
+    for (int64_t hq = 0; hq < s.heads; ++hq) {
+      const scalar_t* vh = vb + (hq / group) * C * 8;
+      const float* ph = scores + hq * len + t0;  // ph[j]: the weight of the block's token j
+      for (int c0 = 0; c0 < C; c0 += CH) {
+        float* oh = out + hq * C * 8 + c0 * 8;
+        __m256 a[CH];
+        for (int c = 0; c < CH; ++c) a[c] = _mm256_loadu_ps(oh + c * 8);
+        for (int64_t j = j0; j < used; ++j) {
+          const __m256 p = _mm256_broadcast_ss(ph + j);
+          const scalar_t* vt = vh + j * s.token_stride + c0 * 8;
+          for (int c = 0; c < CH; ++c) a[c] = _mm256_fmadd_ps(p, load8(vt + c * 8), a[c]);
+        }
+        for (int c = 0; c < CH; ++c) _mm256_storeu_ps(oh + c * 8, a[c]);
+      }
+    }
+  }
+  for (int64_t hq = 0; hq < s.heads; ++hq) {
+    const __m256 inv = _mm256_set1_ps(inv_sum[hq]);
+    for (int c = 0; c < C; ++c) {
+      float* o = out + (hq * C + c) * 8;
+      _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_loadu_ps(o), inv));
+    }
+  }
+}
+#else
+static void softmax_rows(float* scores, float* inv_sum, int64_t heads, int64_t len,
+                         float softcap) {
+  if (softcap > 0.f) {
+    const float inv_cap = 1.f / softcap;
+    for (int64_t i = 0; i < heads * len; ++i) scores[i] = softcap * std::tanh(scores[i] * inv_cap);
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sh = scores + h * len;
+    const float top = *std::max_element(sh, sh + len);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {
+      sh[t] = std::exp(sh[t] - top);
+      total += sh[t];
+    }
+    inv_sum[h] = 1.f / total;
+  }
+}
+#endif
+
+// Any dtype and head_dim, in plain loops (each dot product chained through one accumulator).
+template <typename scalar_t>
+static void attend_row_plain(float* out, const Row& row, const scalar_t* k_cache,
+                             const scalar_t* v_cache, const Shape& s, float* scores,
+                             float* inv_sum) {
+  const int64_t group = s.heads / s.kv_heads, dim = s.dim, len = row.len;
+  const int64_t token_bytes = s.token_stride * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t b = row.first_block; b < row.num_blocks; ++b) {
+    const scalar_t* kb = k_cache + row.table[b] * s.block_stride;
+    const scalar_t* knext =
+        k_cache + row.table[std::min(b + 1, row.num_blocks - 1)] * s.block_stride;
+    const int64_t t0 = b * s.block_size - row.lo, used = std::min(s.block_size, len - t0);
+    prefetch(knext, used * token_bytes);
+    for (int64_t j = std::max<int64_t>(0, -t0); j < used; ++j) {
+      const scalar_t* kt = kb + j * s.token_stride;
+      for (int64_t hq = 0; hq < s.heads; ++hq) {
+        const float* qh = row.q + hq * dim;
+        const scalar_t* kh = kt + (hq / group) * dim;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t d = 0; d < dim; ++d) acc += qh[d] * static_cast<float>(kh[d]);
+        scores[hq * len + t0 + j] = acc;
+      }
+    }
+  }
+  softmax_rows(scores, inv_sum, s.heads, len, s.softcap);
+  std::fill(out, out + s.heads * dim, 0.f);
+  for (int64_t b = row.first_block; b < row.num_blocks; ++b) {
+    const scalar_t* vb = v_cache + row.table[b] * s.block_stride;
+    const scalar_t* vnext =
+        v_cache + row.table[std::min(b + 1, row.num_blocks - 1)] * s.block_stride;
+    const int64_t t0 = b * s.block_size - row.lo, used = std::min(s.block_size, len - t0);
+    prefetch(vnext, used * token_bytes);
+    for (int64_t j = std::max<int64_t>(0, -t0); j < used; ++j) {
+      const scalar_t* vt = vb + j * s.token_stride;
+      for (int64_t hq = 0; hq < s.heads; ++hq) {
+        const float p = scores[hq * len + t0 + j];
+        const scalar_t* vh = vt + (hq / group) * dim;
+        float* oh = out + hq * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) oh[d] += p * static_cast<float>(vh[d]);
+      }
+    }
+  }
+  for (int64_t hq = 0; hq < s.heads; ++hq)
+    for (int64_t d = 0; d < dim; ++d) out[hq * dim + d] *= inv_sum[hq];
+}
+
+// DIM > 0: head_dim known at compile time (the AVX2 path takes it); 0: any, the plain path.
 template <typename scalar_t, int DIM>
 static void decode_rows(
     scalar_t* out,                  // [N, H, D], row stride out_row
@@ -50,130 +286,36 @@ static void decode_rows(
     const scalar_t* v_cache,        // [num_blocks, BS, KVH, D], contiguous
     const int32_t* block_tables,    // [N, max_blocks], contiguous
     const int32_t* seq_lens,        // [N]
-    int64_t n_rows, int64_t heads, int64_t kv_heads, int64_t dim_arg, int64_t block_size,
-    int64_t max_blocks, int64_t q_row, int64_t out_row, float scale,
-    int64_t window,   // > 0: the row sees its last `window` positions only; 0: all of them
-    float softcap) {  // > 0: scores become softcap * tanh(score / softcap); 0: none
-  const int64_t dim = DIM > 0 ? DIM : dim_arg;
-  const int64_t group = heads / kv_heads;
-  const int64_t token_stride = kv_heads * dim;  // a token holds all kv heads, contiguously
-  const int64_t block_stride = block_size * token_stride;
-  const int64_t token_bytes = token_stride * static_cast<int64_t>(sizeof(scalar_t));
-  constexpr bool kVector = std::is_same_v<scalar_t, float> && DIM > 0 && DIM % 16 == 0;
-  constexpr int C = kVector ? DIM / 16 : 1;  // vectors per head
+    int64_t n_rows, const Shape& s, int64_t max_blocks, int64_t q_row, int64_t out_row,
+    float scale,
+    int64_t window) {  // > 0: the row sees its last `window` positions only; 0: all of them
+  const int64_t hd = s.heads * s.dim;
   // One task per sequence: a block is then one contiguous run of memory, read front to back.
   // Contexts differ in length (and the batch lists the oldest, longest ones first), so the
   // threads take sequences one at a time rather than in equal contiguous shares.
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> qf(heads * dim), acc(heads * dim), inv_sum(heads), scores;
-    std::vector<f32x16> qv(kVector ? heads * C : 0), accv(kVector ? heads * C : 0);
+    std::vector<float> qf(hd), acc(hd), inv_sum(s.heads), scores;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t n = 0; n < n_rows; ++n) {
       const int64_t seq_len = seq_lens[n];
       // The window is [lo, seq_len): blocks before lo's block are never touched, and lo's own
       // block is read from lo on. Scores are indexed from lo, so `len` is the span's length.
       const int64_t lo = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
-      const int64_t len = seq_len - lo;
-      const int64_t first_block = lo / block_size;
-      const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-      const int32_t* table = block_tables + n * max_blocks;
+      const Row row{qf.data(), block_tables + n * max_blocks, lo, seq_len - lo,
+                    lo / s.block_size, (seq_len + s.block_size - 1) / s.block_size};
       const scalar_t* qn = q + n * q_row;
-      for (int64_t i = 0; i < heads * dim; ++i) qf[i] = static_cast<float>(qn[i]) * scale;
-      if constexpr (kVector)
-        for (int64_t i = 0; i < heads * C; ++i) qv[i] = load16(qf.data() + i * 16);
-      scores.resize(heads * len);  // [heads, len], position lo + t at t
-      prefetch(k_cache + static_cast<int64_t>(table[first_block]) * block_stride, 2 * token_bytes);
-      for (int64_t b = first_block; b < num_blocks; ++b) {
-        const scalar_t* kb = k_cache + static_cast<int64_t>(table[b]) * block_stride;
-        const scalar_t* knext =
-            k_cache + static_cast<int64_t>(table[std::min(b + 1, num_blocks - 1)]) * block_stride;
-        // t0: the block's first position as a score index (negative in lo's block)
-        const int64_t t0 = b * block_size - lo, used = std::min(block_size, len - t0);
-        for (int64_t j = std::max<int64_t>(0, -t0); j < used; ++j) {
-          const scalar_t* kt = kb + j * token_stride;
-          prefetch(knext + j * token_stride, token_bytes);
-          if constexpr (kVector) {
-            for (int64_t h = 0; h < kv_heads; ++h) {
-              f32x16 kc[C];
-              for (int c = 0; c < C; ++c) kc[c] = load16(kt + h * DIM + c * 16);
-              for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
-                const f32x16* qh = qv.data() + hq * C;
-                f32x16 a = qh[0] * kc[0];
-                for (int c = 1; c < C; ++c) a += qh[c] * kc[c];
-                scores[hq * len + t0 + j] = hsum(a);
-              }
-            }
-            continue;
-          }
-          for (int64_t hq = 0; hq < heads; ++hq) {
-            const float* qh = qf.data() + hq * dim;
-            const scalar_t* kh = kt + (hq / group) * dim;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < dim; ++d) s += qh[d] * static_cast<float>(kh[d]);
-            scores[hq * len + t0 + j] = s;
-          }
-        }
-      }
-      if (softcap > 0.f) {
-        const float inv_cap = 1.f / softcap;
-        for (int64_t i = 0; i < heads * len; ++i)
-          scores[i] = softcap * std::tanh(scores[i] * inv_cap);
-      }
-      for (int64_t hq = 0; hq < heads; ++hq) {
-        float* sh = scores.data() + hq * len;
-        const float top = *std::max_element(sh, sh + len);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < len; ++t) {
-          sh[t] = std::exp(sh[t] - top);
-          total += sh[t];
-        }
-        inv_sum[hq] = 1.f / total;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      if constexpr (kVector) std::fill(accv.begin(), accv.end(), f32x16{});
-      prefetch(v_cache + static_cast<int64_t>(table[first_block]) * block_stride, 2 * token_bytes);
-      for (int64_t b = first_block; b < num_blocks; ++b) {
-        const scalar_t* vb = v_cache + static_cast<int64_t>(table[b]) * block_stride;
-        const scalar_t* vnext =
-            v_cache + static_cast<int64_t>(table[std::min(b + 1, num_blocks - 1)]) * block_stride;
-        const int64_t t0 = b * block_size - lo, used = std::min(block_size, len - t0);
-        const int64_t j0 = std::max<int64_t>(0, -t0);  // lo's block: from lo on
-        if constexpr (kVector) {
-          const int64_t slice = (used * token_bytes + heads - 1) / heads;
-          for (int64_t hq = 0; hq < heads; ++hq) {
-            prefetch(reinterpret_cast<const char*>(vnext) + hq * slice, slice);
-            f32x16 a[C];
-            for (int c = 0; c < C; ++c) a[c] = accv[hq * C + c];
-            const float* vh = vb + (hq / group) * DIM;
-            const float* ph = scores.data() + hq * len + t0 + j0;  // position of token j0
-            for (int64_t j = j0; j < used; ++j)
-              for (int c = 0; c < C; ++c)
-                a[c] += ph[j - j0] * load16(vh + j * token_stride + c * 16);
-            for (int c = 0; c < C; ++c) accv[hq * C + c] = a[c];
-          }
-          continue;
-        }
-        for (int64_t j = j0; j < used; ++j) {
-          const scalar_t* vt = vb + j * token_stride;
-          prefetch(vnext + j * token_stride, token_bytes);
-          for (int64_t hq = 0; hq < heads; ++hq) {
-            const float p = scores[hq * len + t0 + j];
-            const scalar_t* vh = vt + (hq / group) * dim;
-            float* ah = acc.data() + hq * dim;
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) ah[d] += p * static_cast<float>(vh[d]);
-          }
-        }
-      }
-      if constexpr (kVector)
-        for (int64_t i = 0; i < heads * C; ++i) std::memcpy(acc.data() + i * 16, &accv[i], 64);
+      for (int64_t i = 0; i < hd; ++i) qf[i] = static_cast<float>(qn[i]) * scale;
+      scores.resize(s.heads * row.len);  // [heads, len], position lo + t at t
+#ifdef BATCHPAGE_AVX2
+      if constexpr (DIM > 0 && DIM % 8 == 0 && !std::is_same_v<scalar_t, double>)
+        attend_row_avx2<scalar_t, DIM / 8>(acc.data(), row, k_cache, v_cache, s, scores.data(),
+                                           inv_sum.data());
+      else
+#endif
+        attend_row_plain(acc.data(), row, k_cache, v_cache, s, scores.data(), inv_sum.data());
       scalar_t* on = out + n * out_row;
-      for (int64_t hq = 0; hq < heads; ++hq)
-        for (int64_t d = 0; d < dim; ++d)
-          on[hq * dim + d] = static_cast<scalar_t>(acc[hq * dim + d] * inv_sum[hq]);
+      for (int64_t i = 0; i < hd; ++i) on[i] = static_cast<scalar_t>(acc[i]);
     }
   }
 }
@@ -181,16 +323,18 @@ static void decode_rows(
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                   torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
                   double scale, int64_t window, double softcap) {
+  const int64_t kv_heads = k_cache.size(2), dim = q.size(2);
+  const Shape shape{q.size(1), kv_heads, dim, k_cache.size(1), kv_heads * dim,
+                    k_cache.size(1) * kv_heads * dim, static_cast<float>(softcap)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     auto run = [&](auto dim_tag) {
       decode_rows<scalar_t, decltype(dim_tag)::value>(
           out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
           v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
-          seq_lens.data_ptr<int32_t>(), q.size(0), q.size(1), k_cache.size(2), q.size(2),
-          k_cache.size(1), block_tables.size(1), q.stride(0), out.stride(0),
-          static_cast<float>(scale), window, static_cast<float>(softcap));
+          seq_lens.data_ptr<int32_t>(), q.size(0), shape, block_tables.size(1), q.stride(0),
+          out.stride(0), static_cast<float>(scale), window);
     };
-    switch (q.size(2)) {
+    switch (dim) {
       case 64: run(std::integral_constant<int, 64>{}); break;
       case 128: run(std::integral_constant<int, 128>{}); break;
       default: run(std::integral_constant<int, 0>{});

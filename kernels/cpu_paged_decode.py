@@ -9,11 +9,22 @@ blocks in place, once, through its block table: the CPU counterpart of
 paged_decode_attention.py (Triton), with the same inputs and the same float32 softmax.
 
 Work split: one task per sequence, handed out one at a time to torch's intra-op threads (OpenMP
-dynamic schedule: contexts differ in length). A task reads its blocks front to back, K then V;
-each K/V row is loaded once for all the query heads that share its kv head. It computes all
-scores of its context, a float32 softmax, then the weighted sum of V. With a sliding window W the
+dynamic schedule: contexts differ in length). A task reads its blocks front to back, K then V,
+and prefetches each next block (it sits at a random place in the pool). It computes all scores
+of its context, a float32 softmax, then the weighted sum of V. With a sliding window W the
 context is the last W positions: the task starts at the window's first token, so the blocks
 before it are never read. A logit soft-cap c turns each score s into c * tanh(s / c).
+
+Two code paths, the same arithmetic (float32 products and sums whatever the cache dtype):
+- AVX2 + FMA (every x86 CPU this project targets), head_dim 64 or 128: 8-lane vectors. QK takes
+  eight tokens at a time into eight accumulators and reduces them together (one transposing
+  hadd tree, not eight horizontal sums); the softmax's exp is a vector polynomial (~1 ulp); PV
+  keeps a head's accumulator in registers across a block. bf16 and fp16 caches widen on load.
+- plain loops otherwise (other head_dims, other CPUs), which the compiler vectorizes as it can.
+At 48 rows x 580 tokens of SmolLM2's shape on a 2-core AMD EPYC the AVX2 path takes 1.2 ms per
+layer where a shared prefix keeps the context in cache (the earlier 16-lane generic-vector code:
+7.5 ms, spilled to the stack on AVX2) and 4 ms where every context comes from memory
+(`python -m jobs.bench.cpu_attention`).
 
 The build needs a C++ compiler with OpenMP (g++) and ninja. `CpuPagedDecode.build()` compiles
 on first use (about 45 s) into torch's extension folder and reuses the library afterwards; it

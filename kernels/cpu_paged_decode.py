@@ -144,6 +144,20 @@ class CpuPagedDecode:
             ) from exc
         return cls(module)
 
+    @staticmethod
+    def check_tables(
+        block_tables: torch.Tensor,  # int32 [N, max_blocks]
+        seq_lens: torch.Tensor,  # int32 [N]
+        num_blocks: int,  # the pool's
+        block_size: int,
+    ) -> None:
+        """The values the kernel trusts: every row sees at least its own token, no context
+        outruns its table, and every table entry is a block of the pool."""
+        if seq_lens.numel():
+            assert int(seq_lens.min()) >= 1, "every row attends to at least its own token"
+            assert int(seq_lens.max()) <= block_tables.shape[1] * block_size
+            assert int(block_tables.min()) >= 0 and int(block_tables.max()) < num_blocks
+
     def __call__(
         self,
         q: torch.Tensor,  # [N, num_heads, head_dim]: one decode row per sequence
@@ -155,11 +169,16 @@ class CpuPagedDecode:
         out: torch.Tensor | None = None,  # [N, num_heads, head_dim]
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        tables_checked: bool = False,
     ) -> torch.Tensor:  # [N, num_heads, head_dim], q's dtype
         """Row n attends to the first seq_lens[n] tokens of its paged context (its own token is
         the last of them: already written to the pool); with sliding_window W, to the last W of
         them only (keys k > seq_lens[n] - 1 - W, HF's semantics). logit_softcap c: scores
-        s * scale become c * tanh(s * scale / c) before the softmax."""
+        s * scale become c * tanh(s * scale / c) before the softmax.
+
+        tables_checked: the caller ran `check_tables` on these block_tables and seq_lens for a
+        pool of this size (a backend does it once per step, not once per layer: the value
+        checks read both tensors)."""
         assert sliding_window is None or sliding_window > 0, sliding_window
         assert logit_softcap is None or logit_softcap > 0, logit_softcap
         n, heads, dim = q.shape
@@ -173,10 +192,8 @@ class CpuPagedDecode:
         assert block_tables.dim() == 2 and block_tables.shape[0] == n
         assert block_tables.is_contiguous() and seq_lens.shape == (n,)
         assert seq_lens.is_contiguous()
-        if n:
-            assert int(seq_lens.min()) >= 1, "every row attends to at least its own token"
-            assert int(seq_lens.max()) <= block_tables.shape[1] * block_size
-            assert int(block_tables.min()) >= 0 and int(block_tables.max()) < num_blocks
+        if not tables_checked:
+            self.check_tables(block_tables, seq_lens, num_blocks, block_size)
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
         assert out.shape == q.shape and out.dtype == q.dtype

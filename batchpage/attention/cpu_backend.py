@@ -47,12 +47,23 @@ class CpuStepAttention:
         check_window_and_softcap(sliding_window, logit_softcap)
         k_cache, v_cache = kv.k[layer], kv.v[layer]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        q = q.to(k_cache.dtype).contiguous()
-        window = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
+        q = q.to(k_cache.dtype)
+        # The step's tables are the same in every layer: their values are checked in the first
+        # (every forward runs layer 0 first), the shapes in each.
+        window = {
+            "sliding_window": sliding_window,
+            "logit_softcap": logit_softcap,
+            "tables_checked": layer > 0,
+        }
         if self.all_decode:
+            # q's rows may be strided (its heads are a slice of the q/k rows): the kernel takes
+            # a row stride, so only a q whose heads are not dense is copied.
+            if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+                q = q.contiguous()
             return self.kernel(
                 q, k_cache, v_cache, self.decode_tables, self.decode_lens, scale, **window
             )
+        q = q.contiguous()
         out = torch.empty_like(q)
         if self.decode_rows.numel():
             o = self.kernel(

@@ -185,6 +185,24 @@ def test_ratio_table_divides_batchpage_by_each_peer_and_counts_same_greedy() -> 
     assert "vLLM-CPU" in runs[3] and "12.5" in runs[3]
 
 
+def test_best_rounds_keeps_each_systems_fastest_round_and_every_wall_time() -> None:
+    rounds = [
+        result("batchpage", 3.0, {0: [1]}),
+        result("vllm", 4.0, {0: [1]}),
+        result("batchpage", 2.0, {0: [2]}),  # the faster batchpage round: its outputs count
+        result("vllm", 5.0, {0: [1]}),
+    ]
+    best = peers.best_rounds(rounds)
+    assert [(r.system, r.wall_s) for r in best] == [("batchpage", 2.0), ("vllm", 4.0)]
+    assert best[0].outputs == {0: [2]}
+    assert best[0].extra["rounds_wall_s"] == [3.0, 2.0]
+    assert best[1].extra["rounds_wall_s"] == [4.0, 5.0]
+    assert rounds[0].extra == {}  # the inputs are left as they were
+    table = peers.rounds_table(best).splitlines()
+    cells = [c.strip() for c in table[2].strip("|").split("|")]
+    assert cells == ["float32", "w", "batchpage", "13.3", "20.0"]  # 40 tokens / 3 s, / 2 s
+
+
 def test_machine_line_reads_the_flags_that_pick_the_dtype() -> None:
     text = "processor\t: 0\nmodel name\t: X\nflags\t\t: fpu avx2 fma avx512f avx512_bf16\n"
     flags = peers.cpu_flags(text)

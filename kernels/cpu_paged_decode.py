@@ -21,10 +21,10 @@ Two code paths, the same arithmetic (float32 products and sums whatever the cach
   hadd tree, not eight horizontal sums); the softmax's exp is a vector polynomial (~1 ulp); PV
   keeps a head's accumulator in registers across a block. bf16 and fp16 caches widen on load.
 - plain loops otherwise (other head_dims, other CPUs), which the compiler vectorizes as it can.
-At 48 rows x 580 tokens of SmolLM2's shape on a 2-core AMD EPYC the AVX2 path takes 1.2 ms per
-layer where a shared prefix keeps the context in cache (the earlier 16-lane generic-vector code:
-7.5 ms, spilled to the stack on AVX2) and 4 ms where every context comes from memory
-(`python -m jobs.bench.cpu_attention`).
+On a 2-core AMD EPYC, SmolLM2's shape (`python -m jobs.bench.cpu_attention`): 48 rows x 580
+tokens behind a shared, cached prefix take 2.1 ms per layer (the earlier 16-lane generic-vector
+code: 7.0 ms, its accumulators spilled to the stack on AVX2); contexts read from memory stream
+at 8-11 GB/s, 1.4x-2.4x the earlier code.
 
 The build needs a C++ compiler with OpenMP (g++) and ninja. `CpuPagedDecode.build()` compiles
 on first use (about 45 s) into torch's extension folder and reuses the library afterwards; it

@@ -11,8 +11,10 @@ AttentionBackend interface (K/V write of the new token included) for:
 - `torch`: TorchPagedAttention, which gathers every context out of the pool, then runs SDPA;
 - `cpu`: CpuPagedAttention, whose C++ kernel reads the blocks in place.
 
-Two length patterns: every context the same length, and lengths spread evenly over a range and
-listed longest first, as the scheduler lists its oldest sequences first. "GB/s" is the K/V bytes
+Three length patterns: every context the same length; lengths spread evenly over a range and
+listed longest first, as the scheduler lists its oldest sequences first; and (--shared) rows
+whose contexts start with the same cached blocks, as behind a shared system prompt, where the
+reads come from the caches and the kernel's arithmetic sets its speed. "GB/s" is the K/V bytes
 the contexts hold, per second: the traffic a kernel that reads each byte once must move.
 """
 
@@ -38,14 +40,20 @@ from jobs.bench.report import command_line, environment, log, markdown_table, wr
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
-def decode_step(lens: list[int], pool_blocks: int, seed: int) -> tuple[AttentionMetadata, KVCache]:
-    """Metadata for one decode row per context and a one-layer pool of random K/V."""
+def decode_step(
+    lens: list[int], pool_blocks: int, seed: int, shared_blocks: int = 0
+) -> tuple[AttentionMetadata, KVCache]:
+    """Metadata for one decode row per context and a one-layer pool of random K/V. The first
+    shared_blocks blocks of every table are the same blocks (a cached prefix)."""
     gen = torch.Generator().manual_seed(seed)
     per_seq = [blocks_for(n, BLOCK) for n in lens]
-    ids = torch.randperm(pool_blocks, generator=gen)[: sum(per_seq)].tolist()
+    assert all(nb > shared_blocks for nb in per_seq), "each row has a block of its own"
+    own = sum(nb - shared_blocks for nb in per_seq)
+    ids = torch.randperm(pool_blocks, generator=gen)[: shared_blocks + own].tolist()
+    prefix, ids = ids[:shared_blocks], ids[shared_blocks:]
     tables, slots = [], []
     for n, nb in zip(lens, per_seq, strict=True):
-        table, ids = ids[:nb], ids[nb:]
+        table, ids = prefix + ids[: nb - shared_blocks], ids[nb - shared_blocks :]
         tables.append(table + [0] * (max(per_seq) - nb))
         slots.append(table[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK)
     kv = KVCache.allocate(1, pool_blocks, BLOCK, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
@@ -83,13 +91,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-sizes", default="64,256")
     p.add_argument("--contexts", default="128,512", help="uniform context lengths")
     p.add_argument("--spread", default="70,620", help="lo,hi of the longest-first pattern")
+    p.add_argument(
+        "--shared", default="48,580,544",
+        help="rows,context,prefix: rows whose contexts start with the same cached prefix",
+    )  # fmt: skip
     p.add_argument("--pool-gib", type=float, default=2.0, help="size of the one-layer pool")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     if args.smoke:
-        args.batch_sizes, args.contexts, args.spread = "8", "40", "10,60"
+        args.batch_sizes, args.contexts, args.spread, args.shared = "8", "40", "10,60", "4,40,32"
         args.pool_gib, args.repeats = 0.02, 2
     torch.set_num_threads(torch.get_num_threads())
     keep_freed_memory()  # as the engine does on a CPU
@@ -97,17 +109,21 @@ def main(argv: list[str] | None = None) -> None:
     token_bytes = bytes_per_block(1, 1, KV_HEADS, HEAD_DIM, torch.float32)  # one token, one layer
     pool_blocks = int(args.pool_gib * 2**30 / (BLOCK * token_bytes))
     lo, hi = (int(x) for x in args.spread.split(","))
-    cases: list[tuple[str, list[int]]] = []
+    cases: list[tuple[str, list[int], int]] = []  # (label, context lengths, shared blocks)
     for b in (int(x) for x in args.batch_sizes.split(",")):
         for ctx in (int(x) for x in args.contexts.split(",")):
-            cases.append((f"{b} x {ctx}", [ctx] * b))
+            cases.append((f"{b} x {ctx}", [ctx] * b, 0))
         spread = torch.linspace(hi, lo, b).round().int().tolist()
-        cases.append((f"{b} x {lo}..{hi}, longest first", spread))
+        cases.append((f"{b} x {lo}..{hi}, longest first", spread, 0))
+    if args.shared:
+        rows_, ctx, prefix = (int(x) for x in args.shared.split(","))
+        label = f"{rows_} x {ctx}, first {prefix} shared (cached)"
+        cases.append((label, [ctx] * rows_, prefix // BLOCK))
 
     rows, results = [], []
-    for i, (label, lens) in enumerate(cases):
+    for i, (label, lens, shared_blocks) in enumerate(cases):
         meta, kv = decode_step(
-            lens, max(pool_blocks, 2 * sum(blocks_for(n, BLOCK) for n in lens)), i
+            lens, max(pool_blocks, 2 * sum(blocks_for(n, BLOCK) for n in lens)), i, shared_blocks
         )
         t_torch = time_backend(TorchPagedAttention().plan(meta), meta, kv, args.repeats)
         t_cpu = time_backend(CpuPagedAttention(kernel).plan(meta), meta, kv, args.repeats)
@@ -131,7 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"One layer, {HEADS} query / {KV_HEADS} KV heads, head_dim {HEAD_DIM}, float32, block "
         f"{BLOCK}, contexts in shuffled blocks of a {args.pool_gib:g} GiB pool, "
-        f"{env['torch_threads']} threads, median of {args.repeats}.\n"
+        f"{env['torch_threads']} threads, median of {args.repeats}. CPU: {env['cpu']} "
+        f"({', '.join(env['cpu_flags'])}). GB/s counts each row's context once, so a shared "
+        "prefix, read from the caches, can exceed the memory's bandwidth.\n"
     )
     print(
         markdown_table(

@@ -283,5 +283,7 @@ def test_attention_benchmark_smoke(kernel, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "| decode rows x context |" in done.stdout
     results = json.loads(out.read_text())["results"]
-    assert [r["case"] for r in results] == ["8 x 40", "8 x 10..60, longest first"]
+    assert [r["case"] for r in results] == [
+        "8 x 40", "8 x 10..60, longest first", "4 x 40, first 32 shared (cached)",
+    ]  # fmt: skip
     assert all(r["cpu_ms"] > 0 and r["torch_ms"] > 0 for r in results)

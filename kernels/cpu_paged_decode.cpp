@@ -39,6 +39,27 @@ struct Shape {
   float softcap;         // > 0: scores become softcap * tanh(score / softcap); 0: none
 };
 
+// Block b of a row: where it and the row's next block start in the pool (in elements), and which
+// of its tokens the span uses: j0 <= j < used, score index t0 + j.
+struct BlockSpan {
+  int64_t offset, next_offset;
+  int64_t t0;  // the block's first position as a score index (negative in lo's block)
+  int64_t j0, used;
+};
+
+static inline BlockSpan block_span(const Row& row, const Shape& s, int64_t b) {
+  const int64_t next = std::min(b + 1, row.num_blocks - 1);
+  const int64_t t0 = b * s.block_size - row.lo;
+  return {row.table[b] * s.block_stride, row.table[next] * s.block_stride, t0,
+          std::max<int64_t>(0, -t0), std::min(s.block_size, row.len - t0)};
+}
+
+static inline void apply_softcap(float* scores, int64_t n, float softcap) {
+  if (softcap <= 0.f) return;
+  const float inv_cap = 1.f / softcap;
+  for (int64_t i = 0; i < n; ++i) scores[i] = softcap * std::tanh(scores[i] * inv_cap);
+}
+
 // scores [H, len] -> softmax weights in place (unnormalised); inv_sum[h] = 1 / row sum.
 static void softmax_rows(float* scores, float* inv_sum, int64_t heads, int64_t len,
                          float softcap);
@@ -103,10 +124,7 @@ static inline __m256 exp8(__m256 x) {
 
 static void softmax_rows(float* scores, float* inv_sum, int64_t heads, int64_t len,
                          float softcap) {
-  if (softcap > 0.f) {
-    const float inv_cap = 1.f / softcap;
-    for (int64_t i = 0; i < heads * len; ++i) scores[i] = softcap * std::tanh(scores[i] * inv_cap);
-  }
+  apply_softcap(scores, heads * len, softcap);
   const int64_t whole = len / 8 * 8;
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores + h * len;
@@ -211,10 +229,7 @@ static void attend_row_avx2(float* out, const Row& row, const scalar_t* k_cache,
 #else
 static void softmax_rows(float* scores, float* inv_sum, int64_t heads, int64_t len,
                          float softcap) {
-  if (softcap > 0.f) {
-    const float inv_cap = 1.f / softcap;
-    for (int64_t i = 0; i < heads * len; ++i) scores[i] = softcap * std::tanh(scores[i] * inv_cap);
-  }
+  apply_softcap(scores, heads * len, softcap);
   for (int64_t h = 0; h < heads; ++h) {
     float* sh = scores + h * len;
     const float top = *std::max_element(sh, sh + len);
@@ -237,35 +252,29 @@ static void attend_row_plain(float* out, const Row& row, const scalar_t* k_cache
   const int64_t group = s.heads / s.kv_heads, dim = s.dim, len = row.len;
   const int64_t token_bytes = s.token_stride * static_cast<int64_t>(sizeof(scalar_t));
   for (int64_t b = row.first_block; b < row.num_blocks; ++b) {
-    const scalar_t* kb = k_cache + row.table[b] * s.block_stride;
-    const scalar_t* knext =
-        k_cache + row.table[std::min(b + 1, row.num_blocks - 1)] * s.block_stride;
-    const int64_t t0 = b * s.block_size - row.lo, used = std::min(s.block_size, len - t0);
-    prefetch(knext, used * token_bytes);
-    for (int64_t j = std::max<int64_t>(0, -t0); j < used; ++j) {
-      const scalar_t* kt = kb + j * s.token_stride;
+    const BlockSpan sp = block_span(row, s, b);
+    prefetch(k_cache + sp.next_offset, sp.used * token_bytes);
+    for (int64_t j = sp.j0; j < sp.used; ++j) {
+      const scalar_t* kt = k_cache + sp.offset + j * s.token_stride;
       for (int64_t hq = 0; hq < s.heads; ++hq) {
         const float* qh = row.q + hq * dim;
         const scalar_t* kh = kt + (hq / group) * dim;
         float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t d = 0; d < dim; ++d) acc += qh[d] * static_cast<float>(kh[d]);
-        scores[hq * len + t0 + j] = acc;
+        scores[hq * len + sp.t0 + j] = acc;
       }
     }
   }
   softmax_rows(scores, inv_sum, s.heads, len, s.softcap);
   std::fill(out, out + s.heads * dim, 0.f);
   for (int64_t b = row.first_block; b < row.num_blocks; ++b) {
-    const scalar_t* vb = v_cache + row.table[b] * s.block_stride;
-    const scalar_t* vnext =
-        v_cache + row.table[std::min(b + 1, row.num_blocks - 1)] * s.block_stride;
-    const int64_t t0 = b * s.block_size - row.lo, used = std::min(s.block_size, len - t0);
-    prefetch(vnext, used * token_bytes);
-    for (int64_t j = std::max<int64_t>(0, -t0); j < used; ++j) {
-      const scalar_t* vt = vb + j * s.token_stride;
+    const BlockSpan sp = block_span(row, s, b);
+    prefetch(v_cache + sp.next_offset, sp.used * token_bytes);
+    for (int64_t j = sp.j0; j < sp.used; ++j) {
+      const scalar_t* vt = v_cache + sp.offset + j * s.token_stride;
       for (int64_t hq = 0; hq < s.heads; ++hq) {
-        const float p = scores[hq * len + t0 + j];
+        const float p = scores[hq * len + sp.t0 + j];
         const scalar_t* vh = vt + (hq / group) * dim;
         float* oh = out + hq * dim;
 #pragma omp simd

@@ -10,10 +10,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define BATCHPAGE_AVX2 1
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 // Requests the cache lines of [p, p + bytes). The next block sits at a random place in the
 // pool, where the hardware prefetcher cannot guess it: each token of the current block asks for
@@ -71,57 +68,7 @@ static void softmax_rows(float* scores, float* inv_sum, int64_t heads, int64_t l
 //   reduction (sum8) turns the eight accumulators into the eight scores;
 // - softmax: a vector exp (exp8);
 // - PV: a head's accumulator held in registers across a block.
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const c10::BFloat16* p) {
-  // bf16 is the top half of a float32: widen to 32 bits and shift into place.
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-static inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// a[0..7], each 8 partial sums of one dot product -> [sum(a[0]), ..., sum(a[7])].
-static inline __m256 sum8(const __m256* a) {
-  // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]: two rounds leave
-  // each 128-bit lane holding four quarter sums of four dot products; adding the lanes ends it.
-  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
-                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-static inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// e^x to about 1 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r,
-// times 2^n built in the exponent bits). x is clamped to [-87, 88] so 2^n stays a normal float:
-// below -87 the result is ~1e-38 instead of 0, nothing next to a softmax's largest weight of 1.
-// NaN passes through: min/max return their second operand when either is NaN.
-static inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.f), _mm256_min_ps(_mm256_set1_ps(88.f), x));
-  const __m256 n =
-      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // ln2 in two parts, so that n * ln2_hi is exact and r keeps its low bits
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-  const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-  const __m256i e = _mm256_slli_epi32(biased, 23);  // 2^n: the exponent field alone
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
+// (load8, sum8, hsum and exp8 are in cpu_vec.h.)
 static void softmax_rows(float* scores, float* inv_sum, int64_t heads, int64_t len,
                          float softcap) {
   apply_softcap(scores, heads * len, softcap);

@@ -26,80 +26,23 @@ tokens behind a shared, cached prefix take 2.1 ms per layer (the earlier 16-lane
 code: 7.0 ms, its accumulators spilled to the stack on AVX2); contexts read from memory stream
 at 8-11 GB/s, 1.4x-2.4x the earlier code.
 
-The build needs a C++ compiler with OpenMP (g++) and ninja. `CpuPagedDecode.build()` compiles
-on first use (about 45 s) into torch's extension folder and reuses the library afterwards; it
-raises KernelBuildError, with the compiler's message, when that is impossible.
+`CpuPagedDecode.build()` compiles on first use (about 45 s) through cpu_build.py, which caches
+the library and raises KernelBuildError, with the compiler's message, when it cannot build.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import platform
-import shutil
 from pathlib import Path
 
 import torch
+
+from batchpage.kernels.cpu_build import KernelBuildError, build_extension
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.cpp")  # shipped in the wheel beside this file
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-
-class KernelBuildError(RuntimeError):
-    pass
-
-
-log = logging.getLogger(__name__)
-
-
-def _cpu_flags() -> str:
-    """The instruction sets -march=native compiles for: a library built on another CPU (a
-    shared cache folder) must not be loaded here."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def extension_name(source: bytes) -> str:
-    """The library's name in the extension folder. It changes with the source, the torch build
-    and the CPU, so that an edited kernel is rebuilt rather than an old library reloaded."""
-    key = hashlib.sha256(b"\n".join([source, torch.__version__.encode(), _cpu_flags().encode()]))
-    return f"batchpage_cpu_decode_{key.hexdigest()[:12]}"
-
-
-def _put_ninja_on_path() -> None:
-    """torch's loader runs `ninja` from PATH. The PyPI package (a dependency) installs it next
-    to the interpreter, which is not always on PATH (a venv used without activating it)."""
-    if shutil.which("ninja") is not None:
-        return
-    try:
-        import ninja
-    except ImportError:
-        return  # the build then fails with torch's message, inside KernelBuildError
-    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-
-
-def _is_built(name: str) -> bool:
-    """Whether torch's extension folder already holds this build (then loading takes ~1 s)."""
-    from torch.utils import cpp_extension
-
-    try:
-        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
-    except (AttributeError, OSError, RuntimeError):  # a private helper: it may move
-        return False
-    # ninja rebuilds when the source's path differs from the one the build was made from (a
-    # moved checkout), so a library alone does not mean loading is quick.
-    try:
-        made_from_here = str(SOURCE) in (folder / "build.ninja").read_text()
-    except OSError:
-        return False
-    return made_from_here and (folder / f"{name}.so").exists()
+__all__ = ["DTYPES", "SOURCE", "CpuPagedDecode", "KernelBuildError"]
 
 
 class CpuPagedDecode:
@@ -110,39 +53,10 @@ class CpuPagedDecode:
 
     @classmethod
     def build(cls, verbose: bool = False) -> CpuPagedDecode:
-        """Compiles on first use into torch's extension folder ($TORCH_EXTENSIONS_DIR, default
-        ~/.cache/torch_extensions), where later builds of the same source and CPU find it."""
-        from torch.utils import cpp_extension
-
-        _put_ninja_on_path()
-        try:
-            source = SOURCE.read_bytes()
-        except OSError as exc:
-            raise KernelBuildError(
-                f"the CPU paged-decode kernel's source is missing ({exc}): reinstall batchpage, "
-                "whose wheel ships kernels/*.cpp; attention_backend='torch' runs without it"
-            ) from exc
-        name = extension_name(source)
-        if not _is_built(name):
-            log.info(
-                "building the CPU attention kernel %s (about 45 s on 2 cores; once, then cached)",
-                name,
-            )
-        try:
-            module = cpp_extension.load(
-                name=name,
-                sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-                extra_ldflags=["-fopenmp"],
-                verbose=verbose,
-            )
-        except (RuntimeError, OSError, ImportError) as exc:
-            raise KernelBuildError(
-                f"could not build the CPU paged-decode kernel {name}: {exc}. It needs g++ "
-                "with OpenMP and ninja (pip install ninja); attention_backend='torch' runs "
-                "without them"
-            ) from exc
-        return cls(module)
+        """Compiles on first use (kernels/cpu_build.py), then loads the cached library."""
+        return cls(
+            build_extension(SOURCE, "batchpage_cpu_decode", "the CPU paged-decode kernel", verbose)
+        )
 
     @staticmethod
     def check_tables(

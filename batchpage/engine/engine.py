@@ -20,7 +20,7 @@ from batchpage.engine.config import EngineConfig
 from batchpage.engine.constraint import GrammarMasks, advance
 from batchpage.engine.grammar_cache import GrammarCache
 from batchpage.engine.kv_manager import KVCacheManager, StaticKVCacheManager
-from batchpage.engine.model_runner import ModelRunner, make_attention_backend
+from batchpage.engine.model_runner import ModelRunner, make_attention_backend, make_layer_ops
 from batchpage.engine.plan import EnginePlan
 from batchpage.engine.sampler import compute_logprobs, sample
 from batchpage.engine.scheduler import ScheduledSeq, Scheduler
@@ -75,9 +75,9 @@ class Engine:
             )
         if use_onednn(cfg.linear_backend, plan.dtype, plan.device):
             model.prepack_linears()
-        self.runner = ModelRunner(
-            model, kv, make_attention_backend(cfg.attention_backend, plan.device)
-        )
+        attention = make_attention_backend(cfg.attention_backend, plan.device)
+        model.use_layer_ops(make_layer_ops(attention))
+        self.runner = ModelRunner(model, kv, attention)
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs=cfg.max_num_seqs,

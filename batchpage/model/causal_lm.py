@@ -13,7 +13,7 @@ model itself holds no per-request state.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +24,12 @@ from batchpage.attention.backend import StepAttention
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
 from batchpage.model.config import ModelConfig
-from batchpage.model.layers import RMSNorm, linear
+from batchpage.model.layers import Attention, GatedMLP, RMSNorm, linear
 from batchpage.model.packed_linear import PackedLinear, PackReport, pack_linear_modules
 from batchpage.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from batchpage.kernels.cpu_layer_ops import CpuLayerOps
 
 ShardKey = Hashable | None  # None: the whole parameter
 
@@ -103,6 +106,15 @@ class CausalLM(nn.Module):
         table = self.embed_tokens.weight
         self.tied_head = PackedLinear(table, None)
         return PackReport(packed + 1, table.numel() * table.element_size())
+
+    def use_layer_ops(self, ops: CpuLayerOps | None) -> int:
+        """Run the layers' norms, gated activations and rope through the CPU ops (C++,
+        kernels/cpu_layer_ops.py; None: back to torch). Returns how many modules took them.
+        Families with their own norm or activation (Gemma's) keep those in torch."""
+        users = [m for m in self.modules() if isinstance(m, (RMSNorm, GatedMLP, Attention))]
+        for m in users:
+            m.layer_ops = ops
+        return len(users)
 
     def checkpoint_target(self, name: str) -> tuple[str, ShardKey]:
         """Checkpoint name without `model.` -> (our parameter name, shard key)."""

@@ -11,6 +11,7 @@ each tensor into its rows.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,18 +24,34 @@ from batchpage.cache.kv_cache import KVCache
 from batchpage.model.config import ModelConfig
 from batchpage.model.rope import apply_rope
 
+if TYPE_CHECKING:
+    from batchpage.kernels.cpu_layer_ops import CpuLayerOps
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.layer_ops: CpuLayerOps | None = None  # set by CausalLM.use_layer_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+        if self.layer_ops is not None and x.dim() == 2:
+            return self.layer_ops.rms_norm(x, self.weight, self.eps)
         # Statistics in float32, then back to the model dtype before the scale (as HF does).
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_norm(
+        self,
+        x: torch.Tensor,  # [T, dim]
+        residual: torch.Tensor,  # [T, dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (x + residual, its norm), [T, dim] each
+        if self.layer_ops is not None:
+            return self.layer_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        total = x + residual
+        return total, self(total)
 
 
 def linear(
@@ -81,9 +98,13 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = merged_linear(hidden, (intermediate,) * 2, False, dtype, device)
         self.down_proj = linear(intermediate, hidden, False, dtype, device)
+        self.layer_ops: CpuLayerOps | None = None  # set by CausalLM.use_layer_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.layer_ops is not None:
+            return self.down_proj(self.layer_ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -119,6 +140,7 @@ class Attention(nn.Module):
         self.o_proj = linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, device)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if qk_norm else None
+        self.layer_ops: CpuLayerOps | None = None  # set by CausalLM.use_layer_ops (rope)
 
     def forward(
         self,
@@ -135,8 +157,14 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        # q and k are adjacent heads of qk: rotate them in one call.
-        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        # q and k are adjacent heads of qk: rotate them in one call (in place in qkv's rows with
+        # the CPU ops).
+        qk = (
+            apply_rope(qk, cos, sin)
+            if self.layer_ops is None
+            else self.layer_ops.rope_(qk, cos, sin)
+        )
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         o = attn(  # [T, num_heads, head_dim]
             self.layer,
@@ -178,5 +206,6 @@ class DecoderLayer(nn.Module):
         kv: KVCache,
         attn: StepAttention,  # this step's attention, planned by the backend
     ) -> torch.Tensor:  # [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv, attn)
+        x, normed = self.post_attention_layernorm.add_norm(h, x)
+        return x + self.mlp(normed)

@@ -112,12 +112,17 @@ def test_decode_shared_blocks_and_strided_rows(kernel):
     torch.testing.assert_close(out, _reference(case, 0.125), **tolerances(torch.float32))
 
 
-def test_library_name_follows_the_source() -> None:
-    # Torch's loader reuses a library of the same name: an edited kernel must get a new name.
-    source = cpu_paged_decode.SOURCE.read_bytes()
-    name = cpu_paged_decode.extension_name(source)
-    assert name == cpu_paged_decode.extension_name(source)
-    assert name != cpu_paged_decode.extension_name(source + b"\n// edited\n")
+def test_library_name_follows_the_sources() -> None:
+    # Torch's loader reuses a library of the same name: an edited kernel, or an edited header
+    # that it includes, must get a new name.
+    from batchpage.kernels.cpu_build import HEADERS, extension_name
+
+    source, header = cpu_paged_decode.SOURCE.read_bytes(), HEADERS[0].read_bytes()
+    name = extension_name("k", [source, header])
+    assert name == extension_name("k", [source, header])
+    assert name != extension_name("k", [source + b"\n// edited\n", header])
+    assert name != extension_name("k", [source, header + b"\n// edited\n"])
+    assert name != extension_name("other", [source, header])
 
 
 def test_launcher_rejects_bad_inputs(kernel):

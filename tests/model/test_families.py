@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from batchpage.attention.torch_backend import TorchPagedAttention
+from batchpage.kernels.cpu_layer_ops import CpuLayerOps
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import FAMILIES
 from batchpage.model.families import MODEL_CLASSES, build_model
@@ -61,16 +62,28 @@ def test_every_family_in_the_table_has_a_class():
     assert all(cls.family == name for name, cls in MODEL_CLASSES.items())
 
 
+@pytest.fixture(scope="module")
+def layer_ops() -> CpuLayerOps:
+    return CpuLayerOps.build()
+
+
+@pytest.mark.parametrize("with_ops", [False, True], ids=["torch", "cpu_layer_ops"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_prefill_logits_match_transformers(checkpoints, variant):
+def test_prefill_logits_match_transformers(checkpoints, layer_ops, variant, with_ops):
+    """Each family against HF, with its norms, activations and rope in torch, then in the C++
+    CPU ops (kernels/cpu_layer_ops.py) that a CPU engine uses."""
     hf, ours = checkpoints[variant]
     assert ours.config.family == MODEL_CLASSES[ours.config.family].family
-    for n in (20, 45):  # 45 > the 32-token original length of the scaled-rope variants
-        ids = random_ids(n, seed=n)
-        ref = hf_logits(hf, ids)
-        got = prefill_logits(ours, ids)
-        assert got.dtype == torch.float32 and got.shape == ref.shape
-        torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+    assert ours.use_layer_ops(layer_ops if with_ops else None) > 0
+    try:
+        for n in (20, 45):  # 45 > the 32-token original length of the scaled-rope variants
+            ids = random_ids(n, seed=n)
+            ref = hf_logits(hf, ids)
+            got = prefill_logits(ours, ids)
+            assert got.dtype == torch.float32 and got.shape == ref.shape
+            torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+    finally:
+        ours.use_layer_ops(None)
 
 
 @pytest.mark.parametrize(

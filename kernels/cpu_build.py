@@ -1,0 +1,110 @@
+"""Building the C++ CPU kernels (cpu_paged_decode.cpp, cpu_layer_ops.cpp) with torch's JIT
+extension loader: once per source, torch build and CPU, into torch's extension folder
+($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), where later builds find them.
+
+The build needs a C++ compiler with OpenMP (g++) and ninja; `build_extension` raises
+KernelBuildError, with the compiler's message, when that is impossible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+HERE = Path(__file__).parent
+# Included by the kernels (8-lane vectors, the vector exp); shipped in the wheel beside them.
+HEADERS = (HERE / "cpu_vec.h",)
+
+log = logging.getLogger(__name__)
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def _cpu_flags() -> str:
+    """The instruction sets -march=native compiles for: a library built on another CPU (a
+    shared cache folder) must not be loaded here."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def extension_name(prefix: str, sources: list[bytes]) -> str:
+    """The library's name in the extension folder. It changes with the sources (the kernel and
+    the headers it includes), the torch build and the CPU, so that an edited kernel is rebuilt
+    rather than an old library reloaded."""
+    key = hashlib.sha256(b"\n".join([*sources, torch.__version__.encode(), _cpu_flags().encode()]))
+    return f"{prefix}_{key.hexdigest()[:12]}"
+
+
+def _put_ninja_on_path() -> None:
+    """torch's loader runs `ninja` from PATH. The PyPI package (a dependency) installs it next
+    to the interpreter, which is not always on PATH (a venv used without activating it)."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # the build then fails with torch's message, inside KernelBuildError
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def _is_built(name: str, source: Path) -> bool:
+    """Whether torch's extension folder already holds this build (then loading takes ~1 s)."""
+    from torch.utils import cpp_extension
+
+    try:
+        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+    except (AttributeError, OSError, RuntimeError):  # a private helper: it may move
+        return False
+    # ninja rebuilds when the source's path differs from the one the build was made from (a
+    # moved checkout), so a library alone does not mean loading is quick.
+    try:
+        made_from_here = str(source) in (folder / "build.ninja").read_text()
+    except OSError:
+        return False
+    return made_from_here and (folder / f"{name}.so").exists()
+
+
+def build_extension(source: Path, prefix: str, what: str, verbose: bool = False) -> ModuleType:
+    """Compile (first use, about 45 s on 2 cores) or load the extension built from `source`.
+    `what` names it in messages ("the CPU paged-decode kernel")."""
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
+    try:
+        texts = [source.read_bytes(), *(h.read_bytes() for h in HEADERS)]
+    except OSError as exc:
+        raise KernelBuildError(
+            f"the source of {what} is missing ({exc}): reinstall batchpage, whose wheel ships "
+            "kernels/*.cpp and *.h; attention_backend='torch' runs without it"
+        ) from exc
+    name = extension_name(prefix, texts)
+    if not _is_built(name, source):
+        log.info("building %s, %s (about 45 s on 2 cores; once, then cached)", what, name)
+    try:
+        return cpp_extension.load(
+            name=name,
+            sources=[str(source)],
+            extra_include_paths=[str(HERE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+            extra_ldflags=["-fopenmp"],
+            verbose=verbose,
+        )
+    except (RuntimeError, OSError, ImportError) as exc:
+        raise KernelBuildError(
+            f"could not build {what} ({name}): {exc}. It needs g++ with OpenMP and ninja "
+            "(pip install ninja); attention_backend='torch' runs without them"
+        ) from exc

@@ -72,6 +72,32 @@ class CpuPagedDecode:
             assert int(seq_lens.max()) <= block_tables.shape[1] * block_size
             assert int(block_tables.min()) >= 0 and int(block_tables.max()) < num_blocks
 
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim], rows may be strided
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim], rows may be strided
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # int64 [T]: block * block_size + offset
+        slots_checked: bool = False,
+    ) -> None:
+        """Store each new token's K/V at its slot: attention/torch_backend.write_kv's arguments
+        and result (every slot >= 0), in one pass. slots_checked: the caller checked that every
+        slot lies in the pool (a backend does it once per step, not once per layer)."""
+        t, kv_heads, dim = key.shape
+        assert value.shape == key.shape and slot_mapping.shape == (t,)
+        assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (kv_heads, dim)
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+        for x in (key, value):
+            assert x.stride(2) == 1 and x.stride(1) == dim, "K/V rows: [heads, dim] densely"
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+        if not slots_checked and t:
+            capacity = k_cache.shape[0] * k_cache.shape[1]
+            assert int(slot_mapping.min()) >= 0 and int(slot_mapping.max()) < capacity
+        if t:
+            self._module.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
     def __call__(
         self,
         q: torch.Tensor,  # [N, num_heads, head_dim]: one decode row per sequence

@@ -13,7 +13,6 @@ import torch
 from batchpage.attention.backend import check_planned_for, check_window_and_softcap
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.attention.parts import StepParts, attend_parts
-from batchpage.attention.torch_backend import write_kv
 from batchpage.cache.kv_cache import KVCache
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
 
@@ -46,10 +45,10 @@ class CpuStepAttention:
         check_planned_for(self.meta, meta)
         check_window_and_softcap(sliding_window, logit_softcap)
         k_cache, v_cache = kv.k[layer], kv.v[layer]
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        # The step's slots and tables are the same in every layer: their values are checked in
+        # the first (every forward runs layer 0 first), the shapes in each.
+        self.kernel.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, slots_checked=layer > 0)
         q = q.to(k_cache.dtype)
-        # The step's tables are the same in every layer: their values are checked in the first
-        # (every forward runs layer 0 first), the shapes in each.
         window = {
             "sliding_window": sliding_window,
             "logit_softcap": logit_softcap,

@@ -292,3 +292,24 @@ def test_attention_benchmark_smoke(kernel, tmp_path: Path) -> None:
         "8 x 40", "8 x 10..60, longest first", "4 x 40, first 32 shared (cached)",
     ]  # fmt: skip
     assert all(r["cpu_ms"] > 0 and r["torch_ms"] > 0 for r in results)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_matches_torch(kernel, dtype) -> None:
+    """New K/V rows, taken as the Attention layer takes them (slices of the qkv rows), land in
+    their slots as torch's write_kv puts them; every other slot keeps its value."""
+    from batchpage.attention.torch_backend import write_kv
+
+    gen = torch.Generator().manual_seed(3)
+    pools = [torch.randn(12, 4, 2, 16, generator=gen).to(dtype) for _ in range(2)]
+    qkv = torch.randn(5, 6 * 16, generator=gen).to(dtype)
+    k, v = qkv[:, 2 * 16 : 4 * 16].view(5, 2, 16), qkv[:, 4 * 16 :].view(5, 2, 16)
+    slots = torch.tensor([47, 0, 13, 22, 5])
+    ours = [p.clone() for p in pools]
+    kernel.write_kv(k, v, ours[0], ours[1], slots)
+    write_kv(k, v, pools[0], pools[1], slots)
+    assert torch.equal(ours[0], pools[0]) and torch.equal(ours[1], pools[1])
+    with pytest.raises(AssertionError):
+        kernel.write_kv(k, v, ours[0], ours[1], torch.tensor([48, 0, 1, 2, 3]))  # past the pool
+    with pytest.raises(AssertionError):
+        kernel.write_kv(k, v, ours[0], ours[1], slots.int())

@@ -34,10 +34,11 @@ from jobs.bench.workloads import sample_sharegpt
 BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("linears", ("forward (torch/nn/modules/linear.py", "Linear.forward")),
     ("lm_head", ("compute_logits",)),
-    ("attention", ("attention/", "kernels/", "StepAttention", "PagedAttention")),
-    ("norms", ("RMSNorm.forward",)),
-    ("rope", ("rope.py",)),
+    # The C++ layer ops (kernels/cpu_layer_ops.py) before the kernels' catch-all below.
+    ("norms", ("RMSNorm.forward", "rms_norm (", "add_norm (")),
+    ("rope", ("rope.py", "rope_ (")),
     ("activations", ("GatedMLP.forward", "act_fn", "gelu", "silu")),
+    ("attention", ("attention/", "kernels/", "StepAttention", "PagedAttention")),
     ("model, other", ("model/",)),
     ("sampling", ("sampler.py", "constraint.py")),
     ("stop checks, detokenize", ("stop_checker.py",)),

@@ -15,6 +15,7 @@ from batchpage.kernels.cpu_layer_ops import CpuLayerOps
 from batchpage.kernels.testing import tolerances
 from batchpage.model.layers import RMSNorm
 from batchpage.model.rope import apply_rope
+from tests.kernels.bench_smoke import run_bench_smoke
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -125,19 +126,7 @@ def test_cpu_engine_uses_the_ops_and_torch_engine_does_not(tmp_path):
 
 
 def test_layer_ops_benchmark_smoke(ops, tmp_path) -> None:
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    out = tmp_path / "cpu_layer_ops.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "jobs.bench.cpu_layer_ops", "--smoke", "--out", str(out)],
-        cwd=root, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert "| rows | part | torch (us) | C++ (us) | speed-up |" in done.stdout
-    results = json.loads(out.read_text())["results"]
+    stdout, results = run_bench_smoke("jobs.bench.cpu_layer_ops", tmp_path / "layer_ops.json")
+    assert "| rows | part | torch (us) | C++ (us) | speed-up |" in stdout
     assert [r["part"] for r in results] == ["rms_norm", "add + rms_norm", "silu * up", "rope"]
     assert all(r["cpu_us"] > 0 and r["torch_us"] > 0 for r in results)

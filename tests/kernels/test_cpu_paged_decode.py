@@ -28,6 +28,7 @@ from batchpage.kernels.testing import (
     tolerances,
 )
 from tests.attention.case_inputs import case_metadata, hidden_pool, mixed_step_lens, two_layer_pool
+from tests.kernels.bench_smoke import run_bench_smoke
 from tests.model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 
 
@@ -275,19 +276,8 @@ def test_config_names_the_backends() -> None:
 
 
 def test_attention_benchmark_smoke(kernel, tmp_path: Path) -> None:
-    import json
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[2]
-    out = tmp_path / "cpu_attention.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "jobs.bench.cpu_attention", "--smoke", "--out", str(out)],
-        cwd=root, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert "| decode rows x context |" in done.stdout
-    results = json.loads(out.read_text())["results"]
+    stdout, results = run_bench_smoke("jobs.bench.cpu_attention", tmp_path / "attention.json")
+    assert "| decode rows x context |" in stdout
     assert [r["case"] for r in results] == [
         "8 x 40", "8 x 10..60, longest first", "4 x 40, first 32 shared (cached)",
     ]  # fmt: skip

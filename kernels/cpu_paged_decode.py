@@ -8,6 +8,9 @@ that copy is most of a SmolLM2 decode step on a 2-core CPU. This kernel reads ea
 blocks in place, once, through its block table: the CPU counterpart of
 paged_decode_attention.py (Triton), with the same inputs and the same float32 softmax.
 
+The same library writes the step's new K/V rows into their slots (`write_kv`, a memcpy per
+token), which the CPU backend calls before attending.
+
 Work split: one task per sequence, handed out one at a time to torch's intra-op threads (OpenMP
 dynamic schedule: contexts differ in length). A task reads its blocks front to back, K then V,
 and prefetches each next block (it sits at a random place in the pool). It computes all scores

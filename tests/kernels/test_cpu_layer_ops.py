@@ -130,3 +130,19 @@ def test_layer_ops_benchmark_smoke(ops, tmp_path) -> None:
     assert "| rows | part | torch (us) | C++ (us) | speed-up |" in stdout
     assert [r["part"] for r in results] == ["rms_norm", "add + rms_norm", "silu * up", "rope"]
     assert all(r["cpu_us"] > 0 and r["torch_us"] > 0 for r in results)
+
+
+def test_engine_keeps_torch_layers_when_the_ops_cannot_build(monkeypatch) -> None:
+    from batchpage.attention.cpu_backend import CpuPagedAttention
+    from batchpage.attention.torch_backend import TorchPagedAttention
+    from batchpage.engine.model_runner import make_layer_ops
+    from batchpage.kernels.cpu_build import KernelBuildError
+    from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
+
+    def fail(cls, verbose: bool = False):
+        raise KernelBuildError("no compiler here")
+
+    monkeypatch.setattr(CpuLayerOps, "build", classmethod(fail))
+    with pytest.warns(UserWarning, match="no compiler here.*norms and activations run in torch"):
+        assert make_layer_ops(CpuPagedAttention(CpuPagedDecode.build())) is None
+    assert make_layer_ops(TorchPagedAttention()) is None  # no warning: torch asked for

@@ -55,10 +55,11 @@ class CpuPagedDecode:
         self._module = module
 
     @classmethod
-    def build(cls, verbose: bool = False) -> CpuPagedDecode:
-        """Compiles on first use (kernels/cpu_build.py), then loads the cached library."""
+    def build(cls, verbose: bool = False, source: Path = SOURCE) -> CpuPagedDecode:
+        """Compiles on first use (kernels/cpu_build.py), then loads the cached library. `source`
+        is for benchmarks that time an older version of the kernel against this one."""
         return cls(
-            build_extension(SOURCE, "batchpage_cpu_decode", "the CPU paged-decode kernel", verbose)
+            build_extension(source, "batchpage_cpu_decode", "the CPU paged-decode kernel", verbose)
         )
 
     @staticmethod

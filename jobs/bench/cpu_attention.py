@@ -16,6 +16,17 @@ listed longest first, as the scheduler lists its oldest sequences first; and (--
 whose contexts start with the same cached blocks, as behind a shared system prompt, where the
 reads come from the caches and the kernel's arithmetic sets its speed. "GB/s" is the K/V bytes
 the contexts hold, per second: the traffic a kernel that reads each byte once must move.
+
+Each case is laid out several times over disjoint blocks (together at least 128 MiB, four times
+a large L3) and every call takes the next copy, so no call finds the blocks that the last ones
+left in the caches. The systems take turns call by call, so a busy moment of a shared machine
+falls on all of them alike.
+
+    git show HEAD~1:kernels/cpu_paged_decode.cpp > /tmp/before.cpp
+    python -m jobs.bench.cpu_attention --baseline /tmp/before.cpp
+
+--baseline builds a second copy of the kernel from another source (an older version) and times
+it in the same turns: the fair way to see what a change to the kernel did on a noisy machine.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,50 +52,68 @@ from jobs.bench.report import command_line, environment, log, markdown_table, wr
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
-def decode_step(
-    lens: list[int], pool_blocks: int, seed: int, shared_blocks: int = 0
-) -> tuple[AttentionMetadata, KVCache]:
-    """Metadata for one decode row per context and a one-layer pool of random K/V. The first
-    shared_blocks blocks of every table are the same blocks (a cached prefix)."""
-    gen = torch.Generator().manual_seed(seed)
+COLD_BYTES = 128 * 2**20  # the copies of a case together: four times a 32 MiB L3
+
+
+def decode_metas(
+    lens: list[int], pool_blocks: int, gen: torch.Generator, shared_blocks: int, copies: int
+) -> list[AttentionMetadata]:
+    """`copies` decode steps with one row per context, each over its own blocks of the pool.
+    The first shared_blocks blocks of every table in one copy are the same blocks (a cached
+    prefix)."""
     per_seq = [blocks_for(n, BLOCK) for n in lens]
     assert all(nb > shared_blocks for nb in per_seq), "each row has a block of its own"
-    own = sum(nb - shared_blocks for nb in per_seq)
-    ids = torch.randperm(pool_blocks, generator=gen)[: shared_blocks + own].tolist()
-    prefix, ids = ids[:shared_blocks], ids[shared_blocks:]
-    tables, slots = [], []
-    for n, nb in zip(lens, per_seq, strict=True):
-        table, ids = prefix + ids[: nb - shared_blocks], ids[nb - shared_blocks :]
-        tables.append(table + [0] * (max(per_seq) - nb))
-        slots.append(table[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK)
-    kv = KVCache.allocate(1, pool_blocks, BLOCK, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
-    kv.k[0].normal_(generator=gen)
-    kv.v[0].normal_(generator=gen)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        block_size=BLOCK,
-        query_lens_cpu=(1,) * len(lens),
-        seq_lens_cpu=tuple(lens),
-    )
-    return meta, kv
+    need = shared_blocks + sum(nb - shared_blocks for nb in per_seq)
+    pool_ids = torch.randperm(pool_blocks, generator=gen)[: copies * need].tolist()
+    metas = []
+    for c in range(copies):
+        ids = pool_ids[c * need : (c + 1) * need]
+        prefix, ids = ids[:shared_blocks], ids[shared_blocks:]
+        tables, slots = [], []
+        for n, nb in zip(lens, per_seq, strict=True):
+            table, ids = prefix + ids[: nb - shared_blocks], ids[nb - shared_blocks :]
+            tables.append(table + [0] * (max(per_seq) - nb))
+            slots.append(table[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK)
+        metas.append(
+            AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.long),
+                query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+                seq_lens=torch.tensor(lens, dtype=torch.int32),
+                block_tables=torch.tensor(tables, dtype=torch.int32),
+                block_size=BLOCK,
+                query_lens_cpu=(1,) * len(lens),
+                seq_lens_cpu=tuple(lens),
+            )
+        )
+    return metas
 
 
-def time_backend(backend: Any, meta: AttentionMetadata, kv: KVCache, repeats: int) -> float:
-    """Median seconds of one layer's attention call."""
-    n = meta.num_seqs
+def time_systems(
+    systems: dict[str, Callable[[], Any]],
+    metas: list[AttentionMetadata],
+    kv: KVCache,
+    repeats: int,
+) -> dict[str, float]:
+    """Median seconds of one layer's attention call for each system (a backend factory). Each
+    repeat runs every system once, in an order that rotates; each call takes the next copy."""
+    n = metas[0].num_seqs
     q = torch.randn(n, HEADS, HEAD_DIM)
     k = torch.randn(n, KV_HEADS, HEAD_DIM)
     v = torch.randn(n, KV_HEADS, HEAD_DIM)
-    backend(0, q, k, v, kv, meta, HEAD_DIM**-0.5)  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        backend(0, q, k, v, kv, meta, HEAD_DIM**-0.5)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    planned = {name: [make().plan(m) for m in metas] for name, make in systems.items()}
+    names = list(systems)
+    for name in names:  # warm-up
+        planned[name][0](0, q, k, v, kv, metas[0], HEAD_DIM**-0.5)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    calls = 0
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            c = calls % len(metas)
+            start = time.perf_counter()
+            planned[name][c](0, q, k, v, kv, metas[c], HEAD_DIM**-0.5)
+            times[name].append(time.perf_counter() - start)
+            calls += 1
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,6 +127,10 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     p.add_argument("--pool-gib", type=float, default=2.0, help="size of the one-layer pool")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument(
+        "--baseline", type=Path, default=None,
+        help="C++ source of another version of the kernel, timed in turn with this one",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
@@ -106,6 +140,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(torch.get_num_threads())
     keep_freed_memory()  # as the engine does on a CPU
     kernel = CpuPagedDecode.build()
+    systems: dict[str, Callable[[], Any]] = {
+        "torch": TorchPagedAttention,
+        "cpu": lambda: CpuPagedAttention(kernel),
+    }
+    if args.baseline:
+        before = CpuPagedDecode.build(source=args.baseline.resolve())
+        systems["baseline"] = lambda: CpuPagedAttention(before)
     token_bytes = bytes_per_block(1, 1, KV_HEADS, HEAD_DIM, torch.float32)  # one token, one layer
     pool_blocks = int(args.pool_gib * 2**30 / (BLOCK * token_bytes))
     lo, hi = (int(x) for x in args.spread.split(","))
@@ -121,24 +162,32 @@ def main(argv: list[str] | None = None) -> None:
         cases.append((label, [ctx] * rows_, prefix // BLOCK))
 
     rows, results = [], []
-    for i, (label, lens, shared_blocks) in enumerate(cases):
-        meta, kv = decode_step(
-            lens, max(pool_blocks, 2 * sum(blocks_for(n, BLOCK) for n in lens)), i, shared_blocks
-        )
-        t_torch = time_backend(TorchPagedAttention().plan(meta), meta, kv, args.repeats)
-        t_cpu = time_backend(CpuPagedAttention(kernel).plan(meta), meta, kv, args.repeats)
-        gbytes = sum(lens) * token_bytes / 1e9
+    gen = torch.Generator().manual_seed(0)
+    for label, lens, shared_blocks in cases:
+        need = sum(blocks_for(n, BLOCK) for n in lens)
+        case_bytes = sum(lens) * token_bytes
+        blocks = max(pool_blocks, 2 * need)
+        copies = min(blocks // need, -(-COLD_BYTES // case_bytes))
+        kv = KVCache.allocate(1, blocks, BLOCK, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+        kv.k[0].normal_(generator=gen)
+        kv.v[0].normal_(generator=gen)
+        metas = decode_metas(lens, blocks, gen, shared_blocks, copies)
+        t = time_systems(systems, metas, kv, args.repeats)
+        gbytes = case_bytes / 1e9
         result = {
-            "case": label, "torch_ms": t_torch * 1e3, "cpu_ms": t_cpu * 1e3,
-            "torch_gb_s": gbytes / t_torch, "cpu_gb_s": gbytes / t_cpu,
-            "speedup": t_torch / t_cpu,
+            "case": label, "copies": copies, "torch_ms": t["torch"] * 1e3,
+            "cpu_ms": t["cpu"] * 1e3, "torch_gb_s": gbytes / t["torch"],
+            "cpu_gb_s": gbytes / t["cpu"], "speedup": t["torch"] / t["cpu"],
         }  # fmt: skip
+        row = [label, result["torch_ms"], result["cpu_ms"], result["torch_gb_s"],
+               result["cpu_gb_s"], f"{result['speedup']:.2f}x"]  # fmt: skip
+        if "baseline" in t:
+            result["baseline_ms"] = t["baseline"] * 1e3
+            result["vs_baseline"] = t["baseline"] / t["cpu"]
+            row += [result["baseline_ms"], f"{result['vs_baseline']:.2f}x"]
         results.append(result)
-        rows.append([
-            label, result["torch_ms"], result["cpu_ms"], result["torch_gb_s"],
-            result["cpu_gb_s"], f"{result['speedup']:.2f}x",
-        ])  # fmt: skip
-        log(f"{label}: torch {t_torch * 1e3:.2f} ms, cpu kernel {t_cpu * 1e3:.2f} ms")
+        rows.append(row)
+        log(f"{label}: " + ", ".join(f"{name} {sec * 1e3:.2f} ms" for name, sec in t.items()))
         del kv
 
     env = environment()
@@ -147,17 +196,17 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"One layer, {HEADS} query / {KV_HEADS} KV heads, head_dim {HEAD_DIM}, float32, block "
         f"{BLOCK}, contexts in shuffled blocks of a {args.pool_gib:g} GiB pool, "
-        f"{env['torch_threads']} threads, median of {args.repeats}. CPU: {env['cpu']} "
+        f"{env['torch_threads']} threads, median of {args.repeats}, each call on blocks "
+        f"the calls before it left alone. CPU: {env['cpu']} "
         f"({', '.join(env['cpu_flags'])}). GB/s counts each row's context once, so a shared "
         "prefix, read from the caches, can exceed the memory's bandwidth.\n"
     )
-    print(
-        markdown_table(
-            ["decode rows x context", "torch ms", "cpu kernel ms", "torch GB/s",
-             "cpu kernel GB/s", "speedup"],
-            rows,
-        )
-    )  # fmt: skip
+    header = ["decode rows x context", "torch ms", "cpu kernel ms", "torch GB/s",
+              "cpu kernel GB/s", "speedup"]  # fmt: skip
+    if args.baseline:
+        print(f"Baseline: the kernel built from {args.baseline}.\n")
+        header += ["baseline kernel ms", "kernel vs baseline"]
+    print(markdown_table(header, rows))
     if args.out:
         write_json(args.out, {"command": command_line(), "environment": env, "results": results})
         print(f"\nJSON: {args.out}")

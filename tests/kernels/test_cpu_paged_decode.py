@@ -276,12 +276,19 @@ def test_config_names_the_backends() -> None:
 
 
 def test_attention_benchmark_smoke(kernel, tmp_path: Path) -> None:
-    stdout, results = run_bench_smoke("jobs.bench.cpu_attention", tmp_path / "attention.json")
-    assert "| decode rows x context |" in stdout
+    """The benchmark runs, here with --baseline naming this kernel's own source (the build is
+    then the cached one): every case gains the baseline's column."""
+    from batchpage.kernels.cpu_paged_decode import SOURCE
+
+    stdout, results = run_bench_smoke(
+        "jobs.bench.cpu_attention", tmp_path / "attention.json", "--baseline", str(SOURCE)
+    )
+    assert "| decode rows x context |" in stdout and "| kernel vs baseline |" in stdout
     assert [r["case"] for r in results] == [
         "8 x 40", "8 x 10..60, longest first", "4 x 40, first 32 shared (cached)",
     ]  # fmt: skip
-    assert all(r["cpu_ms"] > 0 and r["torch_ms"] > 0 for r in results)
+    assert all(r["cpu_ms"] > 0 and r["torch_ms"] > 0 and r["baseline_ms"] > 0 for r in results)
+    assert all(r["copies"] >= 1 for r in results)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

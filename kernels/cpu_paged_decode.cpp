@@ -15,9 +15,9 @@
 // Requests the cache lines of [p, p + bytes). The next block sits at a random place in the
 // pool, where the hardware prefetcher cannot guess it, so the K pass asks for it in slices
 // spread over its work on the current block. (Asking for a whole block in one burst at each
-// block's start, in both passes, read 7.3 GB/s on a 2-core EPYC, against 7.8-8.3 now; a plain
-// stream reads 14.5. Asking for V again in the V pass made rows whose context sits in the
-// caches, behind a shared prefix, 6-11% slower and long cold rows no faster.)
+// block's start, in both passes, was 1.07-1.16x slower on a 2-core EPYC: `python -m
+// jobs.bench.cpu_attention --baseline OLD.cpp`. Asking for V again in the V pass made rows whose
+// context sits in the caches, behind a shared prefix, 6-11% slower and long cold rows no faster.)
 static inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);

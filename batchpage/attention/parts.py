@@ -132,14 +132,18 @@ def shared_prefix_clusters(
 
 
 def plan_parts(
-    meta: AttentionMetadata, decode_rows: bool = True, window: int | None = None
+    meta: AttentionMetadata,
+    decode_rows: bool = True,
+    window: int | None = None,
+    skip: frozenset[int] = frozenset(),
 ) -> list[AttentionPart]:
     """The step's parts, covering every query row once: decode groups (cascades over shared
     leading blocks first), then one part per sequence with several new tokens.
 
     decode_rows=False leaves out the sequences with one new token (a backend that serves them
-    some other way plans only the rest). window: the layers' sliding window (see
-    backend.StepAttention), None for full attention."""
+    some other way plans only the rest); skip: sequences with several new tokens that such a
+    backend serves itself too. window: the layers' sliding window (see backend.StepAttention),
+    None for full attention."""
     if window is not None and window >= meta.max_seq_len:
         window = None  # the window holds every context whole: full attention, cascades and all
     starts = meta.query_start_loc.tolist() if meta.num_seqs else []
@@ -167,7 +171,7 @@ def plan_parts(
         for group in length_groups(decode, spans):
             parts.append(_decode_part(group, starts, tables, meta, first, lo))
     for b, n in enumerate(meta.query_lens_cpu):
-        if n > 1:
+        if n > 1 and b not in skip:
             parts.append(_extend_part(b, n, starts[b], tables, meta, window))
     return parts
 
@@ -208,13 +212,14 @@ class StepParts:
 
     meta: AttentionMetadata
     decode_rows: bool = True
+    skip: frozenset[int] = frozenset()  # see plan_parts
     planned: dict[int | None, list[AttentionPart]] = field(default_factory=dict)
 
     def __call__(self, window: int | None) -> list[AttentionPart]:
         if window is not None and window >= self.meta.max_seq_len:
             window = None  # the same parts as full attention: plan them once
         if window not in self.planned:
-            self.planned[window] = plan_parts(self.meta, self.decode_rows, window)
+            self.planned[window] = plan_parts(self.meta, self.decode_rows, window, self.skip)
         return self.planned[window]
 
 

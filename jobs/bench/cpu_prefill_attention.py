@@ -22,12 +22,12 @@ import time
 import torch
 
 from batchpage.attention.cpu_backend import CpuPagedAttention, kernel_is_cheaper
-from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
 from batchpage.host_memory import keep_freed_memory
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
-from batchpage.kernels.testing import PagedCase, make_paged_case
+from batchpage.kernels.testing import make_paged_case
 from jobs.bench.report import command_line, environment, log, markdown_table, write_json
+from tests.attention.case_inputs import case_metadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 SYSTEMS = {"kernel": True, "sdpa": False, "rule": None}
@@ -46,18 +46,6 @@ CASES = [
 SMOKE_CASES = [("2 prompts of 20", [20] * 2, [20] * 2, 0), ("chunk of 8 after 40", [48], [8], 0)]
 
 
-def metadata(case: PagedCase) -> AttentionMetadata:
-    return AttentionMetadata(
-        slot_mapping=case.slot_mapping,
-        query_start_loc=case.cu_seqlens_q,
-        seq_lens=case.seq_lens,
-        block_tables=case.block_table,
-        block_size=case.k_cache.shape[1],
-        query_lens_cpu=case.query_lens,
-        seq_lens_cpu=tuple(case.seq_lens.tolist()),
-    )
-
-
 def time_case(
     kernel: CpuPagedDecode,
     lens: list[int],
@@ -69,7 +57,7 @@ def time_case(
     """(median seconds of each system's call, the largest difference of its output from the
     kernel's)."""
     case = make_paged_case(lens, new, HEADS, KV_HEADS, HEAD_DIM, BLOCK, dtype, shared_blocks=shared)
-    meta = metadata(case)
+    meta = case_metadata(case)
     kv = KVCache(k=[case.k_cache.nan_to_num()], v=[case.v_cache.nan_to_num()])
     args = (case.q, case.k_new, case.v_new, kv, meta, HEAD_DIM**-0.5)
     steps = {name: CpuPagedAttention(kernel, route).plan(meta) for name, route in SYSTEMS.items()}

@@ -3,7 +3,8 @@
     python -m jobs.bench.cpu_attention --out bench/cpu_attention.json
     python -m jobs.bench.cpu_attention --smoke         # seconds: does it run?
 
-One layer of SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64, float32, block size 16):
+One layer of SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64, block size 16; float32,
+or --dtype bfloat16):
 a batch of decode rows whose contexts sit in shuffled blocks of a pool much larger than the
 caches, so every read comes from memory as in the engine. Each row is timed through the
 AttentionBackend interface (K/V write of the new token included) for:
@@ -47,7 +48,7 @@ from batchpage.cache.kv_cache import KVCache, bytes_per_block
 from batchpage.engine.kv_manager import blocks_for
 from batchpage.host_memory import keep_freed_memory
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
-from jobs.bench.report import command_line, environment, log, markdown_table, write_json
+from jobs.bench.report import command_line, environment, log, markdown_table, timed, write_json
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -97,9 +98,10 @@ def time_systems(
     """Median seconds of one layer's attention call for each system (a backend factory). Each
     repeat runs every system once, in an order that rotates; each call takes the next copy."""
     n = metas[0].num_seqs
-    q = torch.randn(n, HEADS, HEAD_DIM)
-    k = torch.randn(n, KV_HEADS, HEAD_DIM)
-    v = torch.randn(n, KV_HEADS, HEAD_DIM)
+    dtype = kv.k[0].dtype
+    q = torch.randn(n, HEADS, HEAD_DIM).to(dtype)
+    k = torch.randn(n, KV_HEADS, HEAD_DIM).to(dtype)
+    v = torch.randn(n, KV_HEADS, HEAD_DIM).to(dtype)
     planned = {name: [make().plan(m) for m in metas] for name, make in systems.items()}
     names = list(systems)
     for name in names:  # warm-up
@@ -114,6 +116,15 @@ def time_systems(
             times[name].append(time.perf_counter() - start)
             calls += 1
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def streaming_read_gb_s(gib: float, repeats: int = 5) -> float:
+    """This machine's memory bandwidth for a plain read on torch's threads: the best of a few
+    sums over a tensor much larger than the caches. The kernel's GB/s compares with it."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    x.sum()
+    best = min(timed(x.sum)[1] for _ in range(repeats))
+    return x.numel() * 4 / best / 1e9
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         "--baseline", type=Path, default=None,
         help="C++ source of another version of the kernel, timed in turn with this one",
     )  # fmt: skip
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
@@ -147,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.baseline:
         before = CpuPagedDecode.build(source=args.baseline.resolve())
         systems["baseline"] = lambda: CpuPagedAttention(before)
-    token_bytes = bytes_per_block(1, 1, KV_HEADS, HEAD_DIM, torch.float32)  # one token, one layer
+    dtype = getattr(torch, args.dtype)
+    token_bytes = bytes_per_block(1, 1, KV_HEADS, HEAD_DIM, dtype)  # one token, one layer
     pool_blocks = int(args.pool_gib * 2**30 / (BLOCK * token_bytes))
     lo, hi = (int(x) for x in args.spread.split(","))
     cases: list[tuple[str, list[int], int]] = []  # (label, context lengths, shared blocks)
@@ -168,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         case_bytes = sum(lens) * token_bytes
         blocks = max(pool_blocks, 2 * need)
         copies = min(blocks // need, -(-COLD_BYTES // case_bytes))
-        kv = KVCache.allocate(1, blocks, BLOCK, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+        kv = KVCache.allocate(1, blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype, "cpu")
         kv.k[0].normal_(generator=gen)
         kv.v[0].normal_(generator=gen)
         metas = decode_metas(lens, blocks, gen, shared_blocks, copies)
@@ -190,16 +203,18 @@ def main(argv: list[str] | None = None) -> None:
         log(f"{label}: " + ", ".join(f"{name} {sec * 1e3:.2f} ms" for name, sec in t.items()))
         del kv
 
+    stream = streaming_read_gb_s(0.125 if args.smoke else 1.0)
     env = environment()
     print(f"## CPU decode attention: C++ kernel vs torch backend ({env['date_utc']})\n")
     print(f"Command: `{command_line()}`\n")
     print(
-        f"One layer, {HEADS} query / {KV_HEADS} KV heads, head_dim {HEAD_DIM}, float32, block "
+        f"One layer, {HEADS} query / {KV_HEADS} KV heads, head_dim {HEAD_DIM}, {args.dtype}, block "
         f"{BLOCK}, contexts in shuffled blocks of a {args.pool_gib:g} GiB pool, "
         f"{env['torch_threads']} threads, median of {args.repeats}, each call on blocks "
         f"the calls before it left alone. CPU: {env['cpu']} "
         f"({', '.join(env['cpu_flags'])}). GB/s counts each row's context once, so a shared "
-        "prefix, read from the caches, can exceed the memory's bandwidth.\n"
+        "prefix, read from the caches, can exceed the memory's bandwidth: a plain read of "
+        f"1 GiB (tensor.sum()) runs at {stream:.1f} GB/s here.\n"
     )
     header = ["decode rows x context", "torch ms", "cpu kernel ms", "torch GB/s",
               "cpu kernel GB/s", "speedup"]  # fmt: skip
@@ -208,7 +223,11 @@ def main(argv: list[str] | None = None) -> None:
         header += ["baseline kernel ms", "kernel vs baseline"]
     print(markdown_table(header, rows))
     if args.out:
-        write_json(args.out, {"command": command_line(), "environment": env, "results": results})
+        write_json(
+            args.out,
+            {"command": command_line(), "environment": env, "streaming_read_gb_s": stream,
+             "results": results},
+        )  # fmt: skip
         print(f"\nJSON: {args.out}")
 
 

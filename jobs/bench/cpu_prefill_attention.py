@@ -26,7 +26,7 @@ from batchpage.cache.kv_cache import KVCache
 from batchpage.host_memory import keep_freed_memory
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
 from batchpage.kernels.testing import make_paged_case
-from jobs.bench.report import command_line, environment, log, markdown_table, write_json
+from jobs.bench.report import command_line, environment, log, print_results
 from tests.attention.case_inputs import case_metadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -115,10 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     header = ["dtype", "new rows", "kernel ms", "sdpa ms", "kernel vs sdpa", "rule picks",
               "rule vs sdpa", "max abs diff"]  # fmt: skip
-    print(markdown_table(header, rows))
-    if args.out:
-        write_json(args.out, {"command": command_line(), "environment": env, "results": results})
-        print(f"\nJSON: {args.out}")
+    print_results(header, rows, args.out, env, results)
 
 
 if __name__ == "__main__":

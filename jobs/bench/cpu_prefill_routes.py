@@ -23,7 +23,7 @@ from batchpage import LLM, SamplingParams
 from batchpage.model.loader import load_tokenizer
 from jobs.bench.engine_runs import load_llm
 from jobs.bench.peer_workloads import PeerWorkload, sharegpt_workload, system_workload
-from jobs.bench.report import command_line, environment, log, markdown_table, write_json
+from jobs.bench.report import command_line, environment, log, print_results
 from jobs.bench.workloads import short_sharegpt_questions
 
 ROUTES = {"rule": None, "sdpa": False}  # name -> CpuPagedAttention.prefill_in_kernel
@@ -95,10 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"CPU: {env['cpu']} ({', '.join(env['cpu_flags'])}), median of {runs} runs a route.\n")
     header = ["workload", "dtype", "rule out tok/s", "all-SDPA out tok/s", "rule vs all-SDPA",
               "same greedy"]  # fmt: skip
-    print(markdown_table(header, rows))
-    if args.out:
-        write_json(args.out, {"command": command_line(), "environment": env, "results": results})
-        print(f"\nJSON: {args.out}")
+    print_results(header, rows, args.out, env, results)
 
 
 if __name__ == "__main__":

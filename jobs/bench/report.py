@@ -77,6 +77,21 @@ def write_json(path: str | Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
+def print_results(
+    headers: Sequence[str],
+    rows: Iterable[Sequence[Any]],
+    out: str | Path | None,
+    env: dict[str, Any],
+    results: list[dict[str, Any]],
+) -> None:
+    """A benchmark's ending: its Markdown table, and with --out its results as JSON beside the
+    command and the environment that made them."""
+    print(markdown_table(headers, rows))
+    if out:
+        write_json(out, {"command": command_line(), "environment": env, "results": results})
+        print(f"\nJSON: {out}")
+
+
 # --- tables ------------------------------------------------------------------------------------
 
 

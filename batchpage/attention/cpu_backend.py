@@ -19,10 +19,11 @@ from batchpage.cache.kv_cache import KVCache
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
 
 # The kernel reads each row's visible keys one row at a time, about 31 ns a key per row in
-# either dtype on a 2-core EPYC; SDPA multiplies every query row of a sequence with every
-# gathered key (a causal mask does not let it skip the rest) at about 20 ns a key per row, plus
-# about 0.3 ms a sequence for the gather and the call. Measured with `python -m
-# jobs.bench.cpu_prefill_attention` (BENCHMARKS.md, "Prefill rows through the decode kernel").
+# either dtype on a 2-core AMD EPYC with AVX-512 (Zen 4, the only CPU these were measured on);
+# SDPA multiplies every query row of a sequence with every gathered key (a causal mask does not
+# let it skip the rest) at about 20 ns a key per row, plus about 0.3 ms a sequence for the
+# gather and the call. Measured with `python -m jobs.bench.cpu_prefill_attention`
+# (BENCHMARKS.md, "Prefill rows through the decode kernel").
 SDPA_KEY_COST = 0.65  # SDPA's time per query row and key, in units of the kernel's
 SDPA_CALL_COST = 10_000  # SDPA's time per sequence, in keys the kernel reads in that time
 

@@ -17,6 +17,7 @@ import torch
 from batchpage import LLM, SamplingParams
 from batchpage.attention.cpu_backend import CpuPagedAttention, kernel_is_cheaper
 from batchpage.attention.torch_backend import TorchPagedAttention
+from batchpage.cache.kv_cache import KVCache
 from batchpage.host_memory import keep_freed_memory
 from batchpage.kernels import cpu_paged_decode
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
@@ -175,6 +176,25 @@ def test_backend_matches_torch_backend(kernel, seq_lens, query_lens, prefill_in_
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="call backend.plan\\(meta\\) for each step"):
         step(1, *args, pools[0], case_metadata(case), scale)
+
+
+@ROUTES
+def test_backend_in_bf16_matches_torch_backend_in_float32(kernel, prefill_in_kernel):
+    """Prompts, a chunk and decodes in a bf16 pool, against the torch backend over the same
+    bf16 values held in float32."""
+    seq_lens, query_lens = [12, 21, 9, 40, 30], [12, 21, 5, 17, 1]
+    case = make_paged_case(
+        seq_lens, query_lens, 6, 2, 64, 8, torch.bfloat16, shared_blocks=1, write_new=False
+    )
+    meta = case_metadata(case)
+    pool = two_layer_pool(case)
+    ref_pool = KVCache(k=[t.float() for t in pool.k], v=[t.float() for t in pool.v])
+    args = (case.q, case.k_new, case.v_new)
+    out = CpuPagedAttention(kernel, prefill_in_kernel).plan(meta)(1, *args, pool, meta, 0.125)
+    ref_args = tuple(t.float() for t in args)
+    ref = TorchPagedAttention().plan(meta)(1, *ref_args, ref_pool, meta, 0.125)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, **tolerances(torch.bfloat16))
 
 
 @ROUTES

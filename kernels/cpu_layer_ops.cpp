@@ -2,6 +2,8 @@
 // or after the residual add), SiLU(gate) * up, and rope in place. Built and launched by
 // cpu_layer_ops.py (see its docstring for why). Arithmetic is float32 whatever the tensors'
 // dtype; results round to that dtype where the torch reference rounds, so bf16 and fp16 match it.
+// Each has an 8-lane path (cpu_vec.h: load8 widens, store8 and round8 round to nearest even, as
+// c10 does) and a plain loop for the tail and for double.
 #include <torch/extension.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -23,15 +25,43 @@ static inline float f32(T v) {
   return static_cast<float>(v);
 }
 
+// The AVX2 paths take float32, bf16 and fp16 (load8 / store8 / round8 in cpu_vec.h); double
+// takes the plain loops.
+template <typename T>
+constexpr bool kVector =
+#ifdef BATCHPAGE_AVX2
+    !std::is_same_v<T, double>;
+#else
+    false;
+#endif
+
 // out = weight * T(x * rsqrt(mean(x^2) + eps)): float32 statistics, the normalised row rounded
 // to the model dtype before the scale (HF's RMSNorm, and RMSNorm in model/layers.py).
 template <typename T>
-static void norm_row(T* out, const float* x, const T* w, int64_t dim, float eps) {
+static void norm_row(T* out, const T* x, const T* w, int64_t dim, float eps) {
   float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t d = 0; d < dim; ++d) ss += x[d] * x[d];
+  int64_t d = 0;
+#ifdef BATCHPAGE_AVX2
+  if constexpr (kVector<T>) {
+    __m256 acc = _mm256_setzero_ps();
+    for (; d + 8 <= dim; d += 8) {
+      const __m256 v = load8(x + d);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    ss = hsum(acc);
+  }
+#endif
+  for (; d < dim; ++d) ss += f32(x[d]) * f32(x[d]);
   const float r = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
-  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<T>(f32(w[d]) * f32(static_cast<T>(x[d] * r)));
+  d = 0;
+#ifdef BATCHPAGE_AVX2
+  if constexpr (kVector<T>) {
+    const __m256 r8 = _mm256_set1_ps(r);
+    for (; d + 8 <= dim; d += 8)
+      store8(out + d, _mm256_mul_ps(load8(w + d), round8<T>(_mm256_mul_ps(load8(x + d), r8))));
+  }
+#endif
+  for (; d < dim; ++d) out[d] = static_cast<T>(f32(w[d]) * f32(static_cast<T>(f32(x[d]) * r)));
 }
 
 void rms_norm(torch::Tensor out,     // [N, D], contiguous
@@ -44,14 +74,20 @@ void rms_norm(torch::Tensor out,     // [N, D], contiguous
     const scalar_t* w = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, n, grain(dim), [&](int64_t begin, int64_t end) {
-      std::vector<float> xf(dim);
-      for (int64_t i = begin; i < end; ++i) {
-        const scalar_t* xi = xp + i * row;
-        for (int64_t d = 0; d < dim; ++d) xf[d] = f32(xi[d]);
-        norm_row(op + i * dim, xf.data(), w, dim, static_cast<float>(eps));
-      }
+      for (int64_t i = begin; i < end; ++i)
+        norm_row(op + i * dim, xp + i * row, w, dim, static_cast<float>(eps));
     });
   });
+}
+
+template <typename T>
+static void add_row(T* out, const T* x, const T* y, int64_t dim) {
+  int64_t d = 0;
+#ifdef BATCHPAGE_AVX2
+  if constexpr (kVector<T>)
+    for (; d + 8 <= dim; d += 8) store8(out + d, _mm256_add_ps(load8(x + d), load8(y + d)));
+#endif
+  for (; d < dim; ++d) out[d] = static_cast<T>(f32(x[d]) + f32(y[d]));
 }
 
 // total = T(x + residual), the new residual stream; out = RMSNorm(total).
@@ -69,15 +105,11 @@ void add_rms_norm(torch::Tensor out,       // [N, D], contiguous
     scalar_t* op = out.data_ptr<scalar_t>();
     scalar_t* tp = total.data_ptr<scalar_t>();
     at::parallel_for(0, n, grain(dim), [&](int64_t begin, int64_t end) {
-      std::vector<float> sf(dim);
       for (int64_t i = begin; i < end; ++i) {
         const scalar_t *xi = xp + i * xrow, *ri = rp + i * rrow;
         scalar_t* ti = tp + i * dim;
-        for (int64_t d = 0; d < dim; ++d) {
-          ti[d] = static_cast<scalar_t>(f32(xi[d]) + f32(ri[d]));
-          sf[d] = f32(ti[d]);
-        }
-        norm_row(op + i * dim, sf.data(), w, dim, static_cast<float>(eps));
+        add_row(ti, xi, ri, dim);
+        norm_row(op + i * dim, ti, w, dim, static_cast<float>(eps));  // the rounded sum's norm
       }
     });
   });
@@ -88,16 +120,21 @@ template <typename T>
 static void silu_mul_row(T* out, const T* gate, const T* up, int64_t n, float* act) {
   int64_t i = 0;
 #ifdef BATCHPAGE_AVX2
-  if constexpr (!std::is_same_v<T, double>) {
+  if constexpr (kVector<T>) {
+    // Two passes: the exp and the division of a whole row first, with nothing waiting on them.
     const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
       const __m256 g = load8(gate + i);
       _mm256_storeu_ps(act + i, _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g)))));
     }
+    for (int64_t j = 0; j < i; j += 8)
+      store8(out + j, _mm256_mul_ps(round8<T>(_mm256_loadu_ps(act + j)), load8(up + j)));
   }
 #endif
-  for (; i < n; ++i) act[i] = f32(gate[i]) / (1.f + std::exp(-f32(gate[i])));
-  for (i = 0; i < n; ++i) out[i] = static_cast<T>(f32(static_cast<T>(act[i])) * f32(up[i]));
+  for (; i < n; ++i) {
+    const float a = f32(gate[i]) / (1.f + std::exp(-f32(gate[i])));
+    out[i] = static_cast<T>(f32(static_cast<T>(a)) * f32(up[i]));
+  }
 }
 
 void silu_mul(torch::Tensor out,       // [N, I], contiguous
@@ -122,8 +159,17 @@ static void rope_row(T* x, int64_t heads, int64_t dim, const float* c, const flo
   for (int64_t h = 0; h < heads; ++h) {
     T* x1 = x + h * dim;
     T* x2 = x1 + half;  // x1[0, half) and x2[0, half) never overlap
-#pragma omp simd
-    for (int64_t j = 0; j < half; ++j) {
+    int64_t j = 0;
+#ifdef BATCHPAGE_AVX2
+    if constexpr (kVector<T>)
+      for (; j + 8 <= half; j += 8) {
+        const __m256 a = load8(x1 + j), b = load8(x2 + j);
+        const __m256 cj = _mm256_loadu_ps(c + j), sj = _mm256_loadu_ps(s + j);
+        store8(x1 + j, _mm256_sub_ps(_mm256_mul_ps(a, cj), _mm256_mul_ps(b, sj)));
+        store8(x2 + j, _mm256_add_ps(_mm256_mul_ps(b, cj), _mm256_mul_ps(a, sj)));
+      }
+#endif
+    for (; j < half; ++j) {
       const float a = f32(x1[j]), b = f32(x2[j]);
       x1[j] = static_cast<T>(a * c[j] - b * s[j]);
       x2[j] = static_cast<T>(b * c[j] + a * s[j]);

@@ -1,10 +1,12 @@
 // 8-lane float32 vectors for the C++ CPU kernels (AVX2 + FMA + F16C): loads that widen bf16 and
-// fp16, horizontal sums, and a vector exp. BATCHPAGE_AVX2 is defined where they exist; kernels
-// keep a plain-loop path for other CPUs.
+// fp16, stores that round to them, horizontal sums, and a vector exp. BATCHPAGE_AVX2 is defined
+// where they exist; kernels keep a plain-loop path for other CPUs.
 #pragma once
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define BATCHPAGE_AVX2 1
@@ -18,6 +20,47 @@ static inline __m256 load8(const c10::BFloat16* p) {
 }
 static inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+static inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+// float32 -> bf16, rounded to nearest even as c10::BFloat16 rounds (a NaN becomes 0x7FC0): the
+// 32-bit patterns of the rounded values, in the low 16 bits of each lane.
+static inline __m256i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
+}
+static inline void store8(c10::BFloat16* p, __m256 v) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), (__m128i)_mm256_cvtneps_pbh(v));
+#else
+  const __m256i r = bf16_bits8(v);  // each lane < 2^16, so packus (saturating) is exact
+  const __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(lo, hi));
+#endif
+}
+static inline void store8(c10::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// float32 -> T -> float32: the rounding a torch op in dtype T applies to its result.
+template <typename T>
+static inline __m256 round8(__m256 v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    const __m256i r = _mm256_cvtepu16_epi32((__m128i)_mm256_cvtneps_pbh(v));
+#else
+    const __m256i r = bf16_bits8(v);
+#endif
+    return _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
+  }
+  else if constexpr (std::is_same_v<T, c10::Half>)
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  else
+    return v;
 }
 
 // a[0..7], each 8 partial sums of one dot product -> [sum(a[0]), ..., sum(a[7])].

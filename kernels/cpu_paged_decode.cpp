@@ -78,7 +78,12 @@ static void softmax_rows(float* scores, float* inv_sum, int64_t heads, int64_t l
   const int64_t whole = len / 8 * 8;
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores + h * len;
-    float top = *std::max_element(s, s + len);
+    __m256 max8 = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < whole; t += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(s + t));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, max8);
+    float top = *std::max_element(lanes, lanes + 8);
+    for (int64_t t = whole; t < len; ++t) top = std::max(top, s[t]);
     const __m256 top8 = _mm256_set1_ps(top);
     __m256 total8 = _mm256_setzero_ps();
     for (int64_t t = 0; t < whole; t += 8) {
@@ -190,6 +195,174 @@ static void attend_row_avx2(float* out, const Row& row, const scalar_t* k_cache,
     }
   }
 }
+
+// Whether QK multiplies bf16 q and k as stored (the AVX-512 path on a CPU with AVX512-BF16).
+#if defined(BATCHPAGE_AVX512) && defined(__AVX512BF16__)
+template <typename scalar_t>
+constexpr bool kBf16Dot = std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+template <typename scalar_t>
+constexpr bool kBf16Dot = false;
+#endif
+
+#ifdef BATCHPAGE_AVX512
+// The AVX-512 path: the AVX2 path's structure in 16-lane vectors, sixteen tokens' scores at a
+// time (sum16). With a bf16 cache on a CPU with AVX512-BF16, QK multiplies q and k as they are
+// stored (vdpbf16ps: bf16 pairs, products and sums in float32, exact products), so K is never
+// widened; the scale then applies to each score. Otherwise q is widened and pre-scaled.
+// C: 16-float vectors per head (head_dim / 16). q_raw: the row's q as stored; row.q: it widened
+// and scaled.
+template <typename scalar_t, int C>
+static void attend_row_avx512(float* out, const Row& row, const scalar_t* q_raw, float scale,
+                              const scalar_t* k_cache, const scalar_t* v_cache, const Shape& s,
+                              float* scores, float* inv_sum) {
+  constexpr bool dot = kBf16Dot<scalar_t>;
+  constexpr int D = C * 16;
+  const int64_t group = s.heads / s.kv_heads, len = row.len;
+  const int64_t token_bytes = s.token_stride * static_cast<int64_t>(sizeof(scalar_t));
+  const __m512 score_scale = _mm512_set1_ps(dot ? scale : 1.f);
+  // The row's blocks into L2 up front, K and V, up to 256 KiB (a quarter of a Zen 4 core's L2):
+  // many independent misses in flight at once, where the spread prefetches below keep one or
+  // two blocks ahead. 1.3x on rows read from memory (BENCHMARKS.md, "AVX-512 decode kernel").
+  const int64_t block_bytes = s.block_stride * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t b = row.first_block, budget = 256 << 10; b < row.num_blocks && budget > 0;
+       ++b, budget -= 2 * block_bytes) {
+    const char* kp = reinterpret_cast<const char*>(k_cache + row.table[b] * s.block_stride);
+    const char* vp = reinterpret_cast<const char*>(v_cache + row.table[b] * s.block_stride);
+    for (int64_t off = 0; off < block_bytes; off += 64) _mm_prefetch(kp + off, _MM_HINT_T1);
+    for (int64_t off = 0; off < block_bytes; off += 64) _mm_prefetch(vp + off, _MM_HINT_T1);
+  }
+  prefetch(k_cache + row.table[row.first_block] * s.block_stride, 2 * token_bytes);
+  for (int64_t b = row.first_block; b < row.num_blocks; ++b) {
+    const BlockSpan sp = block_span(row, s, b);
+    const scalar_t* kb = k_cache + sp.offset;
+    // Spread over the block's (16-token group, head) steps: the next K block, and this V block,
+    // which then waits in L2 or L3 for the V pass.
+    const char* pk = reinterpret_cast<const char*>(k_cache + sp.next_offset);
+    const char* pv = reinterpret_cast<const char*>(v_cache + sp.offset);
+    const int64_t bytes = sp.used * token_bytes;
+    const int64_t steps = std::max<int64_t>(1, (sp.used / 16) * s.heads);
+    const int64_t chunk = ((bytes + steps - 1) / steps + 63) / 64 * 64;
+    int64_t issued = 0, j = sp.j0;
+    for (; j + 16 <= sp.used; j += 16) {
+      for (int64_t hq = 0; hq < s.heads; ++hq) {
+        if (issued < bytes) {
+          const int64_t n = std::min(chunk, bytes - issued);
+          prefetch(pk + issued, n);
+          prefetch(pv + issued, n);
+          issued += n;
+        }
+        const scalar_t* kh = kb + j * s.token_stride + (hq / group) * D;
+        __m512 acc[16];
+        for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+        if constexpr (dot) {
+#if defined(__AVX512BF16__)
+          for (int c = 0; c < C / 2; ++c) {  // 32 bf16 (16 pairs) a vector
+            const __m512bh qc = (__m512bh)_mm512_loadu_si512(q_raw + hq * D + c * 32);
+            for (int t = 0; t < 16; ++t) {
+              const __m512i kt = _mm512_loadu_si512(kh + t * s.token_stride + c * 32);
+              acc[t] = _mm512_dpbf16_ps(acc[t], qc, (__m512bh)kt);
+            }
+          }
+#endif
+        } else {
+          for (int c = 0; c < C; ++c) {
+            const __m512 qc = _mm512_loadu_ps(row.q + hq * D + c * 16);
+            for (int t = 0; t < 16; ++t)
+              acc[t] = _mm512_fmadd_ps(qc, load16(kh + t * s.token_stride + c * 16), acc[t]);
+          }
+        }
+        _mm512_storeu_ps(scores + hq * len + sp.t0 + j, _mm512_mul_ps(sum16(acc), score_scale));
+      }
+    }
+    for (; j < sp.used; ++j) {
+      if (issued < bytes) {
+        prefetch(pk + issued, bytes - issued);
+        prefetch(pv + issued, bytes - issued);
+        issued = bytes;
+      }
+      for (int64_t hq = 0; hq < s.heads; ++hq) {
+        const scalar_t* kh = kb + j * s.token_stride + (hq / group) * D;
+        __m512 acc = _mm512_setzero_ps();
+        if constexpr (dot) {
+#if defined(__AVX512BF16__)
+          for (int c = 0; c < C / 2; ++c)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q_raw + hq * D + c * 32),
+                                   (__m512bh)_mm512_loadu_si512(kh + c * 32));
+#endif
+        } else {
+          for (int c = 0; c < C; ++c)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(row.q + hq * D + c * 16), load16(kh + c * 16),
+                                  acc);
+        }
+        scores[hq * len + sp.t0 + j] = _mm512_reduce_add_ps(acc) * (dot ? scale : 1.f);
+      }
+    }
+  }
+  softmax_rows(scores, inv_sum, s.heads, len, s.softcap);
+  // PV: a head's accumulators live in registers for a whole block, two tokens at a time into
+  // two sets (2C independent FMA chains cover the FMA latency). A bf16 V is widened without
+  // shuffles: a 32-bit lane holding dims (2i, 2i+1) gives dim 2i as lane << 16 and dim 2i+1 as
+  // lane & 0xFFFF0000, so each 32-dim chunk accumulates as [16 even dims | 16 odd dims] and is
+  // put back in order at the end (a widening vpmovzxwd per 16 dims was this loop's bottleneck).
+  constexpr bool split = std::is_same_v<scalar_t, c10::BFloat16> && C % 2 == 0;
+  std::fill(out, out + s.heads * D, 0.f);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t b = row.first_block; b < row.num_blocks; ++b) {
+    const BlockSpan sp = block_span(row, s, b);
+    const scalar_t* vb = v_cache + sp.offset;
+    for (int64_t hq = 0; hq < s.heads; ++hq) {
+      const scalar_t* vh = vb + (hq / group) * D;
+      const float* ph = scores + hq * len + sp.t0;  // ph[j]: the weight of the block's token j
+      float* oh = out + hq * D;
+      __m512 a[C], a2[C];
+      for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(oh + c * 16), a2[c] = _mm512_setzero_ps();
+      // acc[c] += p * (dims of vector c of token vt), in the layout above when split
+      auto add_token = [&](__m512* acc, __m512 p, const scalar_t* vt) {
+        if constexpr (split) {
+          for (int c = 0; c < C; c += 2) {
+            const __m512i raw = _mm512_loadu_si512(vt + c * 16);
+            const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+            const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+            acc[c] = _mm512_fmadd_ps(p, even, acc[c]);
+            acc[c + 1] = _mm512_fmadd_ps(p, odd, acc[c + 1]);
+          }
+        } else {
+          for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vt + c * 16), acc[c]);
+        }
+      };
+      int64_t j = sp.j0;
+      for (; j + 2 <= sp.used; j += 2) {
+        const scalar_t* vt = vh + j * s.token_stride;
+        add_token(a, _mm512_set1_ps(ph[j]), vt);
+        add_token(a2, _mm512_set1_ps(ph[j + 1]), vt + s.token_stride);
+      }
+      if (j < sp.used) add_token(a, _mm512_set1_ps(ph[j]), vh + j * s.token_stride);
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(oh + c * 16, _mm512_add_ps(a[c], a2[c]));
+    }
+  }
+  // Normalise; a split chunk [e0..e15 | o0..o15] goes back to e0, o0, e1, o1, ...
+  const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi_idx =
+      _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  for (int64_t hq = 0; hq < s.heads; ++hq) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[hq]);
+    float* oh = out + hq * D;
+    if constexpr (split) {
+      for (int c = 0; c < C; c += 2) {
+        const __m512 even = _mm512_loadu_ps(oh + c * 16), odd = _mm512_loadu_ps(oh + c * 16 + 16);
+        _mm512_storeu_ps(oh + c * 16,
+                         _mm512_mul_ps(_mm512_permutex2var_ps(even, lo_idx, odd), inv));
+        _mm512_storeu_ps(oh + c * 16 + 16,
+                         _mm512_mul_ps(_mm512_permutex2var_ps(even, hi_idx, odd), inv));
+      }
+    } else {
+      for (int c = 0; c < C; ++c)
+        _mm512_storeu_ps(oh + c * 16, _mm512_mul_ps(_mm512_loadu_ps(oh + c * 16), inv));
+    }
+  }
+}
+#endif  // BATCHPAGE_AVX512
 #else
 static void softmax_rows(float* scores, float* inv_sum, int64_t heads, int64_t len,
                          float softcap) {
@@ -278,8 +451,17 @@ static void decode_rows(
       const Row row{qf.data(), block_tables + n * max_blocks, lo, seq_len - lo,
                     lo / s.block_size, (seq_len + s.block_size - 1) / s.block_size};
       const scalar_t* qn = q + n * q_row;
-      for (int64_t i = 0; i < hd; ++i) qf[i] = static_cast<float>(qn[i]) * scale;
+      // The AVX-512 bf16 dot path (DIM a multiple of 32) reads q as stored; the others qf.
+      if (!(kBf16Dot<scalar_t> && DIM > 0 && DIM % 32 == 0))
+        for (int64_t i = 0; i < hd; ++i) qf[i] = static_cast<float>(qn[i]) * scale;
       scores.resize(s.heads * row.len);  // [heads, len], position lo + t at t
+#ifdef BATCHPAGE_AVX512
+      if constexpr (DIM > 0 && DIM % 32 == 0 && !std::is_same_v<scalar_t, double>)
+        attend_row_avx512<scalar_t, DIM / 16>(acc.data(), row, qn, static_cast<float>(scale),
+                                              k_cache, v_cache, s, scores.data(),
+                                              inv_sum.data());
+      else
+#endif
 #ifdef BATCHPAGE_AVX2
       if constexpr (DIM > 0 && DIM % 8 == 0 && !std::is_same_v<scalar_t, double>)
         attend_row_avx2<scalar_t, DIM / 8>(acc.data(), row, k_cache, v_cache, s, scores.data(),
@@ -288,7 +470,12 @@ static void decode_rows(
 #endif
         attend_row_plain(acc.data(), row, k_cache, v_cache, s, scores.data(), inv_sum.data());
       scalar_t* on = out + n * out_row;
-      for (int64_t i = 0; i < hd; ++i) on[i] = static_cast<scalar_t>(acc[i]);
+      int64_t i = 0;
+#ifdef BATCHPAGE_AVX2
+      if constexpr (!std::is_same_v<scalar_t, double>)
+        for (; i + 8 <= hd; i += 8) store8(on + i, _mm256_loadu_ps(acc.data() + i));
+#endif
+      for (; i < hd; ++i) on[i] = static_cast<scalar_t>(acc[i]);
     }
   }
 }

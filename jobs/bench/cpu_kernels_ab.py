@@ -1,0 +1,117 @@
+"""The engine with this checkout's C++ CPU kernels against those of another git revision, in one
+process: the paged-decode kernel and the layer ops (norms, SiLU*up, rope) of both are built, and
+one engine per workload swaps between them run by run.
+
+    python -m jobs.bench.cpu_kernels_ab --baseline HEAD~3 --dtype bfloat16 --runs 4
+    python -m jobs.bench.cpu_kernels_ab --smoke          # seconds: does it run?
+
+On a shared, noisy machine an A/B inside one process, the two taking turns, is the fair way to
+see what a kernel change does to the engine; a figure from another run or another day is not.
+Workloads are those of cpu_prefill_routes.py (the peer benchmark's shared system prompt and 64
+ShareGPT first turns, greedy with ignore_eos; the prefix cache is emptied before every run).
+Reports each side's median output tok/s, their ratio, and how many requests got the same greedy
+tokens (in bf16 two summation orders can part at near-ties).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from batchpage import LLM
+from batchpage.kernels import cpu_layer_ops, cpu_paged_decode
+from batchpage.kernels.cpu_build import HEADERS, build_extension
+from batchpage.kernels.cpu_layer_ops import CpuLayerOps
+from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
+from jobs.bench.cpu_prefill_routes import run, workloads
+from jobs.bench.engine_runs import load_llm
+from jobs.bench.report import command_line, environment, log, print_results
+
+Kernels = tuple[CpuPagedDecode, CpuLayerOps]
+
+
+def build_baseline(rev: str, folder: Path) -> Kernels:
+    """Both libraries from revision `rev`'s sources (its header beside them, where their
+    #include "cpu_vec.h" finds it first), under names of their own."""
+    root = Path(cpu_paged_decode.__file__).resolve().parents[1]
+    for path in [cpu_paged_decode.SOURCE, cpu_layer_ops.SOURCE, *HEADERS]:
+        rel = path.resolve().relative_to(root).as_posix()
+        text = subprocess.run(
+            ["git", "show", f"{rev}:{rel}"], cwd=root, capture_output=True, check=True
+        ).stdout
+        (folder / path.name).write_bytes(text)
+    tag = subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    decode = build_extension(
+        folder / cpu_paged_decode.SOURCE.name, f"baseline_{tag}_decode", f"the {rev} decode kernel"
+    )
+    ops = build_extension(
+        folder / cpu_layer_ops.SOURCE.name, f"baseline_{tag}_layer_ops", f"the {rev} layer ops"
+    )
+    return CpuPagedDecode(decode), CpuLayerOps(ops)
+
+
+def use(llm: LLM, kernels: Kernels) -> None:
+    decode, ops = kernels
+    llm.engine.runner.attention.kernel = decode
+    assert llm.engine.runner.model.use_layer_ops(ops) > 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--baseline", default="HEAD", help="git revision of the other kernels")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--runs", type=int, default=4, help="runs per side and workload")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--smoke", action="store_true", help="a tiny workload: does it run?")
+    args = p.parse_args(argv)
+    runs = 1 if args.smoke else args.runs
+    with tempfile.TemporaryDirectory() as tmp:
+        sides: dict[str, Kernels] = {
+            "this": (CpuPagedDecode.build(), CpuLayerOps.build()),
+            "baseline": build_baseline(args.baseline, Path(tmp)),
+        }
+    rows, results = [], []
+    for w in workloads(args.model, args.smoke):
+        llm = load_llm(
+            args.model, f"{w.name} {args.dtype}", dtype=args.dtype, attention_backend="cpu",
+            max_model_len=w.max_len, kv_cache_memory=2**30,
+        )  # fmt: skip
+        rates: dict[str, list[float]] = {name: [] for name in sides}
+        tokens: dict[str, list[list[int]]] = {}
+        names = list(sides)
+        for r in range(runs):
+            for name in names[r % 2 :] + names[: r % 2]:
+                use(llm, sides[name])
+                rate, tokens[name] = run(llm, w, None)
+                rates[name].append(rate)
+                log(f"{w.name} {args.dtype} {name}: {rate:.1f} out tok/s")
+        same = sum(a == b for a, b in zip(tokens["this"], tokens["baseline"], strict=True))
+        med = {name: statistics.median(v) for name, v in rates.items()}
+        result = {
+            "workload": w.name, "dtype": args.dtype, "baseline": args.baseline, "runs": rates,
+            "this_tok_s": med["this"], "baseline_tok_s": med["baseline"],
+            "this_vs_baseline": med["this"] / med["baseline"], "same_greedy": same,
+            "requests": len(w.prompts),
+        }  # fmt: skip
+        results.append(result)
+        rows.append([w.name, args.dtype, med["this"], med["baseline"],
+                     f"{result['this_vs_baseline']:.3f}x", f"{same}/{len(w.prompts)}"])  # fmt: skip
+        del llm
+    env = environment()
+    title = f"CPU kernels in the engine: this checkout against {args.baseline}"
+    print(f"## {title} ({env['date_utc']})\n")
+    print(f"Command: `{command_line()}`\n")
+    print(f"CPU: {env['cpu']} ({', '.join(env['cpu_flags'])}), median of {runs} runs a side.\n")
+    header = ["workload", "dtype", "this out tok/s", f"{args.baseline} out tok/s",
+              "this vs baseline", "same greedy"]  # fmt: skip
+    print_results(header, rows, args.out, env, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -4,9 +4,9 @@ they replace in a CPU engine.
     python -m jobs.bench.cpu_layer_ops --out bench/cpu_layer_ops.json
     python -m jobs.bench.cpu_layer_ops --smoke         # seconds: does it run?
 
-SmolLM2-135M's shapes (hidden 576, intermediate 1536, 9 + 3 heads of 64 rotated, float32) at
-decode batch sizes. Each part is timed as the layer calls it, torch's version from
-model/layers.py and model/rope.py, ours from kernels/cpu_layer_ops.py:
+SmolLM2-135M's shapes (hidden 576, intermediate 1536, 9 + 3 heads of 64 rotated; float32, or
+--dtype bfloat16) at decode batch sizes. Each part is timed as the layer calls it, torch's
+version from model/layers.py and model/rope.py, ours from kernels/cpu_layer_ops.py:
 - `rms_norm`: the input norm;
 - `add + rms_norm`: the residual add and the post-attention norm (torch: two calls);
 - `silu * up`: the gated activation over the merged gate/up output;
@@ -45,14 +45,21 @@ def best_us(fn: Callable[[], Any], calls: int) -> float:
     return best * 1e6
 
 
-def parts(ops: CpuLayerOps, rows: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
-    """part -> (torch's call, ours), on random inputs of `rows` decode rows."""
+def parts(
+    ops: CpuLayerOps, rows: int, dtype: torch.dtype
+) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+    """part -> (torch's call, ours), on random inputs of `rows` decode rows in `dtype` (rope's
+    cos and sin stay float32, as the model makes them)."""
     gen = torch.Generator().manual_seed(rows)
-    norm = RMSNorm(HIDDEN, 1e-5, torch.float32, torch.device("cpu"))
-    norm.weight.data = torch.rand(HIDDEN, generator=gen) + 0.5
-    x, residual = torch.randn(rows, HIDDEN, generator=gen), torch.randn(rows, HIDDEN, generator=gen)
-    gate_up = torch.randn(rows, 2 * INTER, generator=gen)
-    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    norm = RMSNorm(HIDDEN, 1e-5, dtype, torch.device("cpu"))
+    norm.weight.data = (torch.rand(HIDDEN, generator=gen) + 0.5).to(dtype)
+    x, residual = randn(rows, HIDDEN), randn(rows, HIDDEN)
+    gate_up = randn(rows, 2 * INTER)
+    qkv = randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
     qk = qkv[:, : (HEADS + KV_HEADS) * HEAD_DIM].view(rows, HEADS + KV_HEADS, HEAD_DIM)
     angles = torch.rand(rows, 1, HEAD_DIM // 2, generator=gen) * 100
     cos, sin = angles.cos(), angles.sin()
@@ -77,17 +84,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="1,16,64,256", help="comma-separated decode rows")
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--smoke", action="store_true", help="tiny run: does it work?")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     rows_list = [4] if args.smoke else [int(r) for r in args.rows.split(",")]
     calls = 5 if args.smoke else args.calls
     ops = CpuLayerOps.build()
+    dtype = getattr(torch, args.dtype)
     results = []
     for rows in rows_list:
-        for name, (theirs, ours) in parts(ops, rows).items():
+        for name, (theirs, ours) in parts(ops, rows, dtype).items():
             t_torch, t_ours = best_us(theirs, calls), best_us(ours, calls)
-            results.append({"rows": rows, "part": name, "torch_us": t_torch, "cpu_us": t_ours})
+            results.append(
+                {"rows": rows, "part": name, "dtype": args.dtype, "torch_us": t_torch,
+                 "cpu_us": t_ours}
+            )  # fmt: skip
             log(f"{rows} rows, {name}: torch {t_torch:.0f} us, C++ {t_ours:.0f} us")
     table = [
         [r["rows"], r["part"], r["torch_us"], r["cpu_us"], r["torch_us"] / r["cpu_us"]]
@@ -98,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         t_torch, t_ours = sum(r["torch_us"] for r in mine), sum(r["cpu_us"] for r in mine)
         table.append([rows, "**a layer's four**", t_torch, t_ours, t_torch / t_ours])
     env = environment()
-    print(f"\n{command_line()}\nCPU: {env['cpu']}, {env['torch_threads']} threads, float32\n")
+    print(f"\n{command_line()}\nCPU: {env['cpu']}, {env['torch_threads']} threads, {args.dtype}\n")
     print(markdown_table(["rows", "part", "torch (us)", "C++ (us)", "speed-up"], table))
     if args.out:
         write_json(args.out, {"command": command_line(), "environment": env, "results": results})

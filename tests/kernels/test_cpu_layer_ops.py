@@ -125,11 +125,14 @@ def test_cpu_engine_uses_the_ops_and_torch_engine_does_not(tmp_path):
         assert all((layer.mlp.layer_ops is not None) is expect for layer in model.layers)
 
 
-def test_layer_ops_benchmark_smoke(ops, tmp_path) -> None:
-    stdout, results = run_bench_smoke("jobs.bench.cpu_layer_ops", tmp_path / "layer_ops.json")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layer_ops_benchmark_smoke(ops, tmp_path, dtype) -> None:
+    stdout, results = run_bench_smoke(
+        "jobs.bench.cpu_layer_ops", tmp_path / "layer_ops.json", "--dtype", dtype
+    )
     assert "| rows | part | torch (us) | C++ (us) | speed-up |" in stdout
     assert [r["part"] for r in results] == ["rms_norm", "add + rms_norm", "silu * up", "rope"]
-    assert all(r["cpu_us"] > 0 and r["torch_us"] > 0 for r in results)
+    assert all(r["cpu_us"] > 0 and r["torch_us"] > 0 and r["dtype"] == dtype for r in results)
 
 
 def test_engine_keeps_torch_layers_when_the_ops_cannot_build(monkeypatch) -> None:

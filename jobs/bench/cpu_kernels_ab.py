@@ -11,6 +11,11 @@ Workloads are those of cpu_prefill_routes.py (the peer benchmark's shared system
 ShareGPT first turns, greedy with ignore_eos; the prefix cache is emptied before every run).
 Reports each side's median output tok/s, their ratio, and how many requests got the same greedy
 tokens (in bf16 two summation orders can part at near-ties).
+
+--decode-steps N also times pure decode steps at N running sequences (ShareGPT prompts prefilled
+first, as step_profile.py does): the sides take turns every few steps, and the table gives each
+side's median step time. A whole run mixes prefill, decode and a tail of few sequences; this
+isolates the steps that dominate a long batch job.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import statistics
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from batchpage import LLM
@@ -29,6 +35,7 @@ from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
 from jobs.bench.cpu_prefill_routes import run, workloads
 from jobs.bench.engine_runs import load_llm
 from jobs.bench.report import command_line, environment, log, print_results
+from jobs.bench.step_profile import decoding_llm
 
 Kernels = tuple[CpuPagedDecode, CpuLayerOps]
 
@@ -61,12 +68,33 @@ def use(llm: LLM, kernels: Kernels) -> None:
     assert llm.engine.runner.model.use_layer_ops(ops) > 0
 
 
+def decode_step_ms(
+    model: str, dtype: str, sides: dict[str, Kernels], running: int, turns: int, steps: int = 4
+) -> dict[str, list[float]]:
+    """Each side's mean decode-step milliseconds, `turns` times: the sides alternate, each turn
+    one untimed step after the switch, then `steps` timed ones."""
+    llm = decoding_llm(model, dtype, running, turns * len(sides) * (steps + 1))
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    names = list(sides)
+    for t in range(turns):
+        for name in names[t % 2 :] + names[: t % 2]:
+            use(llm, sides[name])
+            llm.engine.step()
+            start = time.perf_counter()
+            for _ in range(steps):
+                llm.engine.step()
+            times[name].append((time.perf_counter() - start) / steps * 1000)
+    return times
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--baseline", default="HEAD", help="git revision of the other kernels")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--runs", type=int, default=4, help="runs per side and workload")
+    p.add_argument("--decode-steps", type=int, default=0, help="running sequences (0: skip)")
+    p.add_argument("--turns", type=int, default=16, help="turns per side of --decode-steps")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--smoke", action="store_true", help="a tiny workload: does it run?")
     args = p.parse_args(argv)
@@ -103,6 +131,19 @@ def main(argv: list[str] | None = None) -> None:
         rows.append([w.name, args.dtype, med["this"], med["baseline"],
                      f"{result['this_vs_baseline']:.3f}x", f"{same}/{len(w.prompts)}"])  # fmt: skip
         del llm
+    if args.decode_steps:
+        turns = 2 if args.smoke else args.turns
+        times = decode_step_ms(args.model, args.dtype, sides, args.decode_steps, turns)
+        med = {name: statistics.median(v) for name, v in times.items()}
+        name = f"decode steps at {args.decode_steps} running"
+        results.append(
+            {"workload": name, "dtype": args.dtype, "baseline": args.baseline, "step_ms": times,
+             "this_ms": med["this"], "baseline_ms": med["baseline"],
+             "this_vs_baseline": med["baseline"] / med["this"]}
+        )  # fmt: skip
+        rows.append([name, args.dtype, f"{med['this']:.1f} ms a step",
+                     f"{med['baseline']:.1f} ms a step", f"{med['baseline'] / med['this']:.3f}x",
+                     "-"])  # fmt: skip
     env = environment()
     title = f"CPU kernels in the engine: this checkout against {args.baseline}"
     print(f"## {title} ({env['date_utc']})\n")

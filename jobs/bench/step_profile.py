@@ -78,26 +78,44 @@ def decode_steps(llm: LLM, steps: int) -> None:
         llm.engine.step()
 
 
-def profile(args: argparse.Namespace, running: int) -> tuple[Counter[str], float]:
-    tok = load_tokenizer(args.model)
-    reqs = sample_sharegpt(tok, running, seed=args.seed, max_prompt_tokens=args.max_prompt)
+def decoding_llm(
+    model: str,
+    dtype: str,
+    running: int,
+    steps: int,
+    max_prompt: int = 256,
+    kv_cache_memory: float = 6e9,
+    seed: int = 0,
+) -> LLM:
+    """An engine with `running` ShareGPT prompts admitted and prefilled, so that its next
+    `steps` steps are pure decode steps of `running` sequences."""
+    tok = load_tokenizer(model)
+    reqs = sample_sharegpt(tok, running, seed=seed, max_prompt_tokens=max_prompt)
     llm = LLM(
-        args.model,
-        dtype=args.dtype,
+        model,
+        dtype=dtype,
         max_num_seqs=running,
-        max_model_len=args.max_prompt + args.steps + 16,
+        max_model_len=max_prompt + steps + 16,
         prefix_caching=False,
-        kv_cache_memory=args.kv_cache_memory,  # room for every sequence to its end
+        kv_cache_memory=kv_cache_memory,  # room for every sequence to its end
         # Every prompt in one prefill step, so no sequence finishes before the last is in.
-        max_num_batched_tokens=running * args.max_prompt,
+        max_num_batched_tokens=running * max_prompt,
     )
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     requests = [llm._make_request(i, r.prompt_token_ids, params) for i, r in enumerate(reqs)]
     llm.engine.add_requests(requests)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in llm.engine.scheduler.running) \
             or llm.engine.scheduler.waiting:  # fmt: skip
         llm.engine.step()  # prefill everything: what follows are pure decode steps
     assert len(llm.engine.scheduler.running) == running, "not all sequences are running"
+    return llm
+
+
+def profile(args: argparse.Namespace, running: int) -> tuple[Counter[str], float]:
+    llm = decoding_llm(
+        args.model, args.dtype, running, args.steps, args.max_prompt, args.kv_cache_memory,
+        args.seed,
+    )  # fmt: skip
     out = Path(tempfile.mkdtemp()) / "spy.txt"
     spy = subprocess.Popen(
         ["py-spy", "record", "-p", str(os.getpid()), "-r", str(args.rate), "-f", "raw",

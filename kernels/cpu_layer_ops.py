@@ -96,3 +96,17 @@ class CpuLayerOps:
         assert cos.dtype == sin.dtype == torch.float32
         self._module.rope(x, cos.reshape(n, half).contiguous(), sin.reshape(n, half).contiguous())
         return x
+
+    def argmax(
+        self,
+        x: torch.Tensor,  # float32 [N, V], rows may be strided
+    ) -> torch.Tensor:  # int64 [N]: torch.argmax(x, dim=-1)
+        """Each row's index of its largest value: the first on ties, a NaN's if the row has one
+        (torch.argmax's rule), in one pass per row on torch's threads. torch's argmax over a
+        decode step's logits (64 x 49152) took 2.6 ms on a 2-core EPYC."""
+        assert x.device.type == "cpu" and x.dtype == torch.float32, (x.device, x.dtype)
+        assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0, "rows must be dense"
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        if x.shape[0]:
+            self._module.argmax_rows(out, x)
+        return out

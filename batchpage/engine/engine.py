@@ -11,6 +11,8 @@ the metrics, and hands back the sequences that finished in each step; it never c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from batchpage.cache.kv_cache import KVCache
@@ -76,7 +78,12 @@ class Engine:
         if use_onednn(cfg.linear_backend, plan.dtype, plan.device):
             model.prepack_linears()
         attention = make_attention_backend(cfg.attention_backend, plan.device)
-        model.use_layer_ops(make_layer_ops(attention))
+        layer_ops = make_layer_ops(attention)
+        model.use_layer_ops(layer_ops)
+        # The all-greedy sampler's argmax: the C++ one where the layer ops built.
+        self.argmax: Callable[[torch.Tensor], torch.Tensor] | None = (
+            None if layer_ops is None else layer_ops.argmax
+        )
         self.runner = ModelRunner(model, kv, attention)
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -249,6 +256,7 @@ class Engine:
             output_ids=[s.output_token_ids if history else () for s in seqs],
             eos_ids=[self.eos_ids] * len(seqs),
             token_mask=self.masks.fill(constraints),
+            argmax=self.argmax,
         )
         advance(constraints, result.token_ids)
         stats = self.stats

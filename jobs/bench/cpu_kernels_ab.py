@@ -1,6 +1,6 @@
 """The engine with this checkout's C++ CPU kernels against those of another git revision, in one
-process: the paged-decode kernel and the layer ops (norms, SiLU*up, rope) of both are built, and
-one engine per workload swaps between them run by run.
+process: the paged-decode kernel and the layer ops (norms, SiLU*up, rope, the greedy argmax) of
+both are built, and one engine per workload swaps between them run by run.
 
     python -m jobs.bench.cpu_kernels_ab --baseline HEAD~3 --dtype bfloat16 --runs 4
     python -m jobs.bench.cpu_kernels_ab --smoke          # seconds: does it run?
@@ -66,6 +66,9 @@ def use(llm: LLM, kernels: Kernels) -> None:
     decode, ops = kernels
     llm.engine.runner.attention.kernel = decode
     assert llm.engine.runner.model.use_layer_ops(ops) > 0
+    # An older revision's library may predate the greedy sampler's argmax: then torch's, as
+    # that revision's engine did.
+    llm.engine.argmax = ops.argmax if hasattr(ops._module, "argmax_rows") else None
 
 
 def decode_step_ms(

@@ -10,7 +10,9 @@ version from model/layers.py and model/rope.py, ours from kernels/cpu_layer_ops.
 - `rms_norm`: the input norm;
 - `add + rms_norm`: the residual add and the post-attention norm (torch: two calls);
 - `silu * up`: the gated activation over the merged gate/up output;
-- `rope`: q and k's heads, a slice of the qkv rows (ours rotates them in place).
+- `rope`: q and k's heads, a slice of the qkv rows (ours rotates them in place);
+- `argmax`: the greedy sampler's, over float32 logits of SmolLM2's vocabulary (49152), once a
+  step rather than once a layer (not in the per-layer total).
 Prints one Markdown table (microseconds per call, best of three runs) and a per-layer total.
 """
 
@@ -29,7 +31,8 @@ from batchpage.model.layers import RMSNorm
 from batchpage.model.rope import apply_rope
 from jobs.bench.report import command_line, environment, log, markdown_table, write_json
 
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 576, 1536, 9, 3, 64, 49152
+PER_STEP = ("argmax",)  # parts called once a step, not once a layer
 
 
 def best_us(fn: Callable[[], Any], calls: int) -> float:
@@ -63,6 +66,7 @@ def parts(
     qk = qkv[:, : (HEADS + KV_HEADS) * HEAD_DIM].view(rows, HEADS + KV_HEADS, HEAD_DIM)
     angles = torch.rand(rows, 1, HEAD_DIM // 2, generator=gen) * 100
     cos, sin = angles.cos(), angles.sin()
+    logits = torch.randn(rows, VOCAB, generator=gen)
 
     def torch_silu() -> torch.Tensor:
         gate, up = gate_up.split(INTER, dim=-1)
@@ -77,6 +81,7 @@ def parts(
         "silu * up": (torch_silu, lambda: ops.silu_mul(gate_up)),
         # Rotating the same rows again and again is fine for timing: only their values change.
         "rope": (lambda: apply_rope(qk, cos, sin), lambda: ops.rope_(qk, cos, sin)),
+        "argmax": (lambda: logits.argmax(dim=-1), lambda: ops.argmax(logits)),
     }
 
 
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in results
     ]
     for rows in rows_list:  # a layer calls each part once
-        mine = [r for r in results if r["rows"] == rows]
+        mine = [r for r in results if r["rows"] == rows and r["part"] not in PER_STEP]
         t_torch, t_ours = sum(r["torch_us"] for r in mine), sum(r["cpu_us"] for r in mine)
         table.append([rows, "**a layer's four**", t_torch, t_ours, t_torch / t_ours])
     env = environment()

@@ -93,6 +93,25 @@ def test_rope_in_place_matches_apply_rope(ops, dtype, dim, rotary):
         torch.testing.assert_close(got[..., rotary:], ref[..., rotary:], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("vocab", [49152, 1000, 37, 5])
+def test_argmax_matches_torch(ops, vocab):
+    """Random rows, rows whose largest value repeats (the first index wins), all -inf rows,
+    rows with a NaN (its index wins, as in torch), strided rows, and no rows."""
+    gen = torch.Generator().manual_seed(vocab)
+    wide = torch.randn(9, vocab + 3, generator=gen)
+    x = wide[:, 1 : vocab + 1]  # strided rows
+    x[1] = 0.5  # a tie across the whole row
+    x[2, vocab // 3] = x[2, vocab - 1] = 100.0  # two equal maxima
+    x[3] = float("-inf")
+    x[4, vocab // 2] = float("nan")
+    x[5, -1] = float("nan")
+    x[5, 0] = float("inf")
+    assert not x.is_contiguous()
+    assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(ops.argmax(x.contiguous()), x.argmax(dim=-1))
+    assert ops.argmax(torch.empty(0, vocab)).shape == (0,)
+
+
 def test_launcher_rejects_bad_inputs(ops):
     x = torch.randn(4, 16)
     with pytest.raises(AssertionError):
@@ -110,6 +129,10 @@ def test_launcher_rejects_bad_inputs(ops):
         ops.rope_(qk, torch.ones(3, 1, 5), torch.ones(3, 1, 5))  # rotary 10 > head_dim 8
     with pytest.raises(AssertionError):
         ops.rope_(qk, torch.ones(3, 1, 4, dtype=torch.bfloat16), torch.ones(3, 1, 4))
+    with pytest.raises(AssertionError):
+        ops.argmax(x.to(torch.bfloat16))  # logits are float32
+    with pytest.raises(AssertionError):
+        ops.argmax(x.t())  # columns not dense
 
 
 def test_cpu_engine_uses_the_ops_and_torch_engine_does_not(tmp_path):
@@ -123,6 +146,7 @@ def test_cpu_engine_uses_the_ops_and_torch_engine_does_not(tmp_path):
         model = llm.engine.runner.model
         assert (model.norm.layer_ops is not None) is expect
         assert all((layer.mlp.layer_ops is not None) is expect for layer in model.layers)
+        assert (llm.engine.argmax is not None) is expect  # the greedy sampler's argmax
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -131,7 +155,8 @@ def test_layer_ops_benchmark_smoke(ops, tmp_path, dtype) -> None:
         "jobs.bench.cpu_layer_ops", tmp_path / "layer_ops.json", "--dtype", dtype
     )
     assert "| rows | part | torch (us) | C++ (us) | speed-up |" in stdout
-    assert [r["part"] for r in results] == ["rms_norm", "add + rms_norm", "silu * up", "rope"]
+    parts = ["rms_norm", "add + rms_norm", "silu * up", "rope", "argmax"]
+    assert [r["part"] for r in results] == parts
     assert all(r["cpu_us"] > 0 and r["torch_us"] > 0 and r["dtype"] == dtype for r in results)
 
 

@@ -23,6 +23,17 @@ static inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
+// The spread prefetch of a block's K pass: the next `chunk` bytes (at most) of the next K block
+// (pk) and of this V block (pv), `issued` of their `bytes` having been asked for already.
+static inline void prefetch_next(const char* pk, const char* pv, int64_t bytes, int64_t chunk,
+                                 int64_t& issued) {
+  if (issued >= bytes) return;
+  const int64_t n = std::min(chunk, bytes - issued);
+  prefetch(pk + issued, n);
+  prefetch(pv + issued, n);
+  issued += n;
+}
+
 // What one task needs to attend one decode row: its q (scaled, float32), where its context
 // lives, and the span [lo, seq_len) that its window leaves.
 struct Row {
@@ -127,12 +138,7 @@ static void attend_row_avx2(float* out, const Row& row, const scalar_t* k_cache,
     int64_t issued = 0;
     for (; j + 8 <= used; j += 8) {
       for (int64_t hq = 0; hq < s.heads; ++hq) {
-        if (issued < bytes) {
-          const int64_t n = std::min(chunk, bytes - issued);
-          prefetch(pk + issued, n);
-          prefetch(pv + issued, n);
-          issued += n;
-        }
+        prefetch_next(pk, pv, bytes, chunk, issued);
         const scalar_t* kh = kb + j * s.token_stride + (hq / group) * C * 8;
         const float* qh = row.q + hq * C * 8;
         __m256 acc[8];
@@ -146,11 +152,7 @@ static void attend_row_avx2(float* out, const Row& row, const scalar_t* k_cache,
       }
     }
     for (; j < used; ++j) {
-      if (issued < bytes) {
-        prefetch(pk + issued, bytes - issued);
-        prefetch(pv + issued, bytes - issued);
-        issued = bytes;
-      }
+      prefetch_next(pk, pv, bytes, bytes, issued);  // the rest at once
       for (int64_t hq = 0; hq < s.heads; ++hq) {
         const scalar_t* kh = kb + j * s.token_stride + (hq / group) * C * 8;
         const float* qh = row.q + hq * C * 8;
@@ -246,12 +248,7 @@ static void attend_row_avx512(float* out, const Row& row, const scalar_t* q_raw,
     int64_t issued = 0, j = sp.j0;
     for (; j + 16 <= sp.used; j += 16) {
       for (int64_t hq = 0; hq < s.heads; ++hq) {
-        if (issued < bytes) {
-          const int64_t n = std::min(chunk, bytes - issued);
-          prefetch(pk + issued, n);
-          prefetch(pv + issued, n);
-          issued += n;
-        }
+        prefetch_next(pk, pv, bytes, chunk, issued);
         const scalar_t* kh = kb + j * s.token_stride + (hq / group) * D;
         __m512 acc[16];
         for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
@@ -276,11 +273,7 @@ static void attend_row_avx512(float* out, const Row& row, const scalar_t* q_raw,
       }
     }
     for (; j < sp.used; ++j) {
-      if (issued < bytes) {
-        prefetch(pk + issued, bytes - issued);
-        prefetch(pv + issued, bytes - issued);
-        issued = bytes;
-      }
+      prefetch_next(pk, pv, bytes, bytes, issued);  // the rest at once
       for (int64_t hq = 0; hq < s.heads; ++hq) {
         const scalar_t* kh = kb + j * s.token_stride + (hq / group) * D;
         __m512 acc = _mm512_setzero_ps();

@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 from batchpage import LLM
@@ -32,9 +33,8 @@ from batchpage.kernels import cpu_layer_ops, cpu_paged_decode
 from batchpage.kernels.cpu_build import HEADERS, build_extension
 from batchpage.kernels.cpu_layer_ops import CpuLayerOps
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
-from jobs.bench.cpu_prefill_routes import run, workloads
-from jobs.bench.engine_runs import load_llm
-from jobs.bench.report import command_line, environment, log, print_results
+from jobs.bench.cpu_prefill_routes import take_turns, workload_llm, workloads
+from jobs.bench.report import command_line, environment, print_results
 from jobs.bench.step_profile import decoding_llm
 
 Kernels = tuple[CpuPagedDecode, CpuLayerOps]
@@ -109,19 +109,9 @@ def main(argv: list[str] | None = None) -> None:
         }
     rows, results = [], []
     for w in workloads(args.model, args.smoke):
-        llm = load_llm(
-            args.model, f"{w.name} {args.dtype}", dtype=args.dtype, attention_backend="cpu",
-            max_model_len=w.max_len, kv_cache_memory=2**30,
-        )  # fmt: skip
-        rates: dict[str, list[float]] = {name: [] for name in sides}
-        tokens: dict[str, list[list[int]]] = {}
-        names = list(sides)
-        for r in range(runs):
-            for name in names[r % 2 :] + names[: r % 2]:
-                use(llm, sides[name])
-                rate, tokens[name] = run(llm, w, None)
-                rates[name].append(rate)
-                log(f"{w.name} {args.dtype} {name}: {rate:.1f} out tok/s")
+        llm = workload_llm(args.model, args.dtype, w)
+        setups = {name: partial(use, kernels=k) for name, k in sides.items()}
+        rates, tokens = take_turns(llm, w, setups, runs, f"{w.name} {args.dtype}")
         same = sum(a == b for a, b in zip(tokens["this"], tokens["baseline"], strict=True))
         med = {name: statistics.median(v) for name, v in rates.items()}
         result = {

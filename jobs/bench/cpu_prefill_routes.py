@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 from batchpage import LLM, SamplingParams
 from batchpage.model.loader import load_tokenizer
@@ -39,10 +40,8 @@ def workloads(model: str, smoke: bool) -> list[PeerWorkload]:
     ]
 
 
-def run(llm: LLM, w: PeerWorkload, route: bool | None) -> tuple[float, list[list[int]]]:
-    """(output tok/s, each request's tokens) of one run with the route set, from an empty
-    prefix cache."""
-    llm.engine.runner.attention.prefill_in_kernel = route
+def run(llm: LLM, w: PeerWorkload) -> tuple[float, list[list[int]]]:
+    """(output tok/s, each request's tokens) of one run, from an empty prefix cache."""
     tree = llm.engine.kv_manager.tree
     tree.evict(tree.evictable_blocks)
     assert tree.cached_blocks == 0, "every run prefills the same tokens"
@@ -52,6 +51,41 @@ def run(llm: LLM, w: PeerWorkload, route: bool | None) -> tuple[float, list[list
     seconds = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     return sum(map(len, tokens)) / seconds, tokens
+
+
+def workload_llm(model: str, dtype: str, w: PeerWorkload) -> LLM:
+    """An engine for workload w on the CPU backend, its KV pool sized for it."""
+    return load_llm(
+        model, f"{w.name} {dtype}", dtype=dtype, attention_backend="cpu", max_model_len=w.max_len,
+        kv_cache_memory=2**30,
+    )  # fmt: skip
+
+
+def take_turns(
+    llm: LLM, w: PeerWorkload, sides: dict[str, Callable[[LLM], object]], runs: int, label: str
+) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
+    """Each side's output tok/s over `runs` runs of w, the sides taking turns in an order that
+    alternates, each side's setup applied to the engine before its run; and the tokens of each
+    side's last run."""
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    tokens: dict[str, list[list[int]]] = {}
+    names = list(sides)
+    for r in range(runs):
+        for name in names[r % 2 :] + names[: r % 2]:
+            sides[name](llm)
+            rate, tokens[name] = run(llm, w)
+            rates[name].append(rate)
+            log(f"{label} {name}: {rate:.1f} out tok/s")
+    return rates, tokens
+
+
+def route(prefill_in_kernel: bool | None) -> Callable[[LLM], None]:
+    """A side that sends prefill rows one way (CpuPagedAttention.prefill_in_kernel)."""
+
+    def setup(llm: LLM) -> None:
+        llm.engine.runner.attention.prefill_in_kernel = prefill_in_kernel
+
+    return setup
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,18 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     runs = 1 if args.smoke else args.runs
     rows, results = [], []
     for w in workloads(args.model, args.smoke):
-        llm = load_llm(
-            args.model, f"{w.name} {args.dtype}", dtype=args.dtype, attention_backend="cpu",
-            max_model_len=w.max_len, kv_cache_memory=2**30,
-        )  # fmt: skip
-        rates: dict[str, list[float]] = {name: [] for name in ROUTES}
-        tokens: dict[str, list[list[int]]] = {}
-        names = list(ROUTES)
-        for r in range(runs):
-            for name in names[r % 2 :] + names[: r % 2]:
-                rate, tokens[name] = run(llm, w, ROUTES[name])
-                rates[name].append(rate)
-                log(f"{w.name} {args.dtype} {name}: {rate:.1f} out tok/s")
+        llm = workload_llm(args.model, args.dtype, w)
+        sides = {name: route(r) for name, r in ROUTES.items()}
+        rates, tokens = take_turns(llm, w, sides, runs, f"{w.name} {args.dtype}")
         same = sum(a == b for a, b in zip(tokens["rule"], tokens["sdpa"], strict=True))
         med = {name: statistics.median(v) for name, v in rates.items()}
         result = {

@@ -10,7 +10,8 @@ its rows on torch's threads:
 - rms_norm(x, w): w * T(x * rsqrt(mean(x^2) + eps)), float32 statistics (HF's RMSNorm);
 - add_rms_norm(x, residual, w): the residual add and the next norm in one pass;
 - silu_mul(gate_up): SiLU(gate) * up over the merged [gate | up] matmul output;
-- rope_(x, cos, sin): rotate-half rope in place on q and k's heads.
+- rope_(x, cos, sin): rotate-half rope in place on q and k's heads;
+- argmax(logits): each row's argmax, for the greedy sampler (once a step, not once a layer).
 They compute in float32 and round to the tensors' dtype where the torch code rounds, so they
 match torch (model/layers.py, model/rope.py, the references) to float32 rounding in any dtype.
 """

@@ -98,6 +98,11 @@ class CpuLayerOps:
         self._module.rope(x, cos.reshape(n, half).contiguous(), sin.reshape(n, half).contiguous())
         return x
 
+    @property
+    def has_argmax(self) -> bool:
+        """Whether this library has the argmax (a benchmark may load an older revision's)."""
+        return hasattr(self._module, "argmax_rows")
+
     def argmax(
         self,
         x: torch.Tensor,  # float32 [N, V], rows may be strided

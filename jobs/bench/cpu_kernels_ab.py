@@ -44,15 +44,21 @@ def build_baseline(rev: str, folder: Path) -> Kernels:
     """Both libraries from revision `rev`'s sources (its header beside them, where their
     #include "cpu_vec.h" finds it first), under names of their own."""
     root = Path(cpu_paged_decode.__file__).resolve().parents[1]
+
+    def git(*cmd: str) -> bytes:
+        done = subprocess.run(["git", *cmd], cwd=root, capture_output=True, check=False)
+        if done.returncode != 0:
+            raise SystemExit(
+                f"--baseline {rev}: `git {' '.join(cmd)}` failed in {root}: "
+                f"{done.stderr.decode().strip()}. Name a commit of this repository whose "
+                "kernels/ holds the C++ kernels (e.g. HEAD~1)."
+            )
+        return done.stdout
+
     for path in [cpu_paged_decode.SOURCE, cpu_layer_ops.SOURCE, *HEADERS]:
         rel = path.resolve().relative_to(root).as_posix()
-        text = subprocess.run(
-            ["git", "show", f"{rev}:{rel}"], cwd=root, capture_output=True, check=True
-        ).stdout
-        (folder / path.name).write_bytes(text)
-    tag = subprocess.run(
-        ["git", "rev-parse", "--short", rev], cwd=root, capture_output=True, text=True, check=True
-    ).stdout.strip()
+        (folder / path.name).write_bytes(git("show", f"{rev}:{rel}"))
+    tag = git("rev-parse", "--short", rev).decode().strip()
     decode = build_extension(
         folder / cpu_paged_decode.SOURCE.name, f"baseline_{tag}_decode", f"the {rev} decode kernel"
     )
@@ -68,7 +74,7 @@ def use(llm: LLM, kernels: Kernels) -> None:
     assert llm.engine.runner.model.use_layer_ops(ops) > 0
     # An older revision's library may predate the greedy sampler's argmax: then torch's, as
     # that revision's engine did.
-    llm.engine.argmax = ops.argmax if hasattr(ops._module, "argmax_rows") else None
+    llm.engine.argmax = ops.argmax if ops.has_argmax else None
 
 
 def decode_step_ms(

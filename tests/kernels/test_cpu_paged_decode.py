@@ -374,6 +374,15 @@ def test_kernels_ab_benchmark_smoke(kernel, tmp_path: Path) -> None:
     assert all(len(v) == 2 and min(v) > 0 for v in results[1]["step_ms"].values())
 
 
+def test_kernels_ab_names_a_bad_baseline(tmp_path: Path) -> None:
+    """A revision git does not know stops the A/B with a message that names it and says what to
+    pass, before any engine is loaded."""
+    from jobs.bench.cpu_kernels_ab import build_baseline
+
+    with pytest.raises(SystemExit, match=r"--baseline no-such-rev: `git show no-such-rev:kernels/"):
+        build_baseline("no-such-rev", tmp_path)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_write_kv_matches_torch(kernel, dtype) -> None:
     """New K/V rows, taken as the Attention layer takes them (slices of the qkv rows), land in

@@ -1,14 +1,18 @@
-"""The CPU attention backend: query rows through the C++ paged-decode kernel, which reads the
-pool in place (kernels/cpu_paged_decode.py). A decode is one row; a prompt or a chunk is one row
-per new token, each a decode of its own position, so a causal prompt costs only the keys its
-rows see and nothing is gathered. The rows of a long chunk behind a long cached context go to
-the torch parts instead (parts.py: SDPA over gathered blocks), where `kernel_is_cheaper` says
-SDPA's matmuls win. Sliding windows and logit soft-caps go to both (see backend.py).
+"""The CPU attention backend: C++ kernels that read the pool in place. Decode rows (one new
+token) go to the paged-decode kernel (kernels/cpu_paged_decode.py), a row per task; the rows of
+a prompt, a chunk or a prompt behind a cached prefix go to the paged-prefill kernel
+(kernels/cpu_paged_prefill.py), which reads each key once for a tile of rows. Sliding windows
+and logit soft-caps go to both (see backend.py).
+
+Two other routes for a sequence's new rows stay for comparison (`prefill_route`, and
+jobs/bench/cpu_prefill_attention.py): "rows", each row a decode of its own position through the
+decode kernel, and "sdpa", the torch parts (parts.py: SDPA over gathered blocks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -17,36 +21,26 @@ from batchpage.attention.metadata import AttentionMetadata
 from batchpage.attention.parts import StepParts, attend_parts
 from batchpage.cache.kv_cache import KVCache
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
+from batchpage.kernels.cpu_paged_prefill import CpuPagedPrefill
 
-# The kernel reads each row's visible keys one row at a time, about 31 ns a key per row in
-# either dtype on a 2-core AMD EPYC with AVX-512 (Zen 4, the only CPU these were measured on);
-# SDPA multiplies every query row of a sequence with every gathered key (a causal mask does not
-# let it skip the rest) at about 20 ns a key per row, plus about 0.3 ms a sequence for the
-# gather and the call. Measured with `python -m jobs.bench.cpu_prefill_attention`
-# (BENCHMARKS.md, "Prefill rows through the decode kernel").
-SDPA_KEY_COST = 0.65  # SDPA's time per query row and key, in units of the kernel's
-SDPA_CALL_COST = 10_000  # SDPA's time per sequence, in keys the kernel reads in that time
-
-
-def kernel_is_cheaper(new: int, context: int) -> bool:
-    """Whether `new` query rows ending a context of `context` tokens run faster through the
-    kernel than through SDPA: yes for decodes, fresh prompts and short chunks; no for long
-    chunks after a long cached context, where SDPA's matmuls pay off."""
-    kernel_keys = new * (context - new) + new * (new + 1) // 2  # row j sees context - new + j + 1
-    return kernel_keys <= SDPA_KEY_COST * new * context + SDPA_CALL_COST
+PrefillRoute = Literal["tiles", "rows", "sdpa"]
+PREFILL_ROUTES: tuple[PrefillRoute, ...] = ("tiles", "rows", "sdpa")
 
 
 @dataclass(frozen=True)
 class CpuStepAttention:
-    """A step planned by CpuPagedAttention: its decode rows for the kernel, the rest as parts."""
+    """A step planned by CpuPagedAttention: its rows for the decode kernel, its sequences for the
+    prefill kernel, and the rest (route "sdpa") as torch parts."""
 
     kernel: CpuPagedDecode
+    prefill: CpuPagedPrefill
     meta: AttentionMetadata
-    all_in_kernel: bool  # every row goes to the kernel, in order (decode_rows is then unused)
-    decode_rows: torch.Tensor  # int64 [Nk]: the rows for the kernel
+    all_in_kernel: bool  # every row goes to the decode kernel, in order (decode_rows unused)
+    decode_rows: torch.Tensor  # int64 [Nk]: the rows for the decode kernel
     decode_tables: torch.Tensor  # int32 [Nk, max_blocks]: each kernel row's sequence's table
     decode_lens: torch.Tensor  # int32 [Nk]: the context each kernel row sees, itself included
-    parts: StepParts  # the sequences with more new tokens, for the torch path
+    prefill_seqs: torch.Tensor  # int32 [S]: the sequences whose rows the prefill kernel takes
+    parts: StepParts  # the sequences left for the torch path
 
     def __call__(
         self,
@@ -68,21 +62,20 @@ class CpuStepAttention:
         # the first (every forward runs layer 0 first), the shapes in each.
         self.kernel.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, slots_checked=layer > 0)
         q = q.to(k_cache.dtype)
+        # q's rows may be strided (its heads are a slice of the q/k rows): the kernels take a
+        # row stride, so only a q whose heads are not dense is copied.
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            q = q.contiguous()
         window = {
             "sliding_window": sliding_window,
             "logit_softcap": logit_softcap,
             "tables_checked": layer > 0,
         }
         if self.all_in_kernel:
-            # q's rows may be strided (its heads are a slice of the q/k rows): the kernel takes
-            # a row stride, so only a q whose heads are not dense is copied.
-            if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-                q = q.contiguous()
             return self.kernel(
                 q, k_cache, v_cache, self.decode_tables, self.decode_lens, scale, **window
             )
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)
         if self.decode_rows.numel():
             o = self.kernel(
                 q.index_select(0, self.decode_rows),
@@ -94,6 +87,11 @@ class CpuStepAttention:
                 **window,
             )
             out.index_copy_(0, self.decode_rows, o)
+        if self.prefill_seqs.numel():
+            self.prefill(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                self.prefill_seqs, scale, out, **window,
+            )  # fmt: skip
         attend_parts(q, k_cache, v_cache, self.parts(sliding_window), scale, out, logit_softcap)
         return out
 
@@ -101,48 +99,65 @@ class CpuStepAttention:
 class CpuPagedAttention:
     """AttentionBackend for CPU tensors (see backend.py for the contract).
 
-    Decodes always run through the kernel. A sequence with several new tokens (a prompt, a
-    chunk, a prompt behind a cached prefix) sends its rows there too, each as a decode of its
-    own position over the pool in place, where `kernel_is_cheaper` says so; the others go to
-    SDPA over gathered blocks (parts.py). prefill_in_kernel=True or False sends all of them one
-    way (tests compare both against the torch backend)."""
+    Decodes always run through the decode kernel. A sequence with several new tokens (a prompt,
+    a chunk, a prompt behind a cached prefix) goes by `prefill_route`: "tiles" (the default) to
+    the prefill kernel; "rows" to the decode kernel, each row a decode of its own position;
+    "sdpa" to the torch parts, SDPA over gathered blocks (parts.py). Tests compare every route
+    with the torch backend; jobs/bench/cpu_prefill_attention.py times them."""
 
-    def __init__(self, kernel: CpuPagedDecode, prefill_in_kernel: bool | None = None) -> None:
+    def __init__(
+        self,
+        kernel: CpuPagedDecode,
+        prefill: CpuPagedPrefill,
+        prefill_route: PrefillRoute = "tiles",
+    ) -> None:
+        if prefill_route not in PREFILL_ROUTES:
+            raise ValueError(
+                f"prefill_route must be one of {PREFILL_ROUTES}; got {prefill_route!r}"
+            )
         self.kernel = kernel
-        self.prefill_in_kernel = prefill_in_kernel
-
-    def _in_kernel(self, new: int, context: int) -> bool:
-        if new == 1:
-            return True
-        if self.prefill_in_kernel is None:
-            return kernel_is_cheaper(new, context)
-        return self.prefill_in_kernel
+        self.prefill = prefill
+        self.prefill_route = prefill_route
 
     def plan(self, meta: AttentionMetadata) -> CpuStepAttention:
-        if meta.is_decode_only:
-            return CpuStepAttention(
-                self.kernel,
-                meta,
-                True,
-                torch.empty(0),
-                meta.block_tables,
-                meta.seq_lens,
-                StepParts(meta, decode_rows=False),
-            )
         lens = meta.query_lens_cpu
-        seqs = [b for b, n in enumerate(lens) if self._in_kernel(n, meta.seq_lens_cpu[b])]
+        route = self.prefill_route
+        # Sequences whose rows go to the decode kernel: decodes, and every sequence by "rows".
+        seqs = [b for b, n in enumerate(lens) if n == 1 or route == "rows"]
+        multi = [b for b, n in enumerate(lens) if n > 1]
+        none = torch.empty(0, dtype=torch.int32)
+        if len(seqs) == meta.num_seqs:
+            rows = torch.empty(0, dtype=torch.long)
+            tables, sees = meta.block_tables, meta.seq_lens
+            if not meta.is_decode_only:
+                tables, sees, rows = self._rows(meta, seqs)
+            return CpuStepAttention(
+                self.kernel, self.prefill, meta, True, rows, tables, sees, none,
+                StepParts(meta, decode_rows=False, skip=frozenset(range(meta.num_seqs))),
+            )  # fmt: skip
+        tables, sees, rows = self._rows(meta, seqs)
+        tiles = torch.tensor(multi, dtype=torch.int32) if route == "tiles" else none
+        done = frozenset(seqs) | (frozenset(multi) if route == "tiles" else frozenset())
+        return CpuStepAttention(
+            self.kernel, self.prefill, meta, False, rows, tables, sees, tiles,
+            StepParts(meta, decode_rows=False, skip=done),
+        )  # fmt: skip
+
+    @staticmethod
+    def _rows(
+        meta: AttentionMetadata, seqs: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decode kernel's inputs for every row of `seqs`: each row's table, the context it
+        sees, and the row's index in the step."""
+        lens = meta.query_lens_cpu
         starts = meta.query_start_loc.tolist()
         # Row r = starts[b] + j of sequence b (n new tokens of a context of L) sits at position
         # L - n + j, so it sees the first L - n + j + 1 tokens of b's blocks.
         rows = [r for b in seqs for r in range(starts[b], starts[b + 1])]
         of_seq = torch.tensor([b for b in seqs for _ in range(lens[b])], dtype=torch.long)
         sees = [meta.seq_lens_cpu[b] - lens[b] + 1 + j for b in seqs for j in range(lens[b])]
-        return CpuStepAttention(
-            self.kernel,
-            meta,
-            len(rows) == meta.num_tokens,
-            torch.tensor(rows, dtype=torch.long),
+        return (
             meta.block_tables.index_select(0, of_seq),
             torch.tensor(sees, dtype=torch.int32),
-            StepParts(meta, decode_rows=False, skip=frozenset(seqs)),
+            torch.tensor(rows, dtype=torch.long),
         )

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """auto: Triton kernels on CUDA; on CPU the C++ decode kernel when it builds here, else the
+    """auto: Triton kernels on CUDA; on CPU the C++ attention kernels when they build here, else the
     torch implementation of the same layout (with a warning that says why)."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         from batchpage.attention.triton_backend import TritonPagedAttention
@@ -34,9 +34,10 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         raise ValueError(f"attention_backend='cpu' needs device='cpu'; got {device}")
     from batchpage.attention.cpu_backend import CpuPagedAttention
     from batchpage.kernels.cpu_paged_decode import CpuPagedDecode, KernelBuildError
+    from batchpage.kernels.cpu_paged_prefill import CpuPagedPrefill
 
     try:
-        return CpuPagedAttention(CpuPagedDecode.build())
+        return CpuPagedAttention(CpuPagedDecode.build(), CpuPagedPrefill.build())
     except KernelBuildError as exc:
         if name == "cpu":
             raise

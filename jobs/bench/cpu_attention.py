@@ -48,6 +48,7 @@ from batchpage.cache.kv_cache import KVCache, bytes_per_block
 from batchpage.engine.kv_manager import blocks_for
 from batchpage.host_memory import keep_freed_memory
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
+from batchpage.kernels.cpu_paged_prefill import CpuPagedPrefill
 from jobs.bench.report import command_line, environment, log, markdown_table, timed, write_json
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -151,14 +152,14 @@ def main(argv: list[str] | None = None) -> None:
         args.pool_gib, args.repeats = 0.02, 2
     torch.set_num_threads(torch.get_num_threads())
     keep_freed_memory()  # as the engine does on a CPU
-    kernel = CpuPagedDecode.build()
+    kernel, prefill = CpuPagedDecode.build(), CpuPagedPrefill.build()
     systems: dict[str, Callable[[], Any]] = {
         "torch": TorchPagedAttention,
-        "cpu": lambda: CpuPagedAttention(kernel),
+        "cpu": lambda: CpuPagedAttention(kernel, prefill),
     }
     if args.baseline:
         before = CpuPagedDecode.build(source=args.baseline.resolve())
-        systems["baseline"] = lambda: CpuPagedAttention(before)
+        systems["baseline"] = lambda: CpuPagedAttention(before, prefill)
     dtype = getattr(torch, args.dtype)
     token_bytes = bytes_per_block(1, 1, KV_HEADS, HEAD_DIM, dtype)  # one token, one layer
     pool_blocks = int(args.pool_gib * 2**30 / (BLOCK * token_bytes))

@@ -1,14 +1,17 @@
 """The engine with this checkout's C++ CPU kernels against those of another git revision, in one
-process: the paged-decode kernel and the layer ops (norms, SiLU*up, rope, the greedy argmax) of
-both are built, and one engine per workload swaps between them run by run.
+process: the paged-decode kernel, the paged-prefill kernel and the layer ops (norms, SiLU*up,
+rope, the greedy argmax) of both are built, and one engine per workload swaps between them run
+by run. A revision from before the prefill kernel sends prompt rows through its decode kernel
+(the backend's "rows" route; such revisions also sent long chunks behind long contexts to SDPA).
 
     python -m jobs.bench.cpu_kernels_ab --baseline HEAD~3 --dtype bfloat16 --runs 4
     python -m jobs.bench.cpu_kernels_ab --smoke          # seconds: does it run?
 
 On a shared, noisy machine an A/B inside one process, the two taking turns, is the fair way to
 see what a kernel change does to the engine; a figure from another run or another day is not.
-Workloads are those of cpu_prefill_routes.py (the peer benchmark's shared system prompt and 64
-ShareGPT first turns, greedy with ignore_eos; the prefix cache is emptied before every run).
+Workloads are those of cpu_prefill_routes.py (the peer benchmark's shared system prompt, 5-shot
+HumanEval prompt and 64 ShareGPT first turns, greedy with ignore_eos; the prefix cache is
+emptied before every run).
 Reports each side's median output tok/s, their ratio, and how many requests got the same greedy
 tokens (in bf16 two summation orders can part at near-ties).
 
@@ -29,20 +32,22 @@ from functools import partial
 from pathlib import Path
 
 from batchpage import LLM
-from batchpage.kernels import cpu_layer_ops, cpu_paged_decode
+from batchpage.kernels import cpu_layer_ops, cpu_paged_decode, cpu_paged_prefill
 from batchpage.kernels.cpu_build import HEADERS, build_extension
 from batchpage.kernels.cpu_layer_ops import CpuLayerOps
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
+from batchpage.kernels.cpu_paged_prefill import CpuPagedPrefill
 from jobs.bench.cpu_prefill_routes import take_turns, workload_llm, workloads
 from jobs.bench.report import command_line, environment, print_results
 from jobs.bench.step_profile import decoding_llm
 
-Kernels = tuple[CpuPagedDecode, CpuLayerOps]
+Kernels = tuple[CpuPagedDecode, CpuLayerOps, CpuPagedPrefill | None]
 
 
 def build_baseline(rev: str, folder: Path) -> Kernels:
-    """Both libraries from revision `rev`'s sources (its header beside them, where their
-    #include "cpu_vec.h" finds it first), under names of their own."""
+    """The libraries from revision `rev`'s sources (its header beside them, where their
+    #include "cpu_vec.h" finds it first), under names of their own; no prefill kernel where
+    `rev` has none."""
     root = Path(cpu_paged_decode.__file__).resolve().parents[1]
 
     def git(*cmd: str) -> bytes:
@@ -59,18 +64,33 @@ def build_baseline(rev: str, folder: Path) -> Kernels:
         rel = path.resolve().relative_to(root).as_posix()
         (folder / path.name).write_bytes(git("show", f"{rev}:{rel}"))
     tag = git("rev-parse", "--short", rev).decode().strip()
+    prefill = None
+    rel = cpu_paged_prefill.SOURCE.resolve().relative_to(root).as_posix()
+    if rel in git("ls-tree", "-r", "--name-only", rev, "kernels/").decode().split():
+        (folder / cpu_paged_prefill.SOURCE.name).write_bytes(git("show", f"{rev}:{rel}"))
+        prefill = CpuPagedPrefill(
+            build_extension(
+                folder / cpu_paged_prefill.SOURCE.name,
+                f"baseline_{tag}_prefill",
+                f"the {rev} prefill kernel",
+            )  # fmt: skip
+        )
     decode = build_extension(
         folder / cpu_paged_decode.SOURCE.name, f"baseline_{tag}_decode", f"the {rev} decode kernel"
     )
     ops = build_extension(
         folder / cpu_layer_ops.SOURCE.name, f"baseline_{tag}_layer_ops", f"the {rev} layer ops"
     )
-    return CpuPagedDecode(decode), CpuLayerOps(ops)
+    return CpuPagedDecode(decode), CpuLayerOps(ops), prefill
 
 
 def use(llm: LLM, kernels: Kernels) -> None:
-    decode, ops = kernels
-    llm.engine.runner.attention.kernel = decode
+    decode, ops, prefill = kernels
+    attention = llm.engine.runner.attention
+    attention.kernel = decode
+    attention.prefill_route = "rows" if prefill is None else "tiles"
+    if prefill is not None:
+        attention.prefill = prefill
     assert llm.engine.runner.model.use_layer_ops(ops) > 0
     # An older revision's library may predate the greedy sampler's argmax: then torch's, as
     # that revision's engine did.
@@ -110,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = 1 if args.smoke else args.runs
     with tempfile.TemporaryDirectory() as tmp:
         sides: dict[str, Kernels] = {
-            "this": (CpuPagedDecode.build(), CpuLayerOps.build()),
+            "this": (CpuPagedDecode.build(), CpuLayerOps.build(), CpuPagedPrefill.build()),
             "baseline": build_baseline(args.baseline, Path(tmp)),
         }
     rows, results = [], []

@@ -1,16 +1,16 @@
-"""Prefill attention on this CPU: a sequence's new rows through the paged-decode kernel (one
-decode per row, over the pool in place) against SDPA over gathered blocks, and the backend's
-rule that picks between them (attention/cpu_backend.py, `kernel_is_cheaper`).
+"""Prefill attention on this CPU, the three routes of the CPU backend (attention/cpu_backend.py,
+`prefill_route`): a sequence's new rows through the paged-prefill kernel ("tiles": a tile of rows
+reads each key once, in place), through the paged-decode kernel ("rows": one decode per row, in
+place), and SDPA over gathered blocks ("sdpa").
 
     python -m jobs.bench.cpu_prefill_attention --out bench/cpu_prefill_attention.json
     python -m jobs.bench.cpu_prefill_attention --smoke      # seconds: does it run?
 
 One layer of SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64, block size 16), timed
-through the AttentionBackend interface (the new tokens' K/V writes included) as
-CpuPagedAttention with prefill_in_kernel=True ("kernel"), False ("sdpa") and None ("rule"). The
-cases: fresh prompts (causal: each row sees its own prefix), short prompts behind a cached
-prefix, and chunks of a long prompt behind a long context. The systems take turns call by call,
-so a busy moment of a shared machine falls on all of them alike; medians are reported.
+through the AttentionBackend interface (the new tokens' K/V writes included). The cases: fresh
+prompts (causal: each row sees its own prefix), short prompts behind a cached prefix, and chunks
+of a long prompt behind a long context. The routes take turns call by call, so a busy moment of
+a shared machine falls on all of them alike; medians are reported.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ import time
 
 import torch
 
-from batchpage.attention.cpu_backend import CpuPagedAttention, kernel_is_cheaper
+from batchpage.attention.cpu_backend import PREFILL_ROUTES, CpuPagedAttention
 from batchpage.cache.kv_cache import KVCache
 from batchpage.host_memory import keep_freed_memory
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
+from batchpage.kernels.cpu_paged_prefill import CpuPagedPrefill
 from batchpage.kernels.testing import make_paged_case
 from jobs.bench.report import command_line, environment, log, print_results
 from tests.attention.case_inputs import case_metadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
-SYSTEMS = {"kernel": True, "sdpa": False, "rule": None}
 # (label, context lengths, new tokens per sequence, leading blocks shared by all sequences)
 CASES = [
     ("10 prompts of 67", [67] * 10, [67] * 10, 0),
@@ -48,19 +48,20 @@ SMOKE_CASES = [("2 prompts of 20", [20] * 2, [20] * 2, 0), ("chunk of 8 after 40
 
 def time_case(
     kernel: CpuPagedDecode,
+    prefill: CpuPagedPrefill,
     lens: list[int],
     new: list[int],
     shared: int,
     dtype: torch.dtype,
     repeats: int,
 ) -> tuple[dict[str, float], float]:
-    """(median seconds of each system's call, the largest difference of its output from the
-    kernel's)."""
+    """(median seconds of each route's call, the largest difference of its output from the
+    "rows" route's)."""
     case = make_paged_case(lens, new, HEADS, KV_HEADS, HEAD_DIM, BLOCK, dtype, shared_blocks=shared)
     meta = case_metadata(case)
     kv = KVCache(k=[case.k_cache.nan_to_num()], v=[case.v_cache.nan_to_num()])
     args = (case.q, case.k_new, case.v_new, kv, meta, HEAD_DIM**-0.5)
-    steps = {name: CpuPagedAttention(kernel, route).plan(meta) for name, route in SYSTEMS.items()}
+    steps = {r: CpuPagedAttention(kernel, prefill, r).plan(meta) for r in PREFILL_ROUTES}
     outs = {name: step(0, *args) for name, step in steps.items()}  # warm-up
     times: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)
@@ -69,7 +70,7 @@ def time_case(
             start = time.perf_counter()
             steps[name](0, *args)
             times[name].append(time.perf_counter() - start)
-    diff = max((o.float() - outs["kernel"].float()).abs().max().item() for o in outs.values())
+    diff = max((o.float() - outs["rows"].float()).abs().max().item() for o in outs.values())
     return {name: statistics.median(t) for name, t in times.items()}, diff
 
 
@@ -83,38 +84,33 @@ def main(argv: list[str] | None = None) -> None:
     cases = SMOKE_CASES if args.smoke else CASES
     repeats = 2 if args.smoke else args.repeats
     keep_freed_memory()  # as the engine does on a CPU
-    kernel = CpuPagedDecode.build()
+    kernel, prefill = CpuPagedDecode.build(), CpuPagedPrefill.build()
     rows, results = [], []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for label, lens, new, shared in cases:
-            t, diff = time_case(kernel, lens, new, shared, dtype, repeats)
-            picks = {
-                "kernel" if kernel_is_cheaper(n, c) else "sdpa"
-                for n, c in zip(new, lens, strict=True)
-            }
+            t, diff = time_case(kernel, prefill, lens, new, shared, dtype, repeats)
             result = {
                 "dtype": dtype_name, "case": label, "max_abs_diff": diff,
-                "rule_picks": ",".join(sorted(picks)),
                 **{f"{name}_ms": sec * 1e3 for name, sec in t.items()},
-                "kernel_vs_sdpa": t["sdpa"] / t["kernel"], "rule_vs_sdpa": t["sdpa"] / t["rule"],
+                "tiles_vs_rows": t["rows"] / t["tiles"], "tiles_vs_sdpa": t["sdpa"] / t["tiles"],
             }  # fmt: skip
             results.append(result)
-            rows.append([dtype_name, label, t["kernel"] * 1e3, t["sdpa"] * 1e3,
-                         f"{result['kernel_vs_sdpa']:.2f}x", result["rule_picks"],
-                         f"{result['rule_vs_sdpa']:.2f}x", f"{diff:.1e}"])  # fmt: skip
+            rows.append([dtype_name, label, t["tiles"] * 1e3, t["rows"] * 1e3, t["sdpa"] * 1e3,
+                         f"{result['tiles_vs_rows']:.2f}x", f"{result['tiles_vs_sdpa']:.2f}x",
+                         f"{diff:.1e}"])  # fmt: skip
             timings = ", ".join(f"{n} {s * 1e3:.2f} ms" for n, s in t.items())
             log(f"{dtype_name} {label}: {timings}")
     env = environment()
-    print(f"## CPU prefill attention: decode kernel vs SDPA ({env['date_utc']})\n")
+    print(f"## CPU prefill attention: prefill kernel, decode kernel, SDPA ({env['date_utc']})\n")
     print(f"Command: `{command_line()}`\n")
     print(
         f"One layer, {HEADS} query / {KV_HEADS} KV heads, head_dim {HEAD_DIM}, block {BLOCK}, "
         f"{env['torch_threads']} threads, median of {repeats} calls taken in turn. CPU: "
         f"{env['cpu']} ({', '.join(env['cpu_flags'])}).\n"
     )
-    header = ["dtype", "new rows", "kernel ms", "sdpa ms", "kernel vs sdpa", "rule picks",
-              "rule vs sdpa", "max abs diff"]  # fmt: skip
+    header = ["dtype", "new rows", "tiles ms", "rows ms", "sdpa ms", "tiles vs rows",
+              "tiles vs sdpa", "max abs diff"]  # fmt: skip
     print_results(header, rows, args.out, env, results)
 
 

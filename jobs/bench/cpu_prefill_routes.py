@@ -1,16 +1,17 @@
-"""The engine with its CPU prefill rows routed two ways, in one process: through the paged-decode
-kernel where the backend's rule says so (the default), against every prompt and chunk on SDPA
-(the route before the kernel took prefill rows).
+"""The engine with its CPU prefill rows routed several ways, in one process (the attention
+backend's `prefill_route`, attention/cpu_backend.py): "tiles", the paged-prefill kernel (the
+default); "rows", each row a decode through the paged-decode kernel; "sdpa", SDPA over gathered
+blocks.
 
-    python -m jobs.bench.cpu_prefill_routes --dtype bfloat16 --runs 4
+    python -m jobs.bench.cpu_prefill_routes --dtype bfloat16 --runs 4 --routes tiles,rows
     python -m jobs.bench.cpu_prefill_routes --smoke        # seconds: does it run?
 
-Workloads are the peer benchmark's (jobs/bench/peer_workloads.py): the shared system prompt and
-64 ShareGPT first turns, greedy with ignore_eos. One engine per workload; the two routes take
-turns run by run (the attention backend's `prefill_in_kernel` switched between runs) and the
-prefix cache is emptied before every run, so each run prefills the same tokens. Reports each
-route's median output tok/s, their ratio, and how many requests got the same greedy tokens (in
-bf16 two summation orders can part at near-ties).
+Workloads are the peer benchmark's (jobs/bench/peer_workloads.py): the shared system prompt, the
+5-shot HumanEval prompt and 64 ShareGPT first turns, greedy with ignore_eos. One engine per
+workload; the routes take turns run by run and the prefix cache is emptied before every run, so
+each run prefills the same tokens. Reports each route's median output tok/s, its ratio to the
+first route's, and how many requests got the first route's greedy tokens (in bf16 two summation
+orders can part at near-ties).
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ import time
 from collections.abc import Callable
 
 from batchpage import LLM, SamplingParams
+from batchpage.attention.cpu_backend import PREFILL_ROUTES
 from batchpage.model.loader import load_tokenizer
 from jobs.bench.engine_runs import load_llm
-from jobs.bench.peer_workloads import PeerWorkload, sharegpt_workload, system_workload
+from jobs.bench.peer_workloads import (
+    PeerWorkload,
+    fewshot_workload,
+    sharegpt_workload,
+    system_workload,
+)
 from jobs.bench.report import command_line, environment, log, print_results
 from jobs.bench.workloads import short_sharegpt_questions
-
-ROUTES = {"rule": None, "sdpa": False}  # name -> CpuPagedAttention.prefill_in_kernel
 
 
 def workloads(model: str, smoke: bool) -> list[PeerWorkload]:
@@ -36,6 +41,7 @@ def workloads(model: str, smoke: bool) -> list[PeerWorkload]:
         return [system_workload(tok, short_sharegpt_questions(tok, 4, 0, 16), 40, 2)]
     return [
         system_workload(tok, short_sharegpt_questions(tok, 48, 0, 48), 550, 32),
+        fewshot_workload(tok, 5, 32, 0, 160, 160, 32),
         sharegpt_workload(tok, 64, 0, 256, 96, 4),
     ]
 
@@ -71,7 +77,7 @@ def take_turns(
     tokens: dict[str, list[list[int]]] = {}
     names = list(sides)
     for r in range(runs):
-        for name in names[r % 2 :] + names[: r % 2]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             sides[name](llm)
             rate, tokens[name] = run(llm, w)
             rates[name].append(rate)
@@ -79,11 +85,11 @@ def take_turns(
     return rates, tokens
 
 
-def route(prefill_in_kernel: bool | None) -> Callable[[LLM], None]:
-    """A side that sends prefill rows one way (CpuPagedAttention.prefill_in_kernel)."""
+def route(name: str) -> Callable[[LLM], None]:
+    """A side that sends prefill rows one way (CpuPagedAttention.prefill_route)."""
 
     def setup(llm: LLM) -> None:
-        llm.engine.runner.attention.prefill_in_kernel = prefill_in_kernel
+        llm.engine.runner.attention.prefill_route = name
 
     return setup
 
@@ -93,33 +99,42 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--runs", type=int, default=4, help="runs per route and workload")
+    p.add_argument(
+        "--routes", default="tiles,rows", help=f"comma-separated, of {', '.join(PREFILL_ROUTES)}"
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--smoke", action="store_true", help="a tiny workload: does it run?")
     args = p.parse_args(argv)
     runs = 1 if args.smoke else args.runs
+    routes = args.routes.split(",")
+    if len(routes) < 2 or not set(routes) <= set(PREFILL_ROUTES):
+        p.error(f"--routes: two or more of {', '.join(PREFILL_ROUTES)}; got {args.routes!r}")
+    first = routes[0]
     rows, results = [], []
     for w in workloads(args.model, args.smoke):
         llm = workload_llm(args.model, args.dtype, w)
-        sides = {name: route(r) for name, r in ROUTES.items()}
+        sides = {name: route(name) for name in routes}
         rates, tokens = take_turns(llm, w, sides, runs, f"{w.name} {args.dtype}")
-        same = sum(a == b for a, b in zip(tokens["rule"], tokens["sdpa"], strict=True))
         med = {name: statistics.median(v) for name, v in rates.items()}
-        result = {
-            "workload": w.name, "dtype": args.dtype, "runs": rates,
-            "rule_tok_s": med["rule"], "sdpa_tok_s": med["sdpa"],
-            "rule_vs_sdpa": med["rule"] / med["sdpa"], "same_greedy": same,
-            "requests": len(w.prompts),
-        }  # fmt: skip
-        results.append(result)
-        rows.append([w.name, args.dtype, med["rule"], med["sdpa"],
-                     f"{result['rule_vs_sdpa']:.3f}x", f"{same}/{len(w.prompts)}"])  # fmt: skip
+        for name in routes[1:]:
+            same = sum(a == b for a, b in zip(tokens[first], tokens[name], strict=True))
+            result = {
+                "workload": w.name, "dtype": args.dtype, "route": name, "runs": rates[name],
+                "first_runs": rates[first], "tok_s": med[name], "first_tok_s": med[first],
+                "first_vs_route": med[first] / med[name], "same_greedy": same,
+                "requests": len(w.prompts),
+            }  # fmt: skip
+            results.append(result)
+            ratio = f"{result['first_vs_route']:.3f}x"
+            rows.append([w.name, args.dtype, med[first], name, med[name], ratio,
+                         f"{same}/{len(w.prompts)}"])  # fmt: skip
         del llm
     env = environment()
     print(f"## CPU prefill routes in the engine ({env['date_utc']})\n")
     print(f"Command: `{command_line()}`\n")
     print(f"CPU: {env['cpu']} ({', '.join(env['cpu_flags'])}), median of {runs} runs a route.\n")
-    header = ["workload", "dtype", "rule out tok/s", "all-SDPA out tok/s", "rule vs all-SDPA",
-              "same greedy"]  # fmt: skip
+    header = ["workload", "dtype", f"{first} out tok/s", "route", "its out tok/s",
+              f"{first} vs route", "same greedy"]  # fmt: skip
     print_results(header, rows, args.out, env, results)
 
 

@@ -166,11 +166,14 @@ def test_engine_keeps_torch_layers_when_the_ops_cannot_build(monkeypatch) -> Non
     from batchpage.engine.model_runner import make_layer_ops
     from batchpage.kernels.cpu_build import KernelBuildError
     from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
+    from batchpage.kernels.cpu_paged_prefill import CpuPagedPrefill
+
+    attention = CpuPagedAttention(CpuPagedDecode.build(), CpuPagedPrefill.build())
 
     def fail(cls, verbose: bool = False):
         raise KernelBuildError("no compiler here")
 
     monkeypatch.setattr(CpuLayerOps, "build", classmethod(fail))
     with pytest.warns(UserWarning, match="no compiler here.*norms and activations run in torch"):
-        assert make_layer_ops(CpuPagedAttention(CpuPagedDecode.build())) is None
+        assert make_layer_ops(attention) is None
     assert make_layer_ops(TorchPagedAttention()) is None  # no warning: torch asked for

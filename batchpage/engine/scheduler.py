@@ -13,7 +13,9 @@ Continuous batching with one token budget per step (max_num_batched_tokens):
    manager and computes only the rest. A prompt larger than the budget is prefilled in chunks
    over several steps, in the same forward as the running decodes. A sequence that shares an
    uncached block with one admitted in the same step waits one step, so that block is computed
-   once and shared.
+   once and shared; the sequences queued behind it are still admitted (a step full of short
+   prompts behind a shared system prompt needs them), and it keeps its place at the queue's
+   head.
 The scheduler owns the queues; the KVCacheManager owns the blocks.
 """
 
@@ -21,10 +23,19 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from enum import Enum
 
 from batchpage.engine.admission import Demand, GrowthEstimate
 from batchpage.engine.kv_manager import BlockCopy, KVCacheManager, blocks_for
 from batchpage.engine.sequence import SeqStatus, Sequence
+
+
+class Admit(Enum):
+    """What admission made of a waiting sequence this step."""
+
+    ADMITTED = "admitted"
+    WAITS = "waits"  # it shares an uncomputed block with one admitted this step
+    NO_ROOM = "no room"  # the budget or the pool: nothing behind it goes either
 
 
 @dataclass(frozen=True)
@@ -133,6 +144,7 @@ class Scheduler:
         # when preemption left nothing to run, the queue's head (perhaps the victim) goes next.
         demand = self._demand(self.running)
         admitted: list[Sequence] = []
+        deferred: list[Sequence] = []  # waiting a step for a block one admitted now computes
         while (not out.preempted or not out.scheduled) and self.waiting and budget > 0:
             seq = self.waiting[0]
             # Samples forked from seq after its prefill count against max_num_seqs now.
@@ -141,8 +153,13 @@ class Scheduler:
             if seq.swapped_tokens:
                 if not self._swap_in(seq, budget, out):
                     break
-            elif not self._admit(seq, budget, demand, admitted, out):
-                break
+            else:
+                verdict = self._admit(seq, budget, demand, admitted, out)
+                if verdict is Admit.WAITS:
+                    deferred.append(self.waiting.popleft())
+                    continue
+                if verdict is Admit.NO_ROOM:
+                    break
             if demand is not None:
                 demand.add(*self._future(seq), copies=1 + len(seq.pending_forks))
             self.waiting.popleft()
@@ -151,6 +168,7 @@ class Scheduler:
             self.running.append(seq)
             admitted.append(seq)
             budget -= out.scheduled[-1].num_new_tokens
+        self.waiting.extendleft(reversed(deferred))
         if self.growth is not None:
             self.growth.stepped(preempted=bool(out.preempted))
         return out
@@ -187,24 +205,28 @@ class Scheduler:
         demand: Demand | None,
         admitted: list[Sequence],
         out: SchedulerOutput,
-    ) -> bool:
+    ) -> Admit:
         cached = self.kv.lend_prefix(seq)
         n = seq.num_uncomputed_tokens
         chunk = min(n, budget)
-        if (
-            self._waits_for_shared_prefix(seq, admitted)
-            or (n > budget and not self.enable_chunked_prefill)
+        verdict = Admit.ADMITTED
+        if self._waits_for_shared_prefix(seq, admitted):
+            verdict = Admit.WAITS
+        elif (
+            (n > budget and not self.enable_chunked_prefill)
             or not self.kv.can_allocate(seq, chunk)
             or not self._fits(seq, demand)
         ):
+            verdict = Admit.NO_ROOM
+        if verdict is not Admit.ADMITTED:
             self.kv.free(seq, cache=False)  # give the lent prefix back; it stays queued
             seq.num_computed_tokens = 0
-            return False
+            return verdict
         if not seq.admitted_once:
             seq.num_cached_tokens = cached
         out.copies += self.kv.allocate(seq, chunk)
         out.scheduled.append(ScheduledSeq(seq, chunk))
-        return True
+        return verdict
 
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
         """Readmit a swapped-out sequence: fresh blocks for its saved K/V, then its next token."""

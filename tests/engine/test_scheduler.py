@@ -120,6 +120,30 @@ def test_prefix_cache_serves_shared_prompts_and_defers_one_step():
     sched.check_integrity()
 
 
+def test_a_sequence_waiting_for_a_shared_block_does_not_hold_back_the_queue_behind_it():
+    kv = KVCacheManager(num_blocks=40, block_size=4, prefix_caching=True)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = make_seq(0, 10), make_seq(1, 10)  # the same 10 tokens: 2 full blocks to share
+    c, d = make_seq(2, 6), make_seq(3, 9)
+    c.token_ids = [100 + t for t in range(6)]  # nothing in common with a and b
+    d.token_ids = [200 + t for t in range(9)]
+    for seq in (a, b, c, d):
+        sched.add(seq)
+    out = sched.schedule()
+    # b waits for a's blocks; c and d, queued behind it, run now; b keeps its place.
+    assert [s.seq for s in out.scheduled] == [a, c, d]
+    assert list(sched.waiting) == [b] and b.num_computed_tokens == 0 and not b.block_table
+    sched.check_integrity()
+    for s in out.scheduled:
+        s.seq.num_computed_tokens += s.num_new_tokens
+        kv.cache_progress(s.seq)
+        s.seq.token_ids.append(1)
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [a, c, d, b]
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    sched.check_integrity()
+
+
 def test_prompt_scoring_sequences_with_a_shared_prefix_are_admitted_together() -> None:
     """Sequences that score their prompt never borrow cached blocks, so holding them back for a
     shared prefix (as plain ones are, to compute it once) would only run them one per step."""

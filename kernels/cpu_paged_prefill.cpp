@@ -113,10 +113,11 @@ struct Shape {
   float scale, softcap;
 };
 
-// One task: `rows` consecutive query rows of one sequence, for one kv head: M = rows * group
-// query vectors, m = r * group + i for row r and query head kv_head * group + i.
+// One task: `rows` consecutive query rows of one sequence, for `heads` of one kv head's query
+// heads (all of them unless a kv head has more than kMaxM): M = rows * heads query vectors,
+// m = r * heads + i for row r and query head kv_head * group + head0 + i.
 struct Tile {
-  int64_t seq, first_row, rows, kv_head;
+  int64_t seq, first_row, rows, kv_head, head0, heads;
   int64_t first_pos;  // the first row's position in its sequence
   int64_t cost;       // keys the tile reads, for ordering the tasks longest first
 };
@@ -207,21 +208,22 @@ static inline void chunk_scores(Scratch& w, const T* k, int64_t stride, int64_t 
   constexpr int L = V::L, NB = L == 16 ? 4 : L == 8 ? 2 : 1;  // 16 / 8 / 4 accumulators
   std::pair<const float*, int64_t> kf{nullptr, 0};
   if constexpr (!kDot<T, V>) kf = float_rows(w.kf.data(), k, stride, n, dim);
+  const auto [kp, ks] = kf;
   int64_t j = 0;
   for (; j + NB * L <= mp; j += NB * L) {
     int64_t t = 0;
-    for (; t + 4 <= n; t += 4) scores_block<T, V, D, 4, NB>(w, k, stride, kf.first, kf.second, t, j, mp, dim);
-    for (; t < n; ++t) scores_block<T, V, D, 1, NB>(w, k, stride, kf.first, kf.second, t, j, mp, dim);
+    for (; t + 4 <= n; t += 4) scores_block<T, V, D, 4, NB>(w, k, stride, kp, ks, t, j, mp, dim);
+    for (; t < n; ++t) scores_block<T, V, D, 1, NB>(w, k, stride, kp, ks, t, j, mp, dim);
   }
   for (; j < mp; j += L) {
     int64_t t = 0;
-    for (; t + 4 <= n; t += 4) scores_block<T, V, D, 4, 1>(w, k, stride, kf.first, kf.second, t, j, mp, dim);
-    for (; t < n; ++t) scores_block<T, V, D, 1, 1>(w, k, stride, kf.first, kf.second, t, j, mp, dim);
+    for (; t + 4 <= n; t += 4) scores_block<T, V, D, 4, 1>(w, k, stride, kp, ks, t, j, mp, dim);
+    for (; t < n; ++t) scores_block<T, V, D, 1, 1>(w, k, stride, kp, ks, t, j, mp, dim);
   }
 }
 
-// o[m, :] += sum_t s[t, m] * v[t, :] (row stride vs) for every query vector: MB vectors and CB registers of
-// the head dimension at a time, the accumulators held in registers across the chunk's keys.
+// o[m, :] += sum_t s[t, m] * v[t, :] (row stride vs) for every query vector: MB vectors and CB
+// registers of the head dimension at a time, the accumulators in registers across the keys.
 template <typename V, int D>
 static inline void chunk_values(Scratch& w, const float* v, int64_t vs, int64_t n, int64_t mp,
                                 int64_t dim) {
@@ -259,16 +261,17 @@ static void attend_tile(T* out, const T* q, const T* k_cache, const T* v_cache,
                         const int32_t* table, const Tile& tile, const Shape& sh, Scratch& w) {
   constexpr int L = V::L;
   constexpr bool dot = kDot<T, V>;
-  const int64_t dim = D > 0 ? D : sh.dim, group = sh.heads / sh.kv_heads;
-  const int64_t m_count = tile.rows * group, mp = (m_count + L - 1) / L * L;
+  const int64_t dim = D > 0 ? D : sh.dim, group = sh.heads / sh.kv_heads, hn = tile.heads;
+  const int64_t m_count = tile.rows * hn, mp = (m_count + L - 1) / L * L;
+  const int64_t head = tile.kv_head * group + tile.head0;  // the tile's first query head
   std::fill(w.qt.begin(), w.qt.begin() + dim * mp, 0.f);
   for (int64_t m = 0; m < mp; ++m) {
-    const int64_t r = m / group, p = tile.first_pos + std::min(r, tile.rows - 1);
+    const int64_t r = m / hn, p = tile.first_pos + std::min(r, tile.rows - 1);
     w.pos[m] = static_cast<int32_t>(m < m_count ? p : INT32_MAX);
     w.lo[m] = static_cast<int32_t>(m < m_count && sh.window > 0
                                        ? std::max<int64_t>(0, p - sh.window + 1) : 0);
     if (m >= m_count) continue;
-    const T* qm = q + (tile.first_row + r) * sh.q_row + (tile.kv_head * group + m % group) * dim;
+    const T* qm = q + (tile.first_row + r) * sh.q_row + (head + m % hn) * dim;
     if constexpr (dot) {  // bf16 pairs (q[2i], q[2i+1]) as one 32-bit lane, column m
       int32_t* qp = reinterpret_cast<int32_t*>(w.qt.data());
       for (int64_t i = 0; i < dim / 2; ++i)
@@ -282,7 +285,7 @@ static void attend_tile(T* out, const T* q, const T* k_cache, const T* v_cache,
   std::fill(w.total.begin(), w.total.begin() + mp, 0.f);
   const int64_t first_key = w.lo[0], last_key = tile.first_pos + tile.rows - 1;
   const int64_t min_pos = tile.first_pos, max_lo = w.lo[m_count - 1];
-  const int64_t bs = sh.block_size, head = tile.kv_head * dim;
+  const int64_t bs = sh.block_size, kv_off = tile.kv_head * dim;  // within a token
   const typename V::R floor = V::set1(-FLT_MAX);
   for (int64_t k0 = first_key; k0 <= last_key;) {
     // The chunk [k0, k1): within one block, at most KT keys.
@@ -292,15 +295,19 @@ static void attend_tile(T* out, const T* q, const T* k_cache, const T* v_cache,
     if (k1 == block_end && k1 <= last_key) {  // the next block sits anywhere in the pool
       const int64_t next = static_cast<int64_t>(table[k1 / bs]) * bs * sh.token_stride;
       const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
-      for (int64_t t = 0; t < std::min<int64_t>(bs, KT); ++t)
+      for (int64_t t = 0; t < std::min<int64_t>(bs, KT); ++t) {
+        const int64_t at = next + t * sh.token_stride + kv_off;
+        const auto* kn = reinterpret_cast<const char*>(k_cache + at);
+        const auto* vn = reinterpret_cast<const char*>(v_cache + at);
         for (int64_t off = 0; off < bytes; off += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next + t * sh.token_stride + head) + off);
-          __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next + t * sh.token_stride + head) + off);
+          __builtin_prefetch(kn + off);
+          __builtin_prefetch(vn + off);
         }
+      }
     }
     const auto [v, vs] =
-        float_rows(w.vf.data(), v_cache + base + head, sh.token_stride, n, dim);
-    chunk_scores<T, V, D>(w, k_cache + base + head, sh.token_stride, n, mp, dim);
+        float_rows(w.vf.data(), v_cache + base + kv_off, sh.token_stride, n, dim);
+    chunk_scores<T, V, D>(w, k_cache + base + kv_off, sh.token_stride, n, mp, dim);
     float* s = w.s.data();
     if (dot) {
       const typename V::R scale = V::set1(sh.scale);
@@ -341,7 +348,7 @@ static void attend_tile(T* out, const T* q, const T* k_cache, const T* v_cache,
     k0 = k1;
   }
   for (int64_t m = 0; m < m_count; ++m) {
-    T* om = out + (tile.first_row + m / group) * sh.out_row + (tile.kv_head * group + m % group) * dim;
+    T* om = out + (tile.first_row + m / hn) * sh.out_row + (head + m % hn) * dim;
     const float inv = 1.f / w.total[m];
     for (int64_t d = 0; d < dim; ++d) om[d] = static_cast<T>(w.o[m * dim + d] * inv);
   }
@@ -391,7 +398,7 @@ void paged_prefill(torch::Tensor out,           // [T, H, D], row stride out.str
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads;
   const int64_t tile_rows = std::max<int64_t>(1, kMaxM / group);
-  TORCH_CHECK(group <= kMaxM, "paged_prefill: at most ", kMaxM, " query heads per kv head");
+  const int64_t tile_heads = std::min<int64_t>(group, kMaxM);  // a wide group is split
   const Shape sh{heads, kv_heads, dim, k_cache.size(1), kv_heads * dim, block_tables.size(1),
                  q.stride(0), out.stride(0), window, static_cast<float>(scale),
                  static_cast<float>(softcap)};
@@ -406,7 +413,9 @@ void paged_prefill(torch::Tensor out,           // [T, H, D], row stride out.str
       const int64_t last = first + r + rows - 1;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, first + r - window + 1) : 0;
       for (int64_t g = 0; g < kv_heads; ++g)
-        tiles.push_back({b, qs[b] + r, rows, g, first + r, last + 1 - lo});
+        for (int64_t h0 = 0; h0 < group; h0 += tile_heads)
+          tiles.push_back({b, qs[b] + r, rows, g, h0, std::min(tile_heads, group - h0), first + r,
+                           last + 1 - lo});
     }
   }
   std::stable_sort(tiles.begin(), tiles.end(),

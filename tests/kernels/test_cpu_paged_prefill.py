@@ -71,6 +71,15 @@ def test_prefill_matches_reference(prefill, dtype, heads, kv_heads, head_dim, bl
     torch.testing.assert_close(out, _reference(case, scale), **tolerances(dtype))
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(72, 1), (130, 2)])
+def test_more_query_heads_per_kv_head_than_a_tile_holds(prefill, heads, kv_heads):
+    """A kv head with more than 64 query heads (Falcon-7B's multi-query attention has 71) is
+    split over several tiles."""
+    case = make_paged_case([40, 25], [12, 25], heads, kv_heads, 64, 16, torch.bfloat16, seed=9)
+    out = _run(prefill, case, 0.125)
+    torch.testing.assert_close(out, _reference(case, 0.125), **tolerances(torch.bfloat16))
+
+
 @pytest.mark.parametrize(
     ("dtype", "head_dim", "window", "softcap"),
     [

@@ -19,7 +19,7 @@ from types import ModuleType
 import torch
 
 HERE = Path(__file__).parent
-# Included by the kernels (8-lane vectors, the vector exp); shipped in the wheel beside them.
+# Included by the kernels (8- and 16-lane vectors, the vector exp); shipped in the wheel too.
 HEADERS = (HERE / "cpu_vec.h",)
 
 log = logging.getLogger(__name__)

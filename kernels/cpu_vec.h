@@ -1,6 +1,7 @@
 // 8-lane float32 vectors for the C++ CPU kernels (AVX2 + FMA + F16C): loads that widen bf16 and
 // fp16, stores that round to them, horizontal sums, and a vector exp. BATCHPAGE_AVX2 is defined
-// where they exist; kernels keep a plain-loop path for other CPUs.
+// where they exist; kernels keep a plain-loop path for other CPUs. With AVX-512F, 16-lane loads,
+// a transposing sum and the same exp (BATCHPAGE_AVX512).
 #pragma once
 
 #include <c10/util/BFloat16.h>

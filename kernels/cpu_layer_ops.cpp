@@ -195,50 +195,59 @@ void rope(torch::Tensor x,      // [N, H, D], row stride x.stride(0), heads dens
 
 // The index of a row's largest value, the first one on ties; a NaN counts as larger than any
 // number (torch.argmax's rule). Two passes: the maximum in 8-lane vectors (four accumulators,
-// so the max latency does not serialise the loop), then the first index holding it.
-static int64_t argmax_row(const float* x, int64_t v) {
+// so the max latency does not serialise the loop), then the first index holding it. bf16 and
+// fp16 widen exactly to float32, so their argmax is that of the float32 copy, without the copy.
+template <typename T>
+static int64_t argmax_row(const T* x, int64_t v) {
   float top = -INFINITY;
   bool nan = false;
   int64_t i = 0;
 #ifdef BATCHPAGE_AVX2
-  __m256 m[4], bad = _mm256_setzero_ps();
-  for (int k = 0; k < 4; ++k) m[k] = _mm256_set1_ps(-INFINITY);
-  for (; i + 32 <= v; i += 32)
-    for (int k = 0; k < 4; ++k) {
-      const __m256 a = _mm256_loadu_ps(x + i + 8 * k);
-      m[k] = _mm256_max_ps(m[k], a);
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-    }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
-  top = *std::max_element(lanes, lanes + 8);
-  nan = _mm256_movemask_ps(bad) != 0;
+  if constexpr (kVector<T>) {
+    __m256 m[4], bad = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) m[k] = _mm256_set1_ps(-INFINITY);
+    for (; i + 32 <= v; i += 32)
+      for (int k = 0; k < 4; ++k) {
+        const __m256 a = load8(x + i + 8 * k);
+        m[k] = _mm256_max_ps(m[k], a);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+      }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
+    top = *std::max_element(lanes, lanes + 8);
+    nan = _mm256_movemask_ps(bad) != 0;
+  }
 #endif
   for (; i < v; ++i) {
-    nan = nan || std::isnan(x[i]);
-    top = std::max(top, x[i]);
+    const float a = f32(x[i]);
+    nan = nan || std::isnan(a);
+    top = std::max(top, a);
   }
-  if (nan) return std::find_if(x, x + v, [](float a) { return std::isnan(a); }) - x;
+  if (nan) return std::find_if(x, x + v, [](T a) { return std::isnan(f32(a)); }) - x;
   i = 0;
 #ifdef BATCHPAGE_AVX2
-  const __m256 top8 = _mm256_set1_ps(top);
-  for (; i + 8 <= v; i += 8) {
-    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), top8, _CMP_EQ_OQ));
-    if (hit) return i + __builtin_ctz(static_cast<unsigned>(hit));
+  if constexpr (kVector<T>) {
+    const __m256 top8 = _mm256_set1_ps(top);
+    for (; i + 8 <= v; i += 8) {
+      const int hit = _mm256_movemask_ps(_mm256_cmp_ps(load8(x + i), top8, _CMP_EQ_OQ));
+      if (hit) return i + __builtin_ctz(static_cast<unsigned>(hit));
+    }
   }
 #endif
   for (; i < v; ++i)
-    if (x[i] == top) return i;
+    if (f32(x[i]) == top) return i;
   return 0;  // every value is -inf: the first, as torch
 }
 
 void argmax_rows(torch::Tensor out,  // int64 [N]
-                 torch::Tensor x) {  // float32 [N, V], row stride x.stride(0)
+                 torch::Tensor x) {  // float32, bf16 or fp16 [N, V], row stride x.stride(0)
   const int64_t n = x.size(0), v = x.size(1), row = x.stride(0);
-  const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) op[i] = argmax_row(xp + i * row, v);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "argmax_rows", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) op[i] = argmax_row(xp + i * row, v);
+    });
   });
 }
 

@@ -73,8 +73,9 @@ class ModelRunner:
     def execute(
         self, inputs: StepInputs, decision: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """float32 logits [N, vocab] for inputs.sample_seqs, in that order, and [P, vocab] for
-        inputs.prompt_rows (None when no sequence asked for prompt logprobs)."""
+        """Logits [N, vocab] for inputs.sample_seqs, in that order, and [P, vocab] for
+        inputs.prompt_rows (None when no sequence asked for prompt logprobs), in the dtype
+        `CausalLM.compute_logits` gives (the model's, or float32)."""
         # Order matters: a block swapped out this step may be handed out again this step.
         for s in decision.swap_out:
             self.swapped[s.seq_id] = self.kv.swap_out(s.blocks)

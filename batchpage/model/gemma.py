@@ -89,7 +89,7 @@ class Gemma2ForCausalLM(CausalLM):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> f32 [N, V]
-        logits = super().compute_logits(hidden)
+        logits = super().compute_logits(hidden).float()  # the soft-cap in float32
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -28,8 +28,11 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+
+import torch
 
 from batchpage import LLM
 from batchpage.kernels import cpu_layer_ops, cpu_paged_decode, cpu_paged_prefill
@@ -92,9 +95,20 @@ def use(llm: LLM, kernels: Kernels) -> None:
     if prefill is not None:
         attention.prefill = prefill
     assert llm.engine.runner.model.use_layer_ops(ops) > 0
-    # An older revision's library may predate the greedy sampler's argmax: then torch's, as
-    # that revision's engine did.
-    llm.engine.argmax = ops.argmax if ops.has_argmax else None
+    llm.engine.argmax = greedy_argmax(ops)
+
+
+def greedy_argmax(ops: CpuLayerOps) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The sampler's argmax as a revision's engine ran it. An older library may predate the
+    argmax (then torch's), or take float32 logits only (then the float32 copy of bf16 logits
+    that such a revision's model made)."""
+    if not ops.has_argmax:
+        return None
+    try:
+        ops.argmax(torch.zeros(1, 2, dtype=torch.bfloat16))
+    except RuntimeError:
+        return lambda logits: ops.argmax(logits.float())
+    return ops.argmax
 
 
 def decode_step_ms(

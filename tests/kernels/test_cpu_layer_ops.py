@@ -93,12 +93,15 @@ def test_rope_in_place_matches_apply_rope(ops, dtype, dim, rotary):
         torch.testing.assert_close(got[..., rotary:], ref[..., rotary:], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [49152, 1000, 37, 5])
-def test_argmax_matches_torch(ops, vocab):
+def test_argmax_matches_torch(ops, vocab, dtype):
     """Random rows, rows whose largest value repeats (the first index wins), all -inf rows,
-    rows with a NaN (its index wins, as in torch), strided rows, and no rows."""
+    rows with a NaN (its index wins, as in torch), strided rows, and no rows; in each logits
+    dtype, against torch's argmax of the float32 copy (bf16's 8-bit mantissa makes ties
+    common in the random rows too)."""
     gen = torch.Generator().manual_seed(vocab)
-    wide = torch.randn(9, vocab + 3, generator=gen)
+    wide = torch.randn(9, vocab + 3, generator=gen).to(dtype)
     x = wide[:, 1 : vocab + 1]  # strided rows
     x[1] = 0.5  # a tie across the whole row
     x[2, vocab // 3] = x[2, vocab - 1] = 100.0  # two equal maxima
@@ -107,9 +110,11 @@ def test_argmax_matches_torch(ops, vocab):
     x[5, -1] = float("nan")
     x[5, 0] = float("inf")
     assert not x.is_contiguous()
-    assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
-    assert torch.equal(ops.argmax(x.contiguous()), x.argmax(dim=-1))
-    assert ops.argmax(torch.empty(0, vocab)).shape == (0,)
+    expected = x.float().argmax(dim=-1)
+    assert torch.equal(ops.argmax(x), expected)
+    assert torch.equal(ops.argmax(x.contiguous()), expected)
+    assert torch.equal(x.argmax(dim=-1), expected)  # torch agrees in the narrow dtype too
+    assert ops.argmax(torch.empty(0, vocab, dtype=dtype)).shape == (0,)
 
 
 def test_launcher_rejects_bad_inputs(ops):
@@ -130,7 +135,7 @@ def test_launcher_rejects_bad_inputs(ops):
     with pytest.raises(AssertionError):
         ops.rope_(qk, torch.ones(3, 1, 4, dtype=torch.bfloat16), torch.ones(3, 1, 4))
     with pytest.raises(AssertionError):
-        ops.argmax(x.to(torch.bfloat16))  # logits are float32
+        ops.argmax(x.double())  # logits are float32, bf16 or fp16
     with pytest.raises(AssertionError):
         ops.argmax(x.t())  # columns not dense
 

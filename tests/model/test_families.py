@@ -174,8 +174,8 @@ def test_bfloat16_model_tracks_float32(tmp_path):
     assert model.rotary.cos.dtype == torch.float32  # tables stay float32 in a bf16 model
     ids = random_ids(20, seed=4)
     got, ref = prefill_logits(model, ids), hf_logits(hf, ids)
-    assert got.dtype == torch.float32
-    assert (got - ref).abs().max() < 0.1 * ref.abs().max()
+    assert got.dtype == torch.bfloat16  # the lm_head's, as HF's; the sampler widens what it uses
+    assert (got.float() - ref).abs().max() < 0.1 * ref.abs().max()
 
 
 @pytest.mark.parametrize("variant", ["llama_bias_untied", "mixtral"])

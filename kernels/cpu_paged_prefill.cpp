@@ -96,7 +96,9 @@ struct Avx512 {
 };
 #endif
 
-// Whether QK multiplies bf16 q and k as stored (vdpbf16ps: exact products, float32 sums).
+// Whether QK multiplies bf16 q and k as stored (vdpbf16ps: exact products, float32 sums), and PV
+// the weights rounded to bf16 (as HF's bf16 attention rounds them before its PV matmul) with v
+// as stored.
 template <typename T, typename V>
 constexpr bool kDot = false;
 #if defined(BATCHPAGE_AVX512) && defined(__AVX512BF16__)
@@ -129,12 +131,15 @@ struct Scratch {
   std::vector<float> o;     // [mp, D]: unnormalised outputs
   std::vector<float> s;     // [KT, mp]: a chunk's scores, then its weights
   std::vector<float> kf;    // [KT, D]: a chunk's keys, widened (not with kDot)
-  std::vector<float> vf;    // [KT, D]: a chunk's values, widened
+  std::vector<float> vf;    // [KT, D]: a chunk's values, widened (not with kDot)
+  std::vector<int32_t> vp;  // with kDot, [KT / 2, D]: token pairs' values as bf16 pairs
+  std::vector<int32_t> pp;  // with kDot, [KT / 2, mp]: token pairs' weights as bf16 pairs
   std::vector<float> top, total, fix;  // [mp]: running max, running sum, this chunk's rescale
   std::vector<int32_t> pos, lo;        // [mp]: each query vector's position and window start
   explicit Scratch(int64_t dim)
-      : qt(dim * kMaxM), o(kMaxM * dim), s(KT * kMaxM), kf(KT * dim), vf(KT * dim), top(kMaxM),
-        total(kMaxM), fix(kMaxM), pos(kMaxM), lo(kMaxM) {}
+      : qt(dim * kMaxM), o(kMaxM * dim), s(KT * kMaxM), kf(KT * dim), vf(KT * dim),
+        vp(KT / 2 * dim), pp(KT / 2 * kMaxM), top(kMaxM), total(kMaxM), fix(kMaxM), pos(kMaxM),
+        lo(kMaxM) {}
 };
 
 template <typename T>
@@ -256,6 +261,68 @@ static inline void chunk_values(Scratch& w, const float* v, int64_t vs, int64_t 
   }
 }
 
+#if defined(BATCHPAGE_AVX512) && defined(__AVX512BF16__)
+// With kDot, o's head dimensions are in the order vpunpck{l,h}wd leaves them: in each 32 of
+// them, the low half of every 128-bit lane of the two tokens' rows (dims 0-3, 8-11, 16-19,
+// 24-27), then the high half (4-7, 12-15, 20-23, 28-31). Where dim d sits in that order:
+static inline int64_t unpacked(int64_t d) {
+  const int64_t c = d % 32, lane = c / 8, j = c % 8;
+  return d - c + (j < 4 ? 4 * lane + j : 16 + 4 * lane + j - 4);
+}
+
+// o[m, :] += sum_t bf16(s[t, m]) * v[t, :] by vdpbf16ps over token pairs (2u, 2u + 1): lanes
+// over head dimensions, a lane holding the pair's two values of its dimension and the weight
+// register the pair's two weights (an odd last key pairs with a zero weight and value). Half the
+// instructions of the float32 pass, and v is never widened.
+static inline __m512i bf16_lanes(__m512 x) {
+  return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
+}
+
+template <int D>
+static inline void chunk_values_dot(Scratch& w, const c10::BFloat16* v, int64_t stride, int64_t n,
+                                    int64_t mp) {
+  constexpr int MB = 4, CB = 4;  // 16 accumulators
+  static_assert(D % (16 * CB) == 0 && kMaxM % MB == 0);
+  const int64_t pairs = (n + 1) / 2;
+  int32_t* vp = w.vp.data();
+  int32_t* pp = w.pp.data();
+  for (int64_t u = 0; u < pairs; ++u) {
+    const c10::BFloat16* a = v + 2 * u * stride;
+    const bool two = 2 * u + 1 < n;
+    for (int c = 0; c < D; c += 32) {
+      const __m512i x = _mm512_loadu_si512(a + c);
+      const __m512i y = two ? _mm512_loadu_si512(a + stride + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + u * D + c, _mm512_unpacklo_epi16(x, y));
+      _mm512_storeu_si512(vp + u * D + c + 16, _mm512_unpackhi_epi16(x, y));
+    }
+    const float* s0 = w.s.data() + 2 * u * mp;
+    for (int64_t j = 0; j < mp; j += 16) {  // bf16 bits, rounded to nearest even, per 32-bit lane
+      const __m512i lo = bf16_lanes(_mm512_loadu_ps(s0 + j));
+      const __m512i hi = two ? bf16_lanes(_mm512_loadu_ps(s0 + mp + j)) : _mm512_setzero_si512();
+      _mm512_storeu_si512(pp + u * mp + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+  for (int64_t m = 0; m < mp; m += MB)
+    for (int c0 = 0; c0 < D; c0 += 16 * CB) {
+      __m512 acc[MB][CB];
+      float* o = w.o.data() + m * D + c0;
+      for (int i = 0; i < MB; ++i)
+        for (int c = 0; c < CB; ++c) acc[i][c] = _mm512_loadu_ps(o + i * D + c * 16);
+      for (int64_t u = 0; u < pairs; ++u) {
+        __m512i vr[CB];
+        for (int c = 0; c < CB; ++c) vr[c] = _mm512_loadu_si512(vp + u * D + c0 + c * 16);
+        for (int i = 0; i < MB; ++i) {
+          const __m512bh p = (__m512bh)_mm512_set1_epi32(pp[u * mp + m + i]);
+          for (int c = 0; c < CB; ++c)
+            acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)vr[c], p);
+        }
+      }
+      for (int i = 0; i < MB; ++i)
+        for (int c = 0; c < CB; ++c) _mm512_storeu_ps(o + i * D + c * 16, acc[i][c]);
+    }
+}
+#endif
+
 template <typename T, typename V, int D>
 static void attend_tile(T* out, const T* q, const T* k_cache, const T* v_cache,
                         const int32_t* table, const Tile& tile, const Shape& sh, Scratch& w) {
@@ -305,8 +372,6 @@ static void attend_tile(T* out, const T* q, const T* k_cache, const T* v_cache,
         }
       }
     }
-    const auto [v, vs] =
-        float_rows(w.vf.data(), v_cache + base + kv_off, sh.token_stride, n, dim);
     chunk_scores<T, V, D>(w, k_cache + base + kv_off, sh.token_stride, n, mp, dim);
     float* s = w.s.data();
     if (dot) {
@@ -344,13 +409,27 @@ static void attend_tile(T* out, const T* q, const T* k_cache, const T* v_cache,
       if (f != 1.f)
         for (int64_t d = 0; d < dim; ++d) w.o[m * dim + d] *= f;
     }
-    chunk_values<V, D>(w, v, vs, n, mp, dim);
+    if constexpr (dot) {
+#if defined(BATCHPAGE_AVX512) && defined(__AVX512BF16__)
+      chunk_values_dot<D>(w, v_cache + base + kv_off, sh.token_stride, n, mp);
+#endif
+    } else {
+      const auto [v, vs] =
+          float_rows(w.vf.data(), v_cache + base + kv_off, sh.token_stride, n, dim);
+      chunk_values<V, D>(w, v, vs, n, mp, dim);
+    }
     k0 = k1;
   }
   for (int64_t m = 0; m < m_count; ++m) {
     T* om = out + (tile.first_row + m / hn) * sh.out_row + (head + m % hn) * dim;
     const float inv = 1.f / w.total[m];
-    for (int64_t d = 0; d < dim; ++d) om[d] = static_cast<T>(w.o[m * dim + d] * inv);
+    if constexpr (dot) {
+#if defined(BATCHPAGE_AVX512) && defined(__AVX512BF16__)
+      for (int64_t d = 0; d < dim; ++d) om[d] = static_cast<T>(w.o[m * dim + unpacked(d)] * inv);
+#endif
+    } else {
+      for (int64_t d = 0; d < dim; ++d) om[d] = static_cast<T>(w.o[m * dim + d] * inv);
+    }
   }
 }
 

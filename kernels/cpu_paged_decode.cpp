@@ -75,6 +75,16 @@ static inline void apply_softcap(float* scores, int64_t n, float softcap) {
 static void softmax_rows(float* scores, float* inv_sum, int64_t heads, int64_t len,
                          float softcap);
 
+// Whether QK multiplies bf16 q and k as stored, and PV the weights rounded to bf16 with v as stored
+// (the AVX-512 path on a CPU with AVX512-BF16; every CPU path reads this flag).
+#if defined(BATCHPAGE_AVX512) && defined(__AVX512BF16__)
+template <typename scalar_t>
+constexpr bool kBf16Dot = std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+template <typename scalar_t>
+constexpr bool kBf16Dot = false;
+#endif
+
 #ifdef BATCHPAGE_AVX2
 // The AVX2 path (float32, bfloat16 and float16 caches; head_dim a multiple of 8 known at
 // compile time). Every product and sum is float32, in 8-lane vectors:
@@ -198,13 +208,81 @@ static void attend_row_avx2(float* out, const Row& row, const scalar_t* k_cache,
   }
 }
 
-// Whether QK multiplies bf16 q and k as stored (the AVX-512 path on a CPU with AVX512-BF16).
 #if defined(BATCHPAGE_AVX512) && defined(__AVX512BF16__)
-template <typename scalar_t>
-constexpr bool kBf16Dot = std::is_same_v<scalar_t, c10::BFloat16>;
-#else
-template <typename scalar_t>
-constexpr bool kBf16Dot = false;
+// PV of NH query heads of one kv head over one block's tokens [j0, used), by vdpbf16ps over
+// token pairs (j, j + 1): a lane holds the pair's two values of one head dimension
+// (vpunpck{l,h}wd of the two rows, which leaves each 32 dims in the order 0-3, 8-11, 16-19,
+// 24-27 | 4-7, 12-15, 20-23, 28-31), the weight register the pair's two bf16 weights (an odd
+// last token pairs with a zero weight and a zero value). The pair is unpacked once for the NH
+// heads; their NH * C accumulators stay in registers across the block.
+template <int C, int NH>
+static inline void pv_dot_block(float* out,                 // [NH, C * 16], that order
+                                const c10::BFloat16* v,     // token j0's values, this kv head
+                                int64_t token_stride,
+                                const uint16_t* w,          // [NH, len]: weights from j0 on
+                                int64_t len, int64_t count) {
+  __m512 acc[NH][C];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c] = _mm512_loadu_ps(out + h * C * 16 + c * 16);
+  for (int64_t j = 0; j < count; j += 2) {
+    const bool two = j + 1 < count;
+    const c10::BFloat16* vt = v + j * token_stride;
+    __m512i vp[C];
+    for (int c = 0; c < C; c += 2) {
+      const __m512i x = _mm512_loadu_si512(vt + c * 16);
+      const __m512i y =
+          two ? _mm512_loadu_si512(vt + token_stride + c * 16) : _mm512_setzero_si512();
+      vp[c] = _mm512_unpacklo_epi16(x, y);
+      vp[c + 1] = _mm512_unpackhi_epi16(x, y);
+    }
+    for (int h = 0; h < NH; ++h) {
+      int32_t pair = w[h * len + j];  // the odd last token: its weight and a zero one
+      if (two) std::memcpy(&pair, w + h * len + j, sizeof(pair));
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < C; ++c) acc[h][c] = _mm512_dpbf16_ps(acc[h][c], (__m512bh)vp[c], p);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + h * C * 16 + c * 16, acc[h][c]);
+}
+
+// PV of a bf16 row with its weights rounded to bf16 (as HF's bf16 attention rounds them before
+// its PV matmul) and v as stored. out: [H, D] float32 in pv_dot_block's order, unnormalised.
+template <int C>
+static void pv_dot(float* out, const Row& row, const c10::BFloat16* v_cache, const Shape& s,
+                   const float* scores, uint16_t* pw) {
+  constexpr int D = C * 16, HB = C <= 4 ? 16 / C : 1;  // at most 16 accumulators
+  static_assert(HB <= 4, "the switch below covers batches of 1 to 4 heads");
+  const int64_t group = s.heads / s.kv_heads, len = row.len, n = s.heads * len;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores + i)));
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm256_mask_storeu_epi16(pw + i, tail,
+                             (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, scores + i)));
+  }
+  std::fill(out, out + s.heads * D, 0.f);
+  for (int64_t b = row.first_block; b < row.num_blocks; ++b) {
+    const BlockSpan sp = block_span(row, s, b);
+    // Heads h0 .. h0 + nh - 1, all of one kv head.
+    for (int64_t h0 = 0, nh = 0; h0 < s.heads; h0 += nh) {
+      const int64_t g = h0 / group;
+      nh = std::min<int64_t>(HB, (g + 1) * group - h0);
+      const c10::BFloat16* v = v_cache + sp.offset + sp.j0 * s.token_stride + g * D;
+      const uint16_t* w = pw + h0 * len + sp.t0 + sp.j0;
+      const int64_t count = sp.used - sp.j0;
+      float* o = out + h0 * D;
+      switch (nh) {
+        case 1: pv_dot_block<C, 1>(o, v, s.token_stride, w, len, count); break;
+        case 2: pv_dot_block<C, 2>(o, v, s.token_stride, w, len, count); break;
+        case 3: pv_dot_block<C, 3>(o, v, s.token_stride, w, len, count); break;
+        default: pv_dot_block<C, HB>(o, v, s.token_stride, w, len, count);
+      }
+    }
+  }
+}
 #endif
 
 #ifdef BATCHPAGE_AVX512
@@ -214,10 +292,11 @@ constexpr bool kBf16Dot = false;
 // widened; the scale then applies to each score. Otherwise q is widened and pre-scaled.
 // C: 16-float vectors per head (head_dim / 16). q_raw: the row's q as stored; row.q: it widened
 // and scaled.
+// pw: with the dot path, room for the row's weights in bf16 ([H, len]).
 template <typename scalar_t, int C>
 static void attend_row_avx512(float* out, const Row& row, const scalar_t* q_raw, float scale,
                               const scalar_t* k_cache, const scalar_t* v_cache, const Shape& s,
-                              float* scores, float* inv_sum) {
+                              float* scores, float* inv_sum, uint16_t* pw) {
   constexpr bool dot = kBf16Dot<scalar_t>;
   constexpr int D = C * 16;
   const int64_t group = s.heads / s.kv_heads, len = row.len;
@@ -293,55 +372,68 @@ static void attend_row_avx512(float* out, const Row& row, const scalar_t* q_raw,
     }
   }
   softmax_rows(scores, inv_sum, s.heads, len, s.softcap);
-  // PV: a head's accumulators live in registers for a whole block, two tokens at a time into
-  // two sets (2C independent FMA chains cover the FMA latency). A bf16 V is widened without
-  // shuffles: a 32-bit lane holding dims (2i, 2i+1) gives dim 2i as lane << 16 and dim 2i+1 as
-  // lane & 0xFFFF0000, so each 32-dim chunk accumulates as [16 even dims | 16 odd dims] and is
-  // put back in order at the end (a widening vpmovzxwd per 16 dims was this loop's bottleneck).
-  constexpr bool split = std::is_same_v<scalar_t, c10::BFloat16> && C % 2 == 0;
-  std::fill(out, out + s.heads * D, 0.f);
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t b = row.first_block; b < row.num_blocks; ++b) {
-    const BlockSpan sp = block_span(row, s, b);
-    const scalar_t* vb = v_cache + sp.offset;
-    for (int64_t hq = 0; hq < s.heads; ++hq) {
-      const scalar_t* vh = vb + (hq / group) * D;
-      const float* ph = scores + hq * len + sp.t0;  // ph[j]: the weight of the block's token j
-      float* oh = out + hq * D;
-      __m512 a[C], a2[C];
-      for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(oh + c * 16), a2[c] = _mm512_setzero_ps();
-      // acc[c] += p * (dims of vector c of token vt), in the layout above when split
-      auto add_token = [&](__m512* acc, __m512 p, const scalar_t* vt) {
-        if constexpr (split) {
-          for (int c = 0; c < C; c += 2) {
-            const __m512i raw = _mm512_loadu_si512(vt + c * 16);
-            const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-            const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
-            acc[c] = _mm512_fmadd_ps(p, even, acc[c]);
-            acc[c + 1] = _mm512_fmadd_ps(p, odd, acc[c + 1]);
-          }
-        } else {
-          for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vt + c * 16), acc[c]);
+  constexpr bool split = !dot && std::is_same_v<scalar_t, c10::BFloat16> && C % 2 == 0;
+  if constexpr (dot) {
+#if defined(__AVX512BF16__)
+    pv_dot<C>(out, row, reinterpret_cast<const c10::BFloat16*>(v_cache), s, scores, pw);
+#endif
+  } else {
+    // PV: a head's accumulators live in registers for a whole block, two tokens at a time into
+    // two sets (2C independent FMA chains cover the FMA latency). A bf16 V is widened without
+    // shuffles: a 32-bit lane holding dims (2i, 2i+1) gives dim 2i as lane << 16 and dim 2i+1 as
+    // lane & 0xFFFF0000, so each 32-dim chunk accumulates as [16 even dims | 16 odd dims] and is
+    // put back in order at the end (a widening vpmovzxwd per 16 dims was this loop's bottleneck).
+    std::fill(out, out + s.heads * D, 0.f);
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int64_t b = row.first_block; b < row.num_blocks; ++b) {
+      const BlockSpan sp = block_span(row, s, b);
+      const scalar_t* vb = v_cache + sp.offset;
+      for (int64_t hq = 0; hq < s.heads; ++hq) {
+        const scalar_t* vh = vb + (hq / group) * D;
+        const float* ph = scores + hq * len + sp.t0;  // ph[j]: the weight of the block's token j
+        float* oh = out + hq * D;
+        __m512 a[C], a2[C];
+        for (int c = 0; c < C; ++c) {
+          a[c] = _mm512_loadu_ps(oh + c * 16);
+          a2[c] = _mm512_setzero_ps();
         }
-      };
-      int64_t j = sp.j0;
-      for (; j + 2 <= sp.used; j += 2) {
-        const scalar_t* vt = vh + j * s.token_stride;
-        add_token(a, _mm512_set1_ps(ph[j]), vt);
-        add_token(a2, _mm512_set1_ps(ph[j + 1]), vt + s.token_stride);
+        // acc[c] += p * (dims of vector c of token vt), in the layout above when split
+        auto add_token = [&](__m512* acc, __m512 p, const scalar_t* vt) {
+          if constexpr (split) {
+            for (int c = 0; c < C; c += 2) {
+              const __m512i raw = _mm512_loadu_si512(vt + c * 16);
+              const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+              const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+              acc[c] = _mm512_fmadd_ps(p, even, acc[c]);
+              acc[c + 1] = _mm512_fmadd_ps(p, odd, acc[c + 1]);
+            }
+          } else {
+            for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vt + c * 16), acc[c]);
+          }
+        };
+        int64_t j = sp.j0;
+        for (; j + 2 <= sp.used; j += 2) {
+          const scalar_t* vt = vh + j * s.token_stride;
+          add_token(a, _mm512_set1_ps(ph[j]), vt);
+          add_token(a2, _mm512_set1_ps(ph[j + 1]), vt + s.token_stride);
+        }
+        if (j < sp.used) add_token(a, _mm512_set1_ps(ph[j]), vh + j * s.token_stride);
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(oh + c * 16, _mm512_add_ps(a[c], a2[c]));
       }
-      if (j < sp.used) add_token(a, _mm512_set1_ps(ph[j]), vh + j * s.token_stride);
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(oh + c * 16, _mm512_add_ps(a[c], a2[c]));
     }
   }
-  // Normalise; a split chunk [e0..e15 | o0..o15] goes back to e0, o0, e1, o1, ...
-  const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  // Normalise; a split chunk [e0..e15 | o0..o15] goes back to e0, o0, e1, o1, ...; an unpacked
+  // one (the dot path: dims 0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31) to 0, 1, 2, ...
+  const __m512i lo_idx =
+      dot ? _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0)
+          : _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i hi_idx =
-      _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+      dot ? _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8)
+          : _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
   for (int64_t hq = 0; hq < s.heads; ++hq) {
     const __m512 inv = _mm512_set1_ps(inv_sum[hq]);
     float* oh = out + hq * D;
-    if constexpr (split) {
+    if constexpr (split || dot) {
       for (int c = 0; c < C; c += 2) {
         const __m512 even = _mm512_loadu_ps(oh + c * 16), odd = _mm512_loadu_ps(oh + c * 16 + 16);
         _mm512_storeu_ps(oh + c * 16,
@@ -435,6 +527,7 @@ static void decode_rows(
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> qf(hd), acc(hd), inv_sum(s.heads), scores;
+    std::vector<uint16_t> weights;  // the AVX-512 bf16 path's weights in bf16
 #pragma omp for schedule(dynamic, 1)
     for (int64_t n = 0; n < n_rows; ++n) {
       const int64_t seq_len = seq_lens[n];
@@ -448,11 +541,12 @@ static void decode_rows(
       if (!(kBf16Dot<scalar_t> && DIM > 0 && DIM % 32 == 0))
         for (int64_t i = 0; i < hd; ++i) qf[i] = static_cast<float>(qn[i]) * scale;
       scores.resize(s.heads * row.len);  // [heads, len], position lo + t at t
+      if constexpr (kBf16Dot<scalar_t>) weights.resize(s.heads * row.len);
 #ifdef BATCHPAGE_AVX512
       if constexpr (DIM > 0 && DIM % 32 == 0 && !std::is_same_v<scalar_t, double>)
         attend_row_avx512<scalar_t, DIM / 16>(acc.data(), row, qn, static_cast<float>(scale),
                                               k_cache, v_cache, s, scores.data(),
-                                              inv_sum.data());
+                                              inv_sum.data(), weights.data());
       else
 #endif
 #ifdef BATCHPAGE_AVX2

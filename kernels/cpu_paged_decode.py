@@ -22,9 +22,12 @@ Three code paths, the same arithmetic (float32 sums whatever the cache dtype):
 - AVX-512 (a CPU with AVX-512F, e.g. Zen 4 or a recent Xeon), head_dim 64 or 128: 16-lane
   vectors, sixteen tokens' scores at a time reduced together (sum16 in cpu_vec.h). With a bf16
   cache and AVX512-BF16, QK multiplies q and k as stored (vdpbf16ps: exact products, float32
-  sums) and scales the scores; PV widens bf16 V with a shift and a mask instead of a shuffle. A
-  row's blocks are prefetched into L2 when the task starts it (up to 256 KiB), so many misses
-  are in flight at once. Against the AVX2 path on a 2-core Zen 4 EPYC (`python -m
+  sums) and scales the scores, and PV multiplies the softmax weights rounded to bf16 (as HF's
+  bf16 attention rounds them before its PV matmul) with V as stored, two tokens per vdpbf16ps,
+  the pair unpacked once for all of a kv head's query heads (1.15-1.25x the float32 PV below on
+  SmolLM2's shape, 2026-12-01). Otherwise PV widens bf16 V with a shift and a mask instead of a
+  shuffle. A row's blocks are prefetched into L2 when the task starts it (up to 256 KiB), so
+  many misses are in flight at once. Against the AVX2 path on a 2-core Zen 4 EPYC (`python -m
   jobs.bench.cpu_attention --dtype bfloat16 --baseline OLD.cpp`): 1.20-1.33x in bf16 on six of
   its seven cases (0.91x on the smallest, 64 rows x 128), 1.02-1.15x in float32.
 - AVX2 + FMA (every x86 CPU this project targets), head_dim 64 or 128: 8-lane vectors. QK takes

@@ -19,7 +19,7 @@ query vectors (each key broadcast, q stored transposed once per tile; with a bf1
 with AVX512-BF16, `vdpbf16ps` on q and k as stored), an online softmax (running maximum and sum,
 float32), then the chunk's V into float32 accumulators held in registers (with AVX512-BF16 and a
 bf16 pool, by `vdpbf16ps` on the weights rounded to bf16, as HF's bf16 attention rounds them,
-and V as stored: two keys per instruction, half the float32 pass's work; 1.2-1.7x the kernel
+and V as stored: two keys per instruction, half the float32 pass's work; 1.1-1.7x the kernel
 with float32 PV on SmolLM2's shape, most behind long cached prefixes). One code runs in 16
 lanes (AVX-512), 8 (AVX2) or 1 (any CPU; also any head_dim other than 64 and 128). Keys past a
 row's position or before its window (sliding_window W: keys p - W < k <= p, HF's semantics) are

@@ -78,9 +78,12 @@ def _is_built(name: str, source: Path) -> bool:
     return made_from_here and (folder / f"{name}.so").exists()
 
 
-def build_extension(source: Path, prefix: str, what: str, verbose: bool = False) -> ModuleType:
+def build_extension(
+    source: Path, prefix: str, what: str, verbose: bool = False, cflags: tuple[str, ...] = ()
+) -> ModuleType:
     """Compile (first use, about 45 s on 2 cores) or load the extension built from `source`.
-    `what` names it in messages ("the CPU paged-decode kernel")."""
+    `what` names it in messages ("the CPU paged-decode kernel"). `cflags` add to the compiler's
+    flags (tests build a kernel's portable path with -mno-... on any CPU)."""
     from torch.utils import cpp_extension
 
     _put_ninja_on_path()
@@ -91,7 +94,7 @@ def build_extension(source: Path, prefix: str, what: str, verbose: bool = False)
             f"the source of {what} is missing ({exc}): reinstall batchpage, whose wheel ships "
             "kernels/*.cpp and *.h; attention_backend='torch' runs without it"
         ) from exc
-    name = extension_name(prefix, texts)
+    name = extension_name(prefix, [*texts, " ".join(cflags).encode()] if cflags else texts)
     if not _is_built(name, source):
         log.info("building %s, %s (about 45 s on 2 cores; once, then cached)", what, name)
     try:
@@ -99,7 +102,7 @@ def build_extension(source: Path, prefix: str, what: str, verbose: bool = False)
             name=name,
             sources=[str(source)],
             extra_include_paths=[str(HERE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", *cflags],
             extra_ldflags=["-fopenmp"],
             verbose=verbose,
         )

@@ -1,0 +1,124 @@
+"""The bf16 linear kernel (kernels/cpu_bf16_linear.cpp) against a float64 torch reference: the
+packed layout element by element, every row, column and k tail, a bias, strided and batched
+inputs, and an odd K that must not read past a row. Both builds run on every CPU: the portable
+float32 loop (built with -mno-avx512bf16) and, where the CPU has AVX512-BF16, the vdpbf16ps one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchpage.cpu_info import cpu_flags
+from batchpage.kernels.cpu_bf16_linear import SOURCE, CpuBf16Linear, pack_weight
+from batchpage.kernels.cpu_build import build_extension
+
+NATIVE = "avx512_bf16" in cpu_flags()
+
+
+def portable_kernel() -> CpuBf16Linear:
+    """The build without AVX512-BF16, on any CPU."""
+    module = build_extension(
+        SOURCE, "batchpage_cpu_bf16_linear", "the bf16 linear", cflags=("-mno-avx512bf16",)
+    )
+    built = CpuBf16Linear(module)
+    assert not built.native
+    return built
+
+
+def best_kernel() -> CpuBf16Linear:
+    """The engine's build where this CPU has AVX512-BF16, else the portable one."""
+    if not NATIVE:
+        return portable_kernel()
+    built = CpuBf16Linear.build()
+    assert built.native
+    return built
+
+
+@pytest.fixture(scope="module", params=["portable", "native"])
+def kernel(request) -> CpuBf16Linear:
+    if request.param == "portable":
+        return portable_kernel()
+    if not NATIVE:
+        pytest.skip("this CPU has no AVX512-BF16")
+    return best_kernel()
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The exact product of the bf16 inputs plus the float32 bias, rounded once to bf16."""
+    y = x.double() @ w.double().T
+    if b is not None:
+        y = y + b.double()
+    return y.to(torch.bfloat16)
+
+
+def assert_matches(got: torch.Tensor, ref: torch.Tensor) -> None:
+    # Both are bf16 roundings of sums that differ only by float32 accumulation (~K * 2^-24 of
+    # the terms' size): at most one bf16 step apart, 2^-8 of the value.
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2**-8, atol=1e-4)
+
+
+def test_pack_layout_element_by_element():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 7, generator=g).to(torch.bfloat16)
+    packed = pack_weight(w)
+    assert packed.shape == (2, 4, 32) and packed.dtype == torch.int32
+    bits = w.view(torch.int16).int() & 0xFFFF
+    for j in range(2):
+        for p in range(4):
+            for c in range(32):
+                row, lo, hi = 32 * j + c, 2 * p, 2 * p + 1
+                want_lo = int(bits[row, lo]) if row < 37 else 0
+                want_hi = int(bits[row, hi]) if row < 37 and hi < 7 else 0
+                got = int(packed[j, p, c]) & 0xFFFFFFFF
+                assert (got & 0xFFFF, got >> 16) == (want_lo, want_hi), (j, p, c)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 64, 71])
+@pytest.mark.parametrize(("n", "k"), [(32, 64), (96, 48), (20, 40), (8, 16), (100, 70)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_reference(kernel, rows, n, k, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    got = kernel.linear(x, pack_weight(w), b, n)
+    assert_matches(got, reference(x, w, b))
+
+
+def test_odd_k_reads_nothing_past_a_row(kernel):
+    """K = 33 with rows 34 apart whose 34th element is Inf: a kernel reading a pair across the
+    row's end would make NaN (0 * Inf) or Inf."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 33, generator=g).to(torch.bfloat16)
+    storage = torch.randn(19, 34, generator=g).to(torch.bfloat16)
+    storage[:, 33] = float("inf")
+    x = storage[:, :33]
+    got = kernel.linear(x, pack_weight(w), None, 40)
+    assert torch.isfinite(got.float()).all()
+    assert_matches(got, reference(x, w, None))
+
+
+def test_batched_and_strided_inputs(kernel):
+    """Leading batch dimensions, and a column slice whose rows are not dense (copied first)."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 48, generator=g).to(torch.bfloat16)
+    packed = pack_weight(w)
+    x3 = torch.randn(2, 9, 48, generator=g).to(torch.bfloat16)
+    assert kernel.linear(x3, packed, None, 64).shape == (2, 9, 64)
+    assert_matches(kernel.linear(x3, packed, None, 64), reference(x3, w, None))
+    wide = torch.randn(11, 96, generator=g).to(torch.bfloat16)
+    for x in (wide[:, 16:64], wide[:, ::2]):
+        assert_matches(kernel.linear(x, packed, None, 64), reference(x, w, None))
+    assert kernel.linear(wide[:0, :48], packed, None, 64).shape == (0, 64)
+
+
+def test_launcher_rejects_mismatched_shapes(kernel):
+    w = torch.randn(64, 48).to(torch.bfloat16)
+    packed = pack_weight(w)
+    with pytest.raises(AssertionError):
+        kernel.linear(torch.randn(3, 50).to(torch.bfloat16), packed, None, 64)
+    with pytest.raises(AssertionError):
+        kernel.linear(torch.randn(3, 48), packed, None, 64)  # float32 input
+    with pytest.raises(AssertionError):
+        kernel.linear(torch.randn(3, 48).to(torch.bfloat16), packed, torch.zeros(63), 64)

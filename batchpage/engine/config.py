@@ -26,8 +26,9 @@ class EngineConfig:
     prefix_caching: bool = True
     eviction_policy: str = "lru"
     attention_backend: str = "auto"
-    # CPU matmuls: "auto" prepacks weights for oneDNN where it can (model/packed_linear.py),
-    # "onednn" requires it, "torch" keeps F.linear.
+    # CPU matmuls (model/packed_linear.py): "auto" takes batchpage's bf16 kernel for bfloat16 on
+    # AVX512-BF16, else prepacks weights for oneDNN where it can; "avx512_bf16" and "onednn"
+    # require theirs; "torch" keeps F.linear.
     linear_backend: str = "auto"
     kv_allocator: str = "paged"
     schedule: str = "prefix"

@@ -34,7 +34,7 @@ from batchpage.host_memory import keep_freed_memory
 from batchpage.metrics import RunStats
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
-from batchpage.model.packed_linear import use_onednn
+from batchpage.model.packed_linear import linear_packer
 from batchpage.model.tokenizer import Tokenizer
 
 BEAM_SEARCH_WITH_CONSTRAINT = (
@@ -75,8 +75,9 @@ class Engine:
             self.kv_manager = KVCacheManager(
                 plan.num_blocks, cfg.block_size, cfg.prefix_caching, cfg.eviction_policy
             )
-        if use_onednn(cfg.linear_backend, plan.dtype, plan.device):
-            model.prepack_linears()
+        packer = linear_packer(cfg.linear_backend, plan.dtype, plan.device)
+        if packer is not None:
+            model.prepack_linears(packer)
         attention = make_attention_backend(cfg.attention_backend, plan.device)
         layer_ops = make_layer_ops(attention)
         model.use_layer_ops(layer_ops)

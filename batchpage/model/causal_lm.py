@@ -25,7 +25,7 @@ from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
 from batchpage.model.config import ModelConfig
 from batchpage.model.layers import Attention, GatedMLP, RMSNorm, linear
-from batchpage.model.packed_linear import PackedLinear, PackReport, pack_linear_modules
+from batchpage.model.packed_linear import PackedLinear, Packer, PackReport, pack_linear_modules
 from batchpage.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -66,9 +66,9 @@ class CausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
         )
-        # A tied model's lm_head in oneDNN's layout, set by prepack_linears (the embedding keeps
+        # A tied model's lm_head in a packed layout, set by prepack_linears (the embedding keeps
         # its plain table for lookups).
-        self.tied_head: PackedLinear | None = None
+        self.tied_head: nn.Module | None = None
 
     def make_layer(
         self, layer: int, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
@@ -100,15 +100,16 @@ class CausalLM(nn.Module):
             return self.tied_head(hidden)
         return F.linear(hidden, self.embed_tokens.weight)
 
-    def prepack_linears(self) -> PackReport:
-        """Move every linear, the lm_head included, to oneDNN's prepacked layout (see
-        model/packed_linear.py; the caller checks `onednn_packs` first). Inference only: the
-        plain weights are dropped, so load_weights no longer applies. Packing twice is a no-op."""
-        packed = pack_linear_modules(self)
+    def prepack_linears(self, packer: Packer = PackedLinear) -> PackReport:
+        """Move every linear, the lm_head included, to a prepacked layout: oneDNN's by default,
+        or whatever module `packer` makes (see model/packed_linear.py, `linear_packer`, which
+        checks that it applies here). Inference only: the plain weights are dropped, so
+        load_weights no longer applies. Packing twice is a no-op."""
+        packed = pack_linear_modules(self, packer)
         if self.lm_head is not None or self.tied_head is not None:  # untied, or packed before
             return PackReport(packed, 0)
         table = self.embed_tokens.weight
-        self.tied_head = PackedLinear(table, None)
+        self.tied_head = packer(table, None)
         return PackReport(packed + 1, table.numel() * table.element_size())
 
     def use_layer_ops(self, ops: CpuLayerOps | None) -> int:

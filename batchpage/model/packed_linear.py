@@ -10,22 +10,37 @@ runs 1.3-2.6x faster at every row count from 1 to 512, a layer's linears 1.45x a
 1.1x at 64-256 and even at 512; at a single row the small ones are slower (0.7-0.8x), the
 lm_head still 1.7x faster.
 
+On a CPU with AVX512-BF16, bfloat16 weights go to batchpage's own kernel instead
+(kernels/cpu_bf16_linear.py, `Bf16DotLinear`): at the row counts of a decode step, with weights
+streaming from memory, it ran 1.1-1.9x faster than oneDNN's packed bf16 linears on a Zen 4 EPYC
+(BENCHMARKS.md, "bf16 linears").
+
 The packed weight is a copy in an opaque layout: `pack_linear_modules` (called by
-`CausalLM.prepack_linears`) swaps each `nn.Linear` of a loaded model for a `PackedLinear`,
-dropping the plain weight, so memory stays the same. The one exception is a tied lm_head: the
-embedding keeps its plain table for lookups and the packed copy is extra (vocab x hidden
-elements). Results differ from `F.linear` only by summation order (measured: about 5e-6 at
-outputs of order 1 in float32).
+`CausalLM.prepack_linears`) swaps each `nn.Linear` of a loaded model for a `PackedLinear` (or a
+`Bf16DotLinear`), dropping the plain weight, so memory stays the same. The one exception is a
+tied lm_head: the embedding keeps its plain table for lookups and the packed copy is extra
+(vocab x hidden elements). Results differ from `F.linear` only by summation order (measured:
+about 5e-6 at outputs of order 1 in float32; in bf16, identical logits on every tested family).
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-LINEAR_BACKENDS = ("auto", "onednn", "torch")
+from batchpage.cpu_info import cpu_flags
+from batchpage.kernels.cpu_bf16_linear import CpuBf16Linear, pack_weight
+from batchpage.kernels.cpu_build import KernelBuildError
+
+LINEAR_BACKENDS = ("auto", "avx512_bf16", "onednn", "torch")
+
+# weight [out, in], bias [out] or None -> the module that replaces an nn.Linear
+Packer = Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,58 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN"
 
 
+class Bf16DotLinear(nn.Module):
+    """y = x @ W.T + b for bfloat16 x, W packed in k-pairs for AVX512-BF16's vdpbf16ps
+    (kernels/cpu_bf16_linear.py). Inference only. The bias is kept in float32, where the kernel
+    adds it before rounding the sum to bf16 once."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: CpuBf16Linear
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.kernel = kernel
+        self.register_buffer("packed", pack_weight(weight.detach()))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # bf16 [..., in] -> [..., out]
+        return self.kernel.linear(x, self.packed, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, AVX512-BF16"
+
+
+def bf16_dot_kernel(
+    dtype: torch.dtype, device: torch.device, required: bool
+) -> CpuBf16Linear | None:
+    """The bf16 linear kernel where it applies: bfloat16 on a CPU with AVX512-BF16, built here.
+    None elsewhere; `required` (linear_backend='avx512_bf16') raises instead, with the reason."""
+    name = str(dtype).removeprefix("torch.")
+    if dtype != torch.bfloat16 or device.type != "cpu" or "avx512_bf16" not in cpu_flags():
+        if required:
+            raise ValueError(
+                f"linear_backend='avx512_bf16' needs bfloat16 on a CPU with AVX512-BF16 (an "
+                f"avx512_bf16 flag in /proc/cpuinfo); got {name} on {device}: use "
+                "linear_backend='auto'"
+            )
+        return None
+    try:
+        kernel = CpuBf16Linear.build()
+    except KernelBuildError as exc:
+        if required:
+            raise ValueError(f"linear_backend='avx512_bf16': {exc}") from exc
+        warnings.warn(f"{exc}; the linears run through oneDNN", stacklevel=3)
+        return None
+    if not kernel.native:  # the compiler lacks the instructions the CPU has
+        if required:
+            raise ValueError(
+                "linear_backend='avx512_bf16': the compiler built the bf16 linear without "
+                "AVX512-BF16 (it needs g++ 10 or later); use linear_backend='auto'"
+            )
+        return None
+    return kernel
+
+
 def onednn_packs(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether oneDNN can pack and multiply `dtype` weights here: a CPU torch built with oneDNN,
     and for bfloat16 a CPU with the instructions oneDNN's bf16 path needs (AVX-512 BW/VL/DQ or
@@ -69,24 +136,30 @@ def onednn_packs(dtype: torch.dtype, device: torch.device) -> bool:
     return True
 
 
-def pack_linear_modules(model: nn.Module) -> int:
-    """Replace every nn.Linear under `model` by a PackedLinear in place; returns how many. Call
-    after the weights are loaded: the plain weights are gone afterwards."""
+def pack_linear_modules(model: nn.Module, packer: Packer = PackedLinear) -> int:
+    """Replace every nn.Linear under `model` by `packer(weight, bias)` in place; returns how
+    many. Call after the weights are loaded: the plain weights are gone afterwards."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, module in linears:
         parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, PackedLinear(module.weight, module.bias))
+        setattr(model.get_submodule(parent), leaf, packer(module.weight, module.bias))
     return len(linears)
 
 
-def use_onednn(choice: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """The engine's `linear_backend`: "torch" is F.linear; "onednn" packs or raises; "auto" packs
-    wherever oneDNN can (on a CPU, for this dtype), else F.linear."""
+def linear_packer(choice: str, dtype: torch.dtype, device: torch.device) -> Packer | None:
+    """The engine's `linear_backend`, as the module each nn.Linear becomes (None: keep F.linear).
+    "avx512_bf16" is Bf16DotLinear or raises; "onednn" is PackedLinear or raises; "torch" is
+    F.linear; "auto" takes the first that applies: Bf16DotLinear (bf16 on AVX512-BF16),
+    PackedLinear (wherever oneDNN packs this dtype on a CPU), F.linear."""
     if choice not in LINEAR_BACKENDS:
         allowed = ", ".join(LINEAR_BACKENDS)
         raise ValueError(f"linear_backend must be one of {allowed}; got {choice!r}")
     if choice == "torch":
-        return False
+        return None
+    if choice in ("auto", "avx512_bf16"):
+        kernel = bf16_dot_kernel(dtype, device, required=choice == "avx512_bf16")
+        if kernel is not None:
+            return functools.partial(Bf16DotLinear, kernel=kernel)
     packs = onednn_packs(dtype, device)
     if choice == "onednn" and not packs:
         raise ValueError(
@@ -94,4 +167,4 @@ def use_onednn(choice: str, dtype: torch.dtype, device: torch.device) -> bool:
             f"{device}: it needs a CPU torch built with oneDNN, and for bfloat16 a CPU with "
             "AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; use linear_backend='auto' or 'torch'"
         )
-    return packs
+    return PackedLinear if packs else None

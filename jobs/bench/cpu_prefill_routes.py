@@ -20,6 +20,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 from batchpage import LLM, SamplingParams
 from batchpage.attention.cpu_backend import PREFILL_ROUTES
@@ -59,11 +60,12 @@ def run(llm: LLM, w: PeerWorkload) -> tuple[float, list[list[int]]]:
     return sum(map(len, tokens)) / seconds, tokens
 
 
-def workload_llm(model: str, dtype: str, w: PeerWorkload) -> LLM:
-    """An engine for workload w on the CPU backend, its KV pool sized for it."""
+def workload_llm(model: str, dtype: str, w: PeerWorkload, **engine_args: Any) -> LLM:
+    """An engine for workload w on the CPU backend, its KV pool sized for it (`engine_args`:
+    more LLM arguments)."""
     return load_llm(
         model, f"{w.name} {dtype}", dtype=dtype, attention_backend="cpu", max_model_len=w.max_len,
-        kv_cache_memory=2**30,
+        kv_cache_memory=2**30, **engine_args,
     )  # fmt: skip
 
 

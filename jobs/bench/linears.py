@@ -1,5 +1,6 @@
-"""The model's linears on this CPU: F.linear against oneDNN's prepacked PackedLinear (the engine's
-CPU path, batchpage/model/packed_linear.py), at the row counts a step has.
+"""The model's linears on this CPU: F.linear against oneDNN's prepacked PackedLinear and, in
+bfloat16 on a CPU with AVX512-BF16, batchpage's bf16 kernel (Bf16DotLinear; both are engine
+paths, batchpage/model/packed_linear.py), at the row counts a step has.
 
     python -m jobs.bench.linears                       # SmolLM2's shapes, float32
     python -m jobs.bench.linears --dtype bfloat16 --rows 64,256 --out bench/linears.json
@@ -10,8 +11,9 @@ and the command; --out writes JSON with the CPU model and flags.
 
 Repeating one call keeps its weight in the caches, which a decode step never does: between two
 uses of a layer's weight the step streams every other weight of the model. The "cold" column
-runs oneDNN over enough copies of each weight (together at least 128 MiB, four times a large
-L3) taken in turn, so that every call reads its weight from memory, as in the engine.
+runs oneDNN (and the bf16 kernel) over enough copies of each weight (together at least 128 MiB,
+four times a large L3) taken in turn, so that every call reads its weight from memory, as in the
+engine.
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from batchpage.model.loader import resolve_model_source
-from batchpage.model.packed_linear import PackedLinear, onednn_packs
+from batchpage.model.packed_linear import (
+    Bf16DotLinear,
+    PackedLinear,
+    bf16_dot_kernel,
+    onednn_packs,
+)
 from jobs.bench.report import command_line, environment, log, markdown_table, write_json
 
 
@@ -41,6 +48,7 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+LABELS = {"onednn": "oneDNN", "bf16_kernel": "bf16 kernel"}
 COLD_BYTES = 128 * 2**20
 MAX_COPIES = 256  # a tiny model's weights stay cached anyway
 
@@ -58,6 +66,15 @@ def merged_shapes(cfg) -> list[tuple[str, int, int]]:
     ]
 
 
+def ratios(times: dict) -> list[str]:
+    """oneDNN's speedup over F.linear (weights hot, both), and the bf16 kernel's over oneDNN
+    with weights streaming from memory, where it ran."""
+    out = [f"{times['f_linear_ms'] / times['onednn_ms']:.2f}x"]
+    if "bf16_kernel_cold_ms" in times:
+        out.append(f"{times['onednn_cold_ms'] / times['bf16_kernel_cold_ms']:.2f}x")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
@@ -70,67 +87,64 @@ def main(argv: list[str] | None = None) -> None:
     if not onednn_packs(dtype, torch.device("cpu")):
         p.error(f"oneDNN cannot pack {args.dtype} weights on this CPU: nothing to compare")
     cfg = resolve_model_source(args.model).config
+    kernel = bf16_dot_kernel(dtype, torch.device("cpu"), required=False)
+    makers: dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
+        "onednn": lambda w: PackedLinear(w, None)
+    }
+    if kernel is not None:
+        makers["bf16_kernel"] = lambda w: Bf16DotLinear(w, None, kernel)
     gen = torch.Generator().manual_seed(0)
     rows, results = [], []
     for m in (int(r) for r in args.rows.split(",")):
-        layer_plain = layer_packed = layer_cold = 0.0
+        layer: dict[str, float] = {}
         for name, d_in, d_out in merged_shapes(cfg):
             w = (torch.randn(d_out, d_in, generator=gen) * d_in**-0.5).to(dtype)
             x = torch.randn(m, d_in, generator=gen).to(dtype)
-            packed = PackedLinear(w, None)
             copies = min(MAX_COPIES, -(-COLD_BYTES // (w.numel() * w.element_size())))
-            turns = itertools.cycle([packed] + [PackedLinear(w, None) for _ in range(copies - 1)])
+            cell = dict(rows=m, linear=name, d_in=d_in, d_out=d_out)
             with torch.inference_mode():
-                err = (packed(x).float() - F.linear(x, w).float()).abs().max().item()
-                plain_ms = median_ms(lambda x=x, w=w: F.linear(x, w), args.repeats)
-                packed_ms = median_ms(lambda x=x, p=packed: p(x), args.repeats)
-                cold_ms = median_ms(lambda x=x, t=turns: next(t)(x), args.repeats)
-            del turns
-            gflop = 2 * m * d_in * d_out / 1e9
-            results.append(
-                dict(rows=m, linear=name, d_in=d_in, d_out=d_out, f_linear_ms=plain_ms,
-                     onednn_ms=packed_ms, onednn_cold_ms=cold_ms, max_abs_diff=err)
-            )  # fmt: skip
+                ref = F.linear(x, w).float()
+                cell["f_linear_ms"] = median_ms(lambda x=x, w=w: F.linear(x, w), args.repeats)
+                for path, make in makers.items():
+                    packed = make(w)
+                    cell[f"{path}_max_abs_diff"] = (packed(x).float() - ref).abs().max().item()
+                    cell[f"{path}_ms"] = median_ms(lambda x=x, p=packed: p(x), args.repeats)
+                    turns = itertools.cycle([packed] + [make(w) for _ in range(copies - 1)])
+                    cold = median_ms(lambda x=x, t=turns: next(t)(x), args.repeats)
+                    cell[f"{path}_cold_ms"] = cold
+                    del turns
+            results.append(cell)
+            timed = [k for k in cell if k.endswith("_ms")]
             if name != "lm_head":
-                layer_plain += plain_ms
-                layer_packed += packed_ms
-                layer_cold += cold_ms
+                for k in timed:
+                    layer[k] = layer.get(k, 0.0) + cell[k]
+            gflop = 2 * m * d_in * d_out / 1e9
             rows.append(
-                [m, name, f"{d_in} x {d_out}", f"{plain_ms:.3f}", f"{packed_ms:.3f}",
-                 f"{cold_ms:.3f}", f"{gflop / plain_ms * 1e3:.0f}",
-                 f"{gflop / packed_ms * 1e3:.0f}", f"{gflop / cold_ms * 1e3:.0f}",
-                 f"{plain_ms / packed_ms:.2f}x", f"{err:.1e}"]
-            )  # fmt: skip
+                [m, name, f"{d_in} x {d_out}"]
+                + [f"{cell[k]:.3f} ({gflop / cell[k] * 1e3:.0f})" for k in timed]
+                + ratios(cell)
+                + [f"{cell[f'{p}_max_abs_diff']:.1e}" for p in makers]
+            )
         rows.append(
-            [m, "**one layer**", "", f"{layer_plain:.3f}", f"{layer_packed:.3f}",
-             f"{layer_cold:.3f}", "", "", "", f"{layer_plain / layer_packed:.2f}x", ""]
-        )  # fmt: skip
-        log(f"rows {m}: one layer {layer_plain:.3f} -> {layer_packed:.3f} ms")
+            [m, "**one layer**", ""]
+            + [f"{v:.3f}" for v in layer.values()]
+            + ratios(layer)
+            + ["" for _ in makers]
+        )
+        log(f"rows {m}: one layer " + ", ".join(f"{k} {v:.3f}" for k, v in layer.items()))
     env = environment()
-    print(f"## Prepacked linears: F.linear vs oneDNN ({env['date_utc']})\n")
+    versus = " vs the bf16 kernel" if kernel else ""
+    print(f"## Prepacked linears: F.linear vs oneDNN{versus} ({env['date_utc']})\n")
     print(f"`{command_line()}`\n")
     print(
         f"CPU: {env['cpu']} ({', '.join(env['cpu_flags'])}), {env['torch_threads']} threads, "
         f"{args.dtype}, {args.model}'s shapes, median of {args.repeats} calls.\n"
     )
-    print(
-        markdown_table(
-            [
-                "rows",
-                "linear",
-                "in x out",
-                "F.linear ms",
-                "oneDNN ms",
-                "oneDNN cold ms",
-                "F.linear GFLOP/s",
-                "oneDNN GFLOP/s",
-                "oneDNN cold GFLOP/s",
-                "speedup",
-                "max abs diff",
-            ],
-            rows,
-        )
-    )
+    timings = ["F.linear"] + [f"{LABELS[p]}{c}" for p in makers for c in ("", " cold")]
+    header = ["rows", "linear", "in x out"] + [f"{t} ms (GFLOP/s)" for t in timings]
+    header += ["oneDNN vs F.linear"] + (["bf16 kernel vs oneDNN, cold"] if kernel else [])
+    header += [f"{LABELS[p]} max abs diff" for p in makers]
+    print(markdown_table(header, rows))
     if args.out:
         write_json(args.out, {"command": command_line(), "environment": env, "rows": results})
 

@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from batchpage import LLM, SamplingParams
 from batchpage.cpu_info import cpu_model
@@ -32,7 +33,17 @@ from jobs.bench.workloads import sample_sharegpt
 
 # (bucket, substrings of a py-spy frame "function (file:line)"), matched innermost frame first.
 BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("linears", ("forward (torch/nn/modules/linear.py", "Linear.forward")),
+    # nn.Linear, and the prepacked linears that replace it (oneDNN's, the bf16 kernel's) before
+    # the model's and the kernels' catch-alls below.
+    (
+        "linears",
+        (
+            "forward (torch/nn/modules/linear.py",
+            "Linear.forward",
+            "packed_linear.py",
+            "cpu_bf16_linear.py",
+        ),
+    ),
     ("lm_head", ("compute_logits",)),
     # The C++ layer ops (kernels/cpu_layer_ops.py) before the kernels' catch-all below.
     ("norms", ("RMSNorm.forward", "rms_norm (", "add_norm (")),
@@ -86,9 +97,11 @@ def decoding_llm(
     max_prompt: int = 256,
     kv_cache_memory: float = 6e9,
     seed: int = 0,
+    **engine_args: Any,
 ) -> LLM:
     """An engine with `running` ShareGPT prompts admitted and prefilled, so that its next
-    `steps` steps are pure decode steps of `running` sequences."""
+    `steps` steps are pure decode steps of `running` sequences (`engine_args`: more LLM
+    arguments)."""
     tok = load_tokenizer(model)
     reqs = sample_sharegpt(tok, running, seed=seed, max_prompt_tokens=max_prompt)
     llm = LLM(
@@ -100,6 +113,7 @@ def decoding_llm(
         kv_cache_memory=kv_cache_memory,  # room for every sequence to its end
         # Every prompt in one prefill step, so no sequence finishes before the last is in.
         max_num_batched_tokens=running * max_prompt,
+        **engine_args,
     )
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     requests = [llm._make_request(i, r.prompt_token_ids, params) for i, r in enumerate(reqs)]

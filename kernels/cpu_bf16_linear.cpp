@@ -11,15 +11,23 @@
 // x against one block (36-98 KiB for SmolLM2, held in L2 while x's rows pass) before the next.
 // Accumulation is float32; the bias is added in float32 and the sum rounded once to bf16 (to
 // nearest even), as oneDNN and torch's bf16 linear do.
+//
+// Gated (a merged [gate | up] weight of 2I rows): each block holds 16 gate columns and the 16 up
+// columns of the same indices, and the tile's epilogue writes SiLU(gate) * up, I columns, with
+// cpu_layer_ops's silu_mul rounding (gate and up rounded to bf16, SiLU rounded, the product
+// rounded) and its exp, so the result is the unfused pair's bit for bit, without the [T, 2I]
+// intermediate written and read back.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#include "cpu_vec.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(BATCHPAGE_AVX512)
 #define BATCHPAGE_BF16_DOT 1
 #endif
 
@@ -34,7 +42,8 @@ struct Problem {
   const float* bias;  // [N] or nullptr
   uint16_t* y;        // bf16 bits [M, N], rows `y_stride` apart
   int64_t y_stride;
-  int64_t m, n, k;
+  int64_t m, n, k;    // gated: n is I, the output's columns (the weight has 2I rows)
+  bool gated;
 };
 
 inline uint32_t pair_at(const uint16_t* row, int64_t p, int64_t k) {
@@ -78,6 +87,20 @@ void tile(const Problem& pr, int64_t row0, int64_t block) {
       acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, w0);
       acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, w1);
     }
+  }
+  if (pr.gated) {
+    const int64_t col0 = block * (kCols / 2), cols = std::min<int64_t>(kCols / 2, pr.n - col0);
+    const __mmask16 keep = cols == kCols / 2 ? ~__mmask16(0) : (__mmask16(1) << cols) - 1;
+    const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      const __m512 gate = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(acc[i][0]));
+      const __m512 up = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(acc[i][1]));
+      const __m512 act = _mm512_div_ps(gate, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, gate))));
+      const __m512 out = _mm512_mul_ps(_mm512_cvtpbh_ps(_mm512_cvtneps_pbh(act)), up);
+      _mm256_mask_storeu_epi16(pr.y + (row0 + i) * pr.y_stride + col0, keep,
+                               (__m256i)_mm512_cvtneps_pbh(out));
+    }
+    return;
   }
   const int64_t col0 = block * kCols, cols = std::min<int64_t>(kCols, pr.n - col0);
   const __mmask32 keep = cols == kCols ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
@@ -126,7 +149,7 @@ inline uint16_t round_bf16(float f) {
 
 void run_block(const Problem& pr, int64_t block) {
   const int64_t kp = (pr.k + 1) / 2, col0 = block * kCols;
-  const int64_t cols = std::min<int64_t>(kCols, pr.n - col0);
+  const int64_t cols = std::min<int64_t>(kCols, pr.n - col0);  // when not gated
   const int32_t* wb = pr.w + block * kp * kCols;
   for (int64_t r = 0; r < pr.m; ++r) {
     const uint16_t* row = pr.x + r * pr.x_stride;
@@ -138,6 +161,15 @@ void run_block(const Problem& pr, int64_t block) {
         const uint32_t w = static_cast<uint32_t>(wb[p * kCols + c]);
         acc[c] += lo * widen(w & 0xFFFF) + hi * widen(w >> 16);
       }
+    }
+    if (pr.gated) {
+      const int64_t half = kCols / 2, col = block * half;
+      for (int64_t c = 0; c < std::min(half, pr.n - col); ++c) {
+        const float gate = widen(round_bf16(acc[c])), up = widen(round_bf16(acc[half + c]));
+        const float act = widen(round_bf16(gate / (1.f + std::exp(-gate))));
+        pr.y[r * pr.y_stride + col + c] = round_bf16(act * up);
+      }
+      continue;
     }
     for (int64_t c = 0; c < cols; ++c) {
       const float b = pr.bias == nullptr ? 0.f : pr.bias[col0 + c];
@@ -157,9 +189,10 @@ bool native() {
 #endif
 }
 
-// out [M, N] bf16 = x [M, K] bf16 @ W.T + bias; shapes and strides checked by the launcher.
+// out [M, N] bf16 = x [M, K] bf16 @ W.T + bias, or gated: out [M, I] = SiLU(x @ G.T) * (x @ U.T)
+// with no bias; shapes and strides checked by the launcher.
 void linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
-            c10::optional<torch::Tensor> bias) {
+            c10::optional<torch::Tensor> bias, bool gated) {
   const Problem pr{reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
                    x.stride(0),
                    packed.data_ptr<int32_t>(),
@@ -168,7 +201,8 @@ void linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                    out.stride(0),
                    x.size(0),
                    out.size(1),
-                   x.size(1)};
+                   x.size(1),
+                   gated};
   const int64_t blocks = packed.size(0);
   if (pr.m == 0) return;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {

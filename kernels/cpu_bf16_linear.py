@@ -10,6 +10,11 @@ int32, so one k-pair of a block is two 64-byte loads and a row of x meets it thr
 32-bit broadcast and two vdpbf16ps (an 8-row x 32-column tile: 16 float32 accumulators). The
 blocks are split over torch's threads. Measured against oneDNN: BENCHMARKS.md, "bf16 linears".
 
+A merged [gate | up] weight can be packed gated (`pack_gated_weight`): each block then holds 16
+gate columns and the 16 up columns of the same indices, and `silu_mul_linear` writes
+SiLU(gate) * up straight from the accumulators, equal bit for bit to the linear followed by
+cpu_layer_ops's silu_mul, without writing the [T, 2I] product and reading it back.
+
 Without AVX512-BF16 the library builds a plain float32 loop over the same layout (`native` is
 then False): the engine never picks it, the tests use it to check the layout on any CPU.
 """
@@ -40,6 +45,19 @@ def pack_weight(
     # [NB, 32, KP, 2] -> [NB, KP, 32, 2]; a pair's two bf16 are one little-endian int32
     pairs_first = padded.reshape(blocks, COLUMNS, pairs, 2).transpose(1, 2).contiguous()
     return pairs_first.view(torch.int32).reshape(blocks, pairs, COLUMNS)
+
+
+def pack_gated_weight(
+    weight: torch.Tensor,  # bf16 [2I, K]: gate rows [0, I), up rows [I, 2I)
+) -> torch.Tensor:  # int32 [ceil(I / 16), ceil(K / 2), 32]
+    """pack_weight of the rows reordered so that block j holds gate rows 16j..16j+15 in its
+    first 16 columns and the same up rows in its last 16 (zero rows past I)."""
+    assert weight.dim() == 2 and weight.shape[0] % 2 == 0, weight.shape
+    inter, half = weight.shape[0] // 2, COLUMNS // 2
+    blocks = -(-inter // half)
+    gate, up = (F.pad(w, (0, 0, 0, blocks * half - inter)) for w in weight.split(inter))
+    paired = torch.stack([gate.reshape(blocks, half, -1), up.reshape(blocks, half, -1)], dim=1)
+    return pack_weight(paired.reshape(blocks * COLUMNS, -1))
 
 
 class CpuBf16Linear:
@@ -80,5 +98,23 @@ class CpuBf16Linear:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
-        self._module.linear(out, rows, packed, bias)
+        self._module.linear(out, rows, packed, bias, False)
         return out.reshape(*x.shape[:-1], out_features)
+
+    def silu_mul_linear(
+        self,
+        x: torch.Tensor,  # bf16 [..., K], rows dense in their last dimension
+        packed: torch.Tensor,  # int32 [ceil(I / 16), ceil(K / 2), 32], from pack_gated_weight
+        intermediate: int,  # I
+    ) -> torch.Tensor:  # bf16 [..., I]: SiLU(x @ gate.T) * (x @ up.T), rounded as silu_mul
+        k = x.shape[-1]
+        assert x.device.type == "cpu" and x.dtype == torch.bfloat16, (x.device, x.dtype)
+        assert packed.dtype == torch.int32 and packed.is_contiguous(), packed.dtype
+        blocks = -(-intermediate // (COLUMNS // 2))
+        assert packed.shape == (blocks, -(-k // 2), COLUMNS), (packed.shape, intermediate, k)
+        rows = x.reshape(-1, k)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], intermediate, dtype=torch.bfloat16)
+        self._module.linear(out, rows, packed, None, True)
+        return out.reshape(*x.shape[:-1], intermediate)

@@ -34,7 +34,7 @@ from batchpage.host_memory import keep_freed_memory
 from batchpage.metrics import RunStats
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
-from batchpage.model.packed_linear import linear_packer
+from batchpage.model.packed_linear import linear_packing
 from batchpage.model.tokenizer import Tokenizer
 
 BEAM_SEARCH_WITH_CONSTRAINT = (
@@ -75,9 +75,9 @@ class Engine:
             self.kv_manager = KVCacheManager(
                 plan.num_blocks, cfg.block_size, cfg.prefix_caching, cfg.eviction_policy
             )
-        packer = linear_packer(cfg.linear_backend, plan.dtype, plan.device)
-        if packer is not None:
-            model.prepack_linears(packer)
+        packing = linear_packing(cfg.linear_backend, plan.dtype, plan.device)
+        if packing is not None:
+            model.prepack_linears(packing)
         attention = make_attention_backend(cfg.attention_backend, plan.device)
         layer_ops = make_layer_ops(attention)
         model.use_layer_ops(layer_ops)

@@ -25,7 +25,12 @@ from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
 from batchpage.model.config import ModelConfig
 from batchpage.model.layers import Attention, GatedMLP, RMSNorm, linear
-from batchpage.model.packed_linear import PackedLinear, Packer, PackReport, pack_linear_modules
+from batchpage.model.packed_linear import (
+    ONEDNN_PACKING,
+    LinearPacking,
+    PackReport,
+    pack_linear_modules,
+)
 from batchpage.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -100,16 +105,26 @@ class CausalLM(nn.Module):
             return self.tied_head(hidden)
         return F.linear(hidden, self.embed_tokens.weight)
 
-    def prepack_linears(self, packer: Packer = PackedLinear) -> PackReport:
+    def prepack_linears(self, packing: LinearPacking = ONEDNN_PACKING) -> PackReport:
         """Move every linear, the lm_head included, to a prepacked layout: oneDNN's by default,
-        or whatever module `packer` makes (see model/packed_linear.py, `linear_packer`, which
-        checks that it applies here). Inference only: the plain weights are dropped, so
-        load_weights no longer applies. Packing twice is a no-op."""
-        packed = pack_linear_modules(self, packer)
+        or the modules `packing` makes (see model/packed_linear.py, `linear_packing`, which
+        checks that it applies here); where it fuses SiLU(gate) * up, each SiLU GatedMLP's
+        gate/up linear becomes one that returns the activation. Inference only: the plain
+        weights are dropped, so load_weights no longer applies. Packing twice is a no-op."""
+        fused = 0
+        if packing.silu_mul is not None:
+            for mlp in self.modules():
+                if isinstance(mlp, GatedMLP) and mlp.silu_gated:
+                    gate_up = mlp.gate_up_proj
+                    if isinstance(gate_up, nn.Linear) and gate_up.bias is None:
+                        mlp.gate_up_proj = packing.silu_mul(gate_up.weight)
+                        mlp.gate_up_activated = True
+                        fused += 1
+        packed = fused + pack_linear_modules(self, packing.linear)
         if self.lm_head is not None or self.tied_head is not None:  # untied, or packed before
             return PackReport(packed, 0)
         table = self.embed_tokens.weight
-        self.tied_head = packer(table, None)
+        self.tied_head = packing.linear(table, None)
         return PackReport(packed + 1, table.numel() * table.element_size())
 
     def use_layer_ops(self, ops: CpuLayerOps | None) -> int:

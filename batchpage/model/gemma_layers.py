@@ -33,6 +33,8 @@ class GemmaRMSNorm(nn.Module):
 class GeGLUMLP(GatedMLP):
     """down(gelu_tanh(gate(x)) * up(x)): Gemma's `gelu_pytorch_tanh` in place of SiLU."""
 
+    silu_gated = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)

@@ -93,15 +93,21 @@ def merged_linear(
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up in one matmul."""
 
+    silu_gated = True  # its activation is SiLU(gate) * up, which a packed gate/up may fuse
+
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.intermediate = intermediate
         self.gate_up_proj = merged_linear(hidden, (intermediate,) * 2, False, dtype, device)
         self.down_proj = linear(intermediate, hidden, False, dtype, device)
         self.layer_ops: CpuLayerOps | None = None  # set by CausalLM.use_layer_ops
+        # Set by CausalLM.prepack_linears when gate_up_proj returns SiLU(gate) * up itself.
+        self.gate_up_activated = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)
+        if self.gate_up_activated:
+            return self.down_proj(gate_up)
         if self.layer_ops is not None:
             return self.down_proj(self.layer_ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)

@@ -34,13 +34,25 @@ import torch
 from torch import nn
 
 from batchpage.cpu_info import cpu_flags
-from batchpage.kernels.cpu_bf16_linear import CpuBf16Linear, pack_weight
+from batchpage.kernels.cpu_bf16_linear import CpuBf16Linear, pack_gated_weight, pack_weight
 from batchpage.kernels.cpu_build import KernelBuildError
 
 LINEAR_BACKENDS = ("auto", "avx512_bf16", "onednn", "torch")
 
 # weight [out, in], bias [out] or None -> the module that replaces an nn.Linear
 Packer = Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
+# merged [gate | up] weight [2I, in] -> a module computing SiLU(x @ gate.T) * (x @ up.T)
+SiluMulPacker = Callable[[torch.Tensor], nn.Module]
+
+
+@dataclass(frozen=True)
+class LinearPacking:
+    """How CausalLM.prepack_linears replaces a model's linears: `linear` makes the module for
+    every nn.Linear; where the backend fuses it, `silu_mul` makes the one for a SiLU GatedMLP's
+    merged gate/up linear, which then returns the activation itself."""
+
+    linear: Packer
+    silu_mul: SiluMulPacker | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,26 @@ class Bf16DotLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, AVX512-BF16"
 
 
+class Bf16SiluMulLinear(nn.Module):
+    """SiLU(x @ gate.T) * (x @ up.T) for bfloat16 x from a merged [gate | up] weight without a
+    bias, the activation in the kernel's epilogue (kernels/cpu_bf16_linear.py,
+    `silu_mul_linear`): the same values as Bf16DotLinear followed by the C++ silu_mul, without
+    the [T, 2I] product written and read back. Inference only."""
+
+    def __init__(self, weight: torch.Tensor, kernel: CpuBf16Linear) -> None:
+        super().__init__()
+        assert weight.shape[0] % 2 == 0, weight.shape
+        self.intermediate, self.in_features = weight.shape[0] // 2, weight.shape[1]
+        self.kernel = kernel
+        self.register_buffer("packed", pack_gated_weight(weight.detach()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # bf16 [..., in] -> [..., I]
+        return self.kernel.silu_mul_linear(x, self.packed, self.intermediate)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, intermediate={self.intermediate}, SiLU(gate) * up"
+
+
 def bf16_dot_kernel(
     dtype: torch.dtype, device: torch.device, required: bool
 ) -> CpuBf16Linear | None:
@@ -122,6 +154,9 @@ def bf16_dot_kernel(
     return kernel
 
 
+ONEDNN_PACKING = LinearPacking(PackedLinear)
+
+
 def onednn_packs(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether oneDNN can pack and multiply `dtype` weights here: a CPU torch built with oneDNN,
     and for bfloat16 a CPU with the instructions oneDNN's bf16 path needs (AVX-512 BW/VL/DQ or
@@ -146,11 +181,12 @@ def pack_linear_modules(model: nn.Module, packer: Packer = PackedLinear) -> int:
     return len(linears)
 
 
-def linear_packer(choice: str, dtype: torch.dtype, device: torch.device) -> Packer | None:
-    """The engine's `linear_backend`, as the module each nn.Linear becomes (None: keep F.linear).
-    "avx512_bf16" is Bf16DotLinear or raises; "onednn" is PackedLinear or raises; "torch" is
-    F.linear; "auto" takes the first that applies: Bf16DotLinear (bf16 on AVX512-BF16),
-    PackedLinear (wherever oneDNN packs this dtype on a CPU), F.linear."""
+def linear_packing(choice: str, dtype: torch.dtype, device: torch.device) -> LinearPacking | None:
+    """The engine's `linear_backend`, as the modules the linears become (None: keep F.linear).
+    "avx512_bf16" is Bf16DotLinear (with SiLU(gate) * up fused into the gate/up linear) or
+    raises; "onednn" is PackedLinear or raises; "torch" is F.linear; "auto" takes the first that
+    applies: the bf16 kernel (bf16 on AVX512-BF16), PackedLinear (wherever oneDNN packs this
+    dtype on a CPU), F.linear."""
     if choice not in LINEAR_BACKENDS:
         allowed = ", ".join(LINEAR_BACKENDS)
         raise ValueError(f"linear_backend must be one of {allowed}; got {choice!r}")
@@ -159,7 +195,10 @@ def linear_packer(choice: str, dtype: torch.dtype, device: torch.device) -> Pack
     if choice in ("auto", "avx512_bf16"):
         kernel = bf16_dot_kernel(dtype, device, required=choice == "avx512_bf16")
         if kernel is not None:
-            return functools.partial(Bf16DotLinear, kernel=kernel)
+            return LinearPacking(
+                functools.partial(Bf16DotLinear, kernel=kernel),
+                functools.partial(Bf16SiluMulLinear, kernel=kernel),
+            )
     packs = onednn_packs(dtype, device)
     if choice == "onednn" and not packs:
         raise ValueError(
@@ -167,4 +206,4 @@ def linear_packer(choice: str, dtype: torch.dtype, device: torch.device) -> Pack
             f"{device}: it needs a CPU torch built with oneDNN, and for bfloat16 a CPU with "
             "AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; use linear_backend='auto' or 'torch'"
         )
-    return PackedLinear if packs else None
+    return ONEDNN_PACKING if packs else None

@@ -1,6 +1,7 @@
 """The engine with each CPU linear backend in one process, taking turns: the same engine, its
-linears swapped between oneDNN's prepacked PackedLinear, batchpage's bf16 kernel (Bf16DotLinear,
-bfloat16 on AVX512-BF16) and plain F.linear before each run.
+linears swapped between oneDNN's prepacked PackedLinear, batchpage's bf16 kernel (Bf16DotLinear
+with SiLU(gate) * up fused into the gate/up linear, bfloat16 on AVX512-BF16) and plain F.linear
+before each run.
 
     python -m jobs.bench.linears_ab --dtype bfloat16 --runs 4 --decode-steps 64
     python -m jobs.bench.linears_ab --smoke          # seconds: does it run?
@@ -14,7 +15,6 @@ got oneDNN's greedy tokens (in bf16 two summation orders can part at near-ties).
 
 from __future__ import annotations
 
-import functools
 import statistics
 from collections.abc import Callable
 
@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from batchpage import LLM
-from batchpage.model.packed_linear import Bf16DotLinear, Packer, linear_packer
+from batchpage.model.layers import GatedMLP
+from batchpage.model.packed_linear import LinearPacking, bf16_dot_kernel, linear_packing
 from jobs.bench.cpu_kernels_ab import ab_arguments, decode_step_ms
 from jobs.bench.cpu_prefill_routes import take_turns, workload_llm, workloads
 from jobs.bench.report import command_line, environment, print_results
@@ -30,34 +31,55 @@ from jobs.bench.report import command_line, environment, print_results
 BASELINE = "onednn"
 
 
-def backends(dtype: torch.dtype) -> dict[str, Packer | None]:
+def backends(dtype: torch.dtype) -> dict[str, LinearPacking | None]:
     """The sides this CPU can run for `dtype`: oneDNN, the bf16 kernel where it applies, and
     F.linear (None)."""
     cpu = torch.device("cpu")
-    sides: dict[str, Packer | None] = {BASELINE: linear_packer("onednn", dtype, cpu)}
-    if dtype == torch.bfloat16:
-        bf16 = linear_packer("auto", dtype, cpu)
-        if isinstance(bf16, functools.partial) and bf16.func is Bf16DotLinear:
-            sides["avx512_bf16"] = bf16
+    sides: dict[str, LinearPacking | None] = {BASELINE: linear_packing("onednn", dtype, cpu)}
+    if bf16_dot_kernel(dtype, cpu, required=False) is not None:
+        sides["avx512_bf16"] = linear_packing("avx512_bf16", dtype, cpu)
     sides["torch"] = None
     return sides
 
 
-def swapper(llm: LLM, packers: dict[str, Packer | None]) -> dict[str, Callable[[LLM], None]]:
+def swapper(
+    llm: LLM, packings: dict[str, LinearPacking | None]
+) -> dict[str, Callable[[LLM], None]]:
     """One setup per side for an engine built with linear_backend='torch': each packs every
-    nn.Linear (and a tied lm_head) once, up front, and its setup puts its modules in place."""
+    nn.Linear (and a tied lm_head) once, up front, as CausalLM.prepack_linears would (SiLU
+    GatedMLPs' gate/up fused where the side fuses them), and its setup puts its modules in
+    place."""
     model = llm.engine.runner.model
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    gated = {
+        f"{name}.gate_up_proj"
+        for name, m in model.named_modules()
+        if isinstance(m, GatedMLP) and m.silu_gated and m.gate_up_proj.bias is None
+    }
     tied = model.lm_head is None
     setups: dict[str, Callable[[LLM], None]] = {}
-    for side, packer in packers.items():
-        modules = {name: m if packer is None else packer(m.weight, m.bias) for name, m in linears}
-        head = None if packer is None or not tied else packer(model.embed_tokens.weight, None)
+    for side, packing in packings.items():
+        fuse = packing is not None and packing.silu_mul is not None
 
-        def setup(_: LLM, modules: dict[str, nn.Module] = modules, head=head) -> None:
+        def make(name: str, m: nn.Linear, packing: LinearPacking | None = packing) -> nn.Module:
+            if packing is None:
+                return m
+            if packing.silu_mul is not None and name in gated:
+                return packing.silu_mul(m.weight)
+            return packing.linear(m.weight, m.bias)
+
+        modules = {name: make(name, m) for name, m in linears}
+        head = (
+            None if packing is None or not tied else packing.linear(model.embed_tokens.weight, None)
+        )
+
+        def setup(_: LLM, modules: dict[str, nn.Module] = modules, head=head, fuse=fuse) -> None:
             for name, module in modules.items():
                 parent, _, leaf = name.rpartition(".")
-                setattr(model.get_submodule(parent), leaf, module)
+                owner = model.get_submodule(parent)
+                setattr(owner, leaf, module)
+                if name in gated:
+                    owner.gate_up_activated = fuse
             model.tied_head = head
 
         setups[side] = setup
@@ -67,12 +89,12 @@ def swapper(llm: LLM, packers: dict[str, Packer | None]) -> dict[str, Callable[[
 def main(argv: list[str] | None = None) -> None:
     args = ab_arguments(__doc__).parse_args(argv)
     runs = 1 if args.smoke else args.runs
-    packers = backends(getattr(torch, args.dtype))
-    names = list(packers)
+    packings = backends(getattr(torch, args.dtype))
+    names = list(packings)
     rows, results = [], []
     for w in workloads(args.model, args.smoke):
         llm = workload_llm(args.model, args.dtype, w, linear_backend="torch")
-        rates, tokens = take_turns(llm, w, swapper(llm, packers), runs, f"{w.name} {args.dtype}")
+        rates, tokens = take_turns(llm, w, swapper(llm, packings), runs, f"{w.name} {args.dtype}")
         med = {name: statistics.median(v) for name, v in rates.items()}
         same = {
             name: sum(a == b for a, b in zip(tokens[name], tokens[BASELINE], strict=True))
@@ -94,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         def lazy(side: str) -> Callable[[LLM], None]:
             def setup(llm: LLM) -> None:  # packs on the first call, when the engine exists
                 if not llm_setups:
-                    llm_setups.update(swapper(llm, packers))
+                    llm_setups.update(swapper(llm, packings))
                 llm_setups[side](llm)
 
             return setup

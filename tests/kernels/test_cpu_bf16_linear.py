@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from batchpage.cpu_info import cpu_flags
-from batchpage.kernels.cpu_bf16_linear import SOURCE, CpuBf16Linear, pack_weight
+from batchpage.kernels.cpu_bf16_linear import (
+    SOURCE,
+    CpuBf16Linear,
+    pack_gated_weight,
+    pack_weight,
+)
 from batchpage.kernels.cpu_build import build_extension
 
 NATIVE = "avx512_bf16" in cpu_flags()
@@ -113,6 +118,48 @@ def test_batched_and_strided_inputs(kernel):
     assert kernel.linear(wide[:0, :48], packed, None, 64).shape == (0, 64)
 
 
+def test_gated_pack_pairs_gate_and_up_columns():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2 * 20, 6, generator=g).to(torch.bfloat16)  # I = 20: one full block of 16
+    gate, up = w[:20], w[20:]
+    want = torch.zeros(64, 6, dtype=torch.bfloat16)
+    want[0:16], want[16:32] = gate[0:16], up[0:16]
+    want[32:36], want[48:52] = gate[16:20], up[16:20]  # the second block: 4 columns, zeros after
+    assert torch.equal(pack_gated_weight(w), pack_weight(want))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 13, 64])
+@pytest.mark.parametrize(("inter", "k"), [(16, 32), (20, 48), (96, 33), (40, 64)])
+def test_silu_mul_linear_matches_reference(kernel, rows, inter, k):
+    """SiLU(gate) * up from the merged weight, rounded as torch rounds F.silu(gate) * up on the
+    bf16 gate_up product."""
+    g = torch.Generator().manual_seed(rows * 100 + inter + k)
+    w = (torch.randn(2 * inter, k, generator=g) * k**-0.5 * 3).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    gate, up = reference(x, w, None).split(inter, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = kernel.silu_mul_linear(x, pack_gated_weight(w), inter)
+    assert got.shape == (rows, inter) and got.dtype == torch.bfloat16
+    # gate and up may each sit a bf16 step from the exact product's rounding; SiLU and the
+    # product add a rounding each.
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=1e-3)
+
+
+@pytest.mark.skipif(not NATIVE, reason="this CPU has no AVX512-BF16")
+def test_silu_mul_linear_equals_linear_then_silu_mul_bit_for_bit():
+    """On AVX512-BF16 the fused epilogue gives what the engine's unfused pair gives: the same
+    sums (each column's k order is the same), then cpu_layer_ops's silu_mul rounding and exp."""
+    from batchpage.kernels.cpu_layer_ops import CpuLayerOps
+
+    kernel, ops = best_kernel(), CpuLayerOps.build()
+    g = torch.Generator().manual_seed(4)
+    for rows, inter, k in ((64, 1536, 576), (7, 40, 96), (33, 100, 62)):
+        w = (torch.randn(2 * inter, k, generator=g) * k**-0.5 * 4).to(torch.bfloat16)
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        unfused = ops.silu_mul(kernel.linear(x, pack_weight(w), None, 2 * inter))
+        assert torch.equal(kernel.silu_mul_linear(x, pack_gated_weight(w), inter), unfused)
+
+
 def test_launcher_rejects_mismatched_shapes(kernel):
     w = torch.randn(64, 48).to(torch.bfloat16)
     packed = pack_weight(w)
@@ -122,3 +169,5 @@ def test_launcher_rejects_mismatched_shapes(kernel):
         kernel.linear(torch.randn(3, 48), packed, None, 64)  # float32 input
     with pytest.raises(AssertionError):
         kernel.linear(torch.randn(3, 48).to(torch.bfloat16), packed, torch.zeros(63), 64)
+    with pytest.raises(AssertionError):  # 64 packed columns are 4 gated blocks of 16, not 2
+        kernel.silu_mul_linear(torch.randn(3, 48).to(torch.bfloat16), packed, 64)

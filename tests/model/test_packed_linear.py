@@ -15,10 +15,13 @@ from torch import nn
 from batchpage import LLM, SamplingParams
 from batchpage.cpu_info import cpu_flags
 from batchpage.model.hf_loader import load_hf_model
+from batchpage.model.layers import GatedMLP
 from batchpage.model.packed_linear import (
     Bf16DotLinear,
+    Bf16SiluMulLinear,
+    LinearPacking,
     PackedLinear,
-    linear_packer,
+    linear_packing,
     onednn_packs,
 )
 from tests.gemma_factory import GEMMA_VARIANTS, build_gemma
@@ -100,26 +103,28 @@ def test_linear_backend_choice():
     assert onednn_packs(torch.bfloat16, CPU) == (cpu_onednn and bf16_isa)
     assert not onednn_packs(torch.float32, torch.device("cuda"))
     for dtype in (torch.float32, torch.bfloat16):
-        assert linear_packer("torch", dtype, CPU) is None
-        auto = linear_packer("auto", dtype, CPU)
+        assert linear_packing("torch", dtype, CPU) is None
+        auto = linear_packing("auto", dtype, CPU)
+        onednn = LinearPacking(PackedLinear)
         if dtype == torch.bfloat16 and NATIVE:  # bf16 on AVX512-BF16: the bf16 kernel
-            assert isinstance(auto, functools.partial) and auto.func is Bf16DotLinear
-            assert linear_packer("avx512_bf16", dtype, CPU).func is Bf16DotLinear
+            for packing in (auto, linear_packing("avx512_bf16", dtype, CPU)):
+                assert packing.linear.func is Bf16DotLinear
+                assert packing.silu_mul.func is Bf16SiluMulLinear
         else:
-            assert auto is (PackedLinear if onednn_packs(dtype, CPU) else None)
+            assert auto == (onednn if onednn_packs(dtype, CPU) else None)
             with pytest.raises(ValueError, match="linear_backend='avx512_bf16' needs bfloat16"):
-                linear_packer("avx512_bf16", dtype, CPU)
+                linear_packing("avx512_bf16", dtype, CPU)
         if onednn_packs(dtype, CPU):
-            assert linear_packer("onednn", dtype, CPU) is PackedLinear
+            assert linear_packing("onednn", dtype, CPU) == onednn
         else:
             with pytest.raises(ValueError, match="linear_backend='onednn' cannot pack"):
-                linear_packer("onednn", dtype, CPU)
+                linear_packing("onednn", dtype, CPU)
     with pytest.raises(ValueError, match="linear_backend='avx512_bf16' needs bfloat16"):
-        linear_packer("avx512_bf16", torch.bfloat16, torch.device("cuda"))
+        linear_packing("avx512_bf16", torch.bfloat16, torch.device("cuda"))
     with pytest.raises(
         ValueError, match="linear_backend must be one of auto, avx512_bf16, onednn, torch"
     ):
-        linear_packer("mkl", torch.float32, CPU)
+        linear_packing("mkl", torch.float32, CPU)
     with pytest.raises(ValueError, match="linear_backend must be one of"):
         LLM("smollm2", linear_backend="mkl")
 
@@ -143,15 +148,27 @@ def test_bf16_dot_linear_matches_f_linear(rows, bias):
 
 @pytest.mark.parametrize("variant", _variants())
 def test_bf16_dot_model_matches_unpacked(tmp_path, variant):
-    """Every family in bfloat16 with Bf16DotLinear for every linear and the lm_head: prefill
-    logits equal to the unpacked bf16 model's up to rounding order, and no farther than those
-    from HF's in float32."""
+    """Every family in bfloat16 with Bf16DotLinear for every linear and the lm_head, SiLU(gate) *
+    up fused into the gate/up linear (not Gemma's GeGLU): prefill logits equal to the unpacked
+    bf16 model's up to rounding order, and no farther than those from HF's in float32."""
     hf = build_gemma(variant) if variant in GEMMA_VARIANTS else build_hf_model(variant)
     hf.save_pretrained(tmp_path)
     plain = load_hf_model(tmp_path, torch.bfloat16, "cpu", 128)[0]
     packed = load_hf_model(tmp_path, torch.bfloat16, "cpu", 128)[0]
-    report = packed.prepack_linears(functools.partial(Bf16DotLinear, kernel=best_kernel()))
+    kernel = best_kernel()
+    report = packed.prepack_linears(
+        LinearPacking(
+            functools.partial(Bf16DotLinear, kernel=kernel),
+            functools.partial(Bf16SiluMulLinear, kernel=kernel),
+        )
+    )
     assert not any(isinstance(m, nn.Linear) for m in packed.modules())
+    mlps = [m for m in packed.modules() if isinstance(m, GatedMLP)]
+    assert all(m.gate_up_activated == m.silu_gated for m in mlps)  # none in Mixtral
+    assert all(
+        isinstance(m.gate_up_proj, Bf16SiluMulLinear if m.silu_gated else Bf16DotLinear)
+        for m in mlps
+    )
     assert report.packed == sum(isinstance(m, nn.Linear) for m in plain.modules()) + (
         plain.lm_head is None
     )

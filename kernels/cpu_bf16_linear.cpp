@@ -7,8 +7,9 @@
 // N or K. One k-pair of a 32-column block is one 128-byte row, two zmm loads, so a column block
 // streams through memory in order and a row of x pairs with it by one 32-bit broadcast.
 //
-// Work: the column blocks are split over torch's threads; each thread runs every MR-row tile of
-// x against one block (36-98 KiB for SmolLM2, held in L2 while x's rows pass) before the next.
+// Work: the column blocks are split over torch's threads (and the rows too where blocks are
+// few for the threads); each thread runs every MR-row tile of its rows against one block (36-98
+// KiB for SmolLM2, held in L2 while x's rows pass) before the next.
 // Accumulation is float32; the bias is added in float32 and the sum rounded once to bf16 (to
 // nearest even), as oneDNN and torch's bf16 linear do.
 //
@@ -205,8 +206,22 @@ void linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                    gated};
   const int64_t blocks = packed.size(0);
   if (pr.m == 0) return;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) run_block(pr, j);
+  // Column blocks alone feed every thread when there are several per thread (SmolLM2 has 18 or
+  // more for 2 threads); with fewer, the rows are split too, into groups of whole 8-row tiles,
+  // so that each thread gets some 4 items.
+  const int64_t tiles = (pr.m + 7) / 8, want = 4 * at::get_num_threads();
+  const int64_t groups = blocks >= want ? 1 : std::min(tiles, (want + blocks - 1) / blocks);
+  const int64_t group_rows = (tiles + groups - 1) / groups * 8;
+  at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      Problem part = pr;
+      const int64_t row0 = item / blocks * group_rows;
+      if (row0 >= pr.m) continue;
+      part.x = pr.x + row0 * pr.x_stride;
+      part.y = pr.y + row0 * pr.y_stride;
+      part.m = std::min(group_rows, pr.m - row0);
+      run_block(part, item % blocks);
+    }
   });
 }
 

@@ -8,7 +8,8 @@ and there oneDNN's packed bf16 linears ran at 225-300 GFLOP/s on a 2-core Zen 4 
 stored: the weight is packed as bf16 pairs in 32-column blocks, [ceil(N/32)][ceil(K/2)][32]
 int32, so one k-pair of a block is two 64-byte loads and a row of x meets it through one
 32-bit broadcast and two vdpbf16ps (an 8-row x 32-column tile: 16 float32 accumulators). The
-blocks are split over torch's threads. Measured against oneDNN: BENCHMARKS.md, "bf16 linears".
+blocks are split over torch's threads. Measured against oneDNN: BENCHMARKS.md, "CPU throughput
+after the bf16 linear kernel".
 
 A merged [gate | up] weight can be packed gated (`pack_gated_weight`): each block then holds 16
 gate columns and the 16 up columns of the same indices, and `silu_mul_linear` writes

@@ -13,7 +13,7 @@ lm_head still 1.7x faster.
 On a CPU with AVX512-BF16, bfloat16 weights go to batchpage's own kernel instead
 (kernels/cpu_bf16_linear.py, `Bf16DotLinear`): at the row counts of a decode step, with weights
 streaming from memory, it ran 1.1-1.9x faster than oneDNN's packed bf16 linears on a Zen 4 EPYC
-(BENCHMARKS.md, "bf16 linears").
+(BENCHMARKS.md, "CPU throughput after the bf16 linear kernel").
 
 The packed weight is a copy in an opaque layout: `pack_linear_modules` (called by
 `CausalLM.prepack_linears`) swaps each `nn.Linear` of a loaded model for a `PackedLinear` (or a

@@ -118,6 +118,28 @@ def test_batched_and_strided_inputs(kernel):
     assert kernel.linear(wide[:0, :48], packed, None, 64).shape == (0, 64)
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_rows_split_over_threads_where_blocks_are_few(kernel, gated):
+    """With more threads than column blocks the rows are split into groups of 8-row tiles too
+    (2 blocks at 8 threads: up to 16 groups); every row and column still lands once."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 24, generator=g).to(torch.bfloat16)  # 2 blocks, or 2 gated of I = 20
+    before = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        for rows in (1, 9, 64, 131):
+            x = torch.randn(rows, 24, generator=g).to(torch.bfloat16)
+            if gated:
+                gate, up = reference(x, w, None).split(20, dim=-1)
+                got = kernel.silu_mul_linear(x, pack_gated_weight(w), 20).float()
+                want = (torch.nn.functional.silu(gate) * up).float()
+                torch.testing.assert_close(got, want, rtol=2**-6, atol=1e-3)
+            else:
+                assert_matches(kernel.linear(x, pack_weight(w), None, 40), reference(x, w, None))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_gated_pack_pairs_gate_and_up_columns():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(2 * 20, 6, generator=g).to(torch.bfloat16)  # I = 20: one full block of 16

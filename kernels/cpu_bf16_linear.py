@@ -84,23 +84,10 @@ class CpuBf16Linear:
         bias: torch.Tensor | None,  # float32 [N]
         out_features: int,  # N
     ) -> torch.Tensor:  # bf16 [..., N]
-        k = x.shape[-1]
-        assert x.device.type == "cpu" and x.dtype == torch.bfloat16, (x.device, x.dtype)
-        assert packed.dtype == torch.int32 and packed.is_contiguous(), packed.dtype
-        assert packed.shape == (-(-out_features // COLUMNS), -(-k // 2), COLUMNS), (
-            packed.shape,
-            out_features,
-            k,
-        )
         if bias is not None:
             assert bias.dtype == torch.float32 and bias.shape == (out_features,), bias.shape
             assert bias.is_contiguous()
-        rows = x.reshape(-1, k)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
-        self._module.linear(out, rows, packed, bias, False)
-        return out.reshape(*x.shape[:-1], out_features)
+        return self._run(x, packed, bias, out_features, gated=False)
 
     def silu_mul_linear(
         self,
@@ -108,14 +95,25 @@ class CpuBf16Linear:
         packed: torch.Tensor,  # int32 [ceil(I / 16), ceil(K / 2), 32], from pack_gated_weight
         intermediate: int,  # I
     ) -> torch.Tensor:  # bf16 [..., I]: SiLU(x @ gate.T) * (x @ up.T), rounded as silu_mul
+        return self._run(x, packed, None, intermediate, gated=True)
+
+    def _run(
+        self,
+        x: torch.Tensor,  # bf16 [..., K]
+        packed: torch.Tensor,  # int32 [blocks, ceil(K / 2), 32]
+        bias: torch.Tensor | None,  # float32 [N], checked by the caller
+        columns: int,  # the output's: N, or I when gated
+        gated: bool,
+    ) -> torch.Tensor:  # bf16 [..., columns]
         k = x.shape[-1]
         assert x.device.type == "cpu" and x.dtype == torch.bfloat16, (x.device, x.dtype)
         assert packed.dtype == torch.int32 and packed.is_contiguous(), packed.dtype
-        blocks = -(-intermediate // (COLUMNS // 2))
-        assert packed.shape == (blocks, -(-k // 2), COLUMNS), (packed.shape, intermediate, k)
+        per_block = COLUMNS // 2 if gated else COLUMNS  # a gated block: 16 gate + 16 up columns
+        blocks = -(-columns // per_block)
+        assert packed.shape == (blocks, -(-k // 2), COLUMNS), (packed.shape, columns, k, gated)
         rows = x.reshape(-1, k)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], intermediate, dtype=torch.bfloat16)
-        self._module.linear(out, rows, packed, None, True)
-        return out.reshape(*x.shape[:-1], intermediate)
+        out = torch.empty(rows.shape[0], columns, dtype=torch.bfloat16)
+        self._module.linear(out, rows, packed, bias, gated)
+        return out.reshape(*x.shape[:-1], columns)

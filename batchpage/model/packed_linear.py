@@ -11,8 +11,9 @@ runs 1.3-2.6x faster at every row count from 1 to 512, a layer's linears 1.45x a
 lm_head still 1.7x faster.
 
 On a CPU with AVX512-BF16, bfloat16 weights go to batchpage's own kernel instead
-(kernels/cpu_bf16_linear.py, `Bf16DotLinear`): at the row counts of a decode step, with weights
-streaming from memory, it ran 1.1-1.9x faster than oneDNN's packed bf16 linears on a Zen 4 EPYC
+(kernels/cpu_bf16_linear.py, `Bf16DotLinear`): with weights streaming from memory, as in a
+decode step, a layer's linears ran 1.4x faster than oneDNN's packed bf16 ones at 1 row, 1.1-1.3x
+at 16-256 rows and level at 512, the lm_head level from 16 rows up, on a Zen 4 EPYC
 (BENCHMARKS.md, "CPU throughput after the bf16 linear kernel").
 
 The packed weight is a copy in an opaque layout: `pack_linear_modules` (called by
@@ -142,7 +143,7 @@ def bf16_dot_kernel(
     except KernelBuildError as exc:
         if required:
             raise ValueError(f"linear_backend='avx512_bf16': {exc}") from exc
-        warnings.warn(f"{exc}; the linears run through oneDNN", stacklevel=3)
+        warnings.warn(f"{exc}; the linears fall back to oneDNN, or F.linear", stacklevel=3)
         return None
     if not kernel.native:  # the compiler lacks the instructions the CPU has
         if required:

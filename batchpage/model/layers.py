@@ -187,7 +187,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + self_attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + self_attn(norm(x)), then x + mlp(norm(x)).
+
+    The residual stream travels beside the layer's output, as vLLM's layers pass it: a layer
+    returns its MLP's output unadded, and the next layer's input norm adds it in the same call
+    that normalises the sum (`RMSNorm.add_norm`), so every residual add rides on a norm. The
+    sums are the same bf16 additions, in the same order, as adding in place."""
 
     def __init__(
         self,
@@ -205,13 +210,18 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden], the residual stream
+        x: torch.Tensor,  # [T, hidden]: the last layer's MLP output, or the embeddings
+        residual: torch.Tensor | None,  # [T, hidden]: the stream before x (None: layer 0)
         cos: torch.Tensor,
         sin: torch.Tensor,
         meta: AttentionMetadata,
         kv: KVCache,
         attn: StepAttention,  # this step's attention, planned by the backend
-    ) -> torch.Tensor:  # [T, hidden]
-        h = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv, attn)
-        x, normed = self.post_attention_layernorm.add_norm(h, x)
-        return x + self.mlp(normed)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this MLP's output, the stream before it)
+        if residual is None:
+            residual, normed = x, self.input_layernorm(x)
+        else:
+            residual, normed = self.input_layernorm.add_norm(x, residual)
+        h = self.self_attn(normed, cos, sin, meta, kv, attn)
+        residual, normed = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(normed), residual

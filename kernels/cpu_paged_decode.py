@@ -95,10 +95,18 @@ class CpuPagedDecode:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # int64 [T]: block * block_size + offset
         slots_checked: bool = False,
+        checked: bool = False,
     ) -> None:
         """Store each new token's K/V at its slot: attention/torch_backend.write_kv's arguments
         and result (every slot >= 0), in one pass. slots_checked: the caller checked that every
-        slot lies in the pool (a backend does it once per step, not once per layer)."""
+        slot lies in the pool (a backend does it once per step, not once per layer). checked:
+        this step already made this call, checked, with tensors of the same shapes, dtypes and
+        strides and the same slots (a backend's layer 0 for its other layers): no checks."""
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+        if checked:
+            if key.shape[0]:
+                self._module.write_kv(key, value, k_cache, v_cache, slot_mapping)
+            return
         t, kv_heads, dim = key.shape
         assert value.shape == key.shape and slot_mapping.shape == (t,)
         assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (kv_heads, dim)
@@ -106,7 +114,6 @@ class CpuPagedDecode:
         assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
         for x in (key, value):
             assert x.stride(2) == 1 and x.stride(1) == dim, "K/V rows: [heads, dim] densely"
-        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
         if not slots_checked and t:
             capacity = k_cache.shape[0] * k_cache.shape[1]
             assert int(slot_mapping.min()) >= 0 and int(slot_mapping.max()) < capacity
@@ -125,6 +132,7 @@ class CpuPagedDecode:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         tables_checked: bool = False,
+        checked: bool = False,
     ) -> torch.Tensor:  # [N, num_heads, head_dim], q's dtype
         """Row n attends to the first seq_lens[n] tokens of its paged context (its own token is
         the last of them: already written to the pool); with sliding_window W, to the last W of
@@ -133,7 +141,19 @@ class CpuPagedDecode:
 
         tables_checked: the caller ran `check_tables` on these block_tables and seq_lens for a
         pool of this size (a backend does it once per step, not once per layer: the value
-        checks read both tensors)."""
+        checks read both tensors). checked: this step already made this call, checked, with
+        tensors of the same shapes, dtypes and strides and the same tables and lengths (a
+        backend's layer 0 for its other layers): no checks; they cost as much as the call at
+        decode batch sizes, once per layer."""
+        if checked:
+            if out is None:
+                out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            if q.shape[0]:
+                self._module.paged_decode(
+                    out, q, k_cache, v_cache, block_tables, seq_lens, scale,
+                    sliding_window or 0, logit_softcap or 0.0,
+                )  # fmt: skip
+            return out
         assert sliding_window is None or sliding_window > 0, sliding_window
         assert logit_softcap is None or logit_softcap > 0, logit_softcap
         n, heads, dim = q.shape
@@ -154,9 +174,8 @@ class CpuPagedDecode:
         assert out.shape == q.shape and out.dtype == q.dtype
         assert out.stride(2) == 1 and out.stride(1) == dim
         if n:
-            with torch.profiler.record_function("batchpage::cpu_paged_decode"):
-                self._module.paged_decode(
-                    out, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                    sliding_window or 0, logit_softcap or 0.0,
-                )  # fmt: skip
+            self._module.paged_decode(
+                out, q, k_cache, v_cache, block_tables, seq_lens, scale,
+                sliding_window or 0, logit_softcap or 0.0,
+            )  # fmt: skip
         return out

@@ -58,23 +58,23 @@ class CpuStepAttention:
         check_planned_for(self.meta, meta)
         check_window_and_softcap(sliding_window, logit_softcap)
         k_cache, v_cache = kv.k[layer], kv.v[layer]
-        # The step's slots and tables are the same in every layer: their values are checked in
-        # the first (every forward runs layer 0 first), the shapes in each.
-        self.kernel.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, slots_checked=layer > 0)
+        # Every layer of a step passes the same slots, tables and lengths, and q/k/v and pool
+        # layers of the same shapes, dtypes and strides (one head count and head_dim per model,
+        # one pool shape per layer): the kernels check them in layer 0, which every forward runs
+        # first, and take the other layers' calls unchecked.
+        checked = layer > 0
+        self.kernel.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, checked=checked)
         q = q.to(k_cache.dtype)
         # q's rows may be strided (its heads are a slice of the q/k rows): the kernels take a
         # row stride, so only a q whose heads are not dense is copied.
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
             q = q.contiguous()
-        window = {
-            "sliding_window": sliding_window,
-            "logit_softcap": logit_softcap,
-            "tables_checked": layer > 0,
-        }
+        window = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
         if self.all_in_kernel:
             return self.kernel(
-                q, k_cache, v_cache, self.decode_tables, self.decode_lens, scale, **window
-            )
+                q, k_cache, v_cache, self.decode_tables, self.decode_lens, scale, **window,
+                checked=checked,
+            )  # fmt: skip
         out = torch.empty(q.shape, dtype=q.dtype)
         if self.decode_rows.numel():
             o = self.kernel(
@@ -85,12 +85,13 @@ class CpuStepAttention:
                 self.decode_lens,
                 scale,
                 **window,
+                checked=checked,
             )
             out.index_copy_(0, self.decode_rows, o)
         if self.prefill_seqs.numel():
             self.prefill(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                self.prefill_seqs, scale, out, **window,
+                self.prefill_seqs, scale, out, **window, tables_checked=checked,
             )  # fmt: skip
         attend_parts(q, k_cache, v_cache, self.parts(sliding_window), scale, out, logit_softcap)
         return out

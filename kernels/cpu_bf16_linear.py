@@ -77,6 +77,12 @@ class CpuBf16Linear:
         """Whether this build runs on AVX512-BF16 (else: the plain loop, for tests)."""
         return bool(self._module.native())
 
+    @property
+    def raw(self) -> object:
+        """The compiled library: `raw.linear(out, rows, packed, bias, gated)` as `_run` calls it,
+        unchecked, for a caller that checked its shapes once (model/direct_forward.py)."""
+        return self._module
+
     def linear(
         self,
         x: torch.Tensor,  # bf16 [..., K], rows dense in their last dimension

@@ -46,6 +46,14 @@ class CpuLayerOps:
         """Compiles on first use (kernels/cpu_build.py), then loads the cached library."""
         return cls(build_extension(SOURCE, "batchpage_cpu_layer_ops", "the CPU layer ops", verbose))
 
+    @property
+    def raw(self) -> object:
+        """The compiled functions, which take the launchers' arguments (outputs first) and
+        check nothing: for a caller that checked its shapes once (model/direct_forward.py).
+        add_rms_norm may write its sum over `residual` (each element is read before it is
+        written)."""
+        return self._module
+
     def rms_norm(
         self,
         x: torch.Tensor,  # [N, D], rows may be strided

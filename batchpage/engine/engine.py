@@ -81,6 +81,7 @@ class Engine:
         attention = make_attention_backend(cfg.attention_backend, plan.device)
         layer_ops = make_layer_ops(attention)
         model.use_layer_ops(layer_ops)
+        model.use_direct_forward()  # where the layers allow: their kernels without the modules
         # The all-greedy sampler's argmax: the C++ one where the layer ops built.
         self.argmax: Callable[[torch.Tensor], torch.Tensor] | None = (
             None if layer_ops is None else layer_ops.argmax

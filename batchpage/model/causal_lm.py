@@ -35,6 +35,7 @@ from batchpage.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
     from batchpage.kernels.cpu_layer_ops import CpuLayerOps
+    from batchpage.model.direct_forward import DirectForward
 
 ShardKey = Hashable | None  # None: the whole parameter
 
@@ -66,6 +67,7 @@ class CausalLM(nn.Module):
             self.make_layer(i, cfg, dtype, device) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.direct: DirectForward | None = None  # set by use_direct_forward
         self.lm_head: nn.Module | None = (
             None
             if cfg.tie_word_embeddings
@@ -88,11 +90,13 @@ class CausalLM(nn.Module):
         kv: KVCache,
         attn: StepAttention,  # this step's attention, planned by the backend
     ) -> torch.Tensor:  # [T, hidden], after the final norm
+        if self.direct is not None:
+            return self.direct(input_ids, positions, meta, kv, attn)
         cos, sin = self.rotary(positions, meta)
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, cos, sin, meta, kv, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, meta, kv, attn)
+        return self.norm(x) if residual is None else self.norm.add_norm(x, residual)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
         """The lm_head's output in the model's dtype, as HF computes it; whoever needs float32
@@ -135,6 +139,15 @@ class CausalLM(nn.Module):
         for m in users:
             m.layer_ops = ops
         return len(users)
+
+    def use_direct_forward(self) -> bool:
+        """Run forward as direct calls into the CPU kernels (model/direct_forward.py: the same
+        kernels and values without the modules' Python) where every layer allows it; call after
+        prepack_linears and use_layer_ops. Returns whether it applies."""
+        from batchpage.model.direct_forward import DirectForward
+
+        self.direct = DirectForward.build(self)
+        return self.direct is not None
 
     def checkpoint_target(self, name: str) -> tuple[str, ShardKey]:
         """Checkpoint name without `model.` -> (our parameter name, shard key)."""

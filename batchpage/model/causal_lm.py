@@ -146,7 +146,8 @@ class CausalLM(nn.Module):
         prepack_linears and use_layer_ops. Returns whether it applies."""
         from batchpage.model.direct_forward import DirectForward
 
-        self.direct = DirectForward.build(self)
+        own = type(self).forward is CausalLM.forward  # not Gemma's, say: its stack is its own
+        self.direct = DirectForward.build(self) if own else None
         return self.direct is not None
 
     def checkpoint_target(self, name: str) -> tuple[str, ShardKey]:

@@ -12,27 +12,26 @@ bit for bit (tests/model/test_direct_forward.py), with:
   MLP output (the layers' `residual` argument, folded into the buffers);
 - attention still through the step's StepAttention, as the module path calls it.
 
-It applies where every layer is a plain `DecoderLayer` (attention without q/k norms, a SiLU
-GatedMLP) whose linears are the bf16 kernel's (Bf16DotLinear, the gate/up fused with its SiLU)
-and whose norms and rope run on the CPU layer ops: Llama, Qwen2 and Phi-3 models in bf16 on a
-CPU with AVX512-BF16. Elsewhere `build` returns None and the modules run as before.
+It applies where every layer is a plain `DecoderLayer` (attention, a SiLU GatedMLP) whose
+linears are the bf16 kernel's (Bf16DotLinear, the gate/up fused with its SiLU) and whose norms
+and rope run on the CPU layer ops: Llama, Mistral, Qwen2, Qwen3 (its per-head q/k norms through
+their modules, as the module path runs them) and Phi-3 models in bf16 on a CPU with
+AVX512-BF16. Elsewhere (MoE layers, Gemma's own block) `build` returns None and the modules run
+as before.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from batchpage.attention.backend import StepAttention
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
 from batchpage.model.layers import Attention, DecoderLayer, GatedMLP, RMSNorm
 from batchpage.model.packed_linear import Bf16DotLinear, Bf16SiluMulLinear
-
-if TYPE_CHECKING:
-    from batchpage.model.causal_lm import CausalLM
 
 
 @dataclass(frozen=True)
@@ -50,9 +49,10 @@ class DirectLayer:
     down: torch.Tensor  # int32, packed
     sliding_window: int | None
     logit_softcap: float | None
+    qk_norms: tuple[RMSNorm, RMSNorm] | None  # Qwen3's per-head norms of q and k, in torch
 
 
-def _direct_layer(layer: torch.nn.Module) -> DirectLayer | None:
+def _direct_layer(layer: nn.Module) -> DirectLayer | None:
     """The layer's parameters, or None where this path does not apply to it."""
     if type(layer) is not DecoderLayer:
         return None
@@ -60,7 +60,7 @@ def _direct_layer(layer: torch.nn.Module) -> DirectLayer | None:
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if not (
         type(attn) is Attention
-        and attn.q_norm is None
+        and (attn.q_norm is None) == (attn.k_norm is None)
         and attn.layer_ops is not None
         and type(mlp) is GatedMLP
         and mlp.gate_up_activated
@@ -83,13 +83,14 @@ def _direct_layer(layer: torch.nn.Module) -> DirectLayer | None:
         mlp.down_proj.packed,
         attn.sliding_window,
         attn.logit_softcap,
+        None if attn.q_norm is None or attn.k_norm is None else (attn.q_norm, attn.k_norm),
     )
 
 
 class DirectForward:
     """CausalLM.forward for the models `build` accepts: same arguments, same result."""
 
-    def __init__(self, model: CausalLM, layers: list[DirectLayer]) -> None:
+    def __init__(self, model: nn.Module, layers: list[DirectLayer]) -> None:
         cfg = model.config
         first = model.layers[0]
         self.embed_tokens = model.embed_tokens
@@ -104,14 +105,12 @@ class DirectForward:
         self.scale = first.self_attn.scale
 
     @classmethod
-    def build(cls, model: CausalLM) -> DirectForward | None:
-        """The direct path for `model` (after prepack_linears and use_layer_ops), or None where
-        a layer, the final norm or the dtype is not one it runs."""
-        from batchpage.model.causal_lm import CausalLM
-
-        if type(model).forward is not CausalLM.forward or not len(model.layers):
-            return None  # a family with its own forward (Gemma's scaled embeddings, norms)
-        if model.embed_tokens.weight.dtype != torch.bfloat16:
+    def build(cls, model: nn.Module) -> DirectForward | None:
+        """The direct path for a CausalLM that runs CausalLM.forward (the caller's to check: a
+        family with its own, like Gemma's scaled embeddings, is not this stack), after
+        prepack_linears and use_layer_ops; None where a layer, the final norm or the dtype is not
+        one it runs."""
+        if not len(model.layers) or model.embed_tokens.weight.dtype != torch.bfloat16:
             return None
         layers = [_direct_layer(layer) for layer in model.layers]
         if any(d is None for d in layers) or model.norm.layer_ops is None:
@@ -179,9 +178,15 @@ class DirectForward:
             else:  # the last layer's MLP output joins the stream
                 ops.add_rms_norm(normed, residual, mlp_out, residual, layer.input_norm, eps)
             linear(qkv, normed, layer.qkv, layer.qkv_bias, False)
-            ops.rope(qk, cos, sin)
+            q_rot, k_rot = q, k
+            if layer.qk_norms is None:
+                ops.rope(qk, cos, sin)
+            else:  # the module path's ops: each head normed in torch, then rope on the copy
+                normed_qk = torch.cat([layer.qk_norms[0](q), layer.qk_norms[1](k)], dim=1)
+                ops.rope(normed_qk, cos, sin)
+                q_rot, k_rot = normed_qk.split([self.heads, self.kv_heads], dim=1)
             heads = attn(
-                layer.index, q, k, v, kv, meta, self.scale,
+                layer.index, q_rot, k_rot, v, kv, meta, self.scale,
                 sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap,
             )  # fmt: skip
             assert heads.shape == (t, self.heads, d) and heads.is_contiguous()

@@ -68,8 +68,8 @@ def run_steps(model: CausalLM, direct: bool) -> tuple[list[torch.Tensor], torch.
     return outs, torch.stack([*kv.k, *kv.v])
 
 
-# Not (yet) on the direct path: Qwen3's per-head q/k norms, and the MoE families' experts.
-MODULES_ONLY = {"qwen3_tied", "qwen3_bias_yarn", "qwen3_moe", "qwen3_moe_step2", "mixtral"}
+# Not on the direct path: the MoE families' expert blocks.
+MODULES_ONLY = {"qwen3_moe", "qwen3_moe_step2", "mixtral"}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -98,7 +98,8 @@ def test_direct_forward_applies_only_where_it_runs_the_same_kernels(tmp_path):
     model.layers[1].self_attn.layer_ops = None
     assert not model.use_direct_forward() and model.direct is None
     build_gemma("gemma2").save_pretrained(tmp_path / "gemma")
-    assert DirectForward.build(engine_model(tmp_path / "gemma")) is None
+    gemma = engine_model(tmp_path / "gemma")
+    assert not gemma.use_direct_forward() and DirectForward.build(gemma) is None
 
 
 @pytest.mark.skipif(not NATIVE, reason="the engine packs bf16 linears on AVX512-BF16 only")

@@ -115,6 +115,7 @@ class CausalLM(nn.Module):
         checks that it applies here); where it fuses SiLU(gate) * up, each SiLU GatedMLP's
         gate/up linear becomes one that returns the activation. Inference only: the plain
         weights are dropped, so load_weights no longer applies. Packing twice is a no-op."""
+        self.direct = None  # it called the old linears: use_direct_forward builds it anew
         fused = 0
         if packing.silu_mul is not None:
             for mlp in self.modules():
@@ -134,10 +135,12 @@ class CausalLM(nn.Module):
     def use_layer_ops(self, ops: CpuLayerOps | None) -> int:
         """Run the layers' norms, gated activations and rope through the CPU ops (C++,
         kernels/cpu_layer_ops.py; None: back to torch). Returns how many modules took them.
-        Families with their own norm or activation (Gemma's) keep those in torch."""
+        Families with their own norm or activation (Gemma's) keep those in torch. Drops the
+        direct path, which called the previous ops."""
         users = [m for m in self.modules() if isinstance(m, (RMSNorm, GatedMLP, Attention))]
         for m in users:
             m.layer_ops = ops
+        self.direct = None  # it called the old ops: use_direct_forward builds it anew
         return len(users)
 
     def use_direct_forward(self) -> bool:

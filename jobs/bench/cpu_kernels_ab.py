@@ -89,6 +89,9 @@ def build_baseline(rev: str, folder: Path) -> Kernels:
 
 
 def use(llm: LLM, kernels: Kernels) -> None:
+    """Put one side's kernels in the engine. Both sides then run the model through its modules:
+    use_layer_ops drops the direct path (model/direct_forward.py), whose unchecked calls an older
+    revision's library need not take."""
     decode, ops, prefill = kernels
     attention = llm.engine.runner.attention
     attention.kernel = decode
@@ -136,6 +139,23 @@ def decode_step_ms(
                 llm.engine.step()
             times[name].append((time.perf_counter() - start) / steps * 1000)
     return times
+
+
+def print_ab_report(
+    title: str,
+    setting: str,
+    header: list[str],
+    rows: list[list[str]],
+    out: str | None,
+    results: list[dict[str, Any]],
+) -> None:
+    """The Markdown every in-process A/B prints (title, command, CPU and `setting`, table), and
+    its JSON at `out`."""
+    env = environment()
+    print(f"## {title} ({env['date_utc']})\n")
+    print(f"Command: `{command_line()}`\n")
+    print(f"CPU: {env['cpu']} ({', '.join(env['cpu_flags'])}), {setting}.\n")
+    print_results(header, rows, out, env, results)
 
 
 def ab_arguments(doc: str | None) -> argparse.ArgumentParser:
@@ -192,14 +212,10 @@ def main(argv: list[str] | None = None) -> None:
         rows.append([name, args.dtype, f"{med['this']:.1f} ms a step",
                      f"{med['baseline']:.1f} ms a step", f"{med['baseline'] / med['this']:.3f}x",
                      "-"])  # fmt: skip
-    env = environment()
     title = f"CPU kernels in the engine: this checkout against {args.baseline}"
-    print(f"## {title} ({env['date_utc']})\n")
-    print(f"Command: `{command_line()}`\n")
-    print(f"CPU: {env['cpu']} ({', '.join(env['cpu_flags'])}), median of {runs} runs a side.\n")
     header = ["workload", "dtype", "this out tok/s", f"{args.baseline} out tok/s",
               "this vs baseline", "same greedy"]  # fmt: skip
-    print_results(header, rows, args.out, env, results)
+    print_ab_report(title, f"median of {runs} runs a side", header, rows, args.out, results)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,8 @@ from collections.abc import Callable
 
 from batchpage import LLM
 from batchpage.model.direct_forward import DirectForward
-from jobs.bench.cpu_kernels_ab import ab_arguments, decode_step_ms
+from jobs.bench.cpu_kernels_ab import ab_arguments, decode_step_ms, print_ab_report
 from jobs.bench.cpu_prefill_routes import take_turns, workload_llm, workloads
-from jobs.bench.report import command_line, environment, print_results
 
 SIDES = ("modules", "direct")
 
@@ -78,12 +77,9 @@ def main(argv: list[str] | None = None) -> None:
         )  # fmt: skip
         rows.append([label, f"{med['modules']:.1f} ms a step", f"{med['direct']:.1f} ms a step",
                      f"{speedup:.3f}x", "-"])  # fmt: skip
-    env = environment()
-    print(f"## The decoder stack through its modules and direct ({env['date_utc']})\n")
-    print(f"Command: `{command_line()}`\n")
-    print(f"CPU: {env['cpu']} ({', '.join(env['cpu_flags'])}), {args.dtype}, median of {runs}.\n")
+    title = "The decoder stack through its modules and direct"
     header = ["workload", "modules", "direct", "speedup", "same greedy"]
-    print_results(header, rows, args.out, env, results)
+    print_ab_report(title, f"{args.dtype}, median of {runs}", header, rows, args.out, results)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,8 @@ from torch import nn
 from batchpage import LLM
 from batchpage.model.layers import GatedMLP
 from batchpage.model.packed_linear import LinearPacking, bf16_dot_kernel, linear_packing
-from jobs.bench.cpu_kernels_ab import ab_arguments, decode_step_ms
+from jobs.bench.cpu_kernels_ab import ab_arguments, decode_step_ms, print_ab_report
 from jobs.bench.cpu_prefill_routes import take_turns, workload_llm, workloads
-from jobs.bench.report import command_line, environment, print_results
 
 BASELINE = "onednn"
 
@@ -134,12 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         for n in names:
             rows.append([label, n, f"{med[n]:.1f} ms a step", f"{med[BASELINE] / med[n]:.3f}x",
                          "-"])  # fmt: skip
-    env = environment()
-    print(f"## CPU linear backends in the engine ({env['date_utc']})\n")
-    print(f"Command: `{command_line()}`\n")
-    print(f"CPU: {env['cpu']} ({', '.join(env['cpu_flags'])}), {args.dtype}, median of {runs}.\n")
     header = ["workload", "linears", "median", "vs oneDNN", "same greedy as oneDNN"]
-    print_results(header, rows, args.out, env, results)
+    setting = f"{args.dtype}, median of {runs}"
+    print_ab_report("CPU linear backends in the engine", setting, header, rows, args.out, results)
 
 
 if __name__ == "__main__":

@@ -89,12 +89,15 @@ def test_direct_forward_equals_the_modules(tmp_path, variant):
 
 
 def test_direct_forward_applies_only_where_it_runs_the_same_kernels(tmp_path):
-    """None (the modules run) for float32, for linears the bf16 kernel does not run, for a layer
-    without the layer ops, and for Gemma's own forward."""
+    """None (the modules run) for float32, for linears the bf16 kernel does not run, after the
+    layer ops change, for a layer without them, and for Gemma's own forward."""
     build_hf_model("llama_gqa_tied").save_pretrained(tmp_path / "llama")
     assert DirectForward.build(engine_model(tmp_path / "llama", torch.float32, pack=False)) is None
     assert DirectForward.build(engine_model(tmp_path / "llama", pack=False)) is None
     model = engine_model(tmp_path / "llama")
+    assert model.use_direct_forward()
+    model.use_layer_ops(CpuLayerOps.build())  # the path called the old ops: dropped
+    assert model.direct is None
     model.layers[1].self_attn.layer_ops = None
     assert not model.use_direct_forward() and model.direct is None
     build_gemma("gemma2").save_pretrained(tmp_path / "gemma")

@@ -1,9 +1,10 @@
 """DirectForward: a Llama-style decoder stack run as direct calls into the CPU kernels.
 
 On a 2-core CPU the Python around a layer's kernels is not free: module calls, each launcher's
-shape checks, a fresh output tensor per op. Measured on SmolLM2-135M in bf16 (30 layers, 64
-decode rows, a ~70-80 ms step), the module path spent 10-13 ms of every step there, while the
-second core waited (BENCHMARKS.md, "The decoder stack without its Python"). This path runs
+shape checks, a fresh output tensor per op, all on one thread while the other waits. On
+SmolLM2-135M in bf16 at 64 decode rows, this path took a step from 78.7 to 69.9 ms, taking turns
+with the modules in one process (BENCHMARKS.md, "CPU throughput after the direct decoder
+stack", which also has the perf profile that found the time). This path runs
 the same kernels in the same order on the same values, so its output equals the module path's
 bit for bit (tests/model/test_direct_forward.py), with:
 - the weights, norms and checks gathered once, when the model is set up (`build`);

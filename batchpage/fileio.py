@@ -4,7 +4,9 @@ Every file batchpage writes for later (shards, completions.parquet, run.json, jo
 bundled datasets, converted tokenizers) is built under a unique temporary name beside its target
 and renamed into place, so a reader or a process killed mid-write never sees half a file, and two
 writers never share a temporary name. The temporary name starts with "." and ends with ".tmp",
-which no glob of real files matches.
+which no glob of real files matches. Files and folders get the mode of any file the process
+creates (0644 and 0755 under the usual umask 022), not tempfile's private 0600 and 0700: results
+are meant to be shared as the user's umask says.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import secrets
 import shutil
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+_NAME_TRIES = 100  # random names collide only if something else floods the folder
 
 
 @contextlib.contextmanager
@@ -23,9 +27,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     """Yields a temporary file path beside `path`; when the block ends without an exception the
     file is fsynced and renamed onto `path` (and the rename made durable), else it is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
+    tmp = _unique_temp(path, lambda p: os.close(os.open(p, _NEW_FILE, 0o666)))
     try:
         yield tmp
         with open(tmp, "rb") as f:
@@ -48,7 +50,7 @@ def atomic_dir(path: Path) -> Iterator[Path | None]:
     Yields None when the parent cannot be written: the caller skips saving."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        tmp = _unique_temp(path, lambda p: os.mkdir(p, 0o777))
     except OSError:
         yield None
         return
@@ -58,6 +60,23 @@ def atomic_dir(path: Path) -> Iterator[Path | None]:
             os.rename(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+
+
+def _unique_temp(path: Path, create: Callable[[Path], None]) -> Path:
+    """A new ".<name>.<random>.tmp" beside `path`, made by `create` (which must fail with
+    FileExistsError on a taken name). The mode given to os.open / os.mkdir is filtered by the
+    umask, as for any file the process makes; tempfile's would be 0600 / 0700 whatever it is."""
+    for _ in range(_NAME_TRIES):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            create(tmp)
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(f"no free temporary name beside {path} after {_NAME_TRIES} tries")
 
 
 def fsync_dir(folder: Path) -> None:

@@ -15,8 +15,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchpage.fileio import atomic_path
+from batchpage.output.files import SCORES_FILE
 
-SCORES_FILE = "scores.parquet"
+__all__ = ["SCORERS", "SCORES_FILE", "code_of", "code_schema", "score_output"]
+
 SCORERS = ("humaneval",)
 
 

@@ -23,11 +23,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchpage.fileio import atomic_path
-from batchpage.output.files import FINAL_FILE, read_job
+from batchpage.output.files import BATCH_ERRORS_FILE, BATCH_OUTPUT_FILE, FINAL_FILE, read_job
 from batchpage.outputs import RequestOutput
 
-OUTPUT_FILE = "batch_output.jsonl"
-ERRORS_FILE = "batch_errors.jsonl"
 _COMPLETIONS_URL = "/v1/completions"
 _ERROR_CODE = "invalid_request"
 
@@ -68,8 +66,8 @@ def write_batch_files(output_dir: str | os.PathLike, model: str) -> tuple[int, i
     created = int(time.time())
     answered = failed = 0
     with ExitStack() as stack:
-        ok_tmp = stack.enter_context(atomic_path(out / OUTPUT_FILE))
-        err_tmp = stack.enter_context(atomic_path(out / ERRORS_FILE))
+        ok_tmp = stack.enter_context(atomic_path(out / BATCH_OUTPUT_FILE))
+        err_tmp = stack.enter_context(atomic_path(out / BATCH_ERRORS_FILE))
         with open(ok_tmp, "w", encoding="utf-8") as ok, open(err_tmp, "w", encoding="utf-8") as err:
             for rec in _records(out / FINAL_FILE):
                 key = _key(job_key, rec["index"])

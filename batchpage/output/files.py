@@ -3,9 +3,12 @@
 Layout of an output_dir:
     job.json                   what the results depend on (model, sampling, dataset) + its hash
     shard-00000.parquet ...    finished rows, in finishing order; each file is complete or absent
-    .shard-*.tmp               a shard being written; a leftover one is a crash and is deleted
     completions.parquet        one row per input row, sorted by index
     run.json                   resolved config, versions, metrics
+    batch_output.jsonl, batch_errors.jsonl   for an OpenAI Batch input (batch_files.py)
+    scores.parquet             with score=humaneval: one verdict per sample
+    .<name>.*.tmp, .finalize.*.tmp   a file (or the merge's buckets) being written: a leftover
+                               one is a crash, deleted by the next writer of the folder
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -28,8 +32,20 @@ from batchpage.fileio import atomic_path
 JOB_FILE = "job.json"
 FINAL_FILE = "completions.parquet"
 RUN_FILE = "run.json"
+BATCH_OUTPUT_FILE = "batch_output.jsonl"
+BATCH_ERRORS_FILE = "batch_errors.jsonl"
+SCORES_FILE = "scores.parquet"
 SHARD_PREFIX = "shard-"
 LOCK_FILE = ".batchpage.lock"
+# What a job writes beside its shards, all rewritten from them: overwrite=true deletes them.
+DERIVED_FILES = (FINAL_FILE, BATCH_OUTPUT_FILE, BATCH_ERRORS_FILE, SCORES_FILE)
+# Temporary names of what is written in an output_dir (fileio.atomic_path: ".<name>.*.tmp";
+# finalize's bucket folder), so a leftover of a kill -9 is recognised as ours.
+_TEMP_GLOBS = (
+    f".{SHARD_PREFIX}*.tmp",
+    *(f".{name}.*.tmp" for name in (*DERIVED_FILES, JOB_FILE, RUN_FILE)),
+    ".finalize.*.tmp",
+)
 
 
 def output_schema(
@@ -146,10 +162,41 @@ def list_shards(output_dir: Path) -> list[tuple[int, Path]]:
 
 
 def read_job(output_dir: str | os.PathLike) -> dict[str, Any]:
+    """job.json as a dict. Raises OutputDirError when it is missing or damaged (not JSON, not
+    an object), naming the file and the fix."""
     path = Path(output_dir) / JOB_FILE
     if not path.exists():
         raise OutputDirError(f"{path} is missing: this output_dir was not made by a ShardWriter")
-    return json.loads(path.read_text())
+    try:
+        job = json.loads(path.read_bytes())
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise damaged_job_file(path, str(e)) from None
+    if not isinstance(job, dict):
+        raise damaged_job_file(path, f"it holds a JSON {type(job).__name__}, not an object")
+    return job
+
+
+def damaged_job_file(path: Path, why: str) -> OutputDirError:
+    return OutputDirError(
+        f"{path} is damaged ({why[:200]}), so its results cannot be matched to this job: pass "
+        f"overwrite=true to delete the results in {path.parent} and start over, or use another "
+        "output_dir"
+    )
+
+
+def remove_leftovers(output_dir: Path) -> list[Path]:
+    """Delete the temporary files (and finalize's bucket folders) that a killed writer left in
+    output_dir; returns what was deleted. Call it only while holding the folder's lock: a live
+    writer's temporary files match too."""
+    removed = []
+    for pattern in _TEMP_GLOBS:
+        for p in output_dir.glob(pattern):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
 
 
 def atomic_write_table(table: pa.Table, path: Path) -> None:

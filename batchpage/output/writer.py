@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from batchpage.fileio import atomic_write_text
 from batchpage.output.files import (
-    FINAL_FILE,
+    DERIVED_FILES,
     JOB_FILE,
     RUN_FILE,
     SHARD_PREFIX,
@@ -31,6 +31,8 @@ from batchpage.output.files import (
     job_fingerprint,
     lock_dir,
     output_schema,
+    read_job,
+    remove_leftovers,
     scan_shards,
     schema_to_text,
 )
@@ -74,8 +76,9 @@ class ShardWriter:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._lock = lock_dir(self.output_dir)
         try:
-            for tmp in self.output_dir.glob(f".{SHARD_PREFIX}*.tmp"):
-                tmp.unlink()  # a flush that a crash cut short: its rows were never "done"
+            # A flush, merge or rewrite that a crash cut short: its rows were never "done",
+            # and every file it was writing is rewritten from the shards.
+            remove_leftovers(self.output_dir)
             self._claim(config_fingerprint, overwrite)
             self._done, last = scan_shards(self.output_dir)
             self._next_shard = last + 1
@@ -161,9 +164,17 @@ class ShardWriter:
             job["listed"] = self.listed
         fp = config if isinstance(config, str) else job_fingerprint(job)
         job_path = self.output_dir / JOB_FILE
-        ours = [*self.output_dir.glob(f"{SHARD_PREFIX}*.parquet"), self.output_dir / FINAL_FILE]
+        ours = [
+            *self.output_dir.glob(f"{SHARD_PREFIX}*.parquet"),
+            *(self.output_dir / name for name in DERIVED_FILES),
+        ]
         if job_path.exists():
-            old = json.loads(job_path.read_text())
+            try:
+                old = read_job(self.output_dir)
+            except OutputDirError:
+                if not overwrite:
+                    raise
+                old = {}
             if old.get("fingerprint") == fp:
                 return  # same job: resume
             problem = "was written by a different job"

@@ -1,6 +1,7 @@
 """Building the C++ CPU kernels (cpu_paged_decode.cpp, cpu_layer_ops.cpp) with torch's JIT
 extension loader: once per source, torch build and CPU, into torch's extension folder
-($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), where later builds find them.
+($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), where later builds find them. The
+build is keyed by content alone: any checkout (or installed copy) of the same sources reuses it.
 
 The build needs a C++ compiler with OpenMP (g++) and ninja; `build_extension` raises
 KernelBuildError, with the compiler's message, when that is impossible.
@@ -61,21 +62,40 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
-def _is_built(name: str, source: Path) -> bool:
-    """Whether torch's extension folder already holds this build (then loading takes ~1 s)."""
+def _build_folder(name: str) -> Path:
+    """torch's folder for extension `name` ($TORCH_EXTENSIONS_DIR/<python>_<device>/<name>),
+    created if missing."""
     from torch.utils import cpp_extension
 
-    try:
-        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
-    except (AttributeError, OSError, RuntimeError):  # a private helper: it may move
-        return False
-    # ninja rebuilds when the source's path differs from the one the build was made from (a
-    # moved checkout), so a library alone does not mean loading is quick.
-    try:
-        made_from_here = str(source) in (folder / "build.ninja").read_text()
-    except OSError:
-        return False
-    return made_from_here and (folder / f"{name}.so").exists()
+    return Path(cpp_extension._get_build_directory(name, verbose=False))
+
+
+def _stage_sources(folder: Path, files: dict[str, bytes]) -> Path:
+    """Copies the sources into `folder/src` and returns that folder. torch's loader writes the
+    sources' paths into build.ninja, and ninja rebuilds whenever a path there changes: built from
+    the checkout's own files, two checkouts sharing one extension folder would rebuild each
+    other's library at every start. Staged under the folder that the content hash names, the
+    paths are the same from any checkout. A file already staged with the same bytes is left as
+    it is (ninja also rebuilds when a source is newer than the library)."""
+    staged = folder / "src"
+    staged.mkdir(parents=True, exist_ok=True)
+    for file_name, data in files.items():
+        target = staged / file_name
+        try:
+            if target.read_bytes() == data:
+                continue
+        except OSError:
+            pass
+        # Renamed into place: a process building at the same time never reads half a file.
+        temp = staged / f".{file_name}.{os.getpid()}.tmp"
+        temp.write_bytes(data)
+        os.replace(temp, target)
+    return staged
+
+
+def _is_built(folder: Path, name: str) -> bool:
+    """Whether torch's extension folder already holds this build (then loading takes ~1 s)."""
+    return (folder / "build.ninja").is_file() and (folder / f"{name}.so").is_file()
 
 
 def build_extension(
@@ -95,15 +115,25 @@ def build_extension(
             "kernels/*.cpp and *.h; attention_backend='torch' runs without it"
         ) from exc
     name = extension_name(prefix, [*texts, " ".join(cflags).encode()] if cflags else texts)
-    if not _is_built(name, source):
+    try:
+        folder = _build_folder(name)
+        names = [source.name, *(h.name for h in HEADERS)]
+        staged = _stage_sources(folder, dict(zip(names, texts, strict=True)))
+    except OSError as exc:
+        raise KernelBuildError(
+            f"cannot write {what}'s build folder under torch's extension folder ({exc}): set "
+            "TORCH_EXTENSIONS_DIR to a writable folder; attention_backend='torch' runs without it"
+        ) from exc
+    if not _is_built(folder, name):
         log.info("building %s, %s (about 45 s on 2 cores; once, then cached)", what, name)
     try:
         return cpp_extension.load(
             name=name,
-            sources=[str(source)],
-            extra_include_paths=[str(HERE)],
+            sources=[str(staged / source.name)],
+            extra_include_paths=[str(staged)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", *cflags],
             extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
             verbose=verbose,
         )
     except (RuntimeError, OSError, ImportError) as exc:

@@ -30,7 +30,7 @@ from batchpage.kernels.testing import (
     tolerances,
 )
 from tests.attention.case_inputs import case_metadata, hidden_pool, mixed_step_lens, two_layer_pool
-from tests.kernels.bench_smoke import run_bench_smoke
+from tests.kernels.bench_smoke import run_bench, run_bench_smoke
 from tests.model_factory import HAS_SMOLLM2, build_hf_model, save_hf_folder, tiny_tokenizer
 
 
@@ -395,11 +395,13 @@ def test_kernels_ab_benchmark_smoke(kernel, tmp_path: Path) -> None:
 
 def test_kernels_ab_names_a_bad_baseline(tmp_path: Path) -> None:
     """A revision git does not know stops the A/B with a message that names it and says what to
-    pass, before any engine is loaded."""
-    from jobs.bench.cpu_kernels_ab import build_baseline
-
-    with pytest.raises(SystemExit, match=r"--baseline no-such-rev: `git show no-such-rev:kernels/"):
-        build_baseline("no-such-rev", tmp_path)
+    pass, before any engine runs a workload (no results are written)."""
+    out = tmp_path / "ab.json"
+    done = run_bench("jobs.bench.cpu_kernels_ab", "--smoke", "--baseline", "no-such-rev",
+                     "--out", str(out))  # fmt: skip
+    assert done.returncode == 1
+    assert "--baseline no-such-rev: `git show no-such-rev:kernels/" in done.stderr
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -22,10 +22,10 @@ from batchpage.model.config import UnsupportedModelError
 from batchpage.model.gguf_file import CorruptGGUFError, read_gguf_header
 from batchpage.model.gguf_loader import load_gguf_model
 from batchpage.model.loader import resolve_model_source
-from jobs.gguf_fuzz import INTERESTING, MUTATIONS, load_outcome, mutate, tiny_gguf
+from tests.model.hostile_gguf import INTERESTING, MUTATIONS, load_outcome, mutate, tiny_gguf
 
 U32, F32, STR, ARR, U64 = 4, 6, 8, 9, 10
-FUZZ_EXAMPLES = 250  # about 10 s; jobs/reliability.py runs thousands more
+FUZZ_EXAMPLES = 250  # the same files every run; jobs/bench/reliability.py fuzzes at random
 
 
 def s(text: str) -> bytes:

@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from batchpage.data.readers import JSON_LINES, DatasetError, file_schema, open_records
 from batchpage.data.rows import Row
+from batchpage.data.text_checks import unencodable
 
 _SAMPLE_RECORDS = 1000
 
@@ -58,8 +59,10 @@ def carried_schema(fmt: str, files: list[Path], split: str, names: Sequence[str]
     ]
     fields = []
     for name in names:
+        # Values that cannot be written are those rows' errors (rows.make_row), not the type's.
+        values = [None if unencodable(r.get(name)) else r.get(name) for r in records]
         try:
-            kind = pa.array([r.get(name) for r in records]).type
+            kind = pa.array(values).type
         except (pa.ArrowException, OverflowError) as e:
             raise DatasetError(
                 f"column {name!r} of {files[0]} holds values of different types in its first "

@@ -15,6 +15,7 @@ from typing import Any
 
 from batchpage.chat_messages import normalize_messages
 from batchpage.data.rows import Row, coerce_override
+from batchpage.data.text_checks import text_error, unencodable
 from batchpage.sampling_params import StructuredOutputsParams
 
 CHAT_URL = "/v1/chat/completions"
@@ -47,6 +48,16 @@ def make_batch_row(index: int, rec: dict[str, Any] | str, carried: Sequence[str]
     """Check one request line (`rec` is a str when the reader could not parse it)."""
     if isinstance(rec, str):
         return Row(index=index, id=None, error=rec)
+    problems = [p for p in (text_error(index, k, v) for k, v in rec.items()) if p is not None]
+    if problems:
+        # Nothing of such a line is used: its custom_id could not even be written back.
+        custom_id = rec.get(ID_FIELD)
+        row = Row(index=index, id=None, error="; ".join(problems))
+        fine = isinstance(custom_id, str) and text_error(index, ID_FIELD, custom_id) is None
+        row.id = custom_id if fine and custom_id else None
+        row.extra = {n: None if unencodable(rec.get(n)) else rec.get(n) for n in carried}
+        row.extra["url"] = None
+        return row
     custom_id = rec.get(ID_FIELD)
     url = rec.get("url")
     row = Row(index=index, id=custom_id if isinstance(custom_id, str) and custom_id else None)

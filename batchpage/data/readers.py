@@ -19,6 +19,8 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from batchpage.data.text_checks import records_of
+
 _EXTENSIONS = {
     ".parquet": "parquet",
     ".pq": "parquet",
@@ -150,7 +152,7 @@ def open_records(
     if fmt == "parquet":
         for f in files:
             for batch in pq.ParquetFile(f).iter_batches(batch_size=window_rows, columns=columns):
-                yield from batch.to_pylist()
+                yield from records_of(batch)
     elif fmt in JSON_LINES:
         for f in files:
             yield from _jsonl_records(f)
@@ -158,7 +160,7 @@ def open_records(
         for f in files:
             try:
                 for batch in _open_csv(f, columns):
-                    yield from batch.to_pylist()
+                    yield from records_of(batch, text_from_bytes=True)
             except pa.ArrowInvalid as e:
                 # A structurally broken CSV (wrong field count) has no row to blame reliably.
                 raise DatasetError(f"{f} is not valid CSV: {e}") from e
@@ -166,7 +168,7 @@ def open_records(
         ds = _load_hf(files, split).select_columns(columns)
         # Arrow tables straight off the memory-mapped cache: no pandas, one window at a time.
         for batch in ds.with_format("arrow").iter(batch_size=window_rows):
-            yield from batch.to_pylist()
+            yield from records_of(batch)
     else:
         raise DatasetError(f"unknown dataset format {fmt!r}")
 
@@ -281,12 +283,14 @@ def count_records(fmt: str, files: list[Path], limit: int | None = None) -> int:
 def _open_csv(path: Path, columns: list[str] | None) -> pacsv.CSVStreamingReader:
     delimiter = "\t" if ".tsv" in path.name.lower() else ","
     # Every column is read as text: type inference per block would fail on mixed columns, and
-    # overrides are parsed per row instead (a bad cell is that row's error, not the job's).
+    # overrides are parsed per row instead (a bad cell is that row's error, not the job's). As
+    # bytes, decoded per cell (text_checks.records_of): Arrow's own decoding fails the whole
+    # file on one cell that is not UTF-8.
     convert = pacsv.ConvertOptions()
     if columns is not None:
         convert = pacsv.ConvertOptions(
             include_columns=columns,
-            column_types={c: pa.string() for c in columns},
+            column_types={c: pa.binary() for c in columns},
             strings_can_be_null=False,
             quoted_strings_can_be_null=False,
         )

@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from batchpage.chat_messages import normalize_messages
+from batchpage.data.text_checks import escaped, text_error
 from batchpage.sampling_params import StructuredOutputsParams
 
 # Override columns picked up wherever the data has them (dataset.override_columns=null).
@@ -105,10 +106,20 @@ def make_row(
     """
     if isinstance(rec, str):
         return Row(index=index, id=str(index), error=rec)
+    text_column = messages_column if messages_column is not None else prompt_column or ""
+    errors, bad = _unencodable_columns(
+        index, rec, [text_column, id_column, *override_columns, *carried]
+    )
+    if bad:  # a value no UTF-8 writer takes goes nowhere: the row holds a null instead
+        rec = {k: (None if k in bad else v) for k, v in rec.items()}
     row = Row(index=index, id=_row_id(rec, id_column, index))
+    if id_column in bad:
+        row.id = escaped(bad[id_column])
     row.extra = {name: rec.get(name) for name in carried}
-    errors: list[str] = []
-    if messages_column is not None:
+    err = None
+    if text_column in bad:
+        pass  # its error is in errors already
+    elif messages_column is not None:
         row.messages, err = _check_messages(rec.get(messages_column, _MISSING), system_prompt)
     else:
         row.prompt, err = _check_prompt(rec.get(prompt_column or "", _MISSING))
@@ -127,6 +138,21 @@ def make_row(
             errors.append(f"bad {name}: {e}")
     row.error = "; ".join(errors) or None
     return row
+
+
+def _unencodable_columns(
+    index: int, rec: dict[str, Any], columns: Sequence[str | None]
+) -> tuple[list[str], dict[str, Any]]:
+    """The errors of the used columns whose values cannot be written as UTF-8, and those values
+    by column."""
+    errors: list[str] = []
+    bad: dict[str, Any] = {}
+    for name in dict.fromkeys(c for c in columns if c):
+        problem = text_error(index, name, rec.get(name))
+        if problem is not None:
+            errors.append(problem)
+            bad[name] = rec.get(name)
+    return errors, bad
 
 
 def coerce_override(name: str, value: Any, from_text: bool = False) -> Any:

@@ -125,6 +125,7 @@ def run_lm_eval(cfg: Any, args: argparse.Namespace, out: Path) -> dict[str, dict
     """The tasks through the batchpage backend, on the job's model and engine settings; the
     full results go to <out>/lm_eval.json, each task's numeric metrics are returned."""
     import lm_eval
+    import lm_eval.tasks  # lm_eval loads its submodules lazily: TaskManager needs this import
 
     import batchpage.lm_eval  # noqa: F401  (registers the model "batchpage")
 

@@ -1,5 +1,6 @@
 """jobs/: the nightly HumanEval job (its score and history) and the synthetic-data job, and the
-Hydra experiments they run."""
+Hydra experiments they run. The scripts run as a user runs them, `python -m jobs.<name>`, and the
+tests read what they print and write (tests do not import jobs/)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchpage.output import ShardWriter, finalize
 from batchpage.run import compose_job
-from jobs import nightly_eval as nightly
-from jobs import synthetic_data as synthetic
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.bench_smoke import ROOT, run_bench
 
 
 @pytest.fixture(autouse=True)
@@ -55,28 +52,39 @@ def test_experiments_compose_and_the_users_overrides_win() -> None:
     assert (cfg.sampling.seed, cfg.sampling.max_tokens) == (0, 256)
 
 
-def test_nightly_eval_scores_and_tracks_the_change(
-    tiny_folder, tmp_path, capsys, monkeypatch
-) -> None:
-    monkeypatch.chdir(tmp_path)  # the job and the history go to nightly/ under the working folder
+def nightly(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return run_bench("jobs.nightly_eval", *args, cwd=cwd)
+
+
+def test_nightly_eval_scores_and_tracks_the_change(tiny_folder, tmp_path) -> None:
+    """The job and the history go to nightly/ under the working folder; a same-day rerun resumes
+    (nothing to generate) and rescores; the report names the change and the problems that
+    flipped since the last comparable run."""
     args = ["dataset.limit=2", "sampling.max_tokens=4", *tiny(tiny_folder)]
-    assert nightly.main(args) == 0
-    assert "pass@1 0.0% on 2 problems" in capsys.readouterr().out
-    assert nightly.main(args) == 0  # same day: resumes (nothing to generate) and rescores
-    assert "+0.0 points since" in capsys.readouterr().out
-    history = pq.read_table(tmp_path / "nightly" / "history.parquet").to_pylist()
-    assert [h["problems"] for h in history] == [2, 2]
+    first = nightly(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "pass@1 0.0% on 2 problems" in first.stdout
+    assert "the first run in the history" in first.stdout
+    history_file = tmp_path / "nightly" / "history.parquet"
+    history = pq.read_table(history_file).to_pylist()
     assert history[0]["model"] == str(tiny_folder) and history[0]["generated_tokens"] == 8
+    # As if yesterday's run had solved HumanEval/1: today's report says it now fails.
+    yesterday = {**history[0], "timestamp": "yesterday", "pass_at_1": 0.5,
+                 "passed_tasks": ["HumanEval/1"]}  # fmt: skip
+    pq.write_table(pa.Table.from_pylist([yesterday]), history_file)
+    second = nightly(*args, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert "-50.0 points since yesterday" in second.stdout
+    assert "newly failing: HumanEval/1" in second.stdout and "newly passing" not in second.stdout
+    assert [h["problems"] for h in pq.read_table(history_file).to_pylist()] == [2, 2]
     (run,) = (tmp_path / "nightly" / "runs").iterdir()
     scores = pq.read_table(run / "scores.parquet").to_pylist()
     assert [s["id"] for s in scores] == ["HumanEval/0", "HumanEval/1"]
     assert not any(s["passed"] for s in scores)  # a random tiny model solves nothing
-    assert nightly.main([*args, "model.path=/no/such/model"]) == 2
+    assert nightly(*args, "model.path=/no/such/model", cwd=tmp_path).returncode == 2
 
 
-def test_the_nightly_generation_runs_alone_as_a_hydra_experiment(
-    tiny_folder, tmp_path, capsys
-) -> None:
+def test_the_nightly_generation_runs_alone_as_a_hydra_experiment(tiny_folder, tmp_path) -> None:
     """`python -m batchpage.run +experiment=nightly_humaneval` runs the nightly's own job: the
     script then finds the same job in the folder (another sampling would be refused, exit 2) and
     only scores it."""
@@ -93,13 +101,14 @@ def test_the_nightly_generation_runs_alone_as_a_hydra_experiment(
     assert run["metrics"]["score"]["problems"] == 2
     # The tiny model's tokenizer has a chat template: HumanEval is posed in the instruct form.
     assert run["config"]["resolved"]["style"] == "instruct"
-    assert nightly.main([*job, f"--history={tmp_path / 'history.parquet'}"]) == 0
-    assert "pass@1 0.0% on 2 problems" in capsys.readouterr().out
+    scored = nightly(*job, f"--history={tmp_path / 'history.parquet'}")
+    assert scored.returncode == 0, scored.stderr
+    assert "pass@1 0.0% on 2 problems" in scored.stdout
     assert json.loads((out / "run.json").read_text())["metrics"] == run["metrics"]
 
 
 @pytest.mark.slow
-def test_nightly_eval_runs_lm_eval_tasks_through_the_backend(tiny_folder, tmp_path, capsys) -> None:
+def test_nightly_eval_runs_lm_eval_tasks_through_the_backend(tiny_folder, tmp_path) -> None:
     from tests.test_lm_eval import write_tasks
 
     tasks = write_tasks(tmp_path)
@@ -114,53 +123,45 @@ def test_nightly_eval_runs_lm_eval_tasks_through_the_backend(tiny_folder, tmp_pa
         f"--lm-eval-include-path={tasks}",
         "--lm-eval-limit=2",
     ]
-    assert nightly.main(args) == 0
+    done = nightly(*args)
+    assert done.returncode == 0, done.stderr
     results = json.loads((out / "lm_eval.json").read_text())
     assert set(results) == {"tiny_mc", "tiny_ppl"}
     (row,) = pq.read_table(tmp_path / "history.parquet").to_pylist()
     headline = json.loads(row["lm_eval"])
     assert 0.0 <= headline["tiny_mc"]["acc,none"] <= 1.0
     assert headline["tiny_ppl"]["word_perplexity,none"] > 1.0
-    assert "lm-eval:" in capsys.readouterr().out
+    assert "lm-eval:" in done.stdout
 
 
-def test_the_report_names_what_changed() -> None:
-    now = {"pass_at_1": 0.5, "problems": 3, "model": "m", "passed_tasks": ["a", "b"]}
-    before = {**now, "pass_at_1": 0.25, "passed_tasks": ["c"], "timestamp": "yesterday"}
-    text = nightly.report(now, before)
-    assert "+25.0 points since yesterday" in text
-    assert "newly passing: a, b" in text and "newly failing: c" in text
+def test_synthetic_data_keeps_each_completion_once(tiny_folder, tmp_path) -> None:
+    """Greedy, two samples of two equal seeds give one completion four times: it is kept once;
+    a seed that is not text is that row's error and counted as a failed seed."""
+    seeds = tmp_path / "seeds.parquet"
+    pq.write_table(pa.table({"prompt": ["Hello world", "Hello world", None]}), seeds)
+    out = tmp_path / "synthetic.parquet"
+    done = run_bench(
+        "jobs.synthetic_data", "sampling.n=2", "sampling.temperature=0", "sampling.max_tokens=3",
+        f"--out={out}", f"dataset.path={seeds}", "dataset.limit=null", *tiny(tiny_folder),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    said = f"1 unique completions from 3 seeds -> {out} (3 duplicates, 0 empty, 1 failed seeds)"
+    assert said in done.stdout
+    (row,) = pq.read_table(out).to_pylist()
+    assert (row["seed_id"], row["prompt"]) == ("0", "Hello world")
 
 
-def test_dedup_normalises_whitespace_and_drops_empty_and_failed(tmp_path) -> None:
-    with ShardWriter(tmp_path, {"job": "t"}, n=2) as writer:
-        writer.add(
-            {"index": 0, "id": "s0", "completion": ["a  b", "a b\n"], "finish_reason": ["stop"] * 2}
-        )
-        writer.add(
-            {"index": 1, "id": "s1", "completion": ["x", "  "], "finish_reason": ["stop"] * 2}
-        )
-        writer.add({"index": 2, "id": "s2", "error": "prompt is empty"})
-    finalize(tmp_path, 3)
-    out = tmp_path / "syn.parquet"
-    stats = synthetic.dedup(tmp_path / "completions.parquet", iter(["p0", "p1", None]), out)
-    assert (stats.kept, stats.duplicates, stats.empty, stats.failed_rows) == (2, 1, 1, 1)
-    assert pq.read_table(out).to_pylist() == [
-        {"seed_id": "s0", "prompt": "p0", "completion": "a  b"},
-        {"seed_id": "s1", "prompt": "p1", "completion": "x"},
-    ]
-
-
-def test_synthetic_data_samples_n_per_seed(tiny_folder, tmp_path, capsys) -> None:
+def test_synthetic_data_samples_n_per_seed(tiny_folder, tmp_path) -> None:
     seeds = tmp_path / "seeds.parquet"
     pq.write_table(pa.table({"prompt": ["Hello world", "The quick brown fox", "Paged"]}), seeds)
     out = tmp_path / "synthetic.parquet"
     args = ["sampling.n=3", "sampling.max_tokens=3", f"--out={out}", f"dataset.path={seeds}"]
-    assert synthetic.main([*args, "dataset.limit=null", *tiny(tiny_folder)]) == 0
+    done = run_bench("jobs.synthetic_data", *args, "dataset.limit=null", *tiny(tiny_folder))
+    assert done.returncode == 0, done.stderr
     rows = pq.read_table(out).to_pylist()
     assert 0 < len(rows) <= 9 and set(rows[0]) == {"seed_id", "prompt", "completion"}
     assert {r["prompt"] for r in rows} <= {"Hello world", "The quick brown fox", "Paged"}
     assert len({" ".join(r["completion"].split()) for r in rows}) == len(rows)
-    assert "unique completions from 3 seeds" in capsys.readouterr().out
+    assert "unique completions from 3 seeds" in done.stdout
     job = pq.read_table(tmp_path / "synthetic.parquet.job" / "completions.parquet")
     assert job.schema.field("completion").type == pa.list_(pa.string())

@@ -11,6 +11,8 @@ from typing import Any
 from batchpage.model.config import RopeScaling, UnsupportedModelError
 
 ROPE_KINDS = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+MAX_SIZE = 2**31 - 1  # sizes above int32 are no real model's (and GGUF's bound too)
+MAX_CONTEXT = 2**24  # positions: above any supported model; the RoPE tables grow with it
 
 
 def require_keys(cfg: Mapping[str, Any], keys: tuple[str, ...]) -> None:
@@ -22,10 +24,18 @@ def require_keys(cfg: Mapping[str, Any], keys: tuple[str, ...]) -> None:
         )
 
 
-def int_field(cfg: Mapping[str, Any], key: str) -> int:
+def int_field(cfg: Mapping[str, Any], key: str, high: int = MAX_SIZE) -> int:
+    """cfg[key] as an integer from 0 to `high` (max_position_embeddings: MAX_CONTEXT); ValueError
+    naming the key otherwise, before any size is used to allocate."""
     value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"config.json: {key} must be a non-negative integer, got {value!r}")
+    if key == "max_position_embeddings":
+        high = min(high, MAX_CONTEXT)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+        raise ValueError(
+            f"config.json: {key} must be an integer from 0 to {high:,}, got {shown}: use the "
+            "config.json that came with the model"
+        )
     return value
 
 

@@ -1,4 +1,8 @@
-"""Load a Hugging Face checkpoint folder (config.json + safetensors) into its family's model."""
+"""Load a Hugging Face checkpoint folder (config.json + safetensors) into its family's model.
+
+Every failure of a damaged or hostile folder is a ValueError of one line naming the file and the
+fix (the job's exit 2): the checks before any allocation are in hf_checks.py.
+"""
 
 from __future__ import annotations
 
@@ -7,25 +11,33 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
 from batchpage.model.families import build_model
+from batchpage.model.hf_checks import read_index
 from batchpage.model.hf_config import model_config_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
+MAX_CONFIG_BYTES = 16 << 20  # a real config.json is a few KiB; this bounds reading a hostile one
 
 
 def read_hf_config(folder: Path) -> ModelConfig:
     path = folder / "config.json"
     if not path.is_file():
         raise ValueError(f"{folder} has no config.json: pass a Hugging Face model folder")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ValueError(
+            f"{path} has {path.stat().st_size:,} bytes, more than any model's config.json "
+            f"({MAX_CONFIG_BYTES:,} at most): restore the model's config.json"
+        )
     try:
         raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError: ValueErrors
         raise ValueError(
-            f"{path} is not valid JSON ({e}): restore the model's config.json"
+            f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:200]}): restore the "
+            "model's config.json"
         ) from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path} is not a JSON object: restore the model's config.json")
@@ -33,14 +45,19 @@ def read_hf_config(folder: Path) -> ModelConfig:
         return model_config_from_hf(raw)
     except ValueError as e:  # one line that says which checkpoint, keeping the error's type
         raise type(e)(f"{folder}: {e}") from None
+    except (TypeError, AttributeError, KeyError, ArithmeticError, RecursionError) as e:
+        # A value of the wrong kind where the readers expect a number, a list or an object.
+        raise ValueError(
+            f"{path} holds a value of the wrong type or range ({type(e).__name__}: "
+            f"{str(e)[:200]}): restore the model's config.json"
+        ) from None
 
 
 def safetensors_files(folder: Path) -> list[Path]:
     """The checkpoint's weight files: those the index names, else every *.safetensors."""
     index = folder / INDEX_FILE
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / name for name in names]
+        files = [folder / name for name in read_index(index)]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ValueError(f"{folder}: {INDEX_FILE} names missing files {missing}")
@@ -73,5 +90,12 @@ def load_hf_model(
 ) -> tuple[CausalLM, ModelConfig]:
     cfg = read_hf_config(folder)
     model = build_model(cfg, dtype, device, max_positions)
-    model.load_weights(iter_safetensors(safetensors_files(folder)))
+    try:
+        model.load_weights(iter_safetensors(safetensors_files(folder)))
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}") from None
+    except (SafetensorError, OSError) as e:  # a file changed or damaged since it was checked
+        raise ValueError(
+            f"{folder}: reading the weights failed ({e}): download the model again"
+        ) from None
     return model.eval(), cfg

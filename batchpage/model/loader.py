@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -19,9 +20,10 @@ import torch
 from batchpage.cpu_info import cpu_model, has_native_bf16
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
-from batchpage.model.gguf_config import gguf_config
+from batchpage.model.gguf_config import ROPE_FREQS, gguf_config
 from batchpage.model.gguf_file import read_gguf_header
 from batchpage.model.gguf_loader import load_gguf_model
+from batchpage.model.hf_checks import check_weights, read_shapes
 from batchpage.model.hf_loader import load_hf_model, read_hf_config, safetensors_files
 from batchpage.model.tokenizer import Tokenizer, check_hf_tokenizer_files
 
@@ -40,6 +42,9 @@ class ModelSource:
     kind: Literal["hf", "gguf"]
     path: Path  # the HF folder, or the .gguf file
     config: ModelConfig  # read from config.json / the GGUF header, no weights touched
+    # Weights the loaded model holds (elements, any dtype), from the files' headers: with the
+    # dtype, the memory the weights take (engine/plan.py sizes the KV pool from what is left).
+    num_weights: int = 0
 
 
 class LoadedModel(NamedTuple):
@@ -74,14 +79,20 @@ def resolve_model_source(model: str) -> ModelSource:
     Raises ValueError (UnsupportedModelError for architectures) naming the problem and the fix.
     """
     if model in BUNDLED_MODELS:
-        path = bundled_model_path(model)
-        return ModelSource(model, "gguf", path, gguf_config(path, read_gguf_header(path)))
+        return _gguf_source(model, bundled_model_path(model))
     path = Path(model).expanduser()
     if path.is_dir():
-        config = read_hf_config(path)
-        safetensors_files(path)  # raises if there are no weights
-        check_hf_tokenizer_files(path)
-        return ModelSource(model, "hf", path, config)
+        try:
+            config = read_hf_config(path)
+            # Every size in config.json against the weight files' headers, before any is used.
+            num_weights = check_weights(path, config, read_shapes(safetensors_files(path)))
+            check_hf_tokenizer_files(path)
+        except OSError as e:  # a file that cannot be read: one line, as for a damaged one
+            raise ValueError(
+                f"model {model!r}: cannot read {e.filename or path} ({e.strerror or e}): check "
+                "the folder's files and their permissions"
+            ) from None
+        return ModelSource(model, "hf", path, config, num_weights)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(
@@ -89,7 +100,7 @@ def resolve_model_source(model: str) -> ModelSource:
                 "model folder (the folder, not a file in it), or a bundled name "
                 f"({', '.join(BUNDLED_MODELS)})"
             )
-        return ModelSource(model, "gguf", path, gguf_config(path, read_gguf_header(path)))
+        return _gguf_source(model, path)
     hint = (
         " Models are not downloaded from the Hugging Face Hub: download it and pass its folder."
         if model.count("/") == 1 and not model.startswith((".", "/", "~"))
@@ -100,6 +111,12 @@ def resolve_model_source(model: str) -> ModelSource:
         f"({', '.join(BUNDLED_MODELS)}), a Hugging Face model folder (config.json + "
         f"*.safetensors) or a .gguf file.{hint}"
     )
+
+
+def _gguf_source(model: str, path: Path) -> ModelSource:
+    header = read_gguf_header(path)
+    weights = sum(math.prod(t.shape) for t in header.tensors if t.name != ROPE_FREQS)
+    return ModelSource(model, "gguf", path, gguf_config(path, header), weights)
 
 
 def resolve_dtype(
@@ -160,6 +177,13 @@ def load_tokenizer(
     """The model's tokenizer alone, without its weights (dry runs, benchmarks' prompt prep)."""
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
     eos = source.config.eos_token_ids if eos_token_ids is None else eos_token_ids
-    if source.kind == "hf":
+    if source.kind == "gguf":
+        return Tokenizer.from_gguf(source.path, eos)
+    try:
         return Tokenizer.from_hf_folder(source.path, eos)
-    return Tokenizer.from_gguf(source.path, eos)
+    except Exception as e:  # transformers parsing the folder's files: any of its errors
+        detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        raise ValueError(
+            f"{source.path}: its tokenizer cannot be loaded ({detail}): restore the model's "
+            "tokenizer files and config.json"
+        ) from None

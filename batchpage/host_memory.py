@@ -1,4 +1,5 @@
-"""Host allocator settings for running the engine on a CPU.
+"""Host memory for running the engine on a CPU: the allocator's settings, and how much memory
+the machine can give (the default KV pool is sized from it).
 
 A decode step allocates and frees the same large temporaries (activations, gathered K/V for
 prefill, logits) every layer and every step. glibc serves blocks above its mmap threshold
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+from pathlib import Path
 
 import torch
 
@@ -67,3 +70,48 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     start = -(-tensor.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
     end = (tensor.data_ptr() + tensor.nbytes) // _HUGE_PAGE * _HUGE_PAGE
     return end > start and madvise(start, end - start, MADV_HUGEPAGE) == 0
+
+
+MEMINFO = Path("/proc/meminfo")
+CGROUP = Path("/sys/fs/cgroup")  # cgroup v2: this process's group, as a container sees it
+
+
+def available_host_memory(meminfo: Path | None = None, cgroup: Path | None = None) -> int:
+    """Bytes this process could allocate without swapping: the kernel's MemAvailable (free
+    memory plus the page cache and slabs it would reclaim), never MemFree alone, which drops
+    toward zero as the page cache fills after reading a few files. A cgroup v2 memory limit
+    (a container's) caps it: the limit less what the group holds, its reclaimable file pages
+    not counted. Where /proc/meminfo has no MemAvailable (not Linux, or before 3.14): free
+    physical pages. `meminfo` and `cgroup` default to MEMINFO and CGROUP."""
+    available = _meminfo_bytes(meminfo or MEMINFO, "MemAvailable")
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limited = _cgroup_available(cgroup or CGROUP)
+    return available if limited is None else min(available, limited)
+
+
+def _meminfo_bytes(meminfo: Path, field: str) -> int | None:
+    try:
+        lines = meminfo.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, value = line.partition(":")
+        if name == field:
+            number, *unit = value.split()
+            return int(number) * (1024 if unit == ["kB"] else 1)
+    return None
+
+
+def _cgroup_available(cgroup: Path) -> int | None:
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        current = int((cgroup / "memory.current").read_text())
+        stat = (cgroup / "memory.stat").read_text().splitlines()
+    except (OSError, ValueError):
+        return None
+    if not limit.isdigit():
+        return None  # "max": no limit
+    fields = dict(line.split(maxsplit=1) for line in stat if " " in line)
+    reclaimable = int(fields.get("inactive_file", "0"))
+    return max(0, int(limit) - current + reclaimable)

@@ -4,13 +4,14 @@ small fails here, before any weight is read, and both agree on every figure."""
 
 from __future__ import annotations
 
-import os
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from batchpage.cache.kv_cache import bytes_per_block
 from batchpage.engine.config import EngineConfig
+from batchpage.host_memory import available_host_memory
 from batchpage.model.loader import ModelSource, resolve_dtype
 
 
@@ -28,7 +29,9 @@ class EnginePlan:
 
 
 def plan_engine(cfg: EngineConfig, source: ModelSource) -> EnginePlan:
-    """Raises ValueError (PoolTooSmall for the pool) naming the setting to change."""
+    """Raises ValueError (PoolTooSmall for the pool) naming the setting to change. With
+    max_model_len unset and a pool too small for the model's whole context, max_model_len is
+    capped to what the pool holds, with a warning, rather than refused."""
     model_cfg = source.config
     device = cfg.resolved_device()
     dtype = resolve_dtype(cfg.dtype, model_cfg, device)
@@ -39,14 +42,23 @@ def plan_engine(cfg: EngineConfig, source: ModelSource) -> EnginePlan:
             "positions (max_position_embeddings, extended by its rope scaling): lower "
             "max_model_len"
         )
-    max_model_len = cfg.max_model_len or limit
     per_block = bytes_per_block(
         model_cfg.num_layers, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim, dtype
     )
-    budget = kv_cache_bytes(cfg.kv_cache_memory, device)
+    budget = kv_cache_bytes(cfg.kv_cache_memory, device, source.num_weights * dtype.itemsize)
     num_blocks = budget // per_block
+    max_model_len = cfg.max_model_len or limit
     needed = -(-max_model_len // cfg.block_size)
-    if num_blocks < needed:
+    if num_blocks < needed and cfg.max_model_len is None and num_blocks > 0:
+        max_model_len = _capped_length(num_blocks * cfg.block_size, cfg.block_size)
+        warnings.warn(
+            f"the KV pool ({budget / 2**20:.1f} MiB = {num_blocks} blocks of {cfg.block_size} "
+            f"tokens) cannot hold one sequence of the model's full context ({limit} tokens): "
+            f"max_model_len is set to {max_model_len}; raise kv_cache_memory for longer "
+            "sequences, or set max_model_len to choose",
+            stacklevel=1,  # one place whoever calls (the job plans twice): shown once per process
+        )
+    elif num_blocks < needed:
         raise PoolTooSmall(
             f"the KV pool ({budget / 2**20:.1f} MiB = {num_blocks} blocks of {cfg.block_size} "
             f"tokens) cannot hold one sequence of max_model_len={max_model_len} tokens "
@@ -56,18 +68,49 @@ def plan_engine(cfg: EngineConfig, source: ModelSource) -> EnginePlan:
     return EnginePlan(device, dtype, max_model_len, num_blocks, budget)
 
 
+def _capped_length(tokens: int, block_size: int) -> int:
+    """The longest sequence a pool of `tokens` slots holds, rounded down to a power of two (at
+    least one block): a rerun on a machine with a little more or less memory free then plans
+    the same length, and the job's fingerprint, which holds it, still matches."""
+    return max(block_size, 1 << (tokens.bit_length() - 1))
+
+
 def available_memory(device: torch.device) -> int:
+    """Bytes free for the engine on `device`: the GPU's free memory, or the host's available
+    memory (host_memory.available_host_memory: MemAvailable, not MemFree)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available_host_memory()
 
 
-def kv_cache_bytes(kv_cache_memory: float | None, device: torch.device) -> int:
-    """Bytes (> 1) as given, or that fraction of free memory; None: 0.9 of free GPU memory, or
-    0.1 of available RAM on the CPU."""
+def kv_cache_bytes(
+    kv_cache_memory: float | None, device: torch.device, weight_bytes: int = 0
+) -> int:
+    """The KV pool's budget. Bytes (> 1) as given; a fraction: that share of the memory left
+    once the model's weights (`weight_bytes`, not loaded yet) are counted out of the available
+    memory; None: 0.9 of it on a GPU, 0.1 on the CPU. Raises ValueError naming the fix when the
+    weights alone, or the weights and the bytes given, exceed the available memory."""
+    available = available_memory(device)
+    where = "GPU memory free" if device.type == "cuda" else "memory available (MemAvailable)"
+    if weight_bytes > available:
+        raise ValueError(
+            f"the model's weights take {_mib(weight_bytes)} at this dtype, more than the "
+            f"{_mib(available)} of {where}: use a smaller model or dtype, or free memory"
+        )
+    left = available - weight_bytes
     if kv_cache_memory is not None and kv_cache_memory > 1:
+        if kv_cache_memory > left:
+            raise PoolTooSmall(
+                f"kv_cache_memory={int(kv_cache_memory)} bytes ({_mib(kv_cache_memory)}) and "
+                f"the weights ({_mib(weight_bytes)}) exceed the {_mib(available)} of {where}: "
+                "lower kv_cache_memory (or give a fraction, e.g. 0.5)"
+            )
         return int(kv_cache_memory)
     fraction = (
         kv_cache_memory if kv_cache_memory is not None else (0.9 if device.type == "cuda" else 0.1)
     )
-    return int(available_memory(device) * fraction)
+    return int(left * fraction)
+
+
+def _mib(size: float) -> str:
+    return f"{size / 2**20:,.1f} MiB"

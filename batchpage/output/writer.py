@@ -99,6 +99,11 @@ class ShardWriter:
     def num_done(self) -> int:
         return len(self._done)
 
+    @property
+    def num_saved(self) -> int:
+        """Rows on disk: done less those still buffered (e.g. after a flush that failed)."""
+        return len(self._done) - len(self._buffer)
+
     def add(self, row: ResultRow | Mapping[str, Any]) -> bool:
         """Buffer one finished row; flush when due. Returns False (and drops it) for an index
         that is already done, so a row can never be written twice."""
@@ -149,9 +154,18 @@ class ShardWriter:
     def __enter__(self) -> ShardWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        # Flush even on an exception: the buffered rows are finished results.
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        # Flush even on an exception: the buffered rows are finished results. When that
+        # exception is itself a failed write (a full disk), a second failure of the same flush
+        # says nothing new: the first goes on, and the rows left buffered are generated again
+        # on resume.
+        try:
+            self.flush()
+        except OSError:
+            if not isinstance(exc, OSError):
+                raise
+        finally:
+            self._release()
 
     # --- internals ----------------------------------------------------------------------------
 

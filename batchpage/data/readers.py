@@ -38,6 +38,11 @@ _EXTENSIONS = {
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _HF_BUILDERS = {"parquet": "parquet", "jsonl": "json", "csv": "csv"}
 _JSONL_PEEK_LINES = 100
+# dataset.max_prompt_bytes' default: the most bytes one input row (a JSONL line, a CSV record)
+# or one prompt may take. A prompt this long is ~1M tokens, past any model's context, and the
+# bound keeps one row's memory (reading, rendering, tokenizing) far below the machine's.
+DEFAULT_MAX_PROMPT_BYTES = 4 << 20
+_SKIP_CHUNK = 1 << 20  # the rest of an over-long line is skipped this much at a time
 JSON_LINES = ("jsonl", "openai_batch")  # formats read line by line as JSON objects
 
 
@@ -83,7 +88,9 @@ def resolve_format(fmt: str, paths: list[Path]) -> tuple[str, list[Path]]:
     return ("hf", files) if kind == "json-array" else (kind, files)
 
 
-def peek_columns(fmt: str, files: list[Path], split: str) -> tuple[list[str], int | None]:
+def peek_columns(
+    fmt: str, files: list[Path], split: str, max_row_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+) -> tuple[list[str], int | None]:
     """Column names (those every file has) and the row count where it is free to know."""
     try:
         if fmt == "parquet":
@@ -95,11 +102,13 @@ def peek_columns(fmt: str, files: list[Path], split: str) -> tuple[list[str], in
             ]
             return names, sum(m.metadata.num_rows for m in metas)
         if fmt in JSON_LINES:
-            return _peek_jsonl(files[0]), None
+            return _peek_jsonl(files[0], max_row_bytes), None
         if fmt == "csv":
-            first = _open_csv(files[0], None).schema.names
+            first = _open_csv(files[0], None, max_row_bytes).schema.names
             return [
-                n for n in first if all(n in _open_csv(f, None).schema.names for f in files[1:])
+                n
+                for n in first
+                if all(n in _open_csv(f, None, max_row_bytes).schema.names for f in files[1:])
             ], None
         if fmt == "hf":
             ds = _load_hf(files, split)
@@ -107,7 +116,9 @@ def peek_columns(fmt: str, files: list[Path], split: str) -> tuple[list[str], in
     except DatasetError:
         raise
     except (pa.ArrowException, OSError, ValueError) as e:
-        raise DatasetError(f"cannot read {files[0]} as {fmt}: {e}") from e
+        raise DatasetError(
+            f"cannot read {files[0]} as {fmt}: {_csv_problem(e, max_row_bytes)}"
+        ) from e
     raise DatasetError(f"unknown dataset format {fmt!r}")
 
 
@@ -133,11 +144,11 @@ def file_schema(fmt: str, files: list[Path], split: str, names: Sequence[str]) -
         ) from e
 
 
-def is_openai_batch(path: Path) -> bool:
+def is_openai_batch(path: Path, max_row_bytes: int = DEFAULT_MAX_PROMPT_BYTES) -> bool:
     """Whether the first JSON object of a JSON-lines file is an OpenAI Batch request line."""
-    for _, line in _jsonl_lines(path):
+    for _, line in _jsonl_lines(path, max_row_bytes):
         try:
-            obj = json.loads(line) if line is not None else None
+            obj = json.loads(line) if isinstance(line, str) else None
         except json.JSONDecodeError:
             continue
         if isinstance(obj, dict):
@@ -146,24 +157,31 @@ def is_openai_batch(path: Path) -> bool:
 
 
 def open_records(
-    fmt: str, files: list[Path], split: str, columns: list[str], window_rows: int
+    fmt: str,
+    files: list[Path],
+    split: str,
+    columns: list[str],
+    window_rows: int,
+    max_row_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
 ) -> Iterator[dict[str, Any] | str]:
-    """Stream records of the given columns in input order, one window of rows in memory."""
+    """Stream records of the given columns in input order, one window of rows in memory. A JSONL
+    line longer than max_row_bytes comes out as its error without being held in memory; a CSV
+    record longer than it fails the file (Arrow's reader cannot skip one)."""
     if fmt == "parquet":
         for f in files:
             for batch in pq.ParquetFile(f).iter_batches(batch_size=window_rows, columns=columns):
                 yield from records_of(batch)
     elif fmt in JSON_LINES:
         for f in files:
-            yield from _jsonl_records(f)
+            yield from _jsonl_records(f, max_row_bytes)
     elif fmt == "csv":
         for f in files:
             try:
-                for batch in _open_csv(f, columns):
+                for batch in _open_csv(f, columns, max_row_bytes):
                     yield from records_of(batch, text_from_bytes=True)
             except pa.ArrowInvalid as e:
                 # A structurally broken CSV (wrong field count) has no row to blame reliably.
-                raise DatasetError(f"{f} is not valid CSV: {e}") from e
+                raise DatasetError(f"{f} is not valid CSV: {_csv_problem(e, max_row_bytes)}") from e
     elif fmt == "hf":
         ds = _load_hf(files, split).select_columns(columns)
         # Arrow tables straight off the memory-mapped cache: no pandas, one window at a time.
@@ -208,10 +226,14 @@ def _open_binary(path: Path) -> BinaryIO:
     return open(path, "rb")
 
 
-def _jsonl_lines(path: Path) -> Iterator[tuple[int, str | None]]:
-    """(line number, text) of each non-blank line; text is None for a line that is not UTF-8."""
+def _jsonl_lines(path: Path, max_bytes: int) -> Iterator[tuple[int, str | int | None]]:
+    """(line number, text) of each non-blank line; text is None for a line that is not UTF-8,
+    and the line's length for one longer than max_bytes (never held in memory whole)."""
     with _open_binary(path) as fp:
-        for lineno, raw in enumerate(fp, 1):
+        for lineno, raw in enumerate(bounded_lines(fp, max_bytes), 1):
+            if isinstance(raw, int):
+                yield lineno, raw
+                continue
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
@@ -221,15 +243,28 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, str | None]]:
                 yield lineno, line
 
 
-def _peek_jsonl(path: Path) -> list[str]:
+def bounded_lines(fp: BinaryIO, max_bytes: int) -> Iterator[bytes | int]:
+    """The lines of `fp` (newline excluded from the bound); for a line longer than max_bytes,
+    its length instead, having read past it in chunks without keeping it."""
+    while line := fp.readline(max_bytes + 1):
+        if len(line) <= max_bytes or line.endswith(b"\n"):
+            yield line
+            continue
+        length = len(line)
+        while not line.endswith(b"\n") and (line := fp.readline(_SKIP_CHUNK)):
+            length += len(line)
+        yield length - line.endswith(b"\n")
+
+
+def _peek_jsonl(path: Path, max_bytes: int) -> list[str]:
     """The union of the keys of the first records, in order of appearance: a column that is
     absent from early records (an optional per-row override) still counts."""
     keys: dict[str, None] = {}
-    for i, (_, line) in enumerate(_jsonl_lines(path)):
+    for i, (_, line) in enumerate(_jsonl_lines(path, max_bytes)):
         if i >= _JSONL_PEEK_LINES:
             break
         try:
-            obj = json.loads(line) if line is not None else None
+            obj = json.loads(line) if isinstance(line, str) else None
         except json.JSONDecodeError:
             continue
         if isinstance(obj, dict):
@@ -242,10 +277,16 @@ def _peek_jsonl(path: Path) -> list[str]:
     )
 
 
-def _jsonl_records(path: Path) -> Iterator[dict[str, Any] | str]:
-    for lineno, line in _jsonl_lines(path):
+def _jsonl_records(path: Path, max_bytes: int) -> Iterator[dict[str, Any] | str]:
+    for lineno, line in _jsonl_lines(path, max_bytes):
         if line is None:
             yield f"{path.name} line {lineno} is not valid UTF-8: fix or re-encode that line"
+            continue
+        if isinstance(line, int):
+            yield (
+                f"{path.name} line {lineno} is {line:,} bytes, over dataset.max_prompt_bytes="
+                f"{max_bytes}: shorten that row, or raise the bound"
+            )
             continue
         try:
             obj = json.loads(line)
@@ -255,7 +296,12 @@ def _jsonl_records(path: Path) -> Iterator[dict[str, Any] | str]:
         yield obj if isinstance(obj, dict) else f"{path.name} line {lineno} is not an object"
 
 
-def count_records(fmt: str, files: list[Path], limit: int | None = None) -> int:
+def count_records(
+    fmt: str,
+    files: list[Path],
+    limit: int | None = None,
+    max_row_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+) -> int:
     """Rows of a JSONL or CSV input (at most `limit`), by one streaming pass that parses no
     JSON value: what the progress bar's total needs. JSONL counts non-blank lines; CSV counts
     the rows its parser finds."""
@@ -265,22 +311,31 @@ def count_records(fmt: str, files: list[Path], limit: int | None = None) -> int:
     for f in files:
         if fmt in JSON_LINES:
             with _open_binary(f) as fp:
-                for raw in fp:
-                    total += bool(raw.strip())
+                for raw in bounded_lines(fp, max_row_bytes):
+                    total += isinstance(raw, int) or bool(raw.strip())
                     if limit is not None and total >= limit:
                         return limit
             continue
         try:
-            for batch in _open_csv(f, []):
+            for batch in _open_csv(f, [], max_row_bytes):
                 total += batch.num_rows
                 if limit is not None and total >= limit:
                     return limit
         except pa.ArrowInvalid as e:
-            raise DatasetError(f"{f} is not valid CSV: {e}") from e
+            raise DatasetError(f"{f} is not valid CSV: {_csv_problem(e, max_row_bytes)}") from e
     return total
 
 
-def _open_csv(path: Path, columns: list[str] | None) -> pacsv.CSVStreamingReader:
+def _csv_problem(e: Exception, max_bytes: int) -> str:
+    if "straddl" in str(e):  # Arrow's words for a record longer than its block
+        return (
+            f"a record is longer than dataset.max_prompt_bytes={max_bytes}; shorten it, raise "
+            "the bound, or give the data as JSONL or Parquet (where such a row is its own error)"
+        )
+    return str(e)
+
+
+def _open_csv(path: Path, columns: list[str] | None, max_bytes: int) -> pacsv.CSVStreamingReader:
     delimiter = "\t" if ".tsv" in path.name.lower() else ","
     # Every column is read as text: type inference per block would fail on mixed columns, and
     # overrides are parsed per row instead (a bad cell is that row's error, not the job's). As
@@ -296,6 +351,8 @@ def _open_csv(path: Path, columns: list[str] | None) -> pacsv.CSVStreamingReader
         )
     return pacsv.open_csv(
         path,
+        # A block holds whole records: one of max_bytes fits, a longer one fails the file.
+        read_options=pacsv.ReadOptions(block_size=max_bytes + 1),
         parse_options=pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True),
         convert_options=convert,
     )

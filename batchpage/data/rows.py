@@ -17,7 +17,8 @@ from types import MappingProxyType
 from typing import Any
 
 from batchpage.chat_messages import normalize_messages
-from batchpage.data.text_checks import escaped, text_error
+from batchpage.data.readers import DEFAULT_MAX_PROMPT_BYTES
+from batchpage.data.text_checks import escaped, size_error, text_error, utf8_size
 from batchpage.sampling_params import StructuredOutputsParams
 
 # Override columns picked up wherever the data has them (dataset.override_columns=null).
@@ -98,11 +99,13 @@ def make_row(
     system_prompt: str | None,
     from_text: bool,
     carried: Sequence[str] = (),
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
 ) -> Row:
     """Check one record. `rec` is a str when the reader could not parse it (it says why).
 
     from_text: the values are all text (CSV), so numbers in override columns are parsed.
     carried: the input columns copied to the output row as they are.
+    max_prompt_bytes: a longer prompt (a chat: its contents together) is the row's error.
     """
     if isinstance(rec, str):
         return Row(index=index, id=str(index), error=rec)
@@ -121,8 +124,12 @@ def make_row(
         pass  # its error is in errors already
     elif messages_column is not None:
         row.messages, err = _check_messages(rec.get(messages_column, _MISSING), system_prompt)
+        err = err or messages_size_error(row.messages, max_prompt_bytes)
+        row.messages = None if err else row.messages
     else:
         row.prompt, err = _check_prompt(rec.get(prompt_column or "", _MISSING))
+        err = err or prompt_size_error(row.prompt, max_prompt_bytes)
+        row.prompt = None if err else row.prompt
         row.system_prompt = system_prompt
     if err:
         errors.append(err)
@@ -138,6 +145,20 @@ def make_row(
             errors.append(f"bad {name}: {e}")
     row.error = "; ".join(errors) or None
     return row
+
+
+def prompt_size_error(prompt: str | None, bound: int) -> str | None:
+    """The error of a prompt over `bound` UTF-8 bytes, else None."""
+    size = utf8_size(prompt, bound) if prompt is not None else None
+    return size_error("the prompt", size, bound) if size is not None else None
+
+
+def messages_size_error(messages: list[dict[str, str]] | None, bound: int) -> str | None:
+    """The error of a chat whose contents together are over `bound` UTF-8 bytes, else None."""
+    if not messages:
+        return None
+    size = utf8_size("".join(m["content"] for m in messages), bound)
+    return size_error("the chat's content", size, bound) if size is not None else None
 
 
 def _unencodable_columns(

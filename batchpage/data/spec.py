@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob as globlib
 import os
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ import batchpage.data.presets as presets
 from batchpage.data.carry import carried_columns, carried_schema, check_window
 from batchpage.data.openai_batch import ID_FIELD, REQUEST_FIELDS, make_batch_row
 from batchpage.data.readers import (
+    DEFAULT_MAX_PROMPT_BYTES,
     JSON_LINES,
     DatasetError,
     count_records,
@@ -64,6 +66,10 @@ class DatasetSpec:
     None: every column the job does not consume (prompt or messages, id, overrides); []: none.
     format=openai_batch (auto-detected when the first record has custom_id and body): each line
     is an OpenAI Batch request; its body holds the prompt and sampling values, custom_id the id.
+    max_prompt_bytes: the most UTF-8 bytes of one prompt (a chat's contents together) and of
+    the text the chat template makes of it, and of one input row as stored (a JSONL line, a CSV
+    record). A longer JSONL line or prompt is that row's error, found before it is tokenized
+    and without holding the line in memory; a longer CSV record fails the file at once.
     """
 
     path: str = "evals"
@@ -82,6 +88,7 @@ class DatasetSpec:
     chat_template_kwargs: Any = None
     style: str = "auto"
     keep_columns: list[str] | None = None
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,12 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         raise DatasetError(f"dataset.limit={spec.limit} must be >= 0 (or null for all rows)")
     if spec.window_rows < 1:
         raise DatasetError(f"dataset.window_rows={spec.window_rows} must be >= 1")
+    if spec.max_prompt_bytes < 1:
+        raise DatasetError(
+            f"dataset.max_prompt_bytes={spec.max_prompt_bytes} must be >= 1 (default "
+            f"{DEFAULT_MAX_PROMPT_BYTES})"
+        )
+    bound = spec.max_prompt_bytes
     chat_template = str(spec.chat_template).lower()
     if chat_template not in CHAT_TEMPLATE_MODES:
         raise DatasetError(
@@ -142,9 +155,9 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
             "preset); for other data use dataset.chat_template=true|false"
         )
     fmt, files = resolve_format(spec.format, paths)
-    if fmt == "jsonl" and spec.format == "auto" and is_openai_batch(files[0]):
+    if fmt == "jsonl" and spec.format == "auto" and is_openai_batch(files[0], bound):
         fmt = "openai_batch"
-    columns, num_rows = peek_columns(fmt, files, spec.split)
+    columns, num_rows = peek_columns(fmt, files, spec.split, bound)
     if fmt == "openai_batch":
         prompt_col, messages_col, id_column, overrides = _batch_columns(spec, columns, files)
     else:
@@ -163,7 +176,7 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
     carried = carried_columns(columns, consumed, spec.keep_columns, files[0])
 
     if num_rows is None and fmt in (*JSON_LINES, "csv"):
-        num_rows = count_records(fmt, files, spec.limit)
+        num_rows = count_records(fmt, files, spec.limit, bound)
     if num_rows is not None and spec.limit is not None:
         num_rows = min(num_rows, spec.limit)
     key = {
@@ -191,7 +204,7 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         styles=preset.styles if preset else None,
         chat_template=chat_template,
         carried=carried,
-        carried_schema=carried_schema(fmt, files, spec.split, carried),
+        carried_schema=carried_schema(fmt, files, spec.split, carried, bound),
     )
 
 
@@ -269,7 +282,9 @@ def _check_ids(fmt: str, files: list[Path], spec: DatasetSpec, column: str) -> N
     seen: dict[str, int] = {}
     duplicates: list[str] = []
     nulls: list[int] = []
-    records = open_records(fmt, files, spec.split, [column], spec.window_rows)
+    records = open_records(
+        fmt, files, spec.split, [column], spec.window_rows, spec.max_prompt_bytes
+    )
     for index, rec in enumerate(records):
         if spec.limit is not None and index >= spec.limit:
             break
@@ -315,6 +330,12 @@ def _resolve_files(path: str) -> tuple[list[Path], presets.ResolvedPreset | None
         return files, None
     p = Path(expanded)
     if p.exists():
+        if not p.is_dir() and not stat.S_ISREG(p.stat().st_mode):
+            # /dev/zero, a FIFO or a socket: reading (or digesting) it may never end.
+            raise DatasetError(
+                f"dataset.path={path!r} is not a regular file (a device, FIFO or socket); "
+                "point it at a data file, a folder or a glob"
+            )
         return [p], None
     hint = ""
     if os.sep not in path and "." not in path:
@@ -343,10 +364,11 @@ def iter_rows(spec: DatasetSpec, info: DatasetInfo | None = None) -> Iterator[Ro
     ]
     wanted = list(dict.fromkeys(c for c in columns if c))  # unique, in order
     paths = [Path(f) for f in info.files]
-    records = open_records(info.format, paths, spec.split, wanted, spec.window_rows)
+    bound = spec.max_prompt_bytes
+    records = open_records(info.format, paths, spec.split, wanted, spec.window_rows, bound)
     for index, rec in enumerate(records):
         if info.format == "openai_batch":
-            yield make_batch_row(index, rec, info.carried)
+            yield make_batch_row(index, rec, info.carried, bound)
         else:
             yield make_row(
                 index,
@@ -358,6 +380,7 @@ def iter_rows(spec: DatasetSpec, info: DatasetInfo | None = None) -> Iterator[Ro
                 system_prompt=spec.system_prompt,
                 from_text=from_text,
                 carried=info.carried,
+                max_prompt_bytes=bound,
             )
         if spec.limit is not None and index + 1 >= spec.limit:
             return

@@ -71,6 +71,21 @@ def text_error(index: int, column: str, value: Any) -> str | None:
     )
 
 
+def utf8_size(text: str, bound: int) -> int | None:
+    """The UTF-8 size of `text` if it is over `bound` bytes, else None (cheap for short text)."""
+    if len(text) * 4 <= bound:  # no character takes more than 4 bytes
+        return None
+    size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    return size if size > bound else None
+
+
+def size_error(what: str, size: int, bound: int) -> str:
+    return (
+        f"{what} is {size:,} bytes, over dataset.max_prompt_bytes={bound}: shorten it, or raise "
+        "the bound"
+    )
+
+
 def escaped(value: Any) -> str:
     """An id that cannot be written as it is, as text that can (backslash escapes), so that the
     output row still names its input row."""

@@ -19,7 +19,7 @@ from batchpage.engine.config import EngineConfig
 from batchpage.engine.plan import EnginePlan, plan_engine
 from batchpage.fileio import file_digest
 from batchpage.job.config import JobConfig
-from batchpage.job.prompts import PromptPlan
+from batchpage.job.prompts import PromptPlan, check_template
 from batchpage.job.score import check_scorable, code_schema
 from batchpage.model.loader import ModelSource, load_tokenizer, resolve_model_source
 from batchpage.model.tokenizer import check_chat_template_kwargs, resolve_chat_template
@@ -123,14 +123,19 @@ def _prompt_plan(
     template = resolve_chat_template(cfg.engine.chat_template)
     kwargs = dict(cfg.dataset.chat_template_kwargs or {})
     check_chat_template_kwargs(kwargs)
-    if info.styles is None:
-        return None, PromptPlan(info.chat_template, None, template, kwargs)
-    style = cfg.dataset.style
-    if style == "auto":
-        has_template = template is not None or load_tokenizer(source).has_chat_template
-        style = "instruct" if has_template else "completion"
-    instruct = info.styles.instruct if style == "instruct" else None
-    return style, PromptPlan(info.chat_template, instruct, template, kwargs)
+    bound = cfg.dataset.max_prompt_bytes
+    style = None
+    instruct = None
+    if info.styles is not None:
+        style = cfg.dataset.style
+        if style == "auto":
+            has_template = template is not None or load_tokenizer(source).has_chat_template
+            style = "instruct" if has_template else "completion"
+        instruct = info.styles.instruct if style == "instruct" else None
+    plan = PromptPlan(info.chat_template, instruct, template, kwargs, bound)
+    if chats or instruct is not None or info.chat_template == "true" or cfg.dataset.system_prompt:
+        check_template(load_tokenizer(source), plan)  # a template that fails every row
+    return style, plan
 
 
 def _extra_schema(

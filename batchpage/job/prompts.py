@@ -7,7 +7,10 @@ How a row is posed (PromptPlan, settled by plan_job before the model loads):
   style it is sent as raw text, its stop strings being in the job's SamplingParams already;
 - a plain prompt goes through the chat template as a user turn when dataset.chat_template=true
   or a system_prompt is set, and is sent as raw text otherwise.
-Prompts are tokenized here, so the job knows every row's cost before it is generated.
+Prompts are tokenized here, so the job knows every row's cost before it is generated. The text
+that reaches the tokenizer is bounded by dataset.max_prompt_bytes (the chat template renders
+within that many characters, its work and time bounded too: batchpage.model.chat_render); a
+row past a bound is that row's error.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from batchpage.data.rows import Row
+from batchpage.data.readers import DEFAULT_MAX_PROMPT_BYTES
+from batchpage.data.rows import Row, prompt_size_error
+from batchpage.model.render_budget import RenderLimits, TemplateLimitError
 from batchpage.model.tokenizer import Tokenizer
 from batchpage.output.batch_files import logprobs_json
 from batchpage.output.files import ResultRow
@@ -31,6 +36,11 @@ class PromptPlan:
     instruct: str | None = None  # the user turn around {prompt}, in the instruct style
     template: str | None = None  # engine.chat_template's text; None: the model's own
     template_kwargs: dict[str, Any] | None = None  # dataset.chat_template_kwargs
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # dataset.max_prompt_bytes
+
+    @property
+    def limits(self) -> RenderLimits:
+        return RenderLimits(max_chars=self.max_prompt_bytes)
 
 
 class Prepared(NamedTuple):
@@ -99,17 +109,53 @@ def prepare_window(
         chat = chat_of(row, plan)
         if chat is None:
             text = row.prompt or ""
+            too_long = prompt_size_error(text, plan.max_prompt_bytes)
+            if too_long:
+                fail(too_long, None)
+                continue
             ready.append(Prepared(row, tokenizer.encode(text), text, params))
             continue
         try:
-            ids = tokenizer.apply_chat_template(
-                chat, chat_template=plan.template, chat_template_kwargs=plan.template_kwargs
+            text = tokenizer.render_chat_template(
+                chat,
+                chat_template=plan.template,
+                chat_template_kwargs=plan.template_kwargs,
+                limits=plan.limits,
             )
         except Exception as e:  # a template can fail on one odd chat; only that row fails
             fail(f"chat template failed: {e}", None)
             continue
+        too_long = prompt_size_error(text, plan.max_prompt_bytes)
+        if too_long:
+            fail(f"after the chat template, {too_long.removeprefix('the ')}", None)
+            continue
+        ids = tokenizer.encode(text, add_special_tokens=False)
         ready.append(Prepared(row, ids, tokenizer.decode(ids, skip_special_tokens=False), params))
     return ready, failed
+
+
+def check_template(tokenizer: Tokenizer, plan: PromptPlan) -> None:
+    """Render a one-turn chat with the job's template before the model loads: a template that
+    cannot compile, or that goes past its bounds even on that, would fail every row, so it is
+    the job's error (ValueError). Any other failure is left to the rows it concerns."""
+    from jinja2 import TemplateSyntaxError
+
+    probe = [{"role": "user", "content": "Hello"}]
+    try:
+        tokenizer.render_chat_template(
+            probe,
+            chat_template=plan.template,
+            chat_template_kwargs=plan.template_kwargs,
+            limits=plan.limits,
+        )
+    except (TemplateLimitError, TemplateSyntaxError) as e:
+        which = "engine.chat_template" if plan.template is not None else "the model's chat template"
+        raise ValueError(
+            f"{which} fails on a one-line chat: {e}; fix the template, or give another with "
+            "engine.chat_template=<file.jinja>"
+        ) from None
+    except Exception:  # noqa: BLE001 (a template may refuse this chat and accept the data's)
+        return
 
 
 def to_result(

@@ -1,0 +1,160 @@
+"""One input cannot take the job's memory or time: a hostile chat template in the model folder
+(exit 2 before the model loads when it fails even a one-line chat, that row's error when only
+some data sets it off), a 10 MB JSONL line and a prompt over dataset.max_prompt_bytes (that
+row's error, never tokenized, the line never held whole), and a path that is not a regular
+file (exit 2 at once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchpage.data import DatasetError, DatasetSpec, iter_rows, validate
+from batchpage.data.readers import DEFAULT_MAX_PROMPT_BYTES
+from batchpage.job import JobConfigError, run_job
+from batchpage.model.tokenizer import Tokenizer
+from tests.job.test_loop import job, never, table, write_jsonl
+from tests.job.test_run_cli import cli, tiny_job_args
+
+EXPLODES = "{% set ns = namespace(s='x') %}{% for i in range(99) %}{% set ns.s = ns.s ~ ns.s %}"
+EXPLODES += "{% endfor %}{{ ns.s }}"
+# Only a chat that says "boom" sets it off: the template is fine for every other row.
+ON_BOOM = (
+    "{% for m in messages %}{% if 'boom' in m.content %}{{ 'x' * 3000000000 }}{% endif %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+CHAT_DATASET = {"messages_column": "messages", "prompt_column": None}
+
+
+def folder_with_template(tiny_folder: Path, where: Path, template: str) -> Path:
+    model = shutil.copytree(tiny_folder, where)
+    (model / "chat_template.jinja").write_text(template)
+    return model
+
+
+def chats(*texts: str) -> list[dict[str, Any]]:
+    return [{"messages": [{"role": "user", "content": t}]} for t in texts]
+
+
+def test_a_template_that_fails_any_chat_exits_2_before_the_model_loads(
+    tmp_path: Path, tiny_folder: Path
+) -> None:
+    model = folder_with_template(tiny_folder, tmp_path / "model", EXPLODES)
+    data = write_jsonl(tmp_path / "d.jsonl", chats("hi", "there"))
+    cfg = job(data, model, tmp_path / "out", dataset=CHAT_DATASET)
+    with pytest.raises(JobConfigError, match=r"the model's chat template fails on a one-line"):
+        run_job(cfg, llm_factory=never)
+    args = [*tiny_job_args(data, model, tmp_path / "cli"), "dataset.messages_column=messages"]
+    proc = cli([*args, "dataset.prompt_column=null"], tmp_path, stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    assert len(err.strip().splitlines()) == 1 and "'~' would make a value of" in err
+
+
+def test_a_template_set_off_by_one_row_is_that_rows_error(tmp_path: Path, tiny_folder) -> None:
+    model = folder_with_template(tiny_folder, tmp_path / "model", ON_BOOM)
+    data = write_jsonl(tmp_path / "d.jsonl", chats("hello", "boom now", "world"))
+    result = run_job(job(data, model, tmp_path / "out", dataset=CHAT_DATASET))
+    assert (result.rows, result.errors) == (3, 1)
+    got = table(tmp_path / "out")
+    assert got[1]["error"].startswith("chat template failed: the chat template's '*' would")
+    assert got[0]["completion"] and got[2]["completion"]
+
+
+def test_a_10mb_jsonl_line_is_its_rows_error_without_being_held(tmp_path: Path) -> None:
+    data = tmp_path / "d.jsonl"
+    with data.open("w") as f:
+        f.write('{"prompt": "first"}\n')
+        line = json.dumps({"prompt": "y" * 10_000_000})
+        f.write(line + "\n")
+        f.write('{"prompt": "last"}\n')
+    tracemalloc.start()
+    started = time.perf_counter()
+    rows = list(iter_rows(DatasetSpec(path=str(data))))
+    elapsed = time.perf_counter() - started
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert [r.prompt for r in rows] == ["first", None, "last"]
+    assert rows[1].error == (
+        f"d.jsonl line 2 is {len(line):,} bytes, over dataset.max_prompt_bytes="
+        f"{DEFAULT_MAX_PROMPT_BYTES}: shorten that row, or raise the bound"
+    )
+    # validate and the row pass each read the file; no pass held the 10 MB line whole.
+    assert peak < 10_000_000
+    assert elapsed < 5.0  # measured: well under a second (the line is skipped, not parsed)
+
+
+def test_a_prompt_over_the_bound_never_reaches_the_tokenizer(
+    tmp_path: Path, tiny_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    encoded: list[int] = []
+    encode = Tokenizer.encode
+
+    def spy(self: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+        encoded.append(len(text))
+        return encode(self, text, add_special_tokens)
+
+    monkeypatch.setattr(Tokenizer, "encode", spy)
+    data = tmp_path / "d.parquet"
+    big = "z" * (DEFAULT_MAX_PROMPT_BYTES + 1)
+    pq.write_table(pa.table({"prompt": ["short one", big, "é" * 3000]}), data)
+    cfg = job(data, tiny_folder, tmp_path / "out", dataset={"max_prompt_bytes": 5000})
+    run_job(cfg)
+    got = table(tmp_path / "out")
+    assert got[1]["error"] == (
+        f"the prompt is {len(big):,} bytes, over dataset.max_prompt_bytes=5000: shorten it, "
+        "or raise the bound"
+    )
+    assert got[2]["error"].startswith("the prompt is 6,000 bytes")  # UTF-8 bytes, not chars
+    assert got[0]["completion"] and max(encoded) < 5000
+
+    # The chat template's text is bounded the same way (a short chat, a long rendering).
+    echo = "{% for i in range(50) %}{{ messages[0].content }}{% endfor %}"
+    model = folder_with_template(tiny_folder, tmp_path / "model", echo)
+    data = write_jsonl(tmp_path / "c.jsonl", chats("a" * 99, "b"))
+    dataset = {**CHAT_DATASET, "max_prompt_bytes": 1000}
+    run_job(job(data, model, tmp_path / "chat", dataset=dataset))
+    got = table(tmp_path / "chat")
+    assert got[0]["error"].startswith("chat template failed: the chat template's text for one")
+    assert got[1]["error"] is None and max(encoded) < 5000
+
+
+def test_a_csv_record_over_the_bound_fails_the_file_at_once(tmp_path: Path) -> None:
+    data = tmp_path / "d.csv"
+    data.write_text('prompt\nshort\n"' + "q" * 3000 + '"\n')
+    with pytest.raises(DatasetError, match="a record is longer than dataset.max_prompt_bytes"):
+        validate(DatasetSpec(path=str(data), max_prompt_bytes=1000))
+    assert validate(DatasetSpec(path=str(data))).num_rows == 2
+
+
+def test_a_path_that_is_not_a_regular_file_is_refused(tmp_path: Path, tiny_folder) -> None:
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    link = tmp_path / "zero.jsonl"
+    link.symlink_to("/dev/zero")
+    for path in (fifo, link, Path("/dev/zero")):
+        with pytest.raises(DatasetError, match="is not a regular file"):
+            validate(DatasetSpec(path=str(path)))
+    with pytest.raises(DatasetError, match="max_prompt_bytes=0 must be >= 1"):
+        validate(DatasetSpec(path=str(tiny_folder), max_prompt_bytes=0))
+    proc = cli(
+        tiny_job_args(Path("/dev/zero"), tiny_folder, tmp_path / "o"),
+        tmp_path,
+        stderr=subprocess.PIPE,
+    )
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert err.strip() == (
+        "error: dataset.path='/dev/zero' is not a regular file (a device, FIFO or socket); "
+        "point it at a data file, a folder or a glob"
+    )

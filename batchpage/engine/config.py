@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from batchpage.cache.radix_cache import EVICTION_POLICIES
-from batchpage.model.packed_linear import LINEAR_BACKENDS
+from batchpage.ops.select import LINEAR_BACKENDS
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -26,7 +26,7 @@ class EngineConfig:
     prefix_caching: bool = True
     eviction_policy: str = "lru"
     attention_backend: str = "auto"
-    # CPU matmuls (model/packed_linear.py): "auto" takes batchpage's bf16 kernel for bfloat16 on
+    # CPU matmuls (batchpage/ops/select.py): "auto" takes batchpage's bf16 kernel for bfloat16 on
     # AVX512-BF16, else prepacks weights for oneDNN where it can; "avx512_bf16" and "onednn"
     # require theirs; "torch" keeps F.linear.
     linear_backend: str = "auto"

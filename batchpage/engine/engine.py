@@ -22,7 +22,7 @@ from batchpage.engine.config import EngineConfig
 from batchpage.engine.constraint import GrammarMasks, advance
 from batchpage.engine.grammar_cache import GrammarCache
 from batchpage.engine.kv_manager import KVCacheManager, StaticKVCacheManager
-from batchpage.engine.model_runner import ModelRunner, make_attention_backend, make_layer_ops
+from batchpage.engine.model_runner import ModelRunner, make_attention_backend, uses_cpu_kernels
 from batchpage.engine.plan import EnginePlan
 from batchpage.engine.sampler import compute_logprobs, sample
 from batchpage.engine.scheduler import ScheduledSeq, Scheduler
@@ -34,8 +34,8 @@ from batchpage.host_memory import keep_freed_memory
 from batchpage.metrics import RunStats
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
-from batchpage.model.packed_linear import linear_packing
 from batchpage.model.tokenizer import Tokenizer
+from batchpage.ops.select import select_model_ops
 
 BEAM_SEARCH_WITH_CONSTRAINT = (
     "structured_outputs cannot be combined with use_beam_search: use sampling or greedy "
@@ -75,17 +75,13 @@ class Engine:
             self.kv_manager = KVCacheManager(
                 plan.num_blocks, cfg.block_size, cfg.prefix_caching, cfg.eviction_policy
             )
-        packing = linear_packing(cfg.linear_backend, plan.dtype, plan.device)
-        if packing is not None:
-            model.prepack_linears(packing)
         attention = make_attention_backend(cfg.attention_backend, plan.device)
-        layer_ops = make_layer_ops(attention)
-        model.use_layer_ops(layer_ops)
-        model.use_direct_forward()  # where the layers allow: their kernels without the modules
-        # The all-greedy sampler's argmax: the C++ one where the layer ops built.
-        self.argmax: Callable[[torch.Tensor], torch.Tensor] | None = (
-            None if layer_ops is None else layer_ops.argmax
+        ops = select_model_ops(
+            cfg.linear_backend, uses_cpu_kernels(attention), plan.dtype, plan.device
         )
+        self.bind_report = model.bind(ops)
+        # The all-greedy sampler's argmax: the bound layer ops' (the C++ one on the CPU kernels).
+        self.argmax: Callable[[torch.Tensor], torch.Tensor] = ops.layer.argmax
         self.runner = ModelRunner(model, kv, attention)
         self.scheduler = Scheduler(
             self.kv_manager,

@@ -5,7 +5,6 @@ tensors, the attention backend and the host copies of swapped-out sequences."""
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,9 +13,6 @@ from batchpage.cache.kv_cache import KVCache
 from batchpage.engine.scheduler import SchedulerOutput
 from batchpage.engine.step_inputs import StepInputs
 from batchpage.model.causal_lm import CausalLM
-
-if TYPE_CHECKING:
-    from batchpage.kernels.cpu_layer_ops import CpuLayerOps
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -45,21 +41,12 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         return TorchPagedAttention()
 
 
-def make_layer_ops(attention: AttentionBackend) -> CpuLayerOps | None:
-    """The C++ layer ops (norms, gated activation, rope) go with the C++ attention kernel: a CPU
-    engine with attention_backend='torch' stays all torch. None, with a warning, when they do
-    not build here (the layers then run in torch)."""
+def uses_cpu_kernels(attention: AttentionBackend) -> bool:
+    """Whether the engine runs the C++ CPU kernels, which the C++ layer ops go with: a CPU
+    engine with attention_backend='torch' stays all torch."""
     from batchpage.attention.cpu_backend import CpuPagedAttention
-    from batchpage.kernels.cpu_build import KernelBuildError
-    from batchpage.kernels.cpu_layer_ops import CpuLayerOps
 
-    if not isinstance(attention, CpuPagedAttention):
-        return None
-    try:
-        return CpuLayerOps.build()
-    except KernelBuildError as exc:
-        warnings.warn(f"{exc}; the layers' norms and activations run in torch", stacklevel=2)
-        return None
+    return isinstance(attention, CpuPagedAttention)
 
 
 class ModelRunner:

@@ -13,10 +13,10 @@ model itself holds no per-request state.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
@@ -24,20 +24,23 @@ from batchpage.attention.backend import StepAttention
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
 from batchpage.model.config import ModelConfig
-from batchpage.model.layers import Attention, GatedMLP, RMSNorm, linear
-from batchpage.model.packed_linear import (
-    ONEDNN_PACKING,
-    LinearPacking,
-    PackReport,
-    pack_linear_modules,
-)
+from batchpage.model.layers import GatedMLP, RMSNorm, UsesLayerOps, linear
 from batchpage.model.rope import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from batchpage.kernels.cpu_layer_ops import CpuLayerOps
-    from batchpage.model.direct_forward import DirectForward
+from batchpage.ops.linear import Linear, LinearOp, dtype_format
+from batchpage.ops.select import ModelOps
+from batchpage.ops.workspace import Workspace
 
 ShardKey = Hashable | None  # None: the whole parameter
+
+
+@dataclass(frozen=True)
+class BindReport:
+    """What bind did: the linears its method replaced, the extra bytes it keeps (a tied
+    lm_head's copy in the method's layout), and the layer count per weight format."""
+
+    linears: int
+    extra_bytes: int
+    weight_formats: dict[str, int]
 
 
 class CausalLM(nn.Module):
@@ -67,15 +70,15 @@ class CausalLM(nn.Module):
             self.make_layer(i, cfg, dtype, device) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.direct: DirectForward | None = None  # set by use_direct_forward
-        self.lm_head: nn.Module | None = (
+        self.lm_head: LinearOp | None = (
             None
             if cfg.tie_word_embeddings
             else linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
         )
-        # A tied model's lm_head in a packed layout, set by prepack_linears (the embedding keeps
-        # its plain table for lookups).
-        self.tied_head: nn.Module | None = None
+        # A tied model's lm_head in its linear method's layout, set by bind (the embedding keeps
+        # its plain table for lookups); None: the embedding table itself multiplies.
+        self.tied_head: LinearOp | None = None
+        self.bound: ModelOps | None = None  # set once, by bind
 
     def make_layer(
         self, layer: int, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
@@ -90,68 +93,75 @@ class CausalLM(nn.Module):
         kv: KVCache,
         attn: StepAttention,  # this step's attention, planned by the backend
     ) -> torch.Tensor:  # [T, hidden], after the final norm
-        if self.direct is not None:
-            return self.direct(input_ids, positions, meta, kv, attn)
         cos, sin = self.rotary(positions, meta)
-        x, residual = self.embed_tokens(input_ids), None
+        residual = self.embed_tokens(input_ids)  # the stream, updated in place by every layer
+        ws = Workspace(residual.shape[0], residual.dtype, residual.device)
+        delta = None
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, meta, kv, attn)
-        return self.norm(x) if residual is None else self.norm.add_norm(x, residual)[1]
+            delta = layer(delta, residual, cos, sin, meta, kv, attn, ws)
+        out = torch.empty_like(residual)
+        if delta is None:
+            self.norm.norm_into(out, residual)
+        else:
+            self.norm.add_norm_into(out, residual, delta)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
         """The lm_head's output in the model's dtype, as HF computes it; whoever needs float32
         (sampling, logprobs) converts the rows it uses. A greedy step only takes each row's
-        argmax, exact in any dtype, and skips a float32 copy of every row (64 x 49152 floats
-        for SmolLM2 at 64 running sequences)."""
+        argmax, exact in any dtype, and skips a float32 copy of every row."""
         if self.lm_head is not None:
             return self.lm_head(hidden)
         if self.tied_head is not None:
             return self.tied_head(hidden)
-        return F.linear(hidden, self.embed_tokens.weight)
+        return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
 
-    def prepack_linears(self, packing: LinearPacking = ONEDNN_PACKING) -> PackReport:
-        """Move every linear, the lm_head included, to a prepacked layout: oneDNN's by default,
-        or the modules `packing` makes (see model/packed_linear.py, `linear_packing`, which
-        checks that it applies here); where it fuses SiLU(gate) * up, each SiLU GatedMLP's
-        gate/up linear becomes one that returns the activation. Inference only: the plain
-        weights are dropped, so load_weights no longer applies. Packing twice is a no-op."""
-        self.direct = None  # it called the old linears: use_direct_forward builds it anew
-        fused = 0
-        if packing.silu_mul is not None:
+    @torch.no_grad()
+    def bind(self, ops: ModelOps) -> BindReport:
+        """Bind the loaded model to the engine's ops, once: every dense linear becomes the
+        linear method's module (the lm_head included; a tied one gets a copy in that layout
+        beside the embedding table), each SiLU-gated MLP's gate/up linear the fused one where
+        the method fuses it, and every layer computes through `ops.layer`. Call after
+        load_weights: a method that repacks drops the plain weights. Raises on a second call
+        (a bound model's layers are no longer the dense ones a method takes)."""
+        if self.bound is not None:
+            raise RuntimeError("this model is bound already: bind it once, after loading")
+        method = ops.linear
+        if method.silu_mul is not None:
             for mlp in self.modules():
-                if isinstance(mlp, GatedMLP) and mlp.silu_gated:
-                    gate_up = mlp.gate_up_proj
-                    if isinstance(gate_up, nn.Linear) and gate_up.bias is None:
-                        mlp.gate_up_proj = packing.silu_mul(gate_up.weight)
-                        mlp.gate_up_activated = True
-                        fused += 1
-        packed = fused + pack_linear_modules(self, packing.linear)
-        if self.lm_head is not None or self.tied_head is not None:  # untied, or packed before
-            return PackReport(packed, 0)
-        table = self.embed_tokens.weight
-        self.tied_head = packing.linear(table, None)
-        return PackReport(packed + 1, table.numel() * table.element_size())
+                if not (isinstance(mlp, GatedMLP) and mlp.silu_gated):
+                    continue
+                gate_up = mlp.gate_up_proj
+                if isinstance(gate_up, Linear) and gate_up.bias is None:
+                    mlp.gate_up_proj = method.silu_mul(gate_up.weight)
+                    mlp.gate_up_activated = True
+        replaced, extra = 0, 0
+        if method.make is not None:
+            dense = [(n, m) for n, m in self.named_modules() if isinstance(m, Linear)]
+            for name, module in dense:
+                parent, _, leaf = name.rpartition(".")
+                setattr(self.get_submodule(parent), leaf, method.make(module.weight, module.bias))
+            replaced = len(dense)
+            if self.lm_head is None:
+                table = self.embed_tokens.weight
+                self.tied_head = method.make(table, None)
+                extra = table.numel() * table.element_size()
+        for module in self.modules():
+            if isinstance(module, UsesLayerOps):
+                module.ops = ops.layer
+        self.bound = ops
+        return BindReport(replaced, extra, self.weight_formats())
 
-    def use_layer_ops(self, ops: CpuLayerOps | None) -> int:
-        """Run the layers' norms, gated activations and rope through the CPU ops (C++,
-        kernels/cpu_layer_ops.py; None: back to torch). Returns how many modules took them.
-        Families with their own norm or activation (Gemma's) keep those in torch. Drops the
-        direct path, which called the previous ops."""
-        users = [m for m in self.modules() if isinstance(m, (RMSNorm, GatedMLP, Attention))]
-        for m in users:
-            m.layer_ops = ops
-        self.direct = None  # it called the old ops: use_direct_forward builds it anew
-        return len(users)
-
-    def use_direct_forward(self) -> bool:
-        """Run forward as direct calls into the CPU kernels (model/direct_forward.py: the same
-        kernels and values without the modules' Python) where every layer allows it; call after
-        prepack_linears and use_layer_ops. Returns whether it applies."""
-        from batchpage.model.direct_forward import DirectForward
-
-        own = type(self).forward is CausalLM.forward  # not Gemma's, say: its stack is its own
-        self.direct = DirectForward.build(self) if own else None
-        return self.direct is not None
+    def weight_formats(self) -> dict[str, int]:
+        """Linear layers per weight format (e.g. {"bf16": 211}), the lm_head among them."""
+        formats: dict[str, int] = {}
+        for m in self.modules():  # the lm_head, or a tied model's copy, among them
+            if isinstance(m, LinearOp):
+                formats[m.weight_format] = formats.get(m.weight_format, 0) + 1
+        if self.lm_head is None and self.tied_head is None:  # the embedding table multiplies
+            name = dtype_format(self.embed_tokens.weight.dtype)
+            formats[name] = formats.get(name, 0) + 1
+        return formats
 
     def checkpoint_target(self, name: str) -> tuple[str, ShardKey]:
         """Checkpoint name without `model.` -> (our parameter name, shard key)."""
@@ -190,6 +200,7 @@ class CausalLM(nn.Module):
         missing = sorted({name for name, _ in pending})
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
+        self.requires_grad_(False)  # inference only: the ops write into given outputs
 
     def _owner(self, name: str) -> tuple[nn.Module, str]:
         module, _, leaf = name.rpartition(".")

@@ -25,6 +25,7 @@ from batchpage.model.config import ModelConfig
 from batchpage.model.gemma_layers import GeGLUMLP, GemmaAttention, GemmaDecoderLayer, GemmaRMSNorm
 from batchpage.model.llama import SPLIT_PROJECTIONS
 from batchpage.model.rope import RotaryEmbedding
+from batchpage.ops.workspace import Workspace
 
 # Where a Gemma 3 multimodal checkpoint keeps its text model (transformers 4.50-4.51 and later
 # layouts), and the tensors of its image side, which a text-only engine leaves unread.
@@ -79,13 +80,14 @@ class Gemma2ForCausalLM(CausalLM):
         attn: StepAttention,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         x = self.embed_tokens(input_ids)
+        ws = Workspace(x.shape[0], x.dtype, x.device)
         # HF rounds the scale to the model dtype before multiplying, so do the same
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         rope = self.rotary(positions, meta)
         local = rope if self.local_rotary is None else self.local_rotary(positions, meta)
         for i, layer in enumerate(self.layers):
             cos, sin = local if self.config.window(i) else rope
-            x = layer(x, cos, sin, meta, kv, attn)
+            x = layer(x, cos, sin, meta, kv, attn, ws)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> f32 [N, V]

@@ -13,6 +13,7 @@ from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
 from batchpage.model.config import ModelConfig
 from batchpage.model.layers import Attention, GatedMLP
+from batchpage.ops.workspace import Workspace
 
 
 class GemmaRMSNorm(nn.Module):
@@ -35,9 +36,12 @@ class GeGLUMLP(GatedMLP):
 
     silu_gated = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+    def forward(self, x: torch.Tensor, ws: Workspace) -> torch.Tensor:  # [T, hidden] each
+        gate_up = self.gate_up_proj.apply(x, ws.take("gate_up", 2 * self.intermediate))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        act = ws.take("act", self.intermediate)
+        torch.mul(F.gelu(gate, approximate="tanh"), up, out=act)
+        return self.down_proj.apply(act, ws.take("mlp_out", self.hidden))
 
 
 class GemmaAttention(Attention):
@@ -91,8 +95,9 @@ class GemmaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         kv: KVCache,
         attn: StepAttention,  # this step's attention, planned by the backend
+        ws: Workspace,
     ) -> torch.Tensor:  # [T, hidden]
-        h = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv, attn)
+        h = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv, attn, ws)
         x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
+        h = self.mlp(self.pre_feedforward_layernorm(x), ws)
         return x + self.post_feedforward_layernorm(h)

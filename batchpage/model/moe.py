@@ -17,6 +17,7 @@ from torch import nn
 
 from batchpage.model.config import MoEConfig
 from batchpage.model.layers import linear
+from batchpage.ops.workspace import Workspace
 
 
 class Experts(nn.Module):
@@ -72,7 +73,11 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        ws: Workspace | None = None,  # the MLPs' interface; the experts' outputs are their own
+    ) -> torch.Tensor:  # [T, H]
         weights, experts = self.route(x)
         flat = experts.flatten()  # [T * k]: pair j is token j // k
         order = flat.argsort(stable=True)

@@ -15,12 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from batchpage.model.packed_linear import (
-    Bf16DotLinear,
-    PackedLinear,
-    bf16_dot_kernel,
-    onednn_packs,
-)
+from batchpage.ops.bf16_linear import Bf16DotLinear, bf16_dot_kernel
+from batchpage.ops.onednn_linear import OneDnnLinear, onednn_packs
 from jobs.bench.report import timed
 from jobs.bench.workloads import WorkloadRequest
 
@@ -56,14 +52,14 @@ def matmul_gflops(
     tokens: int, in_features: int, out_features: int, dtype: torch.dtype, min_time_s: float
 ) -> float:
     """Best observed GFLOP/s of [tokens, in] x [out, in]^T through F.linear and every engine
-    path that applies here: oneDNN's prepacked PackedLinear where oneDNN packs this dtype, and
+    path that applies here: oneDNN's prepacked OneDnnLinear where oneDNN packs this dtype, and
     the bf16 kernel (Bf16DotLinear) for bfloat16 on AVX512-BF16. The best call of the fastest,
     not the mean, because a ceiling should not include other processes' interference."""
     x = torch.randn(tokens, in_features, dtype=dtype)
     w = torch.randn(out_features, in_features, dtype=dtype)
     kernels: list[Callable[[], torch.Tensor]] = [lambda: F.linear(x, w)]
     if onednn_packs(dtype, x.device):
-        packed = PackedLinear(w, None)
+        packed = OneDnnLinear(w, None)
         kernels.append(lambda: packed(x))
     bf16 = bf16_dot_kernel(dtype, x.device, required=False)
     if bf16 is not None:

@@ -1,6 +1,6 @@
-"""The model's linears on this CPU: F.linear against oneDNN's prepacked PackedLinear and, in
+"""The model's linears on this CPU: F.linear against oneDNN's prepacked OneDnnLinear and, in
 bfloat16 on a CPU with AVX512-BF16, batchpage's bf16 kernel (Bf16DotLinear; both are engine
-paths, batchpage/model/packed_linear.py), at the row counts a step has.
+paths, batchpage/ops), at the row counts a step has.
 
     python -m jobs.bench.linears                       # SmolLM2's shapes, float32
     python -m jobs.bench.linears --dtype bfloat16 --rows 64,256 --out bench/linears.json
@@ -29,12 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from batchpage.model.loader import resolve_model_source
-from batchpage.model.packed_linear import (
-    Bf16DotLinear,
-    PackedLinear,
-    bf16_dot_kernel,
-    onednn_packs,
-)
+from batchpage.ops.bf16_linear import Bf16DotLinear, bf16_dot_kernel
+from batchpage.ops.onednn_linear import OneDnnLinear, onednn_packs
 from jobs.bench.report import command_line, environment, log, markdown_table, write_json
 
 
@@ -89,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = resolve_model_source(args.model).config
     kernel = bf16_dot_kernel(dtype, torch.device("cpu"), required=False)
     makers: dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
-        "onednn": lambda w: PackedLinear(w, None)
+        "onednn": lambda w: OneDnnLinear(w, None)
     }
     if kernel is not None:
         makers["bf16_kernel"] = lambda w: Bf16DotLinear(w, None, kernel)

@@ -27,29 +27,28 @@ from typing import Any
 
 from batchpage import LLM, SamplingParams
 from batchpage.cpu_info import cpu_model
-from batchpage.model import direct_forward
 from batchpage.model.loader import load_tokenizer
 from jobs.bench.report import command_line, log, markdown_table
 from jobs.bench.workloads import sample_sharegpt
 
 # (bucket, substrings of a py-spy frame "function (file:line)"), matched innermost frame first.
 BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # nn.Linear, and the prepacked linears that replace it (oneDNN's, the bf16 kernel's) before
+    # Every linear implementation (batchpage/ops: torch's, oneDNN's, the bf16 kernel's) before
     # the model's and the kernels' catch-alls below.
     (
         "linears",
         (
             "forward (torch/nn/modules/linear.py",
-            "Linear.forward",
-            "packed_linear.py",
-            "cpu_bf16_linear.py",
+            "ops/linear.py",
+            "onednn_linear.py",
+            "bf16_linear.py",
         ),
     ),
     ("lm_head", ("compute_logits",)),
-    # The C++ layer ops (kernels/cpu_layer_ops.py) before the kernels' catch-all below.
-    ("norms", ("RMSNorm.forward", "rms_norm (", "add_norm (")),
+    # The layer ops (batchpage/ops/layer_ops.py and cpu_layer_ops.py) by op.
+    ("norms", ("rms_norm (", "norm_into (", "RMSNorm.forward")),
     ("rope", ("rope.py", "rope_ (")),
-    ("activations", ("GatedMLP.forward", "act_fn", "gelu", "silu")),
+    ("activations", ("silu_mul (", "act_fn", "gelu", "silu")),
     ("attention", ("attention/", "kernels/", "StepAttention", "PagedAttention")),
     ("model, other", ("model/",)),
     ("sampling", ("sampler.py", "constraint.py")),
@@ -60,42 +59,12 @@ BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-# DirectForward (model/direct_forward.py) calls the compiled kernels from one function, so a
-# sample inside a kernel stops at the line that called it: that line's text names the part.
-DIRECT_SOURCE = Path(direct_forward.__file__)
-DIRECT_FRAME = "direct_forward.py:"
-DIRECT_CALLS: tuple[tuple[str, str], ...] = (
-    ("linears", "linear("),
-    ("norms", "rms_norm("),
-    ("rope", "rope("),
-    ("attention", "attn("),
-)
-
-
-def direct_bucket(frame: str, direct_lines: list[str]) -> str | None:
-    """The bucket of a DirectForward frame, from the call on its line (None: not such a frame,
-    or a line that calls no kernel)."""
-    at = frame.find(DIRECT_FRAME)
-    if at < 0:
-        return None
-    number = frame[at + len(DIRECT_FRAME) :].rstrip(")")
-    if not number.isdigit() or not 0 < int(number) <= len(direct_lines):
-        return None
-    text = direct_lines[int(number) - 1]
-    return next((name for name, call in DIRECT_CALLS if call in text), None)
-
-
-def bucket_of(stack: list[str], direct_lines: list[str] | None = None) -> str:
-    """The bucket of a sample's stack (frames outermost first); `direct_lines`: the lines of
-    model/direct_forward.py, to bucket its kernel calls."""
+def bucket_of(stack: list[str]) -> str:
+    """The bucket of a sample's stack (frames outermost first)."""
     for frame in reversed(stack):
-        direct = direct_bucket(frame, direct_lines or [])
-        if direct is not None:
-            return direct
         for name, keys in BUCKETS:
             if any(k in frame for k in keys):
-                # The lm_head is a linear module too once prepacked (PackedLinear): its bucket
-                # is the caller's.
+                # The lm_head is a linear module too: its bucket is the caller's.
                 if name == "linears" and any("compute_logits" in f for f in stack):
                     return "lm_head"
                 return name
@@ -106,12 +75,11 @@ def read_samples(path: Path, marker: str) -> Counter[str]:
     """py-spy's raw format: 'frame;frame;...;frame count' per line; only stacks that pass
     through `marker` (the decode loop) count."""
     counts: Counter[str] = Counter()
-    direct_lines = DIRECT_SOURCE.read_text().splitlines()
     for line in path.read_text().splitlines():
         stack_text, _, count = line.rpartition(" ")
         stack = stack_text.split(";")
         if any(marker in f for f in stack):
-            counts[bucket_of(stack, direct_lines)] += int(count)
+            counts[bucket_of(stack)] += int(count)
     return counts
 
 

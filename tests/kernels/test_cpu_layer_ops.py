@@ -7,6 +7,8 @@ each model family against HF in tests/model/test_families.py.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,8 @@ from batchpage.kernels.cpu_layer_ops import CpuLayerOps
 from batchpage.kernels.testing import tolerances
 from batchpage.model.layers import RMSNorm
 from batchpage.model.rope import apply_rope
+from batchpage.ops.cpu_layer_ops import CpuKernelLayerOps
+from batchpage.ops.layer_ops import LayerOps
 from tests.kernels.bench_smoke import run_bench_smoke
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -57,9 +61,14 @@ def test_add_rms_norm_returns_the_sum_and_its_norm(ops, dtype):
     total, normed = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
     torch.testing.assert_close(total, x + residual, rtol=0, atol=0)  # one rounding, as torch
     torch.testing.assert_close(normed, norm(x + residual), **tolerances(dtype))
-    ref_total, ref_normed = RMSNorm.add_norm(norm, x, residual)  # the torch path of the method
+    ref_total, ref_normed = residual.clone(), torch.empty_like(residual)
+    LayerOps().add_rms_norm(ref_normed, ref_total, x, norm.weight, norm.eps)  # the torch ops'
     torch.testing.assert_close(total, ref_total, rtol=0, atol=0)
     torch.testing.assert_close(normed, ref_normed, **tolerances(dtype))
+    # Bound as the layers call it: the sum written over the residual stream in place.
+    stream, out = residual.clone(), torch.empty_like(residual)
+    CpuKernelLayerOps(ops).add_rms_norm(out, stream, x, norm.weight, norm.eps)
+    assert torch.equal(stream, total) and torch.equal(out, normed)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -149,9 +158,11 @@ def test_cpu_engine_uses_the_ops_and_torch_engine_does_not(tmp_path):
         llm = LLM(model=str(folder), dtype="float32", kv_cache_memory=2**22,
                   attention_backend=backend)  # fmt: skip
         model = llm.engine.runner.model
-        assert (model.norm.layer_ops is not None) is expect
-        assert all((layer.mlp.layer_ops is not None) is expect for layer in model.layers)
-        assert (llm.engine.argmax is not None) is expect  # the greedy sampler's argmax
+        name = "cpu" if expect else "torch"
+        assert model.norm.ops.name == name
+        assert all(layer.mlp.ops is model.norm.ops for layer in model.layers)
+        assert all(layer.self_attn.ops is model.norm.ops for layer in model.layers)
+        assert llm.engine.argmax.__self__ is model.norm.ops  # the greedy sampler's argmax
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -168,10 +179,11 @@ def test_layer_ops_benchmark_smoke(ops, tmp_path, dtype) -> None:
 def test_engine_keeps_torch_layers_when_the_ops_cannot_build(monkeypatch) -> None:
     from batchpage.attention.cpu_backend import CpuPagedAttention
     from batchpage.attention.torch_backend import TorchPagedAttention
-    from batchpage.engine.model_runner import make_layer_ops
+    from batchpage.engine.model_runner import uses_cpu_kernels
     from batchpage.kernels.cpu_build import KernelBuildError
     from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
     from batchpage.kernels.cpu_paged_prefill import CpuPagedPrefill
+    from batchpage.ops.select import select_layer_ops
 
     attention = CpuPagedAttention(CpuPagedDecode.build(), CpuPagedPrefill.build())
 
@@ -180,5 +192,7 @@ def test_engine_keeps_torch_layers_when_the_ops_cannot_build(monkeypatch) -> Non
 
     monkeypatch.setattr(CpuLayerOps, "build", classmethod(fail))
     with pytest.warns(UserWarning, match="no compiler here.*norms and activations run in torch"):
-        assert make_layer_ops(attention) is None
-    assert make_layer_ops(TorchPagedAttention()) is None  # no warning: torch asked for
+        assert select_layer_ops(uses_cpu_kernels(attention)).name == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: torch asked for
+        assert select_layer_ops(uses_cpu_kernels(TorchPagedAttention())).name == "torch"

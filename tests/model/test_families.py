@@ -15,6 +15,9 @@ from batchpage.model.families import MODEL_CLASSES, build_model
 from batchpage.model.hf_config import model_config_from_hf
 from batchpage.model.hf_loader import load_hf_model
 from batchpage.model.moe import SparseMoE
+from batchpage.ops.cpu_layer_ops import CpuKernelLayerOps
+from batchpage.ops.linear import TORCH_LINEARS
+from batchpage.ops.select import ModelOps
 from tests.model_factory import (
     LENGTH_DEPENDENT_ROPE,
     VARIANTS,
@@ -34,12 +37,12 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
-    """variant -> (HF model, our model loaded from its saved folder)."""
+    """variant -> (HF model, our model loaded from its saved folder, unbound: torch's ops)."""
     out = {}
     for variant in VARIANTS:
         hf = build_hf_model(variant)
         folder = save_hf_folder(hf, tmp_path_factory.mktemp(variant))
-        out[variant] = (hf, load_hf_model(folder, torch.float32, "cpu")[0])
+        out[variant] = (hf, load_hf_model(folder, torch.float32, "cpu")[0], folder)
     return out
 
 
@@ -70,20 +73,19 @@ def layer_ops() -> CpuLayerOps:
 @pytest.mark.parametrize("with_ops", [False, True], ids=["torch", "cpu_layer_ops"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_prefill_logits_match_transformers(checkpoints, layer_ops, variant, with_ops):
-    """Each family against HF, with its norms, activations and rope in torch, then in the C++
-    CPU ops (kernels/cpu_layer_ops.py) that a CPU engine uses."""
-    hf, ours = checkpoints[variant]
+    """Each family against HF, with its norms, activations and rope in torch (unbound), then
+    bound to the C++ CPU ops (kernels/cpu_layer_ops.py) that a CPU engine uses."""
+    hf, ours, folder = checkpoints[variant]
     assert ours.config.family == MODEL_CLASSES[ours.config.family].family
-    assert ours.use_layer_ops(layer_ops if with_ops else None) > 0
-    try:
-        for n in (20, 45):  # 45 > the 32-token original length of the scaled-rope variants
-            ids = random_ids(n, seed=n)
-            ref = hf_logits(hf, ids)
-            got = prefill_logits(ours, ids)
-            assert got.dtype == torch.float32 and got.shape == ref.shape
-            torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
-    finally:
-        ours.use_layer_ops(None)
+    if with_ops:
+        ours = load_hf_model(folder, torch.float32, "cpu")[0]
+        ours.bind(ModelOps(CpuKernelLayerOps(layer_ops), TORCH_LINEARS))
+    for n in (20, 45):  # 45 > the 32-token original length of the scaled-rope variants
+        ids = random_ids(n, seed=n)
+        ref = hf_logits(hf, ids)
+        got = prefill_logits(ours, ids)
+        assert got.dtype == torch.float32 and got.shape == ref.shape
+        torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -101,7 +103,7 @@ def test_prefill_logits_match_transformers(checkpoints, layer_ops, variant, with
 def test_chunked_prefill_and_decode_in_a_shared_pool(checkpoints, variant):
     """Two sequences in scattered blocks, run as prefill chunks, then mixed steps, then decodes:
     every row's logits equal HF's logits for that position of the full sequence."""
-    hf, ours = checkpoints[variant]
+    hf, ours, _ = checkpoints[variant]
     block_size = 4
     seqs = [random_ids(23, seed=2), random_ids(17, seed=3)]
     refs = [hf_logits(hf, s) for s in seqs]
@@ -132,7 +134,7 @@ def test_chunked_prefill_and_decode_in_a_shared_pool(checkpoints, variant):
 def test_greedy_below_and_past_the_original_length_matches_generate(checkpoints, variant):
     """A sequence that stays within the 32-token original length, and one that starts past it:
     each token's rope follows its sequence's length at its own step, as in HF's generate."""
-    hf, ours = checkpoints[variant]
+    hf, ours, _ = checkpoints[variant]
     for prompt_len, new in [(20, 12), (40, 16)]:
         prompt = random_ids(prompt_len, seed=prompt_len)
         with torch.no_grad():
@@ -144,7 +146,7 @@ def test_greedy_across_the_original_length_matches_hf_forward(checkpoints, varia
     """A sequence that crosses the original length while decoding keeps the K/V computed before
     the crossing, as HF's own forward with its cache does (HF's Phi-3 `generate` instead drops
     its cache once at the crossing and recomputes every token with the long factors)."""
-    hf, ours = checkpoints[variant]
+    hf, ours, _ = checkpoints[variant]
     prompt = random_ids(20, seed=20)
     with torch.no_grad():
         assert paged_greedy(ours, prompt, 30) == hf_stepwise_greedy(hf, prompt, 30)
@@ -154,7 +156,7 @@ def test_scaled_rope_variants_differ_from_plain_rope(checkpoints):
     """The rope variants matter at these sizes: with the scaling dropped, logits move."""
     ids = random_ids(45, seed=45)
     for variant in ("llama_linear_rope", "llama_dynamic_rope", "qwen3_bias_yarn", "phi3_longrope"):
-        hf, ours = checkpoints[variant]
+        hf, ours, _ = checkpoints[variant]
         plain = build_model(replace(ours.config, rope_scaling=None), max_positions=64)
         plain.load_state_dict(ours.state_dict())
         assert (prefill_logits(plain, ids) - hf_logits(hf, ids)).abs().max() > 100 * ATOL

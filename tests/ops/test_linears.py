@@ -1,11 +1,8 @@
-"""Prepacked linears (model/packed_linear.py), oneDNN's and the bf16 kernel's: the layers against
-F.linear, every family's prepacked model against HF transformers and its unpacked self, the
-engine's linear_backend choice, and the same greedy tokens through the engine with and without
-packing."""
+"""The linear methods (batchpage/ops): oneDNN's and the bf16 kernel's layers against F.linear,
+every family bound to each against HF transformers and its unbound self, the engine's
+linear_backend choice, and the same greedy tokens through the engine with each."""
 
 from __future__ import annotations
-
-import functools
 
 import pytest
 import torch
@@ -16,14 +13,11 @@ from batchpage import LLM, SamplingParams
 from batchpage.cpu_info import cpu_flags
 from batchpage.model.hf_loader import load_hf_model
 from batchpage.model.layers import GatedMLP
-from batchpage.model.packed_linear import (
-    Bf16DotLinear,
-    Bf16SiluMulLinear,
-    LinearPacking,
-    PackedLinear,
-    linear_packing,
-    onednn_packs,
-)
+from batchpage.ops.bf16_linear import Bf16DotLinear, Bf16SiluMulLinear, bf16_linears
+from batchpage.ops.layer_ops import LayerOps
+from batchpage.ops.linear import TORCH_LINEARS, Linear
+from batchpage.ops.onednn_linear import ONEDNN_LINEARS, OneDnnLinear, onednn_packs
+from batchpage.ops.select import ModelOps, select_linears
 from tests.gemma_factory import GEMMA_VARIANTS, build_gemma
 from tests.kernels.test_cpu_bf16_linear import NATIVE, best_kernel
 from tests.model.test_families import prefill_logits, random_ids
@@ -49,7 +43,7 @@ def test_packed_linear_matches_f_linear(rows, bias):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 80, generator=g)
     b = torch.randn(96, generator=g) if bias else None
-    layer = PackedLinear(w, b)
+    layer = OneDnnLinear(w, b)
     x = torch.randn(rows, 80, generator=g)
     torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
     # Leading batch dims and a strided (column-sliced) input, as q/k/v views hand it.
@@ -60,6 +54,26 @@ def test_packed_linear_matches_f_linear(rows, bias):
     assert layer(x).abs().sum() > 0
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_linear_apply_writes_f_linear_into_the_buffer(dtype, bias):
+    """The torch method's Linear: `apply` fills the buffer it is given with exactly F.linear's
+    values (the same addmm / mm), and makes its own tensor without one."""
+    g = torch.Generator().manual_seed(int(bias))
+    layer = Linear(40, 24, bias=bias, dtype=dtype)
+    layer.weight.copy_(torch.randn(24, 40, generator=g))
+    if bias:
+        layer.bias.copy_(torch.randn(24, generator=g))
+    x = torch.randn(9, 40, generator=g).to(dtype)
+    want = F.linear(x, layer.weight, layer.bias)
+    out = torch.full((9, 24), float("nan"), dtype=dtype)
+    assert layer.apply(x, out) is out
+    assert torch.equal(out, want)
+    assert torch.equal(layer.apply(x, None), want)
+    assert layer.weight_format == {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
+
+
 def _variants() -> list[str]:
     return [*VARIANTS, *GEMMA_VARIANTS]
 
@@ -67,21 +81,25 @@ def _variants() -> list[str]:
 @needs_onednn
 @pytest.mark.parametrize("variant", _variants())
 def test_prepacked_model_matches_transformers(tmp_path, variant):
-    """Every family: after prepack_linears no nn.Linear is left, prefill logits equal HF's and
-    the unpacked model's, and greedy decoding through the paged pool equals HF's generate."""
+    """Every family bound to oneDNN's linears: no dense Linear is left, prefill logits equal
+    HF's and the unbound model's, and greedy decoding through the paged pool equals HF's
+    generate."""
     hf = build_gemma(variant) if variant in GEMMA_VARIANTS else build_hf_model(variant)
     hf.save_pretrained(tmp_path)
     plain = load_hf_model(tmp_path, torch.float32, "cpu", 128)[0]
     packed = load_hf_model(tmp_path, torch.float32, "cpu", 128)[0]
-    report = packed.prepack_linears()
+    report = packed.bind(ModelOps(LayerOps(), ONEDNN_LINEARS))
 
     assert not any(isinstance(m, nn.Linear) for m in packed.modules())
     linears = sum(isinstance(m, nn.Linear) for m in plain.modules())
     tied = plain.lm_head is None
-    assert report.packed == linears + tied
+    assert report.linears == linears
+    assert report.weight_formats == {"f32": linears + tied}
+    assert plain.weight_formats() == {"f32": linears + tied}
     table = plain.embed_tokens.weight
     assert report.extra_bytes == (table.numel() * table.element_size() if tied else 0)
-    assert packed.prepack_linears().packed == 0  # a second call finds nothing left to pack
+    with pytest.raises(RuntimeError, match="bound already"):
+        packed.bind(ModelOps(LayerOps(), ONEDNN_LINEARS))
 
     ids = random_ids(45, seed=1)
     ref = hf_logits(hf, ids)
@@ -103,28 +121,27 @@ def test_linear_backend_choice():
     assert onednn_packs(torch.bfloat16, CPU) == (cpu_onednn and bf16_isa)
     assert not onednn_packs(torch.float32, torch.device("cuda"))
     for dtype in (torch.float32, torch.bfloat16):
-        assert linear_packing("torch", dtype, CPU) is None
-        auto = linear_packing("auto", dtype, CPU)
-        onednn = LinearPacking(PackedLinear)
+        assert select_linears("torch", dtype, CPU) is TORCH_LINEARS
+        auto = select_linears("auto", dtype, CPU)
         if dtype == torch.bfloat16 and NATIVE:  # bf16 on AVX512-BF16: the bf16 kernel
-            for packing in (auto, linear_packing("avx512_bf16", dtype, CPU)):
-                assert packing.linear.func is Bf16DotLinear
-                assert packing.silu_mul.func is Bf16SiluMulLinear
+            for method in (auto, select_linears("avx512_bf16", dtype, CPU)):
+                assert method.make.func is Bf16DotLinear
+                assert method.silu_mul.func is Bf16SiluMulLinear
         else:
-            assert auto == (onednn if onednn_packs(dtype, CPU) else None)
+            assert auto is (ONEDNN_LINEARS if onednn_packs(dtype, CPU) else TORCH_LINEARS)
             with pytest.raises(ValueError, match="linear_backend='avx512_bf16' needs bfloat16"):
-                linear_packing("avx512_bf16", dtype, CPU)
+                select_linears("avx512_bf16", dtype, CPU)
         if onednn_packs(dtype, CPU):
-            assert linear_packing("onednn", dtype, CPU) == onednn
+            assert select_linears("onednn", dtype, CPU) is ONEDNN_LINEARS
         else:
             with pytest.raises(ValueError, match="linear_backend='onednn' cannot pack"):
-                linear_packing("onednn", dtype, CPU)
+                select_linears("onednn", dtype, CPU)
     with pytest.raises(ValueError, match="linear_backend='avx512_bf16' needs bfloat16"):
-        linear_packing("avx512_bf16", torch.bfloat16, torch.device("cuda"))
+        select_linears("avx512_bf16", torch.bfloat16, torch.device("cuda"))
     with pytest.raises(
         ValueError, match="linear_backend must be one of auto, avx512_bf16, onednn, torch"
     ):
-        linear_packing("mkl", torch.float32, CPU)
+        select_linears("mkl", torch.float32, CPU)
     with pytest.raises(ValueError, match="linear_backend must be one of"):
         LLM("smollm2", linear_backend="mkl")
 
@@ -133,7 +150,8 @@ def test_linear_backend_choice():
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_dot_linear_matches_f_linear(rows, bias):
     """Bf16DotLinear (the AVX512-BF16 kernel, or its portable build on other CPUs) against
-    F.linear in float64 over the same bf16 inputs: one bf16 rounding apart at most."""
+    F.linear in float64 over the same bf16 inputs: one bf16 rounding apart at most; `apply`
+    writes into the buffer it is given."""
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(72, 40, generator=g).to(torch.bfloat16)
     b = torch.randn(72, generator=g).to(torch.bfloat16) if bias else None
@@ -142,6 +160,9 @@ def test_bf16_dot_linear_matches_f_linear(rows, bias):
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     torch.testing.assert_close(layer(x).float(), ref.float(), rtol=2**-8, atol=1e-4)
     assert layer.bias is None or layer.bias.dtype == torch.float32
+    out = torch.full((rows, 72), float("nan"), dtype=torch.bfloat16)
+    assert layer.apply(x[0], out) is out
+    torch.testing.assert_close(out.float(), ref[0].float(), rtol=2**-8, atol=1e-4)
     w.zero_()  # the layer owns a packed copy
     assert layer(x).float().abs().sum() > 0
 
@@ -155,13 +176,7 @@ def test_bf16_dot_model_matches_unpacked(tmp_path, variant):
     hf.save_pretrained(tmp_path)
     plain = load_hf_model(tmp_path, torch.bfloat16, "cpu", 128)[0]
     packed = load_hf_model(tmp_path, torch.bfloat16, "cpu", 128)[0]
-    kernel = best_kernel()
-    report = packed.prepack_linears(
-        LinearPacking(
-            functools.partial(Bf16DotLinear, kernel=kernel),
-            functools.partial(Bf16SiluMulLinear, kernel=kernel),
-        )
-    )
+    report = packed.bind(ModelOps(LayerOps(), bf16_linears(best_kernel())))
     assert not any(isinstance(m, nn.Linear) for m in packed.modules())
     mlps = [m for m in packed.modules() if isinstance(m, GatedMLP)]
     assert all(m.gate_up_activated == m.silu_gated for m in mlps)  # none in Mixtral
@@ -169,9 +184,10 @@ def test_bf16_dot_model_matches_unpacked(tmp_path, variant):
         isinstance(m.gate_up_proj, Bf16SiluMulLinear if m.silu_gated else Bf16DotLinear)
         for m in mlps
     )
-    assert report.packed == sum(isinstance(m, nn.Linear) for m in plain.modules()) + (
-        plain.lm_head is None
-    )
+    linears = sum(isinstance(m, nn.Linear) for m in plain.modules())
+    fused = sum(m.silu_gated for m in mlps)
+    assert report.linears == linears - fused  # the fused gate/up linears are made apart
+    assert report.weight_formats == {"bf16": linears + (plain.lm_head is None)}
     ids = random_ids(45, seed=1)
     ref = hf_logits(hf, ids)
     got, unpacked = prefill_logits(packed, ids), prefill_logits(plain, ids)
@@ -281,8 +297,9 @@ def test_step_profile_counts_every_linear_backend_as_linears():
     layer = "forward (batchpage/model/layers.py:90)"
     for inner in (
         "forward (torch/nn/modules/linear.py:125)",
-        "forward (batchpage/model/packed_linear.py:52)",
-        "linear (batchpage/kernels/cpu_bf16_linear.py:88)",
+        "apply (batchpage/ops/linear.py:60)",
+        "apply (batchpage/ops/onednn_linear.py:34)",
+        "apply (batchpage/ops/bf16_linear.py:58)",
     ):
         assert bucket_of([layer, inner]) == "linears"
         head = "compute_logits (batchpage/model/causal_lm.py:98)"

@@ -1,0 +1,95 @@
+"""LinearOp: y = x @ W.T + b, the interface every linear implementation has, and LinearMethod,
+how `CausalLM.bind` turns a loaded dense linear into an implementation's module.
+
+`apply(x, out)` is the call the layers make: x is [T, in] dense in its rows, `out` a [T, out]
+Workspace buffer that an implementation able to write into one fills (and returns); one that
+cannot returns a tensor of its own. `forward(x)` takes any leading dimensions, for callers
+outside the layers (the router of an MoE block, tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearOp(nn.Module):
+    """The interface. Implementations hold their weight in their own layout (inference only:
+    no autograd) and name its format for the engine's stats (`weight_format`, e.g. "bf16",
+    "f32", "q4_1")."""
+
+    in_features: int
+    out_features: int
+
+    def apply(
+        self,
+        x: torch.Tensor,  # [T, in], dense in its rows
+        out: torch.Tensor | None,  # [T, out], contiguous, or None
+    ) -> torch.Tensor:  # [T, out]: `out` where the implementation writes into it
+        raise NotImplementedError
+
+    @property
+    def weight_format(self) -> str:
+        raise NotImplementedError
+
+    def weight_bytes(self) -> int:
+        """Bytes of weight (and bias) this layer holds."""
+        return sum(t.numel() * t.element_size() for t in (*self.parameters(), *self.buffers()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        return self.apply(rows, None).reshape(*x.shape[:-1], self.out_features)
+
+
+def dtype_format(dtype: torch.dtype) -> str:
+    """A dense weight's format name: "f32", "bf16", "f16"."""
+    return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}.get(
+        dtype, str(dtype).removeprefix("torch.")
+    )
+
+
+class Linear(nn.Linear, LinearOp):
+    """The dense linear the models are built with: checkpoint tensors load into its `weight`
+    and `bias`, and torch multiplies (addmm / mm, the kernels F.linear calls for 2-d inputs),
+    which is the torch method's implementation too."""
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        if out is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
+
+    @property
+    def weight_format(self) -> str:
+        return dtype_format(self.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+# weight [out, in], bias [out] or None -> the implementation's module for that linear
+LinearMaker = Callable[[torch.Tensor, torch.Tensor | None], LinearOp]
+# merged [gate | up] weight [2I, in] -> a module whose output is SiLU(x @ gate.T) * (x @ up.T)
+SiluMulMaker = Callable[[torch.Tensor], LinearOp]
+
+
+@dataclass(frozen=True)
+class LinearMethod:
+    """How bind turns each dense `Linear` of a loaded model into this implementation's module.
+    `make` None keeps the dense Linear (torch's method); `silu_mul`, where the implementation
+    fuses it, makes the module for a SiLU-gated MLP's merged gate/up linear, which then returns
+    the activation itself."""
+
+    name: str
+    make: LinearMaker | None = None
+    silu_mul: SiluMulMaker | None = None
+
+
+TORCH_LINEARS = LinearMethod("torch")

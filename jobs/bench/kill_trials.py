@@ -50,6 +50,7 @@ class Trial:
     shards_left: int
     rerun_exit: int
     result: Comparison
+    temps_left: int = 0  # temporary files in the folder after the rerun (a kill's leftovers)
 
 
 def start_job(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
@@ -109,7 +110,10 @@ def kill_trial(
     left = shards(out)
     rerun = start_job([*job, f"output_dir={out}"], out.parent, out.parent / f"{out.name}.log")
     rerun.wait()
-    return Trial(aim, landed, at, proc.returncode, left, rerun.returncode, compare(clean, out))
+    temps = len(list(out.glob(".*.tmp")))
+    return Trial(
+        aim, landed, at, proc.returncode, left, rerun.returncode, compare(clean, out), temps
+    )
 
 
 def compare(clean: Path, resumed: Path) -> Comparison:

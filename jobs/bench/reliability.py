@@ -105,14 +105,16 @@ def kill_table(trials: list[Trial]) -> str:
     rows: list[list[object]] = [
         [i + 1, t.aimed_at, t.landed, f"{t.at_s:.2f}", t.first_exit, t.shards_left]
         + [t.rerun_exit, t.result.rows, t.result.lost, t.result.duplicated, t.result.different]
+        + [t.temps_left]
         for i, t in enumerate(trials)
     ]
     killed = sum(t.first_exit == -signal.SIGKILL for t in trials)
     failed = sum(t.rerun_exit != 0 for t in trials)
-    sums = [sum(r[k] for r in rows) for k in range(7, 11)]  # type: ignore[misc]
+    sums = [sum(r[k] for r in rows) for k in range(7, 12)]  # type: ignore[misc]
     rows.append(["all", "", f"{killed} killed", "", "", "", f"{failed} failed", *sums])
     headers = ["trial", "aimed at", "kill landed in", "after s", "exit", "shards kept"]
-    return markdown_table([*headers, "rerun exit", "rows", "lost", "duplicated", "different"], rows)
+    more = ["rerun exit", "rows", "lost", "duplicated", "different", "temp files left"]
+    return markdown_table([*headers, *more], rows)
 
 
 if __name__ == "__main__":

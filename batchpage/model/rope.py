@@ -20,6 +20,9 @@ from torch import nn
 
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.model.config import ModelConfig, RopeScaling
+from batchpage.ops.layer_ops import apply_rope
+
+__all__ = ["RotaryEmbedding", "apply_rope", "attention_factor", "static_inv_freq"]
 
 
 def _exponents(dim: int) -> torch.Tensor:  # float32 [dim // 2]: 2i / dim
@@ -168,23 +171,3 @@ def _token_seq_lens(meta: AttentionMetadata, device: torch.device) -> torch.Tens
     lens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
     repeats = torch.tensor(meta.query_lens_cpu, dtype=torch.int64)
     return torch.repeat_interleave(lens, repeats).to(device)
-
-
-def apply_rope(
-    x: torch.Tensor,  # [T, H, D]
-    cos: torch.Tensor,  # float32 [T, 1, R/2], R = the rotary dimension (<= D)
-    sin: torch.Tensor,  # float32 [T, 1, R/2]
-) -> torch.Tensor:  # [T, H, D], x's dtype
-    """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) on the first R dimensions, the rest passed
-    through; written into one output with four ops (on a CPU each small op costs as much as its
-    arithmetic)."""
-    half = cos.shape[-1]
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half : 2 * half]
-    out = torch.empty(xf.shape, dtype=torch.float32, device=x.device)
-    o1, o2 = out[..., :half], out[..., half : 2 * half]
-    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1.0)
-    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
-    if 2 * half < x.shape[-1]:
-        out[..., 2 * half :] = xf[..., 2 * half :]
-    return out.to(x.dtype)

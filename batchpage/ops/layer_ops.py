@@ -12,7 +12,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchpage.model.rope import apply_rope
+
+def apply_rope(
+    x: torch.Tensor,  # [T, H, D]
+    cos: torch.Tensor,  # float32 [T, 1, R/2], R = the rotary dimension (<= D)
+    sin: torch.Tensor,  # float32 [T, 1, R/2]
+) -> torch.Tensor:  # [T, H, D], x's dtype
+    """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) on the first R dimensions, the rest passed
+    through; written into one output with four ops (on a CPU each small op costs as much as its
+    arithmetic)."""
+    half = cos.shape[-1]
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half : 2 * half]
+    out = torch.empty(xf.shape, dtype=torch.float32, device=x.device)
+    o1, o2 = out[..., :half], out[..., half : 2 * half]
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
+    if 2 * half < x.shape[-1]:
+        out[..., 2 * half :] = xf[..., 2 * half :]
+    return out.to(x.dtype)
 
 
 class LayerOps:

@@ -23,7 +23,8 @@ class ExecutorConfig:
     gpus_per_replica: float = 0.0
     # Torch threads in each replica (and the CPUs Ray reserves for it).
     cpus_per_replica: int = 1
-    # "": start a local Ray instance sized to this machine; "auto" or "ray://host:port": join.
+    # "": start a private local Ray instance sized to this machine (even where a cluster runs);
+    # "auto", "host:port" or "ray://host:port": join that cluster as it is sized.
     address: str = ""
     # Rows per window handed to a replica. Cuts fall where neighbours share the least prefix.
     window_rows: int = 64

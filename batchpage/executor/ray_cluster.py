@@ -1,9 +1,11 @@
 """Reaching Ray: check that it is installed, then join a cluster or start a local instance.
 
-executor.address empty starts a local instance sized to this machine (its CPUs, its GPUs), with
-no dashboard; `auto` joins the cluster this node belongs to (`ray start` ran here), and
-`ray://host:port` joins one through Ray Client. A process that already called ray.init (a
-script, a test) is used as it is and left connected afterwards.
+executor.address empty starts a private local instance sized to this machine (its CPUs, its
+GPUs), with no dashboard, even where a cluster is running on the machine (`ray start` ran here,
+or RAY_ADDRESS is set): Ray's `address="local"`. `auto` joins the cluster this node belongs to,
+`host:port` or `ray://host:port` joins that one; a cluster that is joined is used as it is
+sized (no resource arguments: Ray refuses them when connecting). A process that already called
+ray.init (a script, a test) is used as it is and left connected afterwards.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def connect(cfg: ExecutorConfig) -> Connection:
             "executor.num_replicas, executor.cpus_per_replica or executor.gpus_per_replica, or "
             "join a cluster with executor.address=auto"
         )
-    ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **quiet)
+    ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **quiet)
     return Connection("local", owned=True)
 
 

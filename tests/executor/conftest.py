@@ -9,6 +9,13 @@ import pytest
 def ray_instance():
     ray = pytest.importorskip("ray", reason="pip install 'batchpage[ray]'")
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True, logging_level="WARNING")
+        # A private instance, whatever else runs on the machine (a `ray start` cluster).
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=True,
+            logging_level="WARNING",
+        )
     yield ray
     ray.shutdown()

@@ -35,6 +35,9 @@ _SUMMED = (
     "reserved_slot_steps",
 )
 _PEAKS = ("peak_running", "peak_kv_blocks_used")
+# The parts of an engine step, timed apart (RunStats.step_time_s). On a device that runs
+# asynchronously (CUDA) the forward's time lands where the host first waits for its result.
+STEP_PARTS = ("schedule", "inputs", "forward", "sample", "stop_checks")
 
 
 def tokens_per_s(tokens: int, seconds: float) -> float:
@@ -62,6 +65,8 @@ class RunStats:
     used_slot_steps: int = 0
     reserved_slot_steps: int = 0
     first_token_s: list[float] = field(default_factory=list)
+    # Seconds spent in each of STEP_PARTS, summed over the run's steps.
+    step_time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
 
     @classmethod
     def merged(cls, runs: Sequence[RunStats]) -> RunStats:
@@ -79,19 +84,26 @@ class RunStats:
         for name in _PEAKS:
             setattr(total, name, max((getattr(r, name) for r in runs), default=0))
         total.first_token_s = [t for r in runs for t in r.first_token_s]
+        total.step_time_s = {p: sum(r.step_time_s[p] for r in runs) for p in STEP_PARTS}
         return total
 
     def to_record(self) -> dict[str, float | int]:
         """The counters, JSON-able, for a job's run history: `from_record` restores a RunStats
         that merges like the original (time-to-first-token samples are not kept)."""
         record: dict[str, float | int] = {n: getattr(self, n) for n in (*_SUMMED, *_PEAKS)}
-        return {**record, "kv_blocks_total": self.kv_blocks_total, "elapsed_s": self.elapsed_s}
+        parts = {f"step_time_s.{p}": self.step_time_s[p] for p in STEP_PARTS}
+        return {
+            **record, **parts, "kv_blocks_total": self.kv_blocks_total,
+            "elapsed_s": self.elapsed_s,
+        }  # fmt: skip
 
     @classmethod
     def from_record(cls, record: dict[str, float | int], block_size: int) -> RunStats:
         stats = cls(int(record["kv_blocks_total"]), block_size, 0.0, float(record["elapsed_s"]))
         for name in (*_SUMMED, *_PEAKS):
             setattr(stats, name, int(record.get(name, 0)))
+        for part in STEP_PARTS:
+            stats.step_time_s[part] = float(record.get(f"step_time_s.{part}", 0.0))
         return stats
 
     def record_step(
@@ -149,4 +161,5 @@ class RunStats:
                 "p90": percentile(self.first_token_s, 90),
             },
             "steps": self.steps,
+            "step_time_s": dict(self.step_time_s),
         }

@@ -11,6 +11,7 @@ the metrics, and hands back the sequences that finished in each step; it never c
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -156,14 +157,22 @@ class Engine:
             self._finish_run_if_done()
             return finished
         stats = self.stats
+        parts, clock = stats.step_time_s, time.perf_counter
+        t0 = clock()
         out = self.scheduler.schedule()
         if not out.scheduled:
             raise RuntimeError("the scheduler could not run any sequence: this is a bug")
         stats.preemptions += len(out.preempted)
         stats.swaps += len(out.swap_out)
+        t1 = clock()
         inputs = build_step(out.scheduled, self.cfg.block_size, self.device)
         blocks_used = self.kv_manager.pool.num_used  # during the forward, before any frees
+        t2 = clock()
         logits, prompt_logits = self.runner.execute(inputs, out)
+        t3 = clock()
+        parts["schedule"] += t1 - t0
+        parts["inputs"] += t2 - t1
+        parts["forward"] += t3 - t2
         if prompt_logits is not None:
             self._score_prompts(inputs, prompt_logits)
         for s in out.scheduled:
@@ -236,6 +245,8 @@ class Engine:
         return all_seqs, rows
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+        parts, clock = self.stats.step_time_s, time.perf_counter
+        t0 = clock()
         seqs, rows = self._fork_samples(seqs)
         if len(rows) != logits.shape[0]:
             logits = logits[rows]
@@ -257,6 +268,8 @@ class Engine:
             argmax=self.argmax,
         )
         advance(constraints, result.token_ids)
+        t1 = clock()
+        parts["sample"] += t1 - t0
         stats = self.stats
         finished = []
         for i, (seq, token) in enumerate(zip(seqs, result.token_ids, strict=True)):
@@ -271,6 +284,7 @@ class Engine:
             if self._stops(seq, token):
                 self.scheduler.finish(seq)
                 finished.append(seq)
+        parts["stop_checks"] += clock() - t1
         return finished
 
     @staticmethod

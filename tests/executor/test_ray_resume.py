@@ -1,13 +1,13 @@
-"""kill -9 of the driver of an executor=ray job, at a random moment while rows are being written,
-then the same command: no row lost or written twice, and the output equals a clean local run."""
+"""kill -9 of the driver of an executor=ray job while rows are being written, then the same
+command: no row lost or written twice, and the output equals a clean local run.
+
+The kill lands while the driver is paused by a hook (tests.job.test_run_cli.hooked_cli) after a
+chosen number of rows, with replicas still holding windows, whatever the machine's speed."""
 
 from __future__ import annotations
 
-import os
-import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,45 +15,77 @@ import pytest
 
 from batchpage.job import run_job
 from tests.executor.jobs import compared, job, job_args, ray_args, shard_indices, write_rows
+from tests.job.test_run_cli import cli, hooked_cli
 
-ROOT = Path(__file__).resolve().parents[2]
+ROWS = 40
+# Rows 1 and 4 are errors written before anything is generated: pausing well after them means
+# generated rows are on disk and the replicas are mid-job when the kill lands.
+PAUSE_AT = 11
+PAUSE_TIMEOUT_S = 600  # starting Ray and two replicas on a loaded 2-core machine
 
 
-def cli(args: list[str], cwd: Path, **popen) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "batchpage.run", *args, f"hydra.run.dir={cwd}/hydra"]
-    return subprocess.Popen(cmd, cwd=cwd, env=env, text=True, **popen)
+def pause_after(rows: int) -> str:
+    """A hook for hooked_cli: once the driver's writer holds `rows` finished rows, say PAUSED on
+    stdout and wait for a signal (the driver writes every row, so the job stops there)."""
+    return f"""
+    import os, signal
+    from batchpage.output.writer import ShardWriter
+    add = ShardWriter.add
+    def add_then_pause(self, row):
+        added = add(self, row)
+        if added and self.num_done == {rows}:
+            os.write(1, b"PAUSED\\n")
+            while True:
+                signal.pause()
+        return added
+    ShardWriter.add = add_then_pause
+    """
+
+
+def wait_for_pause(proc: subprocess.Popen, stdout: Path, stderr: Path) -> None:
+    """Returns once the hook said PAUSED; fails, saying why, if the job ended or never got
+    there. Ray's log lines share the driver's stdout, so the word is looked for anywhere."""
+    deadline = time.monotonic() + PAUSE_TIMEOUT_S
+    while "PAUSED\n" not in stdout.read_text(errors="replace"):
+        if proc.poll() is not None:
+            pytest.fail(
+                f"the job ended (exit {proc.returncode}) before pausing at row {PAUSE_AT}:\n"
+                + stderr.read_text()[-3000:]
+            )
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(
+                f"the job did not reach row {PAUSE_AT} within {PAUSE_TIMEOUT_S} s:\n"
+                + stderr.read_text()[-3000:]
+            )
+        time.sleep(0.05)  # polling for the event, not a guess at when it comes
 
 
 @pytest.mark.slow
 def test_driver_killed_then_rerun_equals_a_clean_run(tmp_path, tiny_folder) -> None:
     pytest.importorskip("ray", reason="pip install 'batchpage[ray]'")
-    data = write_rows(tmp_path / "d.jsonl", 40)
+    data = write_rows(tmp_path / "d.jsonl", ROWS)
     out = tmp_path / "out"
     args = job_args(data, tiny_folder, out, "flush_rows=2", "sampling.max_tokens=8", *ray_args())
-    with open(tmp_path / "stderr.txt", "w") as err:
-        proc = cli(args, tmp_path, stderr=err)
-    deadline = time.monotonic() + 400
-    # Kill once rows are being written, at a random moment after that.
-    while proc.poll() is None and not list(out.glob("shard-*.parquet")):
-        assert time.monotonic() < deadline, "the job made no progress"
-        time.sleep(0.05)
-    time.sleep(random.Random(os.getpid()).uniform(0.0, 0.5))
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    log = (tmp_path / "stderr.txt").read_text()
-    assert proc.returncode == -signal.SIGKILL, f"the job ended before the kill: {log}"
+    stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with open(stdout, "w") as so, open(stderr, "w") as se:
+        proc = hooked_cli(pause_after(PAUSE_AT), args, tmp_path, stdout=so, stderr=se)
+    try:
+        wait_for_pause(proc, stdout, stderr)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, stderr.read_text()
     indices = shard_indices(out)
-    assert len(indices) == len(set(indices))
+    assert len(indices) == len(set(indices)), "a row was written twice"
+    # Flushed every 2 rows (or on the flush clock): at most the last row was still buffered.
+    assert PAUSE_AT - 1 <= len(indices) <= PAUSE_AT
 
-    proc = cli(args, tmp_path, stderr=subprocess.PIPE)
-    _, err = proc.communicate(timeout=400)
+    proc = cli(args, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
-    # The kill may land after the last row was written (in the final merge, or while Ray shuts
-    # down): the rerun must then finish the job just the same.
-    if len(indices) < 40:
-        assert f"{len(indices)} rows already done" in err
-    assert sorted(shard_indices(out)) == list(range(40))
+    assert f"{len(indices)} rows already done" in err
+    assert sorted(shard_indices(out)) == list(range(ROWS))
 
     run_job(job(job_args(data, tiny_folder, tmp_path / "clean", "sampling.max_tokens=8")))
     assert compared(out) == compared(tmp_path / "clean")

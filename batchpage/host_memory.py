@@ -4,8 +4,8 @@ the machine can give (the default KV pool is sized from it).
 A decode step allocates and frees the same large temporaries (activations, gathered K/V for
 prefill, logits) every layer and every step. glibc serves blocks above its mmap threshold
 (128 KiB to start) with fresh mmap()s and unmaps them on free, so every step faults every page
-in again and the kernel zeroes it: on a 2-core machine that was 30-40% of a decode step's time
-in system calls and page faults. Raising the mmap and trim thresholds makes glibc keep freed
+in again and the kernel zeroes it: a decode step then spends much of its time in system calls
+and page faults. Raising the mmap and trim thresholds makes glibc keep freed
 memory in its heap and hand the same pages back next time. Resident memory then stays at the
 step's peak instead of shrinking between steps, which a batch job wants anyway.
 

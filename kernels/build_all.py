@@ -2,9 +2,9 @@
 it), so that the first job starts generating at once instead of compiling for minutes.
 
 Each kernel is built through its own builder (cpu_build.py caches the library by content), and
-one line says what is built and how long it took; a kernel already built loads in about a
-second. Exit code 0 when every kernel built, 1 when one could not (the line says why; the
-engine then runs torch's path for it, with a warning).
+one line says what is built and how long it took; a kernel already built is only loaded. Exit
+code 0 when every kernel built, 1 when one could not (the line says why; the engine then runs
+torch's path for it, with a warning).
 """
 
 from __future__ import annotations

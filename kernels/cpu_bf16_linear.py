@@ -1,15 +1,15 @@
 """bf16 linears for CPUs with AVX512-BF16: the launcher of cpu_bf16_linear.cpp (built once,
 like the other CPU kernels, through cpu_build.py).
 
-Why not oneDNN: a decode step multiplies 16-256 rows against weights that are never in the
-caches (between two uses of a layer's weight the step reads every other weight of the model),
-and there oneDNN's packed bf16 linears ran at 225-300 GFLOP/s on a 2-core Zen 4 EPYC against
-340-410 with the same weight hot. This kernel streams each weight once, in the order it is
+Why not oneDNN: a decode step multiplies a few to a few hundred rows against weights that are
+never in the caches (between two uses of a layer's weight the step reads every other weight of
+the model), and there oneDNN's packed bf16 linears run well below their rate with the same
+weight hot. This kernel streams each weight once, in the order it is
 stored: the weight is packed as bf16 pairs in 32-column blocks, [ceil(N/32)][ceil(K/2)][32]
 int32, so one k-pair of a block is two 64-byte loads and a row of x meets it through one
 32-bit broadcast and two vdpbf16ps (an 8-row x 32-column tile: 16 float32 accumulators). The
-blocks are split over torch's threads. Measured against oneDNN: BENCHMARKS.md, "CPU throughput
-after the bf16 linear kernel".
+blocks are split over torch's threads. Measured against oneDNN: `python -m jobs.bench.linears`
+(BENCHMARKS.md, Kernels).
 
 A merged [gate | up] weight can be packed gated (`pack_gated_weight`): each block then holds 16
 gate columns and the 16 up columns of the same indices, and `silu_mul_linear` writes
@@ -80,7 +80,7 @@ class CpuBf16Linear:
     @property
     def raw(self) -> object:
         """The compiled library: `raw.linear(out, rows, packed, bias, gated)` as `_run` calls it,
-        unchecked, for a caller that checked its shapes once (model/direct_forward.py)."""
+        unchecked, for a caller that checked its shapes once (batchpage/ops/bf16_linear.py)."""
         return self._module
 
     def linear(

@@ -98,14 +98,14 @@ def _stage_sources(folder: Path, files: dict[str, bytes]) -> Path:
 
 
 def _is_built(folder: Path, name: str) -> bool:
-    """Whether torch's extension folder already holds this build (then loading takes ~1 s)."""
+    """Whether torch's extension folder already holds this build (then it is only loaded)."""
     return (folder / "build.ninja").is_file() and (folder / f"{name}.so").is_file()
 
 
 def build_extension(
     source: Path, prefix: str, what: str, verbose: bool = False, cflags: tuple[str, ...] = ()
 ) -> ModuleType:
-    """Compile (first use, about 45 s on 2 cores) or load the extension built from `source`.
+    """Compile (on first use) or load the extension built from `source`.
     `what` names it in messages ("the CPU paged-decode kernel"). `cflags` add to the compiler's
     flags (tests build a kernel's portable path with -mno-... on any CPU)."""
     from torch.utils import cpp_extension

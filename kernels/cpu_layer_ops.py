@@ -4,9 +4,8 @@ once, like the decode kernel, through cpu_build.py).
 Why C++: on a CPU each small torch op costs a dispatch and a wake-up of the intra-op threads,
 tens of microseconds, as much as its arithmetic at decode batch sizes. torch's RMSNorm is six
 ops (float, pow, mean, add, rsqrt, two muls), the gated MLP's activation three (split, silu,
-mul), rope five, the residual add one; at 64 rows of SmolLM2-135M they took about 30 ms of a
-285 ms decode step on a 2-core AMD EPYC (torch.profiler). Each function here is one pass over
-its rows on torch's threads:
+mul), rope five, the residual add one: for a small model at decode batch sizes their dispatch
+is a visible share of a step. Each function here is one pass over its rows on torch's threads:
 - rms_norm(x, w): w * T(x * rsqrt(mean(x^2) + eps)), float32 statistics (HF's RMSNorm);
 - add_rms_norm(x, residual, w): the residual add and the next norm in one pass;
 - silu_mul(gate_up): SiLU(gate) * up over the merged [gate | up] matmul output;
@@ -49,7 +48,8 @@ class CpuLayerOps:
     @property
     def raw(self) -> object:
         """The compiled functions, which take the launchers' arguments (outputs first) and
-        check nothing: for a caller that checked its shapes once (model/direct_forward.py).
+        check nothing: for a caller that checked its shapes once (batchpage/ops/cpu_layer_ops.py,
+        at bind).
         add_rms_norm may write its sum over `residual` (each element is read before it is
         written)."""
         return self._module
@@ -107,18 +107,13 @@ class CpuLayerOps:
         self._module.rope(x, cos.reshape(n, half).contiguous(), sin.reshape(n, half).contiguous())
         return x
 
-    @property
-    def has_argmax(self) -> bool:
-        """Whether this library has the argmax (a benchmark may load an older revision's)."""
-        return hasattr(self._module, "argmax_rows")
-
     def argmax(
         self,
         x: torch.Tensor,  # float32, bf16 or fp16 [N, V], rows may be strided
     ) -> torch.Tensor:  # int64 [N]: torch.argmax(x, dim=-1)
         """Each row's index of its largest value: the first on ties, a NaN's if the row has one
-        (torch.argmax's rule), in one pass per row on torch's threads. torch's argmax over a
-        decode step's logits (64 x 49152) took 2.6 ms on a 2-core EPYC. bf16 and fp16 logits
+        (torch.argmax's rule), in one pass per row on torch's threads, where torch's argmax over
+        a step's logits is one of its slower ops on a CPU. bf16 and fp16 logits
         are read as they are (their float32 values are exact), so a greedy step needs no float32
         copy of its logits."""
         assert x.device.type == "cpu" and x.dtype in DTYPES, (x.device, x.dtype)

@@ -14,10 +14,10 @@
 
 // Requests the cache lines of [p, p + bytes). The next block sits at a random place in the
 // pool, where the hardware prefetcher cannot guess it, so the K pass asks for it in slices
-// spread over its work on the current block. (Asking for a whole block in one burst at each
-// block's start, in both passes, was 1.07-1.16x slower on a 2-core EPYC: `python -m
-// jobs.bench.cpu_attention --baseline OLD.cpp`. Asking for V again in the V pass made rows whose
-// context sits in the caches, behind a shared prefix, 6-11% slower and long cold rows no faster.)
+// spread over its work on the current block. (A whole block in one burst at each block's start,
+// in both passes, measured slower with `python -m jobs.bench.cpu_attention --baseline OLD.cpp`;
+// asking for V again in the V pass slowed rows whose context sits in the caches, behind a shared
+// prefix, and did not speed up long cold rows.)
 static inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
@@ -304,7 +304,7 @@ static void attend_row_avx512(float* out, const Row& row, const scalar_t* q_raw,
   const __m512 score_scale = _mm512_set1_ps(dot ? scale : 1.f);
   // The row's blocks into L2 up front, K and V, up to 256 KiB (a quarter of a Zen 4 core's L2):
   // many independent misses in flight at once, where the spread prefetches below keep one or
-  // two blocks ahead. 1.3x on rows read from memory (BENCHMARKS.md, "AVX-512 decode kernel").
+  // two blocks ahead, which is what rows read from memory wait on.
   const int64_t block_bytes = s.block_stride * static_cast<int64_t>(sizeof(scalar_t));
   for (int64_t b = row.first_block, budget = 256 << 10; b < row.num_blocks && budget > 0;
        ++b, budget -= 2 * block_bytes) {
@@ -589,8 +589,8 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   });
 }
 
-// The step's new K and V rows into their pool slots: a memcpy per token and pool (torch's
-// index_copy_ took 60-120 us per call at 64-256 rows, twice per layer).
+// The step's new K and V rows into their pool slots: a memcpy per token and pool, without the
+// dispatch and checks of torch's index_copy_, which would run twice per layer.
 void write_kv(torch::Tensor k,        // [T, KVH, D], row stride k.stride(0), heads dense
               torch::Tensor v,        // [T, KVH, D], row stride v.stride(0), heads dense
               torch::Tensor k_cache,  // [num_blocks, BS, KVH, D], contiguous, k's dtype

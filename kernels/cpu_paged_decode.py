@@ -3,8 +3,8 @@ once with torch's JIT extension loader).
 
 Why a kernel and not torch ops: in torch, decode attention over the paged pool has to gather
 every sequence's K/V blocks into a contiguous copy before SDPA can read them, so each layer moves
-the whole batch's context three times (read, write, read again). At 128 sequences of ~300 tokens
-that copy is most of a SmolLM2 decode step on a 2-core CPU. This kernel reads each sequence's
+the whole batch's context three times (read, write, read again), and at decode batch sizes that
+copy is most of a small model's step. This kernel reads each sequence's
 blocks in place, once, through its block table: the CPU counterpart of
 paged_decode_attention.py (Triton), with the same inputs and the same float32 softmax.
 
@@ -24,23 +24,20 @@ Three code paths, the same arithmetic (float32 sums whatever the cache dtype):
   cache and AVX512-BF16, QK multiplies q and k as stored (vdpbf16ps: exact products, float32
   sums) and scales the scores, and PV multiplies the softmax weights rounded to bf16 (as HF's
   bf16 attention rounds them before its PV matmul) with V as stored, two tokens per vdpbf16ps,
-  the pair unpacked once for all of a kv head's query heads (1.15-1.25x the float32 PV below on
-  SmolLM2's shape, 2026-12-01). Otherwise PV widens bf16 V with a shift and a mask instead of a
-  shuffle. A row's blocks are prefetched into L2 when the task starts it (up to 256 KiB), so
-  many misses are in flight at once. Against the AVX2 path on a 2-core Zen 4 EPYC (`python -m
-  jobs.bench.cpu_attention --dtype bfloat16 --baseline OLD.cpp`): 1.20-1.33x in bf16 on six of
-  its seven cases (0.91x on the smallest, 64 rows x 128), 1.02-1.15x in float32.
+  the pair unpacked once for all of a kv head's query heads (half the instructions of the
+  float32 PV below). Otherwise PV widens bf16 V with a shift and a mask instead of a shuffle. A
+  row's blocks are prefetched into L2 when the task starts it (up to 256 KiB), so many misses
+  are in flight at once. `python -m jobs.bench.cpu_attention --baseline OLD.cpp` times this
+  path against an older source (BENCHMARKS.md, Kernels).
 - AVX2 + FMA (every x86 CPU this project targets), head_dim 64 or 128: 8-lane vectors. QK takes
   eight tokens at a time into eight accumulators and reduces them together (one transposing
   hadd tree, not eight horizontal sums); the softmax's exp is a vector polynomial (~1 ulp); PV
   keeps a head's accumulator in registers across a block. bf16 and fp16 caches widen on load.
 - plain loops otherwise (other head_dims, other CPUs), which the compiler vectorizes as it can.
-On a 2-core AMD EPYC (Zen 3, AVX2), SmolLM2's shape (`python -m jobs.bench.cpu_attention`): 48
-rows x 580 tokens behind a shared, cached prefix take 2.1 ms per layer (the earlier 16-lane
-generic-vector code: 7.0 ms, its accumulators spilled to the stack on AVX2); contexts read from
-memory stream at 8-11 GB/s, 1.4x-2.4x the earlier code.
+The paths are written per vector width rather than as one generic 16-lane vector code, whose
+accumulators spill to the stack on AVX2.
 
-`CpuPagedDecode.build()` compiles on first use (about 45 s) through cpu_build.py, which caches
+`CpuPagedDecode.build()` compiles on first use through cpu_build.py, which caches
 the library and raises KernelBuildError, with the compiler's message, when it cannot build.
 """
 
@@ -66,11 +63,10 @@ class CpuPagedDecode:
         self._module = module
 
     @classmethod
-    def build(cls, verbose: bool = False, source: Path = SOURCE) -> CpuPagedDecode:
-        """Compiles on first use (kernels/cpu_build.py), then loads the cached library. `source`
-        is for benchmarks that time an older version of the kernel against this one."""
+    def build(cls, verbose: bool = False) -> CpuPagedDecode:
+        """Compiles on first use (kernels/cpu_build.py), then loads the cached library."""
         return cls(
-            build_extension(source, "batchpage_cpu_decode", "the CPU paged-decode kernel", verbose)
+            build_extension(SOURCE, "batchpage_cpu_decode", "the CPU paged-decode kernel", verbose)
         )
 
     @staticmethod

@@ -6,9 +6,8 @@ sequence, each seeing the context up to its own position. Sent one row at a time
 decode kernel, every row reads the whole context again; gathered for SDPA, the context is copied
 and every row is multiplied with every key (a causal mask does not let SDPA skip any). This
 kernel reads each key once for a tile of rows, in place, through the block table, and stops at
-the tile's last row: the CPU counterpart of extend_attention.py (Triton). Per layer of SmolLM2 on
-a 2-core Zen 4 EPYC in bf16 (`python -m jobs.bench.cpu_prefill_attention`): 1.05-1.43x the
-row-by-row route and 1.4-2.7x SDPA, except short fresh prompts (10 of 67 tokens: 0.94x rows).
+the tile's last row: the CPU counterpart of extend_attention.py (Triton). `python -m
+jobs.bench.cpu_attention` times it against the torch backend (BENCHMARKS.md, Kernels).
 
 Work split: one task per tile, `64 // group` consecutive rows of one sequence times one kv head
 (group = query heads per kv head; a group over 64 is split over tiles of one row), so a task
@@ -19,13 +18,13 @@ query vectors (each key broadcast, q stored transposed once per tile; with a bf1
 with AVX512-BF16, `vdpbf16ps` on q and k as stored), an online softmax (running maximum and sum,
 float32), then the chunk's V into float32 accumulators held in registers (with AVX512-BF16 and a
 bf16 pool, by `vdpbf16ps` on the weights rounded to bf16, as HF's bf16 attention rounds them,
-and V as stored: two keys per instruction, half the float32 pass's work; 1.1-1.7x the kernel
-with float32 PV on SmolLM2's shape, most behind long cached prefixes). One code runs in 16
+and V as stored: two keys per instruction, half the float32 pass's work, which counts most
+behind long cached prefixes). One code runs in 16
 lanes (AVX-512), 8 (AVX2) or 1 (any CPU; also any head_dim other than 64 and 128). Keys past a
 row's position or before its window (sliding_window W: keys p - W < k <= p, HF's semantics) are
 masked to -inf. A logit soft-cap c turns each score s into c * tanh(s / c) before the mask.
 
-`CpuPagedPrefill.build()` compiles on first use (about 45 s) through cpu_build.py, which caches
+`CpuPagedPrefill.build()` compiles on first use through cpu_build.py, which caches
 the library and raises KernelBuildError, with the compiler's message, when it cannot build.
 """
 
@@ -50,12 +49,11 @@ class CpuPagedPrefill:
         self._module = module
 
     @classmethod
-    def build(cls, verbose: bool = False, source: Path = SOURCE) -> CpuPagedPrefill:
-        """Compiles on first use (kernels/cpu_build.py), then loads the cached library. `source`
-        is for benchmarks that time an older version of the kernel against this one."""
+    def build(cls, verbose: bool = False) -> CpuPagedPrefill:
+        """Compiles on first use (kernels/cpu_build.py), then loads the cached library."""
         return cls(
             build_extension(
-                source, "batchpage_cpu_prefill", "the CPU paged-prefill kernel", verbose
+                SOURCE, "batchpage_cpu_prefill", "the CPU paged-prefill kernel", verbose
             )
         )
 

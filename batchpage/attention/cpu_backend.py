@@ -3,44 +3,34 @@ token) go to the paged-decode kernel (kernels/cpu_paged_decode.py), a row per ta
 a prompt, a chunk or a prompt behind a cached prefix go to the paged-prefill kernel
 (kernels/cpu_paged_prefill.py), which reads each key once for a tile of rows. Sliding windows
 and logit soft-caps go to both (see backend.py).
-
-Two other routes for a sequence's new rows stay for comparison (`prefill_route`, and
-jobs/bench/cpu_prefill_attention.py): "rows", each row a decode of its own position through the
-decode kernel, and "sdpa", the torch parts (parts.py: SDPA over gathered blocks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from batchpage.attention.backend import check_planned_for, check_window_and_softcap
 from batchpage.attention.metadata import AttentionMetadata
-from batchpage.attention.parts import StepParts, attend_parts
 from batchpage.cache.kv_cache import KVCache
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
 from batchpage.kernels.cpu_paged_prefill import CpuPagedPrefill
 
-PrefillRoute = Literal["tiles", "rows", "sdpa"]
-PREFILL_ROUTES: tuple[PrefillRoute, ...] = ("tiles", "rows", "sdpa")
-
 
 @dataclass(frozen=True)
 class CpuStepAttention:
-    """A step planned by CpuPagedAttention: its rows for the decode kernel, its sequences for the
-    prefill kernel, and the rest (route "sdpa") as torch parts."""
+    """A step planned by CpuPagedAttention: its decode rows for the decode kernel, its sequences
+    with several new rows for the prefill kernel."""
 
     kernel: CpuPagedDecode
     prefill: CpuPagedPrefill
     meta: AttentionMetadata
-    all_in_kernel: bool  # every row goes to the decode kernel, in order (decode_rows unused)
+    all_in_kernel: bool  # every row is a decode, in order (decode_rows unused)
     decode_rows: torch.Tensor  # int64 [Nk]: the rows for the decode kernel
     decode_tables: torch.Tensor  # int32 [Nk, max_blocks]: each kernel row's sequence's table
     decode_lens: torch.Tensor  # int32 [Nk]: the context each kernel row sees, itself included
     prefill_seqs: torch.Tensor  # int32 [S]: the sequences whose rows the prefill kernel takes
-    parts: StepParts  # the sequences left for the torch path
 
     def __call__(
         self,
@@ -88,77 +78,41 @@ class CpuStepAttention:
                 checked=checked,
             )
             out.index_copy_(0, self.decode_rows, o)
-        if self.prefill_seqs.numel():
-            self.prefill(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                self.prefill_seqs, scale, out, **window, tables_checked=checked,
-            )  # fmt: skip
-        attend_parts(q, k_cache, v_cache, self.parts(sliding_window), scale, out, logit_softcap)
+        self.prefill(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            self.prefill_seqs, scale, out, **window, tables_checked=checked,
+        )  # fmt: skip
         return out
 
 
 class CpuPagedAttention:
-    """AttentionBackend for CPU tensors (see backend.py for the contract).
+    """AttentionBackend for CPU tensors (see backend.py for the contract): decodes through the
+    decode kernel; a sequence with several new tokens (a prompt, a chunk, a prompt behind a
+    cached prefix) through the prefill kernel. Tests compare it with the torch backend."""
 
-    Decodes always run through the decode kernel. A sequence with several new tokens (a prompt,
-    a chunk, a prompt behind a cached prefix) goes by `prefill_route`: "tiles" (the default) to
-    the prefill kernel; "rows" to the decode kernel, each row a decode of its own position;
-    "sdpa" to the torch parts, SDPA over gathered blocks (parts.py). Tests compare every route
-    with the torch backend; jobs/bench/cpu_prefill_attention.py times them."""
-
-    def __init__(
-        self,
-        kernel: CpuPagedDecode,
-        prefill: CpuPagedPrefill,
-        prefill_route: PrefillRoute = "tiles",
-    ) -> None:
-        if prefill_route not in PREFILL_ROUTES:
-            raise ValueError(
-                f"prefill_route must be one of {PREFILL_ROUTES}; got {prefill_route!r}"
-            )
+    def __init__(self, kernel: CpuPagedDecode, prefill: CpuPagedPrefill) -> None:
         self.kernel = kernel
         self.prefill = prefill
-        self.prefill_route = prefill_route
 
     def plan(self, meta: AttentionMetadata) -> CpuStepAttention:
         lens = meta.query_lens_cpu
-        route = self.prefill_route
-        # Sequences whose rows go to the decode kernel: decodes, and every sequence by "rows".
-        seqs = [b for b, n in enumerate(lens) if n == 1 or route == "rows"]
-        multi = [b for b, n in enumerate(lens) if n > 1]
-        none = torch.empty(0, dtype=torch.int32)
-        if len(seqs) == meta.num_seqs:
-            rows = torch.empty(0, dtype=torch.long)
-            tables, sees = meta.block_tables, meta.seq_lens
-            if not meta.is_decode_only:
-                tables, sees, rows = self._rows(meta, seqs)
+        decode = [b for b, n in enumerate(lens) if n == 1]
+        if len(decode) == meta.num_seqs:
+            none = torch.empty(0, dtype=torch.long)
             return CpuStepAttention(
-                self.kernel, self.prefill, meta, True, rows, tables, sees, none,
-                StepParts(meta, decode_rows=False, skip=frozenset(range(meta.num_seqs))),
+                self.kernel, self.prefill, meta, True, none, meta.block_tables, meta.seq_lens,
+                none.int(),
             )  # fmt: skip
-        tables, sees, rows = self._rows(meta, seqs)
-        tiles = torch.tensor(multi, dtype=torch.int32) if route == "tiles" else none
-        done = frozenset(seqs) | (frozenset(multi) if route == "tiles" else frozenset())
-        return CpuStepAttention(
-            self.kernel, self.prefill, meta, False, rows, tables, sees, tiles,
-            StepParts(meta, decode_rows=False, skip=done),
-        )  # fmt: skip
-
-    @staticmethod
-    def _rows(
-        meta: AttentionMetadata, seqs: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The decode kernel's inputs for every row of `seqs`: each row's table, the context it
-        sees, and the row's index in the step."""
-        lens = meta.query_lens_cpu
+        # A decode row is its sequence's only new row: it sees the sequence's whole context.
         starts = meta.query_start_loc.tolist()
-        # Row r = starts[b] + j of sequence b (n new tokens of a context of L) sits at position
-        # L - n + j, so it sees the first L - n + j + 1 tokens of b's blocks.
-        rows = [r for b in seqs for r in range(starts[b], starts[b + 1])]
-        of_seq = torch.tensor([b for b in seqs for _ in range(lens[b])], dtype=torch.long)
-        sees = [meta.seq_lens_cpu[b] - lens[b] + 1 + j for b in seqs for j in range(lens[b])]
-        return (
-            meta.block_tables.index_select(0, of_seq),
-            torch.tensor(sees, dtype=torch.int32),
-            torch.tensor(rows, dtype=torch.long),
+        seqs = torch.tensor(decode, dtype=torch.long)
+        return CpuStepAttention(
+            self.kernel,
+            self.prefill,
+            meta,
+            False,
+            torch.tensor([starts[b] for b in decode], dtype=torch.long),
+            meta.block_tables.index_select(0, seqs),
+            meta.seq_lens.index_select(0, seqs),
+            torch.tensor([b for b, n in enumerate(lens) if n > 1], dtype=torch.int32),
         )

@@ -5,8 +5,8 @@ A part is a group of decode rows of similar context length, batched into one SDP
 gathered through their block tables (or, when they share leading blocks through the prefix cache
 or a fork, a cascade that reads those blocks once); or the new rows of one sequence with several
 (prefill, a prefill chunk, prefill over a cached prefix), one SDPA call with a causal mask offset
-by its cached context. The torch backend attends every row this way; the CPU backend only the
-rows its C++ decode kernel does not serve.
+by its cached context. The torch backend attends every row this way (the CPU backend runs its
+rows through C++ kernels instead, cpu_backend.py).
 
 Parts depend on the layer's sliding window (which blocks each row reads, which keys it sees), so
 a step plans one set of parts per window its layers use (StepParts). A windowed part gathers only
@@ -131,26 +131,17 @@ def shared_prefix_clusters(
     return clusters
 
 
-def plan_parts(
-    meta: AttentionMetadata,
-    decode_rows: bool = True,
-    window: int | None = None,
-    skip: frozenset[int] = frozenset(),
-) -> list[AttentionPart]:
+def plan_parts(meta: AttentionMetadata, window: int | None = None) -> list[AttentionPart]:
     """The step's parts, covering every query row once: decode groups (cascades over shared
-    leading blocks first), then one part per sequence with several new tokens.
-
-    decode_rows=False leaves out the sequences with one new token (a backend that serves them
-    some other way plans only the rest); skip: sequences with several new tokens that such a
-    backend serves itself too. window: the layers' sliding window (see backend.StepAttention),
-    None for full attention."""
+    leading blocks first), then one part per sequence with several new tokens. window: the
+    layers' sliding window (see backend.StepAttention), None for full attention."""
     if window is not None and window >= meta.max_seq_len:
         window = None  # the window holds every context whole: full attention, cascades and all
     starts = meta.query_start_loc.tolist() if meta.num_seqs else []
     tables = meta.block_tables.long()
     bs = meta.block_size
     parts = []
-    decode = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1] if decode_rows else []
+    decode = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
     if window is None:
         rest: list[int] = []
         for cluster, shared in shared_prefix_clusters(decode, meta):
@@ -171,7 +162,7 @@ def plan_parts(
         for group in length_groups(decode, spans):
             parts.append(_decode_part(group, starts, tables, meta, first, lo))
     for b, n in enumerate(meta.query_lens_cpu):
-        if n > 1 and b not in skip:
+        if n > 1:
             parts.append(_extend_part(b, n, starts[b], tables, meta, window))
     return parts
 
@@ -211,15 +202,13 @@ class StepParts:
     then reused by every later layer with it (the metadata is the same for all layers)."""
 
     meta: AttentionMetadata
-    decode_rows: bool = True
-    skip: frozenset[int] = frozenset()  # see plan_parts
     planned: dict[int | None, list[AttentionPart]] = field(default_factory=dict)
 
     def __call__(self, window: int | None) -> list[AttentionPart]:
         if window is not None and window >= self.meta.max_seq_len:
             window = None  # the same parts as full attention: plan them once
         if window not in self.planned:
-            self.planned[window] = plan_parts(self.meta, self.decode_rows, window, self.skip)
+            self.planned[window] = plan_parts(self.meta, window)
         return self.planned[window]
 
 
@@ -228,8 +217,8 @@ def gather_keys(
     part: AttentionPart,
 ) -> torch.Tensor:  # [Bg, num_kv_heads, L, head_dim]
     _, bs, kvh, d = cache.shape
-    # index_select on the 4-D pool copies whole blocks per index; on a 2-D view of it the same
-    # copy runs about 2.5x slower on CPU.
+    # index_select on the 4-D pool copies whole blocks per index: on CPU a copy through a 2-D
+    # view of the pool was slower.
     blocks = cache.index_select(0, part.blocks)  # [Bg * nb, bs, kvh, d]
     return blocks.view(part.num_seqs, -1, kvh, d)[:, : part.length].transpose(1, 2)
 

@@ -77,6 +77,12 @@ def write_json(path: str | Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
+def save_results(out: str | Path, env: dict[str, Any], results: Any, **extra: Any) -> None:
+    """A benchmark's results as JSON beside the command and the environment that made them."""
+    write_json(out, {"command": command_line(), "environment": env, **extra, "results": results})
+    print(f"\nJSON: {out}")
+
+
 def print_results(
     headers: Sequence[str],
     rows: Iterable[Sequence[Any]],
@@ -84,12 +90,10 @@ def print_results(
     env: dict[str, Any],
     results: list[dict[str, Any]],
 ) -> None:
-    """A benchmark's ending: its Markdown table, and with --out its results as JSON beside the
-    command and the environment that made them."""
+    """A benchmark's ending: its Markdown table, and with --out its results as JSON."""
     print(markdown_table(headers, rows))
     if out:
-        write_json(out, {"command": command_line(), "environment": env, "results": results})
-        print(f"\nJSON: {out}")
+        save_results(out, env, results)
 
 
 # --- tables ------------------------------------------------------------------------------------

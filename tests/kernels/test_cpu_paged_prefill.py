@@ -3,7 +3,7 @@ torch reference: prompts, chunks behind a cached context, shared prefix blocks, 
 soft-caps, every dtype and the head sizes of each code path (64 and 128 in vectors, others in
 plain loops).
 
-The kernel is built once per machine and source (about 45 s the first time) into torch's
+The kernel is built once per machine and source (compiled the first time) into torch's
 extension folder.
 """
 

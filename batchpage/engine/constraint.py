@@ -52,6 +52,11 @@ class Constraint:
     def _new_matcher(self) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(self._grammar, override_stop_tokens=self._stop_token_ids or None)
 
+    @property
+    def has_stops(self) -> bool:
+        """Whether find_stop needs the output text each step."""
+        return bool(self._stops)
+
     def find_stop(self, text: str) -> StopHit | None:
         """The stop string, completed in the text added since the last call, that ends the
         output first at a point where the grammar is complete; None if there is none."""

@@ -292,13 +292,19 @@ class Engine:
         """Run the stop checks on the new token; when it ends the sequence, set its finish
         reason and final text."""
         decision = seq.stop.append(token)
-        text = seq.stop.text
-        if seq.constraint is not None and (decision is None or decision.finish_reason == "length"):
-            hit = seq.constraint.find_stop(text)
+        constraint = seq.constraint
+        text = None
+        if (
+            constraint is not None
+            and constraint.has_stops
+            and (decision is None or decision.finish_reason == "length")
+        ):
+            text = seq.stop.text
+            hit = constraint.find_stop(text)
             if hit is not None:  # a stop string where the grammar is complete
                 decision, text = StopDecision("stop", hit.stop), text[: hit.end]
         if decision is None:
             return False
         seq.finish_reason, seq.stop_reason = decision.finish_reason, decision.stop_reason
-        seq.text = text
+        seq.text = seq.stop.text if text is None else text
         return True

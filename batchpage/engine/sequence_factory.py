@@ -10,6 +10,7 @@ import torch
 from batchpage.engine.constraint import Constraint
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.engine.stop_checker import StopChecker
+from batchpage.model.tokenizer import Tokenizer
 
 
 def sequence_seed(request_seed: int | None, engine_seed: int, index: int, sample: int) -> int:
@@ -21,7 +22,7 @@ def sequence_seed(request_seed: int | None, engine_seed: int, index: int, sample
 
 class SequenceFactory:
     def __init__(
-        self, tokenizer: object, eos_ids: Collection[int], max_model_len: int, seed: int
+        self, tokenizer: Tokenizer, eos_ids: Collection[int], max_model_len: int, seed: int
     ) -> None:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
@@ -56,13 +57,14 @@ class SequenceFactory:
             generator=gen,
             constraint=constraint,
             stop=StopChecker(
-                self.tokenizer,
+                self.tokenizer.decoder(params.skip_special_tokens),
                 params,
                 self.eos_ids,
                 prompt_len=len(req.prompt_token_ids),
                 max_model_len=self.max_model_len,
                 # A few prompt tokens as context keep the first output token's leading space.
                 context_ids=req.prompt_token_ids[-4:],
+                stream_text=constraint is not None and constraint.has_stops,
             ),
         )
         if req.params.prompt_logprobs is not None:

@@ -1,23 +1,30 @@
-"""Incremental detokenization and stop checks for one sequence.
+"""Stop checks for one sequence, and its text: decoded as it grows only when it must be.
 
-Detokenization decodes only a short window of recent tokens per step (never the whole output), in
-the style of HF's TextStreamer and vLLM: ``window`` = the tokens from the previous commit point on;
-the text it adds is ``decode(window)`` minus ``decode(window's already-committed head)``. Decoding
-from an earlier token keeps context-dependent pieces right (SentencePiece's leading space).
+A sequence with stop strings needs its text every step (a stop string can complete at any token),
+so it is detokenized incrementally, below. Every other sequence is decoded once, when it finishes:
+EOS, stop token ids and the length limits are checked on token ids alone.
+
+Incremental detokenization decodes only a short window of recent tokens per step (never the
+whole output), in the style of HF's TextStreamer and vLLM: ``window`` = the tokens from the
+previous commit point on; the text it adds is ``decode(window)`` minus ``decode(window's
+already-committed head)``. Decoding from an earlier token keeps context-dependent pieces right
+(SentencePiece's leading space). It is written here rather than taken from the tokenizers
+library's DecodeStream because that one holds a run of invalid bytes back for ever, decoding an
+ever longer window each step; this one commits such a run once it cannot be a character.
 
 A window whose text ends in U+FFFD usually ends in part of a multi-byte character (an emoji or CJK
 character split across byte-level tokens): it is held back until the character completes, so the
 committed text is always a prefix of the full decode and never changes afterwards. When the
 sequence finishes, what is held back is flushed, so the final text equals
 ``tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``
-(without the stop token's text, and truncated at a stop string, see StopChecker).
+(without the stop token's text, and truncated at a stop string, see StopChecker): the same text
+a sequence decoded once at its end gets (decode_once).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from batchpage.sampling_params import SamplingParams
 
@@ -29,29 +36,37 @@ _MAX_PENDING = 16
 _CONTEXT_TOKENS = 4
 
 
-def _make_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
-    # Cleanup of tokenization spaces rewrites text across token boundaries (" ." -> "."), which
-    # incremental decoding cannot reproduce; vLLM leaves it off too.
-    decode = functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
-    try:
-        decode([], clean_up_tokenization_spaces=False)
-    except TypeError:  # a tokenizer without that option
-        return decode
-    return functools.partial(decode, clean_up_tokenization_spaces=False)
+Decode = Callable[[list[int]], str]
+
+
+def usable_context(decode: Decode, context_ids: Sequence[int]) -> tuple[list[int], str]:
+    """The prompt's last tokens decoded ahead of the output, and their text; none when the
+    prompt ends mid-character (no clean cut point)."""
+    context = list(context_ids[-_CONTEXT_TOKENS:])
+    text = decode(context) if context else ""
+    if text.endswith(_REPLACEMENT):
+        return [], ""
+    return context, text
+
+
+def decode_once(decode: Decode, context_ids: Sequence[int], ids: list[int]) -> str:
+    """The text of ``ids`` after the prompt's context, in one decode: what the incremental
+    detokenizer commits in total, token by token."""
+    context, context_text = usable_context(decode, context_ids)
+    if not context:
+        return decode(ids)
+    text = decode(context + ids)
+    return text[len(context_text) :] if text.startswith(context_text) else decode(ids)
 
 
 class IncrementalDetokenizer:
     """Text of a growing token sequence, decoded a few tokens at a time."""
 
-    def __init__(
-        self, tokenizer: Any, skip_special_tokens: bool = True, context_ids: Sequence[int] = ()
-    ) -> None:
-        self._decode = _make_decoder(tokenizer, skip_special_tokens)
-        context = list(context_ids[-_CONTEXT_TOKENS:])
-        context_text = self._decode(context) if context else ""
-        if context_text.endswith(_REPLACEMENT):
-            context, context_text = [], ""  # the prompt ends mid-character: no clean cut point
-        self._tokens = context  # context + output tokens
+    def __init__(self, decode: Decode, context_ids: Sequence[int] = ()) -> None:
+        """``decode``: token ids to text (Tokenizer.decoder: with or without special tokens)."""
+        self._decode = decode
+        context, context_text = usable_context(decode, context_ids)
+        self._tokens = list(context)  # context + output tokens
         self._prefix = 0  # the window starts here
         self._read = len(context)  # tokens before this are in ``text``
         self._prefix_text = context_text  # decode(tokens[prefix:read])
@@ -123,23 +138,36 @@ class StopChecker:
 
     def __init__(
         self,
-        tokenizer: Any,
+        decode: Decode,
         params: SamplingParams,
         eos_ids: Collection[int] = (),
         prompt_len: int = 0,
         max_model_len: int | None = None,
         context_ids: Sequence[int] = (),
+        stream_text: bool = False,
     ) -> None:
-        """``context_ids``: the prompt's last tokens, decoded ahead of the output as context so
-        the first output token keeps its leading space (vLLM's behaviour); leave empty to get
-        exactly ``decode(output_ids)``."""
+        """``decode``: token ids to text, honouring params.skip_special_tokens
+        (Tokenizer.decoder). ``context_ids``: the prompt's last tokens, decoded ahead of the
+        output as context so the first output token keeps its leading space (vLLM's
+        behaviour); leave empty to get exactly ``decode(output_ids)``. ``stream_text``: keep
+        ``text`` current every step although params has no stop strings (a caller that reads
+        it each step, as a structured output's stop strings do); otherwise the text is decoded
+        once, when it is first read after the sequence finishes."""
         self.params = params
         self._eos = frozenset() if params.ignore_eos else frozenset(eos_ids)
         self._stop_ids = frozenset(params.stop_token_ids or ())
         self._stops: list[str] = list(params.stop or ())
         self._prompt_len = prompt_len
         self._max_model_len = max_model_len
-        self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, context_ids)
+        self._max_tokens = params.max_tokens if params.max_tokens is not None else -1
+        self._min_tokens = params.min_tokens
+        self._decode = decode
+        self._context_ids = list(context_ids)
+        self._detok: IncrementalDetokenizer | None = None
+        if self._stops or stream_text:
+            self._detok = IncrementalDetokenizer(decode, context_ids)
+        self._ids: list[int] = []  # the tokens of the text, without a stop token left out
+        self._final_text: str | None = None
         self._text_end: int | None = None  # set when a stop string truncates the text
         self.num_tokens = 0
         self.finish_reason: str | None = None
@@ -148,7 +176,15 @@ class StopChecker:
     @property
     def text(self) -> str:
         """The output text so far (final once finished)."""
-        return self._detok.text if self._text_end is None else self._detok.text[: self._text_end]
+        if self._detok is not None:
+            text = self._detok.text
+            return text if self._text_end is None else text[: self._text_end]
+        if self._final_text is not None:
+            return self._final_text
+        text = decode_once(self._decode, self._context_ids, self._ids)
+        if self.finished:
+            self._final_text = text
+        return text
 
     @property
     def finished(self) -> bool:
@@ -159,38 +195,46 @@ class StopChecker:
         if self.finished:
             raise RuntimeError(f"sequence already finished ({self.finish_reason}); got {token_id}")
         self.num_tokens += 1
-        params = self.params
-        if self.num_tokens > params.min_tokens and (
+        if self.num_tokens > self._min_tokens and (
             token_id in self._eos or token_id in self._stop_ids
         ):
-            if params.include_stop_str_in_output:
-                self._detok.add(token_id)
-            self._detok.flush()
+            if self.params.include_stop_str_in_output:
+                self._add(token_id)
+            if self._detok is not None:
+                self._detok.flush()
             reason = None if token_id in self._eos else token_id
             return self._finish("stop", reason)
 
-        last = self._at_length_limit()
+        last = self.num_tokens == self._max_tokens or self._at_model_len()
+        if self._detok is None:
+            self._ids.append(token_id)
+            return self._finish("length", None) if last else None
         committed_before = len(self._detok.text)
         self._detok.add(token_id)
         if last:
             self._detok.flush()
-        if self._stops and self.num_tokens >= params.min_tokens:
+        if self._stops and self.num_tokens >= self._min_tokens:
             hit = self._find_stop(committed_before)
             if hit is not None:
                 start, stop = hit
-                self._text_end = start + len(stop) if params.include_stop_str_in_output else start
+                keep = self.params.include_stop_str_in_output
+                self._text_end = start + len(stop) if keep else start
                 return self._finish("stop", stop)
         return self._finish("length", None) if last else None
 
-    def _at_length_limit(self) -> bool:
-        max_tokens = self.params.max_tokens
-        if max_tokens is not None and self.num_tokens >= max_tokens:
-            return True
+    def _add(self, token_id: int) -> None:
+        if self._detok is None:
+            self._ids.append(token_id)
+        else:
+            self._detok.add(token_id)
+
+    def _at_model_len(self) -> bool:
         limit = self._max_model_len
         return limit is not None and self._prompt_len + self.num_tokens >= limit
 
     def _find_stop(self, committed_before: int) -> tuple[int, str] | None:
         """The stop string completed first in the newly committed text, as (start, string)."""
+        assert self._detok is not None
         text = self._detok.text
         if len(text) == committed_before:
             return None

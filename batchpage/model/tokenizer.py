@@ -8,11 +8,12 @@ an end-of-turn token that only one of those lists).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,16 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.decoder(skip_special_tokens)(list(ids))
+
+    def decoder(self, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+        """Token ids to text through the tokenizers library directly: transformers' decode adds
+        per-call conversions, and its tokenization-space cleanup rewrites text across token
+        boundaries (" ." -> "."), which incremental decoding cannot reproduce (vLLM leaves it
+        off too)."""
+        return functools.partial(
+            self.hf.backend_tokenizer.decode, skip_special_tokens=skip_special_tokens
+        )
 
     def apply_chat_template(
         self,

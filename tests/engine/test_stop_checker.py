@@ -1,12 +1,15 @@
-"""Incremental detokenization and stop checks against full decodes with the bundled tokenizer."""
+"""Incremental detokenization, decoding once at the end, and stop checks against full decodes
+with the bundled tokenizer."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchpage.engine.stop_checker import IncrementalDetokenizer, StopChecker
+from batchpage.engine.stop_checker import IncrementalDetokenizer, StopChecker, decode_once
 from batchpage.model.loader import bundled_model_path
 from batchpage.sampling_params import SamplingParams
 from tests.model_factory import HAS_SMOLLM2
@@ -28,6 +31,16 @@ def _full(tok, ids: list[int], skip: bool = True) -> str:
     return tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
 
 
+def _decoder(tok, skip: bool = True):
+    return functools.partial(
+        tok.decode, skip_special_tokens=skip, clean_up_tokenization_spaces=False
+    )
+
+
+def _checker(tok, params: SamplingParams, **kwargs) -> StopChecker:
+    return StopChecker(_decoder(tok, params.skip_special_tokens), params, **kwargs)
+
+
 def _feed(checker: StopChecker, ids: list[int]):
     for i, token in enumerate(ids):
         decision = checker.append(token)
@@ -38,7 +51,7 @@ def _feed(checker: StopChecker, ids: list[int]):
 
 def test_plain_text_matches_full_decode(tok) -> None:
     ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 3)
-    checker = StopChecker(tok, SamplingParams(max_tokens=len(ids)), eos_ids={tok.eos_token_id})
+    checker = _checker(tok, SamplingParams(max_tokens=len(ids)), eos_ids={tok.eos_token_id})
     assert _feed(checker, ids) == (len(ids) - 1, ("length", None))
     assert checker.text == _full(tok, ids)
     assert (checker.finish_reason, checker.stop_reason) == ("length", None)
@@ -47,7 +60,7 @@ def test_plain_text_matches_full_decode(tok) -> None:
 def test_split_characters_are_held_back_until_complete(tok) -> None:
     ids = tok.encode(UNICODE_TEXT)
     full = _full(tok, ids)
-    checker = StopChecker(tok, SamplingParams(max_tokens=None))
+    checker = _checker(tok, SamplingParams(max_tokens=None), stream_text=True)
     for token in ids:
         assert checker.append(token) is None
         assert "\ufffd" not in checker.text
@@ -60,13 +73,14 @@ def test_decode_windows_stay_small(tok) -> None:
         def __init__(self) -> None:
             self.longest = 0
 
-        def decode(self, ids, **kwargs):
+        def decode(self, ids):
             self.longest = max(self.longest, len(ids))
-            return tok.decode(ids, **kwargs)
+            return _full(tok, ids)
 
     recording = Recording()
     ids = tok.encode("Some text with emoji 🎉 and 日本語. " * 20)
-    checker = StopChecker(recording, SamplingParams(max_tokens=len(ids)))
+    params = SamplingParams(max_tokens=len(ids))
+    checker = StopChecker(recording.decode, params, stream_text=True)
     _feed(checker, ids)
     assert checker.text == _full(tok, ids)
     assert recording.longest <= 8  # windows, never the whole output
@@ -76,7 +90,7 @@ def test_long_runs_of_invalid_bytes_stay_exact_and_bounded(tok, token_pool) -> N
     lone_bytes = token_pool["bytes"]  # tokens of one byte >= 0x80: invalid on their own
     emoji = tok.encode("🎉")
     ids = [*lone_bytes[:40], *emoji, *tok.encode(" fine"), *lone_bytes[-30:], *emoji]
-    detok = IncrementalDetokenizer(tok)
+    detok = IncrementalDetokenizer(_decoder(tok))
     full = _full(tok, ids)
     longest = 0
     for token in ids:
@@ -91,7 +105,7 @@ def test_long_runs_of_invalid_bytes_stay_exact_and_bounded(tok, token_pool) -> N
 def test_stop_string_across_token_boundary(tok) -> None:
     ids = tok.encode("The answer is 42. Done.")  # ... ' is', ' ', '4', '2', '.' ...
     params = SamplingParams(stop=["is 42"], max_tokens=50)
-    checker = StopChecker(tok, params)
+    checker = _checker(tok, params)
     index, decision = _feed(checker, ids)
     assert decision == ("stop", "is 42")
     assert _full(tok, ids[: index + 1]).endswith("42") and index == 5
@@ -100,31 +114,31 @@ def test_stop_string_across_token_boundary(tok) -> None:
     with pytest.raises(RuntimeError):
         checker.append(ids[index + 1])
 
-    included = StopChecker(tok, params.replace(include_stop_str_in_output=True))
+    included = _checker(tok, params.replace(include_stop_str_in_output=True))
     _feed(included, ids)
     assert included.text == "The answer is 42"
 
 
 def test_stop_string_inside_one_token_cuts_the_token(tok) -> None:
     ids = tok.encode("x = foo(bar) ### end")
-    checker = StopChecker(tok, SamplingParams(stop=["#"]))
+    checker = _checker(tok, SamplingParams(stop=["#"]))
     _feed(checker, ids)
     assert checker.text == "x = foo(bar) "
-    checker = StopChecker(tok, SamplingParams(stop=["#"], include_stop_str_in_output=True))
+    checker = _checker(tok, SamplingParams(stop=["#"], include_stop_str_in_output=True))
     _feed(checker, ids)
     assert checker.text == "x = foo(bar) #"
 
 
 def test_stop_string_made_of_split_emoji(tok) -> None:
     ids = tok.encode("party 🎉🚀 time")
-    checker = StopChecker(tok, SamplingParams(stop=["🚀"]))
+    checker = _checker(tok, SamplingParams(stop=["🚀"]))
     _, decision = _feed(checker, ids)
     assert decision == ("stop", "🚀") and checker.text == "party 🎉"
 
 
 def test_first_completed_stop_string_wins(tok) -> None:
     ids = tok.encode("alpha beta gamma")
-    checker = StopChecker(tok, SamplingParams(stop=["gamma", "a b", "alpha beta gamma"]))
+    checker = _checker(tok, SamplingParams(stop=["gamma", "a b", "alpha beta gamma"]))
     _, decision = _feed(checker, ids)
     assert decision == ("stop", "a b") and checker.text == "alph"
 
@@ -132,21 +146,21 @@ def test_first_completed_stop_string_wins(tok) -> None:
 def test_eos_and_stop_token_ids(tok) -> None:
     eos = tok.eos_token_id
     ids = [*tok.encode("Hello there"), eos, *tok.encode(" more")]
-    checker = StopChecker(tok, SamplingParams(), eos_ids={eos})
+    checker = _checker(tok, SamplingParams(), eos_ids={eos})
     index, decision = _feed(checker, ids)
     assert (index, decision) == (2, ("stop", None)) and checker.text == "Hello there"
 
     # ignore_eos: EOS is just a token; decoding keeps it only without skip_special_tokens.
     params = SamplingParams(ignore_eos=True, skip_special_tokens=False, max_tokens=len(ids))
-    checker = StopChecker(tok, params, eos_ids={eos})
+    checker = _checker(tok, params, eos_ids={eos})
     assert _feed(checker, ids)[1] == ("length", None)
     assert checker.text == _full(tok, ids, skip=False)
 
     there = ids[1]
-    checker = StopChecker(tok, SamplingParams(stop_token_ids=[there]), eos_ids={eos})
+    checker = _checker(tok, SamplingParams(stop_token_ids=[there]), eos_ids={eos})
     assert _feed(checker, ids) == (1, ("stop", there)) and checker.text == "Hello"
     params = SamplingParams(stop_token_ids=[there], include_stop_str_in_output=True)
-    checker = StopChecker(tok, params, eos_ids={eos})
+    checker = _checker(tok, params, eos_ids={eos})
     _feed(checker, ids)
     assert checker.text == "Hello there"
 
@@ -155,38 +169,38 @@ def test_stop_token_text_is_flushed_with_pending_bytes(tok) -> None:
     emoji = tok.encode("🎉")
     assert len(emoji) > 1
     ids = [*tok.encode("ok "), *emoji[:-1], tok.eos_token_id]
-    checker = StopChecker(tok, SamplingParams(), eos_ids={tok.eos_token_id})
+    checker = _checker(tok, SamplingParams(), eos_ids={tok.eos_token_id})
     _feed(checker, ids)
     assert checker.text == _full(tok, ids[:-1])  # the partial character shows as U+FFFD
 
 
 def test_length_limits(tok) -> None:
     ids = tok.encode("one two three four five six")
-    checker = StopChecker(tok, SamplingParams(max_tokens=3))
+    checker = _checker(tok, SamplingParams(max_tokens=3))
     assert _feed(checker, ids) == (2, ("length", None))
     assert checker.text == _full(tok, ids[:3]) and checker.num_tokens == 3
 
-    checker = StopChecker(tok, SamplingParams(max_tokens=None), prompt_len=10, max_model_len=14)
+    checker = _checker(tok, SamplingParams(max_tokens=None), prompt_len=10, max_model_len=14)
     assert _feed(checker, ids) == (3, ("length", None))
 
     # A stop string completed by the last allowed token wins over the length limit.
-    checker = StopChecker(tok, SamplingParams(max_tokens=3, stop=["three"]))
+    checker = _checker(tok, SamplingParams(max_tokens=3, stop=["three"]))
     assert _feed(checker, ids) == (2, ("stop", "three"))
 
 
 def test_min_tokens_defers_stops(tok) -> None:
     eos = tok.eos_token_id
     ids = [*tok.encode("a b"), eos, *tok.encode(" c d"), eos]
-    checker = StopChecker(tok, SamplingParams(min_tokens=2, max_tokens=20), eos_ids={eos})
+    checker = _checker(tok, SamplingParams(min_tokens=2, max_tokens=20), eos_ids={eos})
     index, decision = _feed(checker, ids)
     assert (index, decision) == (2, ("stop", None))
-    checker = StopChecker(tok, SamplingParams(min_tokens=3, max_tokens=20), eos_ids={eos})
+    checker = _checker(tok, SamplingParams(min_tokens=3, max_tokens=20), eos_ids={eos})
     assert _feed(checker, ids) == (len(ids) - 1, ("stop", None))
     assert checker.text == "a b c d"
 
     # A stop string completed before min_tokens is ignored for good; a later one counts.
     ids = tok.encode("x; y; z;")
-    checker = StopChecker(tok, SamplingParams(min_tokens=3, stop=[";"]))
+    checker = _checker(tok, SamplingParams(min_tokens=3, stop=[";"]))
     index, decision = _feed(checker, ids)
     assert decision == ("stop", ";") and checker.text == "x; y"
 
@@ -197,17 +211,20 @@ def test_prompt_context_keeps_leading_space() -> None:
 
         pieces = {0: "▁Hello", 1: "▁there", 2: "!", 3: "▁you"}
 
-        def decode(self, ids, skip_special_tokens=True):  # no clean_up option: falls back
+        def decode(self, ids):
             text = "".join(self.pieces[i] for i in ids).replace("▁", " ")
             return text[1:] if text.startswith(" ") else text
 
     fake = SentencePieceLike()
-    plain = StopChecker(fake, SamplingParams(max_tokens=3))
-    _feed(plain, [1, 2, 3])
-    assert plain.text == "there! you" == fake.decode([1, 2, 3])
-    with_prompt = StopChecker(fake, SamplingParams(max_tokens=3), context_ids=[3, 0])
-    _feed(with_prompt, [1, 2, 3])
-    assert with_prompt.text == " there! you"
+    for stream_text in (False, True):
+        plain = StopChecker(fake.decode, SamplingParams(max_tokens=3), stream_text=stream_text)
+        _feed(plain, [1, 2, 3])
+        assert plain.text == "there! you" == fake.decode([1, 2, 3])
+        with_prompt = StopChecker(
+            fake.decode, SamplingParams(max_tokens=3), context_ids=[3, 0], stream_text=stream_text
+        )
+        _feed(with_prompt, [1, 2, 3])
+        assert with_prompt.text == " there! you"
 
 
 @pytest.fixture(scope="module")
@@ -234,13 +251,34 @@ def _token_lists(pool: dict[str, list[int]], vocab: int):
 def test_incremental_text_equals_full_decode(tok, token_pool, data, skip, with_context) -> None:
     ids = data.draw(_token_lists(token_pool, len(tok)), label="ids")
     context = tok.encode("Prompt:") if with_context else []  # ends on a whole character
-    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip, context_ids=context)
+    detok = IncrementalDetokenizer(_decoder(tok, skip), context_ids=context)
     full = _full(tok, ids, skip)
     for token in ids:
         detok.add(token)
         assert full.startswith(detok.text)  # committed text never changes afterwards
     detok.flush()
     assert detok.text == full
+    # A sequence that needs no text while it runs is decoded once at its end: the same text.
+    assert decode_once(_decoder(tok, skip), context, ids) == full
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), skip=st.booleans(), with_eos=st.booleans())
+def test_text_decoded_once_at_the_end_equals_the_streamed_text(
+    tok, token_pool, data, skip, with_eos
+) -> None:
+    ids = data.draw(_token_lists(token_pool, len(tok)), label="ids")
+    context = data.draw(st.lists(st.sampled_from(token_pool["unicode"]), max_size=6))
+    if with_eos:
+        ids = [*ids, tok.eos_token_id]
+    params = SamplingParams(max_tokens=len(ids), skip_special_tokens=skip)
+    texts = []
+    for stream_text in (False, True):
+        checker = _checker(
+            tok, params, eos_ids={tok.eos_token_id}, context_ids=context, stream_text=stream_text
+        )
+        texts.append((_feed(checker, ids), checker.text))
+    assert texts[0] == texts[1]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -252,7 +290,7 @@ def test_stop_string_cut_matches_full_decode(tok, token_pool, data) -> None:
         return
     start = data.draw(st.integers(0, len(full) - 1), label="start")
     stop = full[start : start + data.draw(st.integers(1, 4), label="length")]
-    checker = StopChecker(tok, SamplingParams(stop=[stop], max_tokens=len(ids)))
+    checker = _checker(tok, SamplingParams(stop=[stop], max_tokens=len(ids)))
     _feed(checker, ids)
     assert checker.stop_reason == stop and checker.finish_reason == "stop"
     assert checker.text == full[: full.index(stop)]

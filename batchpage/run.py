@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
 import signal
 import sys
 import time
@@ -199,24 +200,64 @@ def main() -> None:
 
 
 def _check_overrides(args: list[str]) -> None:
-    """A mistyped key, a wrong type or an unknown preset fails here in one line with exit 2
-    (Hydra itself would exit 1 with a wrapped message). Sweeps (-m, a,b,c) and Hydra's own flags
-    are left to Hydra."""
+    """A mistyped key, a wrong type, a value Hydra cannot parse, a sweep without -m or an unknown
+    preset fails here in one line with exit 2 that names the key and the fix (Hydra itself
+    would exit 1 with a wrapped message). Runs with Hydra's own flags (-m, --cfg, ...) or
+    hydra.mode are left to Hydra."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    if any(a.startswith("-") for a in args):
+    if any(a.startswith(("-", "hydra.mode=")) for a in args):
         return
+    parser = OverridesParser.create()
+    for arg in args:
+        key, equals, value = arg.partition("=")
+        try:
+            override = parser.parse_override(arg)
+        except (HydraException, RecursionError) as e:  # Hydra's parser recurses per nesting
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e).strip()
+            if not equals:
+                _fail(f"{arg!r} is not key=value ({why})")
+            _fail(f"{key}: Hydra cannot read the value ({why}); quote it: {_quoted(key, value)}")
+        if override.is_sweep_override():
+            what = "a sweep over several values"
+            if override.value_type == ValueType.SIMPLE_CHOICE_SWEEP:
+                what = "a sweep over the values between its commas"
+            _fail(
+                f"{key}: the value makes {what}; to give one value, quote it: "
+                f"{_quoted(key, value)}; to run one job per value, add -m"
+            )
     try:
-        if any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(args)):
-            return
         OmegaConf.to_object(_compose(args))
     except (HydraException, OmegaConfBaseException, ValueError) as e:
-        # Hydra wraps OmegaConf's error, whose first line says what is wrong with which key.
+        # Hydra wraps OmegaConf's error, whose first line says what is wrong; full_key says where.
         cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
         first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        key = getattr(cause, "full_key", None)
+        if key and key not in first:
+            first = f"{key}: {first}"
+        kind = re.search(r"could not be converted to (\w+)", first)
+        if key and kind:
+            first += f"; give {key} a value of type {kind.group(1)}"
         _fail(f"{first} (see every key and its type: python -m batchpage.run --cfg job)")
+
+
+def quoted_override(key: str, value: str) -> str:
+    """`key=value` with the value quoted for Hydra (so that commas, brackets, `=` and spaces are
+    its text), then quoted for a POSIX shell: `'dataset.path="/tmp/a,b.jsonl"'`."""
+    inner = "'" if '"' in value and "'" not in value else '"'
+    token = f"{key}={inner}{value.replace(inner, chr(92) + inner)}{inner}"
+    if "'" not in token:
+        return f"'{token}'"
+    return '"' + re.sub(r'(["\\$`])', r"\\\1", token) + '"'
+
+
+def _quoted(key: str, value: str) -> str:
+    """quoted_override for a message: a long value is shown by its ends."""
+    shown = quoted_override(key, value)
+    return shown if len(shown) <= _MAX_NAME else f"{shown[:60]} ... {shown[-30:]}"
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from batchpage.data import DatasetSpec
 from batchpage.engine.config import EngineConfig
 from batchpage.job import run_job
 from batchpage.job.config import JobConfig, SamplingConfig, register_configs
-from batchpage.run import compose_job, config_dir, sweep_subdir
+from batchpage.run import compose_job, config_dir, quoted_override, sweep_subdir
 from tests.model_factory import HAS_SMOLLM2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,16 +128,44 @@ def test_a_user_error_exits_2_with_the_message_and_no_traceback(tmp_path, tiny_f
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("engine.nope=1", "Key 'nope' not in 'EngineConfig'"),
-        ("engine.block_size=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
+        ("engine.nope=1", "engine.nope: Key 'nope' not in 'EngineConfig'"),
+        (
+            "engine.block_size=abc",
+            "engine.block_size: Value 'abc' of type 'str' could not be converted to Integer; "
+            "give engine.block_size a value of type Integer",
+        ),
         ("dataset=nope", "Could not find 'dataset/nope'"),
+        # Hydra's grammar reads a comma as a sweep and `{` as a dict: the fix is to quote.
+        (
+            "dataset.path=/tmp/a,b.jsonl",
+            "dataset.path: the value makes a sweep over the values between its commas; to give "
+            """one value, quote it: 'dataset.path="/tmp/a,b.jsonl"'; to run one job per value, """
+            "add -m",
+        ),
+        (
+            'sampling.structured_outputs.json={"type": "object"}',
+            "sampling.structured_outputs.json: Hydra cannot read the value (no viable alternative "
+            """at input '{"type"'); quote it: """
+            '"sampling.structured_outputs.json=\'{\\"type\\": \\"object\\"}\'"',
+        ),
+        ("dataset.path=/tmp/a=b.jsonl", """quote it: 'dataset.path="/tmp/a=b.jsonl"'"""),
     ],
 )
 def test_a_bad_key_or_value_exits_2_in_one_line(tmp_path, override: str, message: str) -> None:
     proc = cli([override, f"output_dir={tmp_path / 'out'}"], tmp_path, stderr=subprocess.PIPE)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2 and message in err
+    assert proc.returncode == 2 and message in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "value", ["/tmp/a,b.jsonl", "/tmp/a=b c.jsonl", '{"type": "object"}', "it's,x", "a\"b'c$`"]
+)
+def test_the_quoting_an_error_suggests_gives_the_value_back(value: str) -> None:
+    """What the shell makes of the suggested command line, Hydra reads as the value itself."""
+    shell = ["sh", "-c", f"printf %s {quoted_override('dataset.path', value)}"]
+    arg = subprocess.run(shell, capture_output=True, text=True, check=True).stdout
+    assert compose_job([arg]).dataset.path == value
 
 
 def test_a_given_output_dir_leaves_no_hydra_folder_or_log_behind(tmp_path) -> None:

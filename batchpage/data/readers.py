@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -149,7 +150,7 @@ def is_openai_batch(path: Path, max_row_bytes: int = DEFAULT_MAX_PROMPT_BYTES) -
     for _, line in _jsonl_lines(path, max_row_bytes):
         try:
             obj = json.loads(line) if isinstance(line, str) else None
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # that line's error when it is read
             continue
         if isinstance(obj, dict):
             return "custom_id" in obj and "body" in obj
@@ -265,7 +266,7 @@ def _peek_jsonl(path: Path, max_bytes: int) -> list[str]:
             break
         try:
             obj = json.loads(line) if isinstance(line, str) else None
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # that line's error when it is read
             continue
         if isinstance(obj, dict):
             keys.update(dict.fromkeys(obj))
@@ -292,6 +293,12 @@ def _jsonl_records(path: Path, max_bytes: int) -> Iterator[dict[str, Any] | str]
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             yield f"{path.name} line {lineno} is not valid JSON ({e.msg})"
+            continue
+        except RecursionError:  # json.loads recurses once per level
+            yield (
+                f"{path.name} line {lineno} nests objects and arrays deeper than JSON is read "
+                f"here (about {sys.getrecursionlimit()} levels): flatten that row"
+            )
             continue
         yield obj if isinstance(obj, dict) else f"{path.name} line {lineno} is not an object"
 

@@ -186,7 +186,10 @@ def coerce_override(name: str, value: Any, from_text: bool = False) -> Any:
     if kind is StructuredOutputsParams:
         # Arrow gives every row of a struct column the union of all rows' fields, the missing
         # ones as nulls: dropped, so each row's schema is its own (JSON text is taken as is).
-        return StructuredOutputsParams.from_response_format(_drop_nulls(value))
+        try:
+            return StructuredOutputsParams.from_response_format(_drop_nulls(value))
+        except RecursionError:  # JSON text is read, and nulls dropped, once per level
+            raise ValueError("its schema is nested too deeply to read: flatten it") from None
     if kind is list:
         return (
             [value]
@@ -248,7 +251,7 @@ def _check_messages(value: Any, system_prompt: str | None) -> tuple[list | None,
     if isinstance(value, str):  # CSV (and some JSONL) store the chat as a JSON string
         try:
             value = json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # json.loads recurses once per level
             return None, "messages is text that is not JSON; expected a list of {role, content}"
     try:
         messages = normalize_messages(value)

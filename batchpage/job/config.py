@@ -82,6 +82,12 @@ class SamplingConfig:
         fields = dataclasses.asdict(self)
         constraint = fields.pop("structured_outputs")
         chosen = {k: v for k, v in constraint.items() if v not in (None, False)}
+        if chosen.get("json") is not None:  # before json.loads, which recurses
+            from batchpage.engine.grammar_cache import schema_depth_error  # imports xgrammar
+
+            too_deep = schema_depth_error(chosen["json"], "sampling.structured_outputs.json")
+            if too_deep:
+                raise ValueError(too_deep)
         structured = StructuredOutputsParams(**chosen) if chosen else None
         return SamplingParams(**fields, structured_outputs=structured)
 

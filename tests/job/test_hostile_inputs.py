@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -21,7 +22,9 @@ import pytest
 
 from batchpage.data import DatasetError, DatasetSpec, iter_rows, validate
 from batchpage.data.readers import DEFAULT_MAX_PROMPT_BYTES
+from batchpage.engine.grammar_cache import MAX_SCHEMA_DEPTH
 from batchpage.job import JobConfigError, run_job
+from batchpage.job.config import SamplingConfig, StructuredOutputsConfig
 from batchpage.model.tokenizer import Tokenizer
 from tests.job.test_loop import job, never, table, write_jsonl
 from tests.job.test_run_cli import cli, tiny_job_args
@@ -158,3 +161,68 @@ def test_a_path_that_is_not_a_regular_file_is_refused(tmp_path: Path, tiny_folde
         "error: dataset.path='/dev/zero' is not a regular file (a device, FIFO or socket); "
         "point it at a data file, a folder or a glob"
     )
+
+
+def nested_schema(levels: int) -> str:
+    """A JSON schema of arrays in arrays, `levels` objects deep."""
+    return '{"type": "array", "items": ' * (levels - 1) + '{"type": "integer"}' + "}" * (levels - 1)
+
+
+def test_a_schema_nested_1000_levels_is_refused_before_the_model_loads(
+    tmp_path: Path, tiny_folder: Path
+) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    deep = StructuredOutputsConfig(json=nested_schema(1000))
+    cfg = job(data, tiny_folder, tmp_path / "out", sampling={"structured_outputs": deep})
+    refused = (
+        f"sampling.structured_outputs.json nests objects and arrays 1000 levels deep, over the "
+        f"limit of {MAX_SCHEMA_DEPTH}: flatten the schema"
+    )
+    with pytest.raises(JobConfigError) as err:
+        run_job(cfg, llm_factory=never)
+    assert str(err.value) == refused
+    schema = f"sampling.structured_outputs.json='{nested_schema(1000)}'"
+    proc = cli([*tiny_job_args(data, tiny_folder, tmp_path / "cli"), schema], tmp_path,
+               stderr=subprocess.PIPE)  # fmt: skip
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and stderr == f"error: {refused}\n"
+    # Brackets inside strings (escaped quotes too) are text, not nesting.
+    text = json.dumps({"type": "string", "description": '\\"' + "[{" * 100})
+    sampling = SamplingConfig(structured_outputs=StructuredOutputsConfig(json=text))
+    assert sampling.to_params().structured_outputs.json == json.loads(text)
+
+
+def test_a_rows_schema_nested_too_deep_is_that_rows_error(tmp_path: Path, tiny_folder) -> None:
+    def response_format(schema: str) -> str:
+        return '{"type": "json_schema", "json_schema": {"schema": ' + schema + "}}"
+
+    brackets = json.dumps({"type": "string", "description": '\\"' + "[{" * 100})
+    lines = [
+        '{"prompt": "first"}',
+        # Past json.loads' recursion, as a value of the line and as JSON text in it.
+        '{"prompt": "a", "response_format": ' + response_format(nested_schema(1000)) + "}",
+        json.dumps({"prompt": "b", "response_format": response_format(nested_schema(1000))}),
+        # Read, but over the bound: refused before xgrammar compiles it.
+        '{"prompt": "c", "response_format": ' + response_format(nested_schema(100)) + "}",
+        # Brackets inside strings are text, not nesting.
+        json.dumps({"prompt": "d", "response_format": json.loads(response_format(brackets))}),
+        '{"prompt": "last"}',
+    ]
+    data = write_jsonl(tmp_path / "d.jsonl", lines)
+    result = run_job(job(data, tiny_folder, tmp_path / "out", sampling={"ignore_eos": False}))
+    got = table(tmp_path / "out")
+    assert (result.rows, result.errors) == (6, 3)
+    assert got[1]["error"] == (
+        f"d.jsonl line 2 nests objects and arrays deeper than JSON is read here (about "
+        f"{sys.getrecursionlimit()} levels): flatten that row"
+    )
+    assert (
+        got[2]["error"]
+        == "bad response_format: its schema is nested too deeply to read: flatten it"
+    )
+    assert got[3]["error"] == (
+        f"structured_outputs.json nests objects and arrays 100 levels deep, over the limit of "
+        f"{MAX_SCHEMA_DEPTH}: flatten the schema"
+    )
+    assert [got[i]["error"] for i in (0, 4, 5)] == [None] * 3
+    assert all(got[i]["completion"] for i in (0, 4, 5))

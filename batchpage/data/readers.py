@@ -96,21 +96,13 @@ def peek_columns(
     try:
         if fmt == "parquet":
             metas = [pq.ParquetFile(f) for f in files]
-            names = [
-                n
-                for n in metas[0].schema_arrow.names
-                if all(n in m.schema_arrow.names for m in metas[1:])
-            ]
+            names = _common_names(files, [m.schema_arrow.names for m in metas])
             return names, sum(m.metadata.num_rows for m in metas)
         if fmt in JSON_LINES:
             return _peek_jsonl(files[0], max_row_bytes), None
         if fmt == "csv":
-            first = _open_csv(files[0], None, max_row_bytes).schema.names
-            return [
-                n
-                for n in first
-                if all(n in _open_csv(f, None, max_row_bytes).schema.names for f in files[1:])
-            ], None
+            headers = [_open_csv(f, None, max_row_bytes).schema.names for f in files]
+            return _common_names(files, headers), None
         if fmt == "hf":
             ds = _load_hf(files, split)
             return list(ds.column_names), len(ds)
@@ -121,6 +113,19 @@ def peek_columns(
             f"cannot read {files[0]} as {fmt}: {_csv_problem(e, max_row_bytes)}"
         ) from e
     raise DatasetError(f"unknown dataset format {fmt!r}")
+
+
+def _common_names(files: list[Path], names: list[list[str]]) -> list[str]:
+    """The column names every file has, in the first file's order. A file with two columns of
+    one name is refused: a row holds one value per name, so one of them would be dropped."""
+    for f, found in zip(files, names, strict=True):
+        twice = sorted({n for n in found if found.count(n) > 1})
+        if twice:
+            raise DatasetError(
+                f"{f} has more than one column named {', '.join(map(repr, twice))}: rename "
+                "them so that each column's name is its own"
+            )
+    return [n for n in names[0] if all(n in other for other in names[1:])]
 
 
 def file_schema(fmt: str, files: list[Path], split: str, names: Sequence[str]) -> pa.Schema | None:

@@ -319,6 +319,28 @@ def test_folder_with_mixed_formats_is_refused(tmp_path: Path) -> None:
     assert [r.prompt for r in rows(spec)] == ["b"]
 
 
+def test_a_file_with_two_columns_of_one_name_is_refused_naming_it(tmp_path: Path) -> None:
+    """Parquet and CSV allow it; a row cannot, and one of the two would be dropped unseen."""
+    two = pa.Table.from_arrays([pa.array(["first"]), pa.array(["second"])], ["prompt", "prompt"])
+    pq.write_table(two, tmp_path / "prompt.parquet")
+    carried = pa.Table.from_arrays(
+        [pa.array(["p"]), pa.array([1]), pa.array([2])], ["prompt", "x", "x"]
+    )
+    (tmp_path / "folder").mkdir()
+    write_parquet(tmp_path / "folder" / "a.parquet", prompt=["fine"], x=[0])
+    pq.write_table(carried, tmp_path / "folder" / "b.parquet")  # the second file of a folder
+    (tmp_path / "d.csv").write_text("prompt,x,prompt\na,1,b\n")
+    cases = {"prompt.parquet": "'prompt'", "folder": "'x'", "d.csv": "'prompt'"}
+    for name, column in cases.items():
+        with pytest.raises(DatasetError) as err:
+            validate(DatasetSpec(path=str(tmp_path / name)))
+        where = tmp_path / name / "b.parquet" if name == "folder" else tmp_path / name
+        assert str(err.value) == (
+            f"{where} has more than one column named {column}: rename them so that each "
+            "column's name is its own"
+        )
+
+
 def test_unreadable_file_is_a_dataset_error(tmp_path: Path) -> None:
     (tmp_path / "x.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(DatasetError, match="cannot read"):

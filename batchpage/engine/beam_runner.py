@@ -21,7 +21,7 @@ from batchpage.engine.model_runner import ModelRunner
 from batchpage.engine.scheduler import ScheduledSeq, SchedulerOutput
 from batchpage.engine.sequence import Request, SeqStatus, Sequence
 from batchpage.engine.sequence_factory import SequenceFactory
-from batchpage.engine.step_inputs import build_step
+from batchpage.engine.step_inputs import StepBuilder
 from batchpage.metrics import RunStats
 from batchpage.sampling_params import SamplingParams
 
@@ -54,17 +54,18 @@ class BeamSearchRunner:
         self,
         kv: KVCacheManager,
         runner: ModelRunner,
+        steps: StepBuilder,
         factory: SequenceFactory,
         max_model_len: int,
         max_num_seqs: int,
-        device: torch.device,
     ) -> None:
+        """``steps`` is the engine's: beam steps run apart from the others, so they share it."""
         self.kv = kv
         self.runner = runner
+        self.steps = steps
         self.factory = factory
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
-        self.device = device
         self.pending: deque[Request] = deque()
         self.active: list[_Group] = []
 
@@ -125,7 +126,7 @@ class BeamSearchRunner:
                 n = beam.num_uncomputed_tokens
                 copies += self.kv.allocate(beam, n)
                 scheduled.append(ScheduledSeq(beam, n))
-        inputs = build_step(scheduled, self.kv.block_size, self.device)
+        inputs = self.steps.build(scheduled)
         logits, _ = self.runner.execute(inputs, SchedulerOutput(scheduled, copies))
         for s in scheduled:
             if s.num_new_tokens > 1:

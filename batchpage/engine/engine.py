@@ -22,14 +22,14 @@ from batchpage.engine.beam_runner import BeamSearchRunner
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.constraint import GrammarMasks, advance
 from batchpage.engine.grammar_cache import GrammarCache
-from batchpage.engine.kv_manager import KVCacheManager, StaticKVCacheManager
+from batchpage.engine.kv_manager import KVCacheManager, StaticKVCacheManager, blocks_for
 from batchpage.engine.model_runner import ModelRunner, make_attention_backend, uses_cpu_kernels
 from batchpage.engine.plan import EnginePlan
 from batchpage.engine.sampler import compute_logprobs, sample
 from batchpage.engine.scheduler import ScheduledSeq, Scheduler
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.engine.sequence_factory import SequenceFactory
-from batchpage.engine.step_inputs import StepInputs, build_step
+from batchpage.engine.step_inputs import StepBuilder, StepInputs
 from batchpage.engine.stop_checker import StopDecision
 from batchpage.host_memory import keep_freed_memory
 from batchpage.metrics import RunStats
@@ -98,13 +98,20 @@ class Engine:
         self.grammars = GrammarCache(tokenizer.hf, model_cfg.vocab_size, self.eos_ids)
         self.masks = GrammarMasks(model_cfg.vocab_size)
         self.factory = SequenceFactory(tokenizer, self.eos_ids, plan.max_model_len, cfg.seed)
+        # Rows for every running sequence, and slack so that rows are seldom reclaimed.
+        self.step_builder = StepBuilder(
+            capacity=cfg.max_num_seqs + max(8, cfg.max_num_seqs // 4),
+            max_blocks=blocks_for(plan.max_model_len, cfg.block_size),
+            block_size=cfg.block_size,
+            device=plan.device,
+        )
         self.beams = BeamSearchRunner(
             self.kv_manager,
             self.runner,
+            self.step_builder,
             self.factory,
             max_model_len=plan.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
-            device=plan.device,
         )
         self.stats = RunStats(plan.num_blocks, cfg.block_size)
         self._started: set[int] = set()  # requests of this run that produced a token
@@ -165,7 +172,7 @@ class Engine:
         stats.preemptions += len(out.preempted)
         stats.swaps += len(out.swap_out)
         t1 = clock()
-        inputs = build_step(out.scheduled, self.cfg.block_size, self.device)
+        inputs = self.step_builder.build(out.scheduled)
         blocks_used = self.kv_manager.pool.num_used  # during the forward, before any frees
         t2 = clock()
         logits, prompt_logits = self.runner.execute(inputs, out)
@@ -249,7 +256,7 @@ class Engine:
         t0 = clock()
         seqs, rows = self._fork_samples(seqs)
         if len(rows) != logits.shape[0]:
-            logits = logits[rows]
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
         params = [s.params for s in seqs]
         # Token histories cost a copy per row: build them only when a row's penalties read them.
         history = any(
@@ -271,18 +278,22 @@ class Engine:
         t1 = clock()
         parts["sample"] += t1 - t0
         stats = self.stats
+        stats.generated_tokens += len(seqs)
         finished = []
-        for i, (seq, token) in enumerate(zip(seqs, result.token_ids, strict=True)):
-            if seq.request.index not in self._started:
+        for seq, token, logprobs in zip(seqs, result.token_ids, result.logprobs, strict=True):
+            tokens = seq.token_ids
+            tokens.append(token)
+            if len(tokens) == seq.num_prompt_tokens + 1 and seq.request.index not in self._started:
                 self._started.add(seq.request.index)
                 stats.record_first_token()
                 stats.cached_prompt_tokens += seq.num_cached_tokens
-            seq.token_ids.append(token)
-            stats.generated_tokens += 1
-            if result.logprobs[i] is not None:
-                seq.logprobs = (seq.logprobs or []) + [result.logprobs[i]]
+            if logprobs is not None:
+                if seq.logprobs is None:
+                    seq.logprobs = []
+                seq.logprobs.append(logprobs)
             if self._stops(seq, token):
                 self.scheduler.finish(seq)
+                self.step_builder.release(seq)
                 finished.append(seq)
         parts["stop_checks"] += clock() - t1
         return finished
@@ -293,6 +304,8 @@ class Engine:
         reason and final text."""
         decision = seq.stop.append(token)
         constraint = seq.constraint
+        if decision is None and constraint is None:
+            return False  # the common case: the sequence goes on
         text = None
         if (
             constraint is not None

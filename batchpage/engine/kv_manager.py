@@ -7,8 +7,9 @@ Contracts:
   tree holds one per block it caches (see radix_cache.py).
 - `lend_prefix` gives a sequence that holds nothing the longest cached prefix of its tokens (at
   least one token is left to compute) and locks the tree path it uses until `free`.
-- `allocate` either covers the sequence's next tokens completely or raises and changes nothing;
-  ask `can_allocate` first. It evicts unlocked cached blocks when the free list is short.
+- `allocate` either covers the sequence's next tokens completely or raises OutOfBlocks and
+  changes nothing (`can_allocate` asks without trying). It evicts unlocked cached blocks when
+  the free list is short.
 - Before a sequence writes into a block that is shared, it gets a private copy: `allocate` returns
   the copies (src -> dst) that the model runner must apply before the step's forward.
 - `free` caches the sequence's computed full blocks (when asked), releases every reference it
@@ -95,7 +96,15 @@ class KVCacheManager:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[BlockCopy]:
-        """Make room for seq's next num_new_tokens tokens; returns the block copies to apply."""
+        """Make room for seq's next num_new_tokens tokens; returns the block copies to apply.
+        Raises OutOfBlocks, changing nothing, when the pool cannot give what it needs."""
+        table = seq.block_table
+        if (
+            table
+            and self._target_blocks(seq, num_new_tokens) <= len(table)
+            and not self._needs_cow(seq)
+        ):
+            return []  # most decode steps: the next slots are in a block the sequence owns
         need = self.blocks_needed(seq, num_new_tokens)
         if need > self.num_free_blocks:
             free = self.num_free_blocks

@@ -137,10 +137,10 @@ def _choose(
     greedy_rows = [i for i, g in enumerate(greedy) if g]
     if greedy_rows:
         index = torch.tensor(greedy_rows, device=work.device)
-        tokens[index] = work[index].argmax(dim=-1)
+        tokens[index] = work.index_select(0, index).argmax(dim=-1)
     random_rows = [i for i, g in enumerate(greedy) if not g]
     index = torch.tensor(random_rows, device=work.device)
-    sub = work[index]  # advanced indexing copies: filtering below never touches ``work``
+    sub = work.index_select(0, index)  # a copy: filtering below never touches ``work``
     sub_params = [params[i] for i in random_rows]
     apply_filters(sub, sub_params)
     tokens[index] = _draw(sub.softmax(dim=-1), [generators[i] for i in random_rows])
@@ -321,7 +321,7 @@ def compute_logprobs(
     if not rows:
         return result
     index = _long(rows, logits)
-    logprobs = logits[index].float().log_softmax(dim=-1)
+    logprobs = logits.index_select(0, index).float().log_softmax(dim=-1)
     chosen = token_ids.to(logits.device)[index].unsqueeze(1)
     chosen_logprob = logprobs.gather(1, chosen)
     ranks = (logprobs > chosen_logprob).sum(dim=-1) + 1

@@ -24,7 +24,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
+from batchpage.cache.block_pool import OutOfBlocks
 from batchpage.engine.admission import Demand, GrowthEstimate
 from batchpage.engine.kv_manager import BlockCopy, KVCacheManager, blocks_for
 from batchpage.engine.sequence import SeqStatus, Sequence
@@ -38,8 +40,7 @@ class Admit(Enum):
     NO_ROOM = "no room"  # the budget or the pool: nothing behind it goes either
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
     seq: Sequence
     num_new_tokens: int
 
@@ -125,24 +126,30 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
+        scheduled, copies = out.scheduled, out.copies
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            while not self.kv.can_allocate(seq, n):
-                victim = self.running.pop()
-                self._preempt(victim, out)
-                if victim is seq:
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while True:
+                try:
+                    copies += self.kv.allocate(seq, n)
                     break
+                except OutOfBlocks:  # allocate changed nothing: make room and try again
+                    victim = self.running.pop()
+                    self._preempt(victim, out)
+                    if victim is seq:
+                        break
             if seq.status is not SeqStatus.RUNNING:
                 break
-            out.copies += self.kv.allocate(seq, n)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
 
         # Admitting while preempting would only thrash: the pool is already short this step. But
         # when preemption left nothing to run, the queue's head (perhaps the victim) goes next.
-        demand = self._demand(self.running)
+        # The running sequences' demand is computed at the first admission that needs it: a
+        # step that admits nothing (a full batch, an empty queue) does not walk them.
+        demand: Demand | None = None
         admitted: list[Sequence] = []
         deferred: list[Sequence] = []  # waiting a step for a block one admitted now computes
         while (not out.preempted or not out.scheduled) and self.waiting and budget > 0:
@@ -154,6 +161,8 @@ class Scheduler:
                 if not self._swap_in(seq, budget, out):
                     break
             else:
+                if demand is None:
+                    demand = self._demand(self.running)
                 verdict = self._admit(seq, budget, demand, admitted, out)
                 if verdict is Admit.WAITS:
                     deferred.append(self.waiting.popleft())

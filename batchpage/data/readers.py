@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -44,6 +45,7 @@ _JSONL_PEEK_LINES = 100
 # bound keeps one row's memory (reading, rendering, tokenizing) far below the machine's.
 DEFAULT_MAX_PROMPT_BYTES = 4 << 20
 _SKIP_CHUNK = 1 << 20  # the rest of an over-long line is skipped this much at a time
+_CSV_MARKS = re.compile(rb'["\n]')  # what decides where a CSV record ends
 JSON_LINES = ("jsonl", "openai_batch")  # formats read line by line as JSON objects
 
 
@@ -101,7 +103,7 @@ def peek_columns(
         if fmt in JSON_LINES:
             return _peek_jsonl(files[0], max_row_bytes), None
         if fmt == "csv":
-            headers = [_open_csv(f, None, max_row_bytes).schema.names for f in files]
+            headers = [_csv_header(f, max_row_bytes) for f in files]
             return _common_names(files, headers), None
         if fmt == "hf":
             ds = _load_hf(files, split)
@@ -109,9 +111,7 @@ def peek_columns(
     except DatasetError:
         raise
     except (pa.ArrowException, OSError, ValueError) as e:
-        raise DatasetError(
-            f"cannot read {files[0]} as {fmt}: {_csv_problem(e, max_row_bytes)}"
-        ) from e
+        raise DatasetError(f"cannot read {files[0]} as {fmt}: {e}") from e
     raise DatasetError(f"unknown dataset format {fmt!r}")
 
 
@@ -172,7 +172,7 @@ def open_records(
 ) -> Iterator[dict[str, Any] | str]:
     """Stream records of the given columns in input order, one window of rows in memory. A JSONL
     line longer than max_row_bytes comes out as its error without being held in memory; a CSV
-    record longer than it fails the file (Arrow's reader cannot skip one)."""
+    record longer than it may fail the file (Arrow's reader cannot skip one), naming its line."""
     if fmt == "parquet":
         for f in files:
             for batch in pq.ParquetFile(f).iter_batches(batch_size=window_rows, columns=columns):
@@ -187,7 +187,7 @@ def open_records(
                     yield from records_of(batch, text_from_bytes=True)
             except pa.ArrowInvalid as e:
                 # A structurally broken CSV (wrong field count) has no row to blame reliably.
-                raise DatasetError(f"{f} is not valid CSV: {_csv_problem(e, max_row_bytes)}") from e
+                raise _csv_error(e, f, max_row_bytes) from e
     elif fmt == "hf":
         ds = _load_hf(files, split).select_columns(columns)
         # Arrow tables straight off the memory-mapped cache: no pandas, one window at a time.
@@ -334,17 +334,60 @@ def count_records(
                 if limit is not None and total >= limit:
                     return limit
         except pa.ArrowInvalid as e:
-            raise DatasetError(f"{f} is not valid CSV: {_csv_problem(e, max_row_bytes)}") from e
+            raise _csv_error(e, f, max_row_bytes) from e
     return total
 
 
-def _csv_problem(e: Exception, max_bytes: int) -> str:
-    if "straddl" in str(e):  # Arrow's words for a record longer than its block
-        return (
-            f"a record is longer than dataset.max_prompt_bytes={max_bytes}; shorten it, raise "
-            "the bound, or give the data as JSONL or Parquet (where such a row is its own error)"
-        )
-    return str(e)
+def _csv_header(path: Path, max_bytes: int) -> list[str]:
+    try:
+        return _open_csv(path, None, max_bytes).schema.names
+    except pa.ArrowInvalid as e:
+        raise _csv_error(e, path, max_bytes) from e
+
+
+def _csv_error(e: pa.ArrowInvalid, path: Path, max_bytes: int) -> DatasetError:
+    """The file's error for what Arrow's CSV reader refused; a record longer than its block (in
+    Arrow's words, one that straddles two block boundaries) is found and named by its line."""
+    found = _long_csv_record(path, max_bytes) if "straddl" in str(e) else None
+    if found is None:
+        return DatasetError(f"{path} is not valid CSV: {e}")
+    line, size, longest = found
+    return DatasetError(
+        f"{path} has CSV records over dataset.max_prompt_bytes={max_bytes} bytes, which the CSV "
+        f"reader cannot skip (the first starts on line {line}, {size:,} bytes; the longest is "
+        f"{longest:,}): shorten them, set dataset.max_prompt_bytes={longest} or more, or give "
+        "the data as JSONL or Parquet, where such a row is its own error"
+    )
+
+
+def _long_csv_record(path: Path, bound: int) -> tuple[int, int, int] | None:
+    """(line, bytes) of the first CSV record longer than `bound` bytes (its newline not
+    counted) and the bytes of the longest, or None if none is longer. One streaming pass that
+    follows quotes as Arrow's reader does: a newline between quotes is inside the record, and
+    a doubled quote inside quotes flips twice."""
+    first: tuple[int, int] | None = None
+    longest = size = 0
+    line = start = 1  # the line being read, and the one the current record started on
+    quoted = False
+    with _open_binary(path) as fp:
+        while chunk := fp.read(_SKIP_CHUNK):
+            counted = 0  # bytes of this chunk already added to size
+            for mark in _CSV_MARKS.finditer(chunk):
+                if mark.group() == b'"':
+                    quoted = not quoted
+                    continue
+                line += 1
+                if quoted:
+                    continue
+                size += mark.start() - counted
+                counted = mark.end()
+                if size > bound and first is None:
+                    first = (start, size)
+                longest, size, start = max(longest, size), 0, line
+            size += len(chunk) - counted
+    if size > bound and first is None:  # the last record, without a newline
+        first = (start, size)
+    return None if first is None else (*first, max(longest, size))
 
 
 def _open_csv(path: Path, columns: list[str] | None, max_bytes: int) -> pacsv.CSVStreamingReader:

@@ -8,8 +8,9 @@ override value, an unparsable JSONL line) does not raise: the row is yielded wit
 that it still gets its output row.
 
 Row indices are global positions in the input (files of a folder/glob in sorted order). Resume is
-keyed on them, so `DatasetInfo.fingerprint` holds what decides them (files and column choices)
-and deliberately not `limit`: raising the limit and rerunning resumes the same job.
+keyed on them, so `DatasetInfo.fingerprint` holds what decides them and their results (files,
+column choices, prompt settings, the size bound) and deliberately not `limit`: raising the limit
+and rerunning resumes the same job.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ class DatasetSpec:
     max_prompt_bytes: the most UTF-8 bytes of one prompt (a chat's contents together) and of
     the text the chat template makes of it, and of one input row as stored (a JSONL line, a CSV
     record). A longer JSONL line or prompt is that row's error, found before it is tokenized
-    and without holding the line in memory; a longer CSV record fails the file at once.
+    and without holding the line in memory; a longer CSV record may fail the file (Arrow's
+    reader cannot skip it), at once and naming its line. It changes which rows fail, so a
+    value other than the default is part of the fingerprint.
     """
 
     path: str = "evals"
@@ -190,6 +193,8 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         "chat_template_kwargs": dict(kwargs) if kwargs else None,
         "carried": list(carried),
     }
+    if spec.max_prompt_bytes != DEFAULT_MAX_PROMPT_BYTES:  # only then: other jobs keep their key
+        key["max_prompt_bytes"] = spec.max_prompt_bytes
     return DatasetInfo(
         format=fmt,
         files=tuple(str(f) for f in files),

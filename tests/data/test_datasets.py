@@ -352,6 +352,9 @@ def test_fingerprint_follows_content_not_limit(tmp_path: Path) -> None:
     fp = validate(DatasetSpec(path=str(f))).fingerprint
     assert validate(DatasetSpec(path=str(f), limit=1, window_rows=7)).fingerprint == fp
     assert validate(DatasetSpec(path=str(f), system_prompt="S")).fingerprint != fp
+    # The size bound decides which rows fail; its default keeps the key jobs had before it.
+    assert validate(DatasetSpec(path=str(f), max_prompt_bytes=1000)).fingerprint != fp
+    assert validate(DatasetSpec(path=str(f), max_prompt_bytes=4 << 20)).fingerprint == fp
     write_parquet(f, prompt=["a", "c"])
     assert validate(DatasetSpec(path=str(f))).fingerprint != fp
 

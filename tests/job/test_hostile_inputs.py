@@ -132,12 +132,47 @@ def test_a_prompt_over_the_bound_never_reaches_the_tokenizer(
     assert got[1]["error"] is None and max(encoded) < 5000
 
 
-def test_a_csv_record_over_the_bound_fails_the_file_at_once(tmp_path: Path) -> None:
+def test_a_csv_record_over_the_bound_fails_the_file_naming_its_line(
+    tmp_path: Path, tiny_folder: Path
+) -> None:
+    """Arrow's CSV reader cannot skip a record longer than its block: the file's error names
+    the first such record's line and the bound that reads them all, and nothing runs."""
     data = tmp_path / "d.csv"
-    data.write_text('prompt\nshort\n"' + "q" * 3000 + '"\n')
-    with pytest.raises(DatasetError, match="a record is longer than dataset.max_prompt_bytes"):
-        validate(DatasetSpec(path=str(data), max_prompt_bytes=1000))
-    assert validate(DatasetSpec(path=str(data))).num_rows == 2
+    quoted = (
+        '"a ""quoted"" field\nover two lines ' + "q" * 3000 + '"'
+    )  # line 3, 3,038 bytes with ,2
+    data.write_text(f"prompt,n\nshort,1\n{quoted},2\nshort again,3\n{'w' * 9000},4\nlast,5\n")
+    refused = (
+        f"{data} has CSV records over dataset.max_prompt_bytes=1000 bytes, which the CSV reader "
+        "cannot skip (the first starts on line 3, 3,038 bytes; the longest is 9,002): shorten "
+        "them, set dataset.max_prompt_bytes=9002 or more, or give the data as JSONL or Parquet, "
+        "where such a row is its own error"
+    )
+    with pytest.raises(JobConfigError) as err:
+        run_job(job(data, tiny_folder, tmp_path / "out", dataset={"max_prompt_bytes": 1000}), never)
+    assert str(err.value) == refused and not (tmp_path / "out").exists()
+    # The bound it names reads every record, each whole.
+    got = list(iter_rows(DatasetSpec(path=str(data), max_prompt_bytes=9002)))
+    assert [(r.prompt, r.error) for r in got] == [
+        ("short", None),
+        ('a "quoted" field\nover two lines ' + "q" * 3000, None),
+        ("short again", None),
+        ("w" * 9000, None),
+        ("last", None),
+    ]
+
+
+def test_a_resume_under_another_prompt_bound_is_refused_naming_it(tmp_path, tiny_folder) -> None:
+    """The bound decides which rows are errors: rows written under one bound are not mixed with
+    rows of another (overwrite=true starts over)."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "short"}, {"prompt": "long " * 30}])
+    out = tmp_path / "out"
+    run_job(job(data, tiny_folder, out, dataset={"max_prompt_bytes": 100}))
+    assert table(out)[1]["error"].startswith("d.jsonl line 2 is 164 bytes, over")
+    with pytest.raises(JobConfigError, match=r"changed: dataset.max_prompt_bytes: 100 -> 1000"):
+        run_job(job(data, tiny_folder, out, dataset={"max_prompt_bytes": 1000}), never)
+    run_job(job(data, tiny_folder, out, dataset={"max_prompt_bytes": 1000}, overwrite=True))
+    assert [r["error"] for r in table(out)] == [None, None]
 
 
 def test_a_path_that_is_not_a_regular_file_is_refused(tmp_path: Path, tiny_folder) -> None:

@@ -207,20 +207,22 @@ def hooked_cli(hook: str, args: list[str], cwd: Path, **popen) -> subprocess.Pop
     return subprocess.Popen(cmd, cwd=cwd, env=env, text=True, **popen)
 
 
-# After the job's third finished row is buffered, say so on stdout and wait for a signal.
-PAUSE_AFTER_THREE_ROWS = """
+def pause_after(rows: int) -> str:
+    """A hook for hooked_cli: once the job's writer holds `rows` finished rows, say PAUSED on
+    stdout and wait for a signal (the driver writes every row, so the job stops there)."""
+    return f"""
     import os, signal
     from batchpage.output.writer import ShardWriter
     add = ShardWriter.add
     def add_then_pause(self, row):
         added = add(self, row)
-        if added and self.num_done == 3:
+        if added and self.num_done == {rows}:
             os.write(1, b"PAUSED\\n")
             while True:
                 signal.pause()
         return added
     ShardWriter.add = add_then_pause
-"""
+    """
 
 
 def test_sigterm_saves_the_buffered_rows_and_exits_143(tmp_path, tiny_folder) -> None:
@@ -238,7 +240,7 @@ def test_sigterm_saves_the_buffered_rows_and_exits_143(tmp_path, tiny_folder) ->
     ]
     log = tmp_path / "stderr.txt"
     with open(log, "w") as err:
-        proc = hooked_cli(PAUSE_AFTER_THREE_ROWS, job, tmp_path, stdout=subprocess.PIPE, stderr=err)
+        proc = hooked_cli(pause_after(3), job, tmp_path, stdout=subprocess.PIPE, stderr=err)
     assert proc.stdout is not None
     # Library messages go to stdout too (Hydra's console log); "" is the end of the output.
     lines = [proc.stdout.readline()]

@@ -35,6 +35,10 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     seed: int = 0
     device: str = "auto"
+    # On CUDA, decode steps replay CUDA graphs captured at a ladder of batch sizes up to
+    # max_num_seqs (batchpage/engine/decode_graphs.py); True runs every step eagerly (vLLM's
+    # option of the same name). Elsewhere steps always run eagerly.
+    enforce_eager: bool = False
     # A chat template replacing the model's: a .jinja file or the template text. Read and checked
     # by the tokenizer (batchpage.model.tokenizer.resolve_chat_template); the engine ignores it.
     chat_template: str | None = None

@@ -11,6 +11,7 @@ the metrics, and hands back the sequences that finished in each step; it never c
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -21,6 +22,7 @@ from batchpage.engine.admission import GrowthEstimate
 from batchpage.engine.beam_runner import BeamSearchRunner
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.constraint import GrammarMasks, advance
+from batchpage.engine.decode_graphs import DecodeGraphs, ladder
 from batchpage.engine.grammar_cache import GrammarCache
 from batchpage.engine.kv_manager import KVCacheManager, StaticKVCacheManager, blocks_for
 from batchpage.engine.model_runner import ModelRunner, make_attention_backend, uses_cpu_kernels
@@ -37,6 +39,8 @@ from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
 from batchpage.model.tokenizer import Tokenizer
 from batchpage.ops.select import select_model_ops
+
+log = logging.getLogger(__name__)
 
 BEAM_SEARCH_WITH_CONSTRAINT = (
     "structured_outputs cannot be combined with use_beam_search: use sampling or greedy "
@@ -59,9 +63,11 @@ class Engine:
         self.max_model_len = plan.max_model_len
         if plan.device.type == "cpu":
             keep_freed_memory()  # see host_memory.py: page faults were a third of a CPU step
+        # CUDA graphs of decode steps pad them onto one block beyond the pool's (decode_graphs.py).
+        graphs_on = plan.device.type == "cuda" and not cfg.enforce_eager
         kv = KVCache.allocate(
             model_cfg.num_layers,
-            plan.num_blocks,
+            plan.num_blocks + int(graphs_on),
             cfg.block_size,
             model_cfg.num_kv_heads,
             model_cfg.head_dim,
@@ -83,7 +89,17 @@ class Engine:
         self.bind_report = model.bind(ops)
         # The all-greedy sampler's argmax: the bound layer ops' (the C++ one on the CPU kernels).
         self.argmax: Callable[[torch.Tensor], torch.Tensor] = ops.layer.argmax
-        self.runner = ModelRunner(model, kv, attention)
+        graphs = None
+        if graphs_on:
+            sizes = ladder(cfg.max_num_seqs)
+            graphs = DecodeGraphs(
+                model, kv, attention, sizes, plan.max_model_len, plan.num_blocks, capture=True
+            )
+            log.info("capturing CUDA graphs of decode steps for %d batch sizes", len(sizes))
+            start = time.perf_counter()
+            graphs.capture_all()
+            log.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
+        self.runner = ModelRunner(model, kv, attention, graphs)
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs=cfg.max_num_seqs,

@@ -10,6 +10,7 @@ import torch
 
 from batchpage.attention.backend import AttentionBackend
 from batchpage.cache.kv_cache import KVCache
+from batchpage.engine.decode_graphs import DecodeGraphs
 from batchpage.engine.scheduler import SchedulerOutput
 from batchpage.engine.step_inputs import StepInputs
 from batchpage.model.causal_lm import CausalLM
@@ -50,10 +51,19 @@ def uses_cpu_kernels(attention: AttentionBackend) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: KVCache, attention: AttentionBackend) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv: KVCache,
+        attention: AttentionBackend,
+        decode_graphs: DecodeGraphs | None = None,
+    ) -> None:
+        """With decode_graphs, a step of decodes alone (each sampling, none scoring its prompt)
+        of at most its largest size runs through them (decode_graphs.py)."""
         self.model = model
         self.kv = kv
         self.attention = attention
+        self.decode_graphs = decode_graphs
         self.swapped: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     @torch.inference_mode()
@@ -70,6 +80,15 @@ class ModelRunner:
             self.kv.swap_in(s.blocks, self.swapped.pop(s.seq_id))
         for c in decision.copies:
             self.kv.copy_block(c.src, c.dst)
+        graphs, meta = self.decode_graphs, inputs.meta
+        if (
+            graphs is not None
+            and meta.is_decode_only
+            and meta.num_seqs <= graphs.max_size
+            and inputs.logits_indices.numel() == meta.num_seqs
+            and not inputs.prompt_targets
+        ):
+            return graphs.run(inputs.input_ids, inputs.positions, meta), None
         # What every layer's attention does depends only on the step's metadata: planned once.
         attention = self.attention.plan(inputs.meta)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv, attention)

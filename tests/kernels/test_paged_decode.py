@@ -160,3 +160,26 @@ def test_rejects_bad_inputs():
         paged_decode_attention(
             case.q, case.k_cache, case.v_cache, case.seq_lens.long(), case.block_table
         )
+
+
+@pytest.mark.parametrize("splits", [0, 1, 3])
+def test_an_upper_bound_on_the_context_gives_the_same_result(splits: int) -> None:
+    """A CUDA graph of a decode step is planned once for max_model_len (decode_graphs.py): the
+    kernels must treat max_seqlen_k as a bound only, each row reading its own seq_len."""
+    block_size = 8
+    seq_lens = _seq_lens(block_size)
+    case = make_paged_case(
+        seq_lens, [1] * len(seq_lens), 8, 2, 64, block_size, torch.float32,
+        device=DEVICE, shared_blocks=1, seed=7,
+    )  # fmt: skip
+    bound = 4 * max(seq_lens)
+    # The graph's block table is as wide as max_model_len: columns past each row's blocks hold
+    # stale block ids that must never be read.
+    extra = torch.randint(0, case.k_cache.shape[0], (len(seq_lens), bound // block_size))
+    wide = torch.cat([case.block_table, extra.to(case.block_table)], dim=1)
+    out = paged_decode_attention(
+        case.q, case.k_cache, case.v_cache, case.seq_lens, wide,
+        max_seqlen_k=bound, num_splits=splits,
+    )  # fmt: skip
+    ref = ref_decode_attention(case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table)
+    torch.testing.assert_close(out, ref, **tolerances(torch.float32))

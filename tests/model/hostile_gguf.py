@@ -2,8 +2,8 @@
 byte-level edits of it, and one load that either succeeds or refuses the file with batchpage's
 own one-line error.
 
-The reliability benchmark fuzzes with the same writer and edits in its own copy
-(jobs/gguf_fuzz.py): tests do not import jobs/, and jobs/ does not import tests.
+The reliability benchmark fuzzes with these (jobs/gguf_fuzz.py imports them and adds its seeded
+random edits): tests do not import jobs/.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobs.bench.kill_trials import FINAL, compare, start_job
@@ -32,6 +33,8 @@ def run_cases(job: list[str], clean: Path, workdir: Path) -> list[Outcome]:
         _gguf_truncated, _gguf_huge_vocab, _gguf_zero_heads, _gguf_huge_block_count,
         _damaged_shard, _damaged_job_json, _score_not_humaneval, _disk_full, _input_truncated,
         _input_rewritten, _lone_surrogate, _dev_zero, _oversize_line, _hostile_template,
+        _comma_in_path, _unquoted_schema, _deep_schema, _deep_row_schema, _duplicate_column,
+        _long_csv_record,
     ]  # fmt: skip
     return [case(job, clean, workdir) for case in cases]
 
@@ -276,3 +279,50 @@ def _hostile_template(job: list[str], clean: Path, workdir: Path) -> Outcome:
 
 def _short(said: str, workdir: Path) -> str:
     return said.replace(str(workdir) + "/", "")[:200]
+
+
+def _comma_in_path(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    data = _dataset(workdir, "a,b.jsonl", [b'{"prompt": "def add(a, b):"}'])
+    args = [*_plain(job), f"dataset.path={data}", f"output_dir={workdir / 'comma_out'}"]
+    code, said, _ = _run("comma", args, workdir)
+    return Outcome("a comma in dataset.path, unquoted", code, _short(said, workdir), "-")
+
+
+def _unquoted_schema(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    args = [*job, 'sampling.structured_outputs.json={"type": "object"}']
+    code, said, _ = _run("unquoted", [*args, f"output_dir={workdir / 'unquoted_out'}"], workdir)
+    return Outcome("a JSON schema on the command line, unquoted", code, said, "-")
+
+
+def _nested(levels: int) -> str:
+    return '{"type": "array", "items": ' * (levels - 1) + '{"type": "integer"}' + "}" * (levels - 1)
+
+
+def _deep_schema(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    args = [*job, f"sampling.structured_outputs.json='{_nested(1000)}'"]
+    code, said, _ = _run("deep", [*args, f"output_dir={workdir / 'deep_out'}"], workdir)
+    return Outcome("sampling.structured_outputs.json nested 1,000 levels", code, said, "-")
+
+
+def _deep_row_schema(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    schema = '{"type": "json_schema", "json_schema": {"schema": ' + _nested(1000) + "}}"
+    lines = ['{"prompt": "def add(a, b):"}', f'{{"prompt": "x", "response_format": {schema}}}']
+    label = "a row's response_format nested 1,000 levels"
+    return _row_error_case("deeprow", label, [line.encode() for line in lines], job, workdir)
+
+
+def _duplicate_column(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    data = workdir / "two_prompts.parquet"
+    names = ["prompt", "prompt"]
+    pq.write_table(pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"])], names), data)
+    args = [*_plain(job), f"dataset.path={data}", f"output_dir={workdir / 'twocol_out'}"]
+    code, said, _ = _run("twocol", args, workdir)
+    return Outcome("a Parquet file with two prompt columns", code, _short(said, workdir), "-")
+
+
+def _long_csv_record(job: list[str], clean: Path, workdir: Path) -> Outcome:
+    data = workdir / "long.csv"
+    data.write_text("prompt\nshort\n" + "w" * 5000 + "\nlast\n")
+    args = [*_plain(job), f"dataset.path={data}", "dataset.max_prompt_bytes=1000"]
+    code, said, _ = _run("longcsv", [*args, f"output_dir={workdir / 'longcsv_out'}"], workdir)
+    return Outcome("a CSV record 5x dataset.max_prompt_bytes", code, _short(said, workdir), "-")

@@ -54,6 +54,11 @@ def test_the_reliability_benchmark_on_the_tiny_model(tmp_path: Path, tiny_folder
         "GGUF with head_count 0": ("2", "llama.attention.head_count is 0"),
         "GGUF with block_count 2^31-1": ("2", "2147483647 layers"),
         "damaged shard (garbage bytes), rerun": ("0", "unreadable shard"),
+        "a comma in dataset.path, unquoted": ("2", """quote it: 'dataset.path="a,b.jsonl"'"""),
+        "sampling.structured_outputs.json nested 1,000 levels": ("2", "over the limit of 64"),
+        "a row's response_format nested 1,000 levels": ("0", "deeprow.jsonl line 2 nests"),
+        "a Parquet file with two prompt columns": ("2", "more than one column named 'prompt'"),
+        "a CSV record 5x dataset.max_prompt_bytes": ("2", "the first starts on line 3"),
     }
     bad = {row["input"]: row for row in table_with(found, "first line of the message")}
     assert set(expected) <= set(bad)

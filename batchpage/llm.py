@@ -21,7 +21,8 @@ from batchpage.model.tokenizer import check_chat_template_kwargs, resolve_chat_t
 from batchpage.outputs import CompletionOutput, RequestOutput
 from batchpage.sampling_params import SamplingParams
 
-PromptType = str | list[int]
+# Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts of either.
+PromptType = str | list[int] | dict[str, Any]
 OnOutput = Callable[[RequestOutput, int], None]  # (a finished request's output, its index)
 OnStep = Callable[[RunStats], None]  # after each engine step: the call's figures so far
 
@@ -110,6 +111,10 @@ class LLM:
         return self._run(requests, use_tqdm, on_output)
 
     def _make_request(self, index: int, prompt: Any, params: SamplingParams) -> Request:
+        if isinstance(prompt, dict):
+            prompt, error = _unwrap_prompt(prompt)
+            if error is not None:
+                return Request(index, None, [], params, error=error)
         text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt) if prompt else []
@@ -201,6 +206,20 @@ class LLM:
         self.run_stats = stats
         self.stats = stats.as_dict()
         return [_request_output(r, done.get(r.index, [])) for r in requests]
+
+
+def _unwrap_prompt(prompt: dict[str, Any]) -> tuple[Any, str | None]:
+    """vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids}: (the text
+    or ids, None), or (None, why the dict is not one)."""
+    keys = set(prompt)
+    if keys == {"prompt"}:
+        return prompt["prompt"], None
+    if keys == {"prompt_token_ids"}:
+        return prompt["prompt_token_ids"], None
+    return None, (
+        'a prompt dict must hold exactly one of "prompt" (text) or "prompt_token_ids" (token '
+        f"ids); got keys {sorted(map(str, keys))}"
+    )
 
 
 def _as_prompt_list(prompts: PromptType | Seq[PromptType]) -> list[Any]:

@@ -146,6 +146,12 @@ def test_bad_requests_do_not_lose_the_others(tmp_path: Path, tokenizer) -> None:
     assert all(len(o.outputs[0].token_ids) == 5 for o in (outs[0], outs[4]))
     alone = llm.generate(["The quick brown fox"], params, use_tqdm=False)
     assert alone[0].outputs[0].token_ids == outs[4].outputs[0].token_ids
+    # vLLM's TextPrompt and TokensPrompt dicts are the same prompts; any other dict is an error.
+    ids = outs[4].prompt_token_ids
+    as_dicts = [{"prompt": "The quick brown fox"}, {"prompt_token_ids": ids}, {"text": "x"}]
+    dict_outs = llm.generate(as_dicts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dict_outs[:2]] == [alone[0].outputs[0].token_ids] * 2
+    assert dict_outs[2].error is not None and "prompt_token_ids" in dict_outs[2].error
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)
     with pytest.raises(TypeError, match="unknown LLM argument"):

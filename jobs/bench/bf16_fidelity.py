@@ -15,15 +15,23 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from batchpage import LLM, SamplingParams
 from batchpage.model.loader import load_tokenizer, resolve_model_source
-from jobs.bench.report import command_line, environment, log, markdown_table, write_json
-from jobs.bench.workloads import sample_sharegpt
-from tests.model_factory import hf_greedy
+from jobs.bench.report import command_line, environment, log, markdown_table, save_results
+from jobs.bench.workloads import sharegpt_workload
+
+
+def hf_greedy(model: Any, prompt: list[int], max_new: int) -> list[int]:
+    """HF's greedy continuation of one prompt, EOS ignored."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,8 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     source = resolve_model_source(args.model)
     tok = load_tokenizer(source)
-    requests = sample_sharegpt(tok, args.prompts, seed=args.seed, max_prompt_tokens=128)
-    prompts = [r.prompt_token_ids for r in requests]
+    prompts = sharegpt_workload(tok, args.prompts, args.seed, max_prompt_tokens=128).prompts
 
     llm = LLM(args.model, dtype=args.dtype)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -80,20 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"`{command_line()}`, CPU: {env['cpu']}\n")
     print(f"Identical greedy continuations: **{same}/{len(results)}** ({args.new_tokens} tokens)\n")
     if rows:
-        print(
-            markdown_table(
-                [
-                    "request",
-                    "first divergent token",
-                    "HF top-2 logit gap",
-                    "HF logit gap, its token - ours",
-                    "HF top logit",
-                ],
-                rows,
-            )
-        )
+        header = ["request", "first divergent token", "HF top-2 logit gap",
+                  "HF logit gap, its token - ours", "HF top logit"]  # fmt: skip
+        print(markdown_table(header, rows))
     if args.out:
-        write_json(args.out, {"command": command_line(), "environment": env, "rows": results})
+        save_results(args.out, env, results)
 
 
 if __name__ == "__main__":

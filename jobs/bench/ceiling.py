@@ -1,24 +1,35 @@
-"""This CPU's matmul GFLOP/s at a Llama model's shapes, turned into an upper bound on tokens/s.
+"""How much of this CPU's matmul ceiling each system of a peers run reached.
 
-`measure_matmul_ceiling` times each linear of the model at step-sized token counts; `Ceiling`
-turns the best rates into the least time a workload could take, so that an engine's throughput
-can be reported as a fraction of what the machine allows.
+    python -m jobs.bench.ceiling bench/peers_bfloat16.json --out bench/ceiling_bfloat16.json
+
+`measure_matmul_ceiling` times each linear of the model at step-sized token counts, the best of
+F.linear and every engine path that applies (oneDNN's prepacked linears, the bf16 kernel);
+`Ceiling` turns the best rates into the least time a workload could take. The command rebuilds
+a peers run's workloads from the arguments its JSON recorded (the same seed, so the same token
+ids) and prints, per workload and system, the output tok/s against that bound. The bound
+computes every prompt token, so a workload whose prompts mostly hit the prefix cache (system,
+fewshot) can exceed 100%; the ShareGPT workloads share little. Run it on the machine that made
+the JSON, and on a quiet one.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from batchpage.model.loader import load_tokenizer, resolve_model_source
 from batchpage.ops.bf16_linear import Bf16DotLinear, bf16_dot_kernel
 from batchpage.ops.onednn_linear import OneDnnLinear, onednn_packs
-from jobs.bench.report import timed
-from jobs.bench.workloads import WorkloadRequest
+from jobs.bench.report import environment, log, markdown_table, save_results, timed
+from jobs.bench.workloads import Workload, build_workloads
 
 
 @dataclass(frozen=True)
@@ -90,21 +101,15 @@ class Ceiling:
     attn_s_per_flop: float
     attn_flops_per_key: int  # per token, per attended key, all layers: QK^T and PV
 
-    def decode_tokens_per_s(self, context: float) -> float:
-        """Large-batch decode bound: every generated token costs the layers, the lm_head and
-        attention over `context` keys."""
-        attn = self.attn_flops_per_key * context * self.attn_s_per_flop
-        return 1.0 / (self.layer_s_per_token + self.logits_s_per_token + attn)
-
-    def workload_seconds(self, requests: Iterable[WorkloadRequest]) -> float:
+    def workload_seconds(self, w: Workload) -> float:
         """Least time for the whole workload: each request runs its prompt and all but its last
-        output token through the layers, samples output_len positions, and attends causally.
+        output token through the layers, samples its output positions, and attends causally.
         Every prompt token is counted (a prefix cache could skip some)."""
         total = 0.0
-        for r in requests:
-            positions = len(r.prompt_token_ids) + r.output_len - 1
+        for prompt, outputs in zip(w.prompts, w.max_tokens, strict=True):
+            positions = len(prompt) + outputs - 1
             keys = positions * (positions + 1) / 2  # causal: token i attends i keys
-            total += positions * self.layer_s_per_token + r.output_len * self.logits_s_per_token
+            total += positions * self.layer_s_per_token + outputs * self.logits_s_per_token
             total += keys * self.attn_flops_per_key * self.attn_s_per_flop
         return total
 
@@ -140,9 +145,37 @@ def measure_matmul_ceiling(
     return ceiling, rows
 
 
-def model_flops_per_token(cfg: Any, with_logits: bool = True) -> int:
-    """Linear FLOPs for one token through the model (2 x non-embedding linear params, plus the
-    lm_head when that token's logits are computed)."""
-    layer, lm_head = llama_shapes(cfg)
-    flops = cfg.num_layers * sum(s.flops_per_token for s in layer)
-    return flops + (lm_head.flops_per_token if with_logits else 0)
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("peers_json", type=Path, help="the --out file of jobs.bench.peers")
+    p.add_argument("--ceiling-tokens", default="64,256,512", help="matmul M values to time")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    run: dict[str, Any] = json.loads(args.peers_json.read_text())
+    run_args = argparse.Namespace(**run["args"])
+    source = resolve_model_source(run_args.model)
+    tokenizer, vocab = load_tokenizer(source), source.config.vocab_size
+    workloads = {w.name: w for w in build_workloads(run_args, tokenizer, vocab)}
+    tokens = [int(m) for m in args.ceiling_tokens.split(",")]
+    rows, results = [], []
+    for dtype in run_args.dtypes.split(","):
+        ceiling, _ = measure_matmul_ceiling(source.config, tokens, getattr(torch, dtype))
+        log(f"{dtype} matmul ceiling measured")
+        for r in run["results"]:
+            if r["dtype"] == dtype and r["workload"] in workloads:
+                w = workloads[r["workload"]]
+                bound = w.output_tokens / ceiling.workload_seconds(w)
+                share = r["output_tok_s"] / bound
+                results.append(dict(r, bound_tok_s=bound, ceiling_share=share))
+                rows.append([dtype, r["workload"], r["system"], f"{r['output_tok_s']:.1f}",
+                             f"{bound:.1f}", f"{share:.1%}"])  # fmt: skip
+    env = environment()
+    print(f"## Share of the matmul ceiling ({env['date_utc']}), CPU {env['cpu']}\n")
+    header = ["dtype", "workload", "system", "output tok/s", "matmul bound tok/s", "share"]
+    print(markdown_table(header, rows))
+    if args.out:
+        save_results(args.out, env, results)
+
+
+if __name__ == "__main__":
+    main()

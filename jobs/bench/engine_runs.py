@@ -1,95 +1,138 @@
-"""Timed llm.generate calls, measured the same way by every benchmark.
+"""Timed runs of batchpage's engine, measured the same way by every benchmark: whole generate
+calls (greedy, each request its own exact output length) and pure decode steps.
 
-An engine is loaded in float32 (the fidelity reference, and the dtype of the HF baseline) and
-warmed up before anything is timed; a run is the wall clock around one whole generate call,
-with the engine's stats of that call and every completion's token ids.
+It imports nothing but the standard library and batchpage's public API (LLM, SamplingParams),
+so jobs/bench/ab.py can also run it as a script in another revision's tree, a worker reading one
+JSON command a line on stdin and answering each with one JSON line on stdout:
+
+    {"op": "load", "model": ..., "options": {LLM keyword options}}
+    {"op": "generate", "prompts": [[ids]], "max_tokens": [n]}      -> run_greedy's figures
+    {"op": "decode", "prompts": [[ids]], "steps": n}                -> decode_steps' figures
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import gc
+import inspect
+import json
+import os
+import sys
+import time
 from typing import Any
 
 from batchpage import LLM, SamplingParams
-from jobs.bench.report import log, timed
-from jobs.bench.workloads import WorkloadRequest
 
 # Plain text without a chat template shares no block-sized prefix with the templated workloads,
 # so nothing a warm-up caches can be hit by a timed run.
 WARM_UP_TEXTS = ("Warm-up: count from one to ten.", "Another warm-up line about the weather.")
 
 
-def warm_up_llm(llm: LLM) -> None:
-    """Two short requests, so one-time costs (allocator, first kernels, thread pools) stay out
-    of the timing."""
+def log(message: str) -> None:
+    """Progress on stderr, so stdout stays the report (or, in a worker, the answers)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def warm_up(llm: LLM) -> None:
+    """Two short requests, so that one-time costs (allocator, first kernels, thread pools) stay
+    out of the timing."""
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     llm.generate([llm.tokenizer.encode(t) for t in WARM_UP_TEXTS], params, use_tqdm=False)
 
 
-def load_llm(model: str, label: str, **engine_args: Any) -> LLM:
-    """LLM(model, dtype="float32", **engine_args), loaded (the time is logged) and warmed up."""
-    llm, seconds = timed(lambda: LLM(model, **{"dtype": "float32", **engine_args}))
-    log(f"{label}: engine loaded in {seconds:.1f} s")
-    warm_up_llm(llm)
+def load_llm(model: str, label: str, **options: Any) -> LLM:
+    """LLM(model, **options), loaded (the time is logged) and warmed up."""
+    start = time.perf_counter()
+    llm = LLM(model, **options)
+    log(f"{label}: engine loaded in {time.perf_counter() - start:.1f} s")
+    warm_up(llm)
     return llm
 
 
-@dataclass
-class GenerateRun:
-    """One timed llm.generate call: wall seconds around the whole call, the engine's stats of
-    that call, and each request's completions as token ids."""
-
-    label: str
-    wall_s: float
-    stats: dict[str, Any]
-    outputs: list[list[list[int]]]  # [request][sample] -> token ids
-
-    @property
-    def generated_tokens(self) -> int:
-        return sum(len(ids) for samples in self.outputs for ids in samples)
-
-    @property
-    def generated_tok_s(self) -> float:
-        return self.generated_tokens / self.wall_s if self.wall_s else 0.0
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "label": self.label,
-            "wall_s": self.wall_s,
-            "generated_tokens": self.generated_tokens,
-            "generated_tok_s": self.generated_tok_s,
-            "engine_stats": self.stats,
-        }
-
-
-def timed_generate(llm: LLM, prompts: list[list[int]], params: Any, label: str) -> GenerateRun:
-    """Run and time one generate call; a request that failed raises, since a benchmark over
-    partly failed requests would measure the wrong work."""
-    outs, seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+def timed_generate(llm: LLM, prompts: list[Any], params: Any, **kwargs: Any) -> dict[str, Any]:
+    """One generate call: its wall seconds, each request's completions as token ids and the
+    engine's stats of the call. A failed request raises: a benchmark over partly failed
+    requests would measure the wrong work."""
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False, **kwargs)
+    wall = time.perf_counter() - start
     for i, out in enumerate(outs):
         if out.error or not out.outputs:
-            raise RuntimeError(f"{label}: request {i} failed: {out.error}")
+            raise RuntimeError(f"request {i} failed: {out.error}")
     outputs = [[list(c.token_ids) for c in out.outputs] for out in outs]
-    return GenerateRun(label, seconds, dict(llm.stats), outputs)
+    generated = sum(len(ids) for samples in outputs for ids in samples)
+    return {"wall_s": wall, "output_tok_s": generated / wall, "generated_tokens": generated,
+            "outputs": outputs, "stats": dict(llm.stats)}  # fmt: skip
 
 
-def run_workload(llm: LLM, requests: list[WorkloadRequest], label: str) -> GenerateRun:
-    """Greedy with ignore_eos: each request generates exactly its target length, so every
-    system and configuration produces the same number of tokens."""
-    params = [
-        SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests
-    ]
-    run = timed_generate(llm, [r.prompt_token_ids for r in requests], params, label)
-    got = [len(samples[0]) for samples in run.outputs]
-    if got != [r.output_len for r in requests]:
-        raise RuntimeError(f"{label}: generated lengths differ from the targets")
-    log(f"{label}: {run.wall_s:.1f} s, {run.generated_tok_s:.1f} generated tok/s, peak running "
-        f"{run.stats['peak_running']}, waste {run.stats['kv_waste']:.1%}")  # fmt: skip
+def run_greedy(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Any]:
+    """Greedy with ignore_eos: each request generates exactly its max_tokens, so every system and
+    configuration produces the same number of tokens. `tokens`: each request's completion."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    run = timed_generate(llm, prompts, params)
+    run["tokens"] = [samples[0] for samples in run.pop("outputs")]
+    if [len(t) for t in run["tokens"]] != list(max_tokens):
+        raise RuntimeError("generated lengths differ from the targets")
     return run
 
 
-def same_outputs(a: GenerateRun, b: GenerateRun) -> tuple[int, int]:
-    """(requests whose completions are identical in both runs, requests compared). A greedy
-    mismatch can be a float near-tie flipped by a different batch, not necessarily a bug."""
-    pairs = list(zip(a.outputs, b.outputs, strict=True))
-    return sum(x == y for x, y in pairs), len(pairs)
+def decode_steps(llm: LLM, prompts: list[list[int]], steps: int) -> dict[str, Any]:
+    """The wall time of each pure decode step of len(prompts) running sequences: each prompt
+    generates steps + 1 tokens, and a step counts when every sequence gained one token and no
+    prompt token was computed (so a step that still prefills or runs fewer sequences does
+    not). For every prompt in one prefill step, give max_num_batched_tokens room for them all."""
+    if "on_step" not in inspect.signature(llm.generate).parameters:
+        raise RuntimeError("this batchpage's LLM.generate has no on_step: decode steps cannot be "
+                           "timed through its public API")  # fmt: skip
+    marks: list[tuple[float, int, int]] = []
+
+    def on_step(stats: Any) -> None:
+        marks.append((time.perf_counter(), stats.prefill_tokens_computed, stats.generated_tokens))
+
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    run = timed_generate(llm, prompts, params, on_step=on_step)
+    step_s = [t1 - t0 for (t0, p0, g0), (t1, p1, g1) in zip(marks, marks[1:], strict=False)
+              if p1 == p0 and g1 - g0 == len(prompts)]  # fmt: skip
+    if not step_s:
+        raise RuntimeError(f"no step decoded all {len(prompts)} sequences at once: raise "
+                           "max_num_seqs, max_num_batched_tokens or kv_cache_memory")  # fmt: skip
+    return {"step_s": step_s, "tokens": [samples[0] for samples in run["outputs"]]}
+
+
+def serve() -> None:
+    """The worker loop (see the module docstring). Answers go to the real stdout; anything else
+    written to it, by Python or by a library's C code, goes to stderr."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    import batchpage
+
+    ready = {"batchpage": os.path.realpath(batchpage.__file__), "kernels": _kernels_file()}
+    print(json.dumps(ready), file=answers, flush=True)
+    llm = None
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            if cmd["op"] == "load":
+                llm = None
+                gc.collect()  # free the last engine's pool before the next allocates its own
+                llm = load_llm(cmd["model"], cmd.get("label", "worker"), **cmd["options"])
+                answer: dict[str, Any] = {"ok": True}
+            elif cmd["op"] == "generate":
+                answer = run_greedy(llm, cmd["prompts"], cmd["max_tokens"])
+            else:
+                answer = decode_steps(llm, cmd["prompts"], cmd["steps"])
+        except Exception as exc:  # the parent reports it, naming this side
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(answer), file=answers, flush=True)
+
+
+def _kernels_file() -> str | None:
+    try:
+        import batchpage.kernels
+    except ImportError:
+        return None
+    return os.path.realpath(batchpage.kernels.__file__)
+
+
+if __name__ == "__main__":
+    serve()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from batchpage.model.loader import resolve_model_source
 from batchpage.ops.bf16_linear import Bf16DotLinear, bf16_dot_kernel
 from batchpage.ops.onednn_linear import OneDnnLinear, onednn_packs
-from jobs.bench.report import command_line, environment, log, markdown_table, write_json
+from jobs.bench.report import command_line, environment, log, markdown_table, save_results
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     header += [f"{LABELS[p]} max abs diff" for p in makers]
     print(markdown_table(header, rows))
     if args.out:
-        write_json(args.out, {"command": command_line(), "environment": env, "rows": results})
+        save_results(args.out, env, results)
 
 
 if __name__ == "__main__":

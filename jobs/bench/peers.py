@@ -38,6 +38,7 @@ import gc
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,31 +46,19 @@ from typing import Any
 import torch
 
 from batchpage.model.loader import load_tokenizer, resolve_model_source
-from jobs.bench.engine_runs import WARM_UP_TEXTS, load_llm, run_workload
+from jobs.bench.engine_runs import WARM_UP_TEXTS, load_llm, log, run_greedy
 from jobs.bench.hf_export import hf_folder_for
-from jobs.bench.peer_workloads import (
-    PeerWorkload,
-    fewshot_workload,
-    sharegpt_workload,
-    system_workload,
+from jobs.bench.report import args_json, command_line, environment, markdown_table, save_results
+from jobs.bench.vllm_runtime import find_runtime, threads_bind, venv_path
+from jobs.bench.workloads import (
+    Workload,
+    add_workload_args,
+    build_workloads,
+    check_workload_args,
     write_request_file,
 )
-from jobs.bench.report import (
-    args_json,
-    command_line,
-    environment,
-    log,
-    markdown_table,
-    timed,
-    write_json,
-)
-from jobs.bench.vllm_runtime import find_runtime, threads_bind, venv_path
-from jobs.bench.workloads import WorkloadRequest, short_sharegpt_questions
 
 SYSTEMS = ("batchpage", "vllm", "hf")
-WORKLOADS = ("sharegpt", "system", "fewshot")
-# CPU flags that decide which dtype is fast: native bf16 (AVX-512 BF16, AMX) or not.
-DTYPE_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 SYSTEM_NAMES = {"batchpage": "batchpage", "vllm": "vLLM-CPU", "hf": "HF static"}
 
 
@@ -117,76 +106,33 @@ def same_greedy(a: PeerResult, b: PeerResult) -> tuple[int, int]:
     return sum(a.outputs[i] == b.outputs[i] for i in common), len(common)
 
 
-# --- workloads ---------------------------------------------------------------------------------
-
-
-def build_workloads(args: argparse.Namespace, tokenizer: Any) -> list[PeerWorkload]:
-    wanted = args.workloads.split(",")
-    workloads: list[PeerWorkload] = []
-    if "sharegpt" in wanted:
-        for n in (int(n) for n in args.sharegpt_requests.split(",")):
-            workloads.append(
-                sharegpt_workload(
-                    tokenizer,
-                    n,
-                    args.seed,
-                    args.max_prompt_tokens,
-                    args.max_output_tokens,
-                    args.min_output_tokens,
-                )  # fmt: skip
-            )
-    if "system" in wanted:
-        questions = short_sharegpt_questions(
-            tokenizer, args.system_requests, args.seed, args.question_tokens
-        )
-        workloads.append(
-            system_workload(tokenizer, questions, args.system_tokens, args.system_max_tokens)
-        )
-    if "fewshot" in wanted:
-        workloads.append(
-            fewshot_workload(
-                tokenizer,
-                args.shots,
-                args.fewshot_requests,
-                args.seed,
-                args.max_shot_tokens,
-                args.max_question_tokens,
-                args.fewshot_max_tokens,
-            )  # fmt: skip
-        )
-    return workloads
-
-
 # --- systems -----------------------------------------------------------------------------------
 
 
 def run_batchpage(
-    args: argparse.Namespace, workloads: list[PeerWorkload], dtype: str
+    args: argparse.Namespace, workloads: list[Workload], dtype: str
 ) -> list[PeerResult]:
+    """A fresh engine per workload (its prefix cache starts empty), one generate call."""
     results = []
     for w in workloads:
         llm = load_llm(
-            args.model,
-            f"batchpage {w.name} {dtype}",
-            dtype=dtype,
-            block_size=args.block_size,
-            max_model_len=w.max_len,
-            kv_cache_memory=args.kv_cache_gib * 2**30,
+            args.model, f"batchpage {w.name} {dtype}", dtype=dtype, block_size=args.block_size,
+            max_model_len=w.max_len, kv_cache_memory=args.kv_cache_gib * 2**30,
             prefix_caching=args.prefix_caching == "on",
-        )
-        run = run_workload(llm, w.as_requests(), f"batchpage {w.name} {dtype}")
-        stats = run.stats
+        )  # fmt: skip
+        run = run_greedy(llm, w.prompts, w.max_tokens)
+        log(f"batchpage {w.name} {dtype}: {run['output_tok_s']:.1f} output tok/s")
         results.append(
             PeerResult(
                 "batchpage",
                 w.name,
                 dtype,
-                run.wall_s,
+                run["wall_s"],
                 len(w.prompts),
                 w.prompt_tokens,
-                run.generated_tokens,
-                outputs={i: samples[0] for i, samples in enumerate(run.outputs)},
-                extra={"engine_stats": stats},
+                run["generated_tokens"],
+                outputs=dict(enumerate(run["tokens"])),
+                extra={"engine_stats": run["stats"]},
             )  # fmt: skip
         )
         del llm
@@ -196,7 +142,7 @@ def run_batchpage(
 
 def run_vllm(
     args: argparse.Namespace,
-    workloads: list[PeerWorkload],
+    workloads: list[Workload],
     dtype: str,
     request_file: Path,
     model_folder: Path,
@@ -214,9 +160,7 @@ def run_vllm(
     return vllm_results(json.loads(out.read_text()), workloads, dtype)
 
 
-def vllm_results(
-    data: dict[str, Any], workloads: list[PeerWorkload], dtype: str
-) -> list[PeerResult]:
+def vllm_results(data: dict[str, Any], workloads: list[Workload], dtype: str) -> list[PeerResult]:
     """vllm_cpu.py's JSON as results, checked against the workloads it was given."""
     by_name = {w.name: w for w in workloads}
     results = []
@@ -240,43 +184,73 @@ def vllm_results(
     return results
 
 
+def hf_generate_batch(
+    model: Any, prompts: list[list[int]], new: int, pad_id: int
+) -> tuple[torch.Tensor, int]:
+    """Left-pad to the longest prompt and generate exactly `new` tokens each (min_new_tokens
+    suppresses EOS): (output ids, padded prompt length)."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=pad_id)  # fmt: skip
+    if out.shape[1] != width + new:
+        raise RuntimeError(f"HF generated {out.shape[1] - width} tokens, expected {new}")
+    return out, width
+
+
+def run_hf_static(
+    model: Any, w: Workload, dtype: str, batch_size: int, pad_id: int, budget_s: float | None
+) -> PeerResult:
+    """HF generate the pre-PagedAttention way: static batches in workload order, each running
+    until its longest request is done; the padding and the shorter requests' overrun are computed
+    but not useful. A time budget may cut the workload short (at least one batch runs)."""
+    r = PeerResult("hf", w.name, dtype, 0.0, 0, 0, 0, extra={"batch_size": batch_size})
+    slots = 0
+    for start in range(0, len(w.prompts), batch_size):
+        if budget_s and r.wall_s >= budget_s:
+            break
+        prompts = w.prompts[start : start + batch_size]
+        lengths = w.max_tokens[start : start + batch_size]
+        t0 = time.perf_counter()
+        out, width = hf_generate_batch(model, prompts, max(lengths), pad_id)
+        r.wall_s += time.perf_counter() - t0
+        r.requests += len(prompts)
+        r.prompt_tokens += sum(map(len, prompts))
+        r.output_tokens += sum(lengths)
+        slots += out.numel()
+        for row, n in enumerate(lengths):
+            r.outputs[start + row] = out[row, width : width + n].tolist()
+    r.extra["wasted_fraction"] = 1 - (r.prompt_tokens + r.output_tokens) / slots
+    return r
+
+
 def run_hf(
     args: argparse.Namespace,
-    workloads: list[PeerWorkload],
+    workloads: list[Workload],
     dtype: str,
     model_folder: Path,
     warm_up: list[list[int]],
     pad_id: int,
 ) -> list[PeerResult]:
+    """Every workload at every --hf-batch-size (the best counts, as a round does)."""
     from transformers import AutoModelForCausalLM
 
-    from jobs.bench.throughput import hf_generate_batch, run_hf_static
-
-    model, seconds = timed(
-        lambda: AutoModelForCausalLM.from_pretrained(model_folder, dtype=getattr(torch, dtype))
-    )
-    model.eval()
-    log(f"HF transformers {dtype}: loaded in {seconds:.1f} s")
-    hf_generate_batch(model, [WorkloadRequest("w", p, 2, 2) for p in warm_up], pad_id)
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=getattr(torch, dtype)).eval()
+    log(f"HF transformers {dtype}: loaded in {time.perf_counter() - start:.1f} s")
+    hf_generate_batch(model, warm_up, 2, pad_id)
     results = []
     for w in workloads:
-        r = run_hf_static(
-            model, w.as_requests(), args.hf_batch_size, pad_id, args.hf_time_budget or None
-        )
-        results.append(
-            PeerResult(
-                "hf",
-                w.name,
-                dtype,
-                r.elapsed_s,
-                r.requests,
-                r.prompt_tokens,
-                r.useful_tokens,
-                outputs=r.outputs,
-                extra={"batch_size": args.hf_batch_size, "wasted_fraction": r.wasted},
-            )  # fmt: skip
-        )
-        log(f"HF {w.name} {dtype}: {r.useful_tok_s:.1f} output tok/s over {r.requests} requests")
+        for batch in (int(b) for b in str(args.hf_batch_size).split(",")):
+            r = run_hf_static(model, w, dtype, batch, pad_id, args.hf_time_budget or None)
+            log(f"HF {w.name} {dtype} batch {batch}: {r.output_tok_s:.1f} output tok/s over "
+                f"{r.requests} requests")  # fmt: skip
+            results.append(r)
     del model
     gc.collect()
     return results
@@ -286,14 +260,14 @@ def run_hf(
 
 
 def best_rounds(results: list[PeerResult]) -> list[PeerResult]:
-    """The fastest round of each (system, workload, dtype), in first-seen order, with every
-    round's wall time in extra["rounds_wall_s"]."""
+    """The fastest round (HF: batch size) of each (system, workload, dtype), in first-seen order,
+    with every round's wall time in extra["rounds_wall_s"]."""
     walls: dict[tuple[str, str, str], list[float]] = {}
     best: dict[tuple[str, str, str], PeerResult] = {}
     for r in results:
         key = (r.system, r.workload, r.dtype)
         walls.setdefault(key, []).append(r.wall_s)
-        if key not in best or r.wall_s < best[key].wall_s:
+        if key not in best or r.output_tok_s > best[key].output_tok_s:
             best[key] = r
     return [
         PeerResult(**{**vars(r), "extra": {**r.extra, "rounds_wall_s": walls[key]}})
@@ -312,7 +286,7 @@ def match(a: PeerResult | None, b: PeerResult | None) -> str | None:
     return f"{same}/{compared}"
 
 
-def ratio_table(results: list[PeerResult], workloads: list[PeerWorkload]) -> str:
+def ratio_table(results: list[PeerResult], workloads: list[Workload]) -> str:
     """One row per (dtype, workload): each system's output tok/s, batchpage's ratio to each
     peer, and how many requests produced the same greedy tokens as batchpage."""
     index = {(r.system, r.workload, r.dtype): r for r in results}
@@ -335,24 +309,6 @@ def ratio_table(results: list[PeerResult], workloads: list[PeerWorkload]) -> str
     return markdown_table(headers, rows)
 
 
-def runs_table(results: list[PeerResult]) -> str:
-    headers = [
-        "dtype",
-        "workload",
-        "system",
-        "timed requests",
-        "wall s",
-        "output tok/s",
-        "total tok/s",
-    ]
-    rows = [
-        [r.dtype, r.workload, SYSTEM_NAMES[r.system], r.requests, r.wall_s, r.output_tok_s,
-         r.total_tok_s]
-        for r in results
-    ]  # fmt: skip
-    return markdown_table(headers, rows)
-
-
 def rounds_table(results: list[PeerResult]) -> str:
     """Every round's output tok/s of each (system, workload, dtype), from best_rounds' output."""
     rounds = max(len(r.extra["rounds_wall_s"]) for r in results)
@@ -365,21 +321,10 @@ def rounds_table(results: list[PeerResult]) -> str:
     return markdown_table(headers, rows)
 
 
-def cpu_flags(cpuinfo: str) -> list[str]:
-    """The flags of the first processor in /proc/cpuinfo's text."""
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return line.split(":", 1)[1].split()
-    return []
-
-
-def machine_line(env: dict[str, Any], flags: list[str]) -> str:
-    present = [f for f in DTYPE_FLAGS if f in flags]
-    native = "avx512_bf16" in flags or "amx_bf16" in flags
-    return (
-        f"CPU {env['cpu']} ({env['cpu_count']} cores), dtype flags: "
-        f"{', '.join(present) or 'none'}; native bf16: {'yes' if native else 'no'}"
-    )
+def machine_line(env: dict[str, Any]) -> str:
+    native = "yes" if env["native_bf16"] else "no"
+    flags = ", ".join(env["cpu_flags"]) or "none"
+    return f"CPU {env['cpu']} ({env['cpu_count']} cores), flags {flags}; native bf16: {native}"
 
 
 # --- main --------------------------------------------------------------------------------------
@@ -390,28 +335,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF folder")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
-    p.add_argument("--seed", type=int, default=0, help="workload sample seed")
     p.add_argument(
         "--rounds", type=int, default=1,
         help="batchpage and vLLM-CPU take turns this many times; each system's best round counts",
     )  # fmt: skip
-    g = p.add_argument_group("sharegpt")
-    g.add_argument("--sharegpt-requests", default="64,512", help="one workload per count")
-    g.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts: skipped")
-    g.add_argument("--max-output-tokens", type=int, default=96)
-    g.add_argument("--min-output-tokens", type=int, default=4)
-    g = p.add_argument_group("system: shared system prompt")
-    g.add_argument("--system-requests", type=int, default=48)
-    g.add_argument("--system-tokens", type=int, default=550, help="system prompt length")
-    g.add_argument("--question-tokens", type=int, default=48, help="max tokens of a question")
-    g.add_argument("--system-max-tokens", type=int, default=32, help="output tokens per request")
-    g = p.add_argument_group("fewshot: k-shot HumanEval")
-    g.add_argument("--shots", type=int, default=5)
-    g.add_argument("--fewshot-requests", type=int, default=32)
-    g.add_argument("--max-shot-tokens", type=int, default=160, help="cap per solved example")
-    g.add_argument("--max-question-tokens", type=int, default=160, help="cap per problem")
-    g.add_argument("--fewshot-max-tokens", type=int, default=32, help="output tokens per request")
+    add_workload_args(p, "sharegpt,system,fewshot")
+    p.set_defaults(sharegpt_requests="64,512")
     g = p.add_argument_group("engines")
     g.add_argument("--prefix-caching", choices=("on", "off"), default="on", help="in both engines")
     g.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV space of both engines")
@@ -420,7 +349,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--vllm-venv", default=None, help="default: $BATCHPAGE_VLLM_VENV or "
                    "/work/venvs/vllm")  # fmt: skip
     g.add_argument("--vllm-threads-bind", default=None, help="default: this process's CPUs")
-    g.add_argument("--hf-batch-size", type=int, default=32)
+    g.add_argument("--hf-batch-size", default="32", help="comma-separated: the best counts")
     g.add_argument(
         "--hf-time-budget", type=float, default=120.0,
         help="seconds per HF workload; stop after the batch that crosses it (0: none)",
@@ -429,10 +358,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny workloads to check that it runs")
     args = p.parse_args(argv)
-    for name, allowed in (("systems", SYSTEMS), ("workloads", WORKLOADS)):
-        unknown = set(getattr(args, name).split(",")) - set(allowed)
-        if unknown:
-            p.error(f"unknown --{name} {sorted(unknown)}; known: {', '.join(allowed)}")
+    check_workload_args(p, args)
+    unknown = set(args.systems.split(",")) - set(SYSTEMS)
+    if unknown:
+        p.error(f"unknown --systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
     bad = set(args.dtypes.split(",")) - {"float32", "bfloat16"}
@@ -443,7 +372,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.system_requests, args.system_tokens, args.system_max_tokens = 4, 128, 8
         args.shots, args.fewshot_requests, args.fewshot_max_tokens = 1, 4, 8
         args.max_shot_tokens, args.max_question_tokens = 80, 80
-        args.hf_batch_size, args.hf_time_budget = 4, 0.0
+        args.hf_batch_size, args.hf_time_budget = "4", 0.0
     return args
 
 
@@ -455,13 +384,13 @@ def main(argv: list[str] | None = None) -> None:
     systems = args.systems.split(",")
     if "vllm" in systems:
         find_runtime(venv_path(args.vllm_venv))  # a missing venv fails now, not after batchpage
+    cfg = resolve_model_source(args.model).config
     tokenizer = load_tokenizer(args.model)
-    workloads = build_workloads(args, tokenizer)
+    workloads = build_workloads(args, tokenizer, cfg.vocab_size)
     warm_up = [tokenizer.encode(t) for t in WARM_UP_TEXTS]
     candidates = [tokenizer.pad_token_id, *sorted(tokenizer.eos_token_ids), 0]
     pad_id = next(i for i in candidates if i is not None)  # masked out: any id works for HF
     folder = hf_folder_for(args.model) if {"vllm", "hf"} & set(systems) else None
-    cfg = resolve_model_source(args.model).config
 
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         work = args.work_dir or Path(tmp)
@@ -481,13 +410,12 @@ def main(argv: list[str] | None = None) -> None:
                 results += run_hf(args, workloads, dtype, folder, warm_up, pad_id)
 
     env = environment()
-    flags = cpu_flags(Path("/proc/cpuinfo").read_text())
     print(f"## batchpage vs vLLM-CPU and HF transformers, same token ids ({env['date_utc']})\n")
     print(f"Command: `{command_line()}`\n")
     vllm_version = next((r.extra["vllm_version"] for r in results if r.system == "vllm"), None)
     print(
         f"Model {args.model} ({cfg.num_layers} layers, hidden {cfg.hidden_size}); "
-        f"{machine_line(env, flags)}; {env['torch_threads']} torch threads, torch {env['torch']}, "
+        f"{machine_line(env)}; {env['torch_threads']} torch threads, torch {env['torch']}, "
         f"transformers {env['transformers']}, vLLM-CPU {vllm_version or '-'}. Greedy, "
         f"ignore_eos, prefix caching {args.prefix_caching} in both engines, KV space "
         f"{args.kv_cache_gib:g} GiB each, HF static batch {args.hf_batch_size}.\n"
@@ -495,23 +423,13 @@ def main(argv: list[str] | None = None) -> None:
     for w in workloads:
         print(f"- {w.name}: {w.description}")
     results = best_rounds(results)
-    print(f"\n{ratio_table(results, workloads)}\n\n{runs_table(results)}")
+    print(f"\n{ratio_table(results, workloads)}")
     if args.rounds > 1:
         print("\nEvery round (the tables above take each system's best):\n")
         print(rounds_table(results))
     if args.out:
-        write_json(
-            args.out,
-            {
-                "command": command_line(),
-                "args": args_json(args),
-                "environment": env,
-                "cpu_flags": flags,
-                "workloads": [w.summary() for w in workloads],
-                "results": [r.as_json() for r in results],
-            },
-        )
-        print(f"\nJSON: {args.out}")
+        save_results(args.out, env, [r.as_json() for r in results], args=args_json(args),
+                     workloads=[w.summary() for w in workloads])  # fmt: skip
 
 
 if __name__ == "__main__":

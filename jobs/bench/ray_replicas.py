@@ -39,28 +39,18 @@ from jobs.bench.report import (
     pct,
     write_json,
 )
-from jobs.bench.workloads import sharegpt_records, short_sharegpt_questions, text_of_tokens
-
-SYSTEM = "Answer the user's question. Use the document below if it helps.\n\nDocument:\n"
+from jobs.bench.workloads import DOCUMENT_PROMPT, documents, short_sharegpt_questions
 
 
 def write_dataset(path: Path, tokenizer: Any, rows: int, docs: int, doc_tokens: int) -> None:
     """Chat rows: one of `docs` documents in the system turn, then a distinct question."""
-    texts: list[str] = []
-    for _, _, reply in sharegpt_records(1):
-        if len(tokenizer.encode(reply, add_special_tokens=False)) >= doc_tokens:
-            texts.append(text_of_tokens(tokenizer, reply, doc_tokens))
-            if len(texts) == docs:
-                break
-    questions = short_sharegpt_questions(tokenizer, rows)
-    pairs = [(q, i % docs) for i, q in enumerate(questions)]
+    texts = documents(tokenizer, docs, doc_tokens)
+    pairs = [(q, i % docs) for i, q in enumerate(short_sharegpt_questions(tokenizer, rows))]
     random.Random(0).shuffle(pairs)
     with path.open("w") as f:
         for q, d in pairs:
-            chat = [
-                {"role": "system", "content": SYSTEM + texts[d]},
-                {"role": "user", "content": q},
-            ]
+            chat = [{"role": "system", "content": DOCUMENT_PROMPT + texts[d]},
+                    {"role": "user", "content": q}]  # fmt: skip
             f.write(json.dumps({"messages": chat}) + "\n")
 
 

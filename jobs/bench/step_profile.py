@@ -1,14 +1,16 @@
 """Where a decode step's time goes, at a given number of running sequences.
 
     python -m jobs.bench.step_profile --running 64,256      # py-spy comes with the dev extra
+    python -m jobs.bench.step_profile --samples spy.txt     # bucket a saved `py-spy -f raw`
 
-For each batch size the engine first admits and prefills that many ShareGPT prompts (the pool and
-max_num_seqs sized to hold them all), then py-spy samples this process while --steps decode steps
-run; the samples are bucketed by the innermost frame of ours that they fall in: linears
-(nn.Linear, MergedLinear), lm_head (the logits matmul), attention (the backends and kernels),
-norms, rope, activations, the model's other code (embedding, residuals, logits gather),
-sampling, stop checks and detokenization, building the step's tensors, the scheduler, and the
-rest of the engine's Python.
+For each batch size one generate call admits and prefills that many ShareGPT prompts in one
+step (the pool and max_num_seqs sized to hold them all); at its first pure decode step (every
+sequence one token more, no prompt token computed, seen through LLM.generate's on_step) py-spy
+attaches to this process and samples --steps decode steps, then stops. The samples are bucketed
+by the innermost frame of ours they fall in: linears (every linear method of batchpage/ops),
+lm_head (the logits matmul), attention (the backends and kernels), norms, rope, activations, the
+model's other code (embedding, residuals, logits gather), sampling, stop checks and
+detokenization, building the step's tensors, the scheduler, and the rest of the engine's Python.
 Prints one Markdown table: the share of each bucket, and the decode step's mean wall time.
 """
 
@@ -26,10 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from batchpage import LLM, SamplingParams
-from batchpage.cpu_info import cpu_model
 from batchpage.model.loader import load_tokenizer
-from jobs.bench.report import command_line, log, markdown_table
-from jobs.bench.workloads import sample_sharegpt
+from jobs.bench.report import command_line, environment, log, markdown_table
+from jobs.bench.workloads import sharegpt_workload
 
 # (bucket, substrings of a py-spy frame "function (file:line)"), matched innermost frame first.
 BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -43,7 +44,7 @@ BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "onednn_linear.py",
             "bf16_linear.py",
         ),
-    ),
+    ),  # fmt: skip
     ("lm_head", ("compute_logits",)),
     # The layer ops (batchpage/ops/layer_ops.py and cpu_layer_ops.py) by op.
     ("norms", ("rms_norm (", "norm_into (", "RMSNorm.forward")),
@@ -57,6 +58,8 @@ BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("scheduler", ("scheduler.py", "kv_manager.py", "admission.py", "cache/")),
     ("engine, other", ("engine/", "metrics.py", "llm.py")),
 )
+OUTSIDE = "outside the step"
+HOOK = "on_step ("  # this module's callback: py-spy's own start and stop, never a step's work
 
 
 def bucket_of(stack: list[str]) -> str:
@@ -68,113 +71,90 @@ def bucket_of(stack: list[str]) -> str:
                 if name == "linears" and any("compute_logits" in f for f in stack):
                     return "lm_head"
                 return name
-    return "outside the step"
+    return OUTSIDE
 
 
-def read_samples(path: Path, marker: str) -> Counter[str]:
-    """py-spy's raw format: 'frame;frame;...;frame count' per line; only stacks that pass
-    through `marker` (the decode loop) count."""
+def read_samples(path: Path) -> Counter[str]:
+    """py-spy's raw format: 'frame;frame;...;frame count' per line. A stack inside LLM.generate
+    counts, unless it is in the callback that starts and stops py-spy."""
     counts: Counter[str] = Counter()
     for line in path.read_text().splitlines():
         stack_text, _, count = line.rpartition(" ")
         stack = stack_text.split(";")
-        if any(marker in f for f in stack):
+        if any("generate (" in f for f in stack) and not any(HOOK in f for f in stack):
             counts[bucket_of(stack)] += int(count)
     return counts
 
 
-def decode_steps(llm: LLM, steps: int) -> None:
-    """The marker frame: py-spy samples taken inside this function are the decode steps."""
-    for _ in range(steps):
-        llm.engine.step()
-
-
-def decoding_llm(
-    model: str,
-    dtype: str,
-    running: int,
-    steps: int,
-    max_prompt: int = 256,
-    kv_cache_memory: float = 6e9,
-    seed: int = 0,
-    **engine_args: Any,
-) -> LLM:
-    """An engine with `running` ShareGPT prompts admitted and prefilled, so that its next
-    `steps` steps are pure decode steps of `running` sequences (`engine_args`: more LLM
-    arguments)."""
-    tok = load_tokenizer(model)
-    reqs = sample_sharegpt(tok, running, seed=seed, max_prompt_tokens=max_prompt)
-    llm = LLM(
-        model,
-        dtype=dtype,
-        max_num_seqs=running,
-        max_model_len=max_prompt + steps + 16,
-        prefix_caching=False,
-        kv_cache_memory=kv_cache_memory,  # room for every sequence to its end
-        # Every prompt in one prefill step, so no sequence finishes before the last is in.
-        max_num_batched_tokens=running * max_prompt,
-        **engine_args,
-    )
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    requests = [llm._make_request(i, r.prompt_token_ids, params) for i, r in enumerate(reqs)]
-    llm.engine.add_requests(requests)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in llm.engine.scheduler.running) \
-            or llm.engine.scheduler.waiting:  # fmt: skip
-        llm.engine.step()  # prefill everything: what follows are pure decode steps
-    assert len(llm.engine.scheduler.running) == running, "not all sequences are running"
-    return llm
-
-
 def profile(args: argparse.Namespace, running: int) -> tuple[Counter[str], float]:
-    llm = decoding_llm(
-        args.model, args.dtype, running, args.steps, args.max_prompt, args.kv_cache_memory,
-        args.seed,
+    """(the samples of --steps decode steps at `running` sequences, their mean seconds)."""
+    tok = load_tokenizer(args.model)
+    prompts = sharegpt_workload(tok, running, args.seed, args.max_prompt).prompts
+    llm = LLM(
+        args.model, dtype=args.dtype, max_num_seqs=running, prefix_caching=False,
+        max_model_len=args.max_prompt + 2 * args.steps + 16, kv_cache_memory=args.kv_cache_memory,
+        max_num_batched_tokens=sum(map(len, prompts)),  # every prompt in one prefill step
     )  # fmt: skip
     out = Path(tempfile.mkdtemp()) / "spy.txt"
-    spy = subprocess.Popen(
-        ["py-spy", "record", "-p", str(os.getpid()), "-r", str(args.rate), "-f", "raw",
-         "-o", str(out), "--nonblocking"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    time.sleep(2.0)  # py-spy attaches
-    start = time.perf_counter()
-    decode_steps(llm, args.steps)
-    step_s = (time.perf_counter() - start) / args.steps
-    spy.send_signal(signal.SIGINT)
-    spy.wait(timeout=60)
-    return read_samples(out, "decode_steps"), step_s
+    state: dict[str, Any] = {"last": None, "steps": 0}
+
+    def on_step(stats: Any) -> None:
+        now = (stats.prefill_tokens_computed, stats.generated_tokens)
+        decoded = state["last"] and now[0] == state["last"][0] and now[1] - state["last"][1]
+        state["last"] = now
+        if decoded != running or state["steps"] > args.steps:
+            return
+        if "spy" not in state:  # the first pure decode step: sample the ones after it
+            state["spy"] = subprocess.Popen(
+                ["py-spy", "record", "-p", str(os.getpid()), "-r", str(args.rate), "-f", "raw",
+                 "-o", str(out), "--nonblocking"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            time.sleep(2.0)  # py-spy attaches
+            state["start"] = time.perf_counter()
+        elif state["steps"] == args.steps:
+            state["seconds"] = (time.perf_counter() - state["start"]) / args.steps
+            state["spy"].send_signal(signal.SIGINT)
+            state["spy"].wait(timeout=60)
+        state["steps"] += 1
+
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 4, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False, on_step=on_step)
+    if "seconds" not in state:
+        raise SystemExit(f"{running} running: fewer than {args.steps} pure decode steps")
+    return read_samples(out), state["seconds"]
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--running", default="64,256", help="comma-separated batch sizes")
     p.add_argument("--steps", type=int, default=30, help="decode steps sampled per batch size")
     p.add_argument("--max-prompt", type=int, default=256)
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-memory", type=float, default=6e9, help="bytes")
+    p.add_argument("--samples", type=Path, default=None, help="bucket this py-spy raw file")
     args = p.parse_args(argv)
-    if subprocess.run(["py-spy", "--version"], capture_output=True).returncode != 0:
-        sys.exit("py-spy is needed: pip install py-spy")
-    sizes = [int(x) for x in args.running.split(",")]
-    results = {}
-    for n in sizes:
-        log(f"{n} running sequences: prefill, then {args.steps} decode steps under py-spy")
-        results[n] = profile(args, n)
-    names = [b for b, _ in BUCKETS] + ["outside the step"]
+    results: dict[str, tuple[Counter[str], float | None]] = {}
+    if args.samples:
+        results[args.samples.name] = (read_samples(args.samples), None)
+    else:
+        if subprocess.run(["py-spy", "--version"], capture_output=True).returncode != 0:
+            sys.exit("py-spy is needed: pip install py-spy")
+        for n in (int(x) for x in args.running.split(",")):
+            log(f"{n} running sequences: prefill, then {args.steps} decode steps under py-spy")
+            results[f"{n} running"] = profile(args, n)
     rows = []
-    for name in names:
-        cells = []
-        for n in sizes:
-            counts, _ = results[n]
-            total = sum(counts.values()) or 1
-            cells.append(f"{counts[name] / total:.1%}")
-        rows.append([name, *cells])
-    rows.append(["decode step (ms)", *[f"{results[n][1] * 1000:.1f}" for n in sizes]])
-    print(f"\n{command_line()}\nCPU: {cpu_model()}, dtype {args.dtype}\n")
-    print(markdown_table(["share of a decode step", *[f"{n} running" for n in sizes]], rows))
+    for name in [b for b, _ in BUCKETS] + [OUTSIDE]:
+        shares = [counts[name] / (sum(counts.values()) or 1) for counts, _ in results.values()]
+        rows.append([name, *(f"{s:.1%}" for s in shares)])
+    if not args.samples:
+        rows.append(["decode step (ms)", *(f"{s * 1000:.1f}" for _, s in results.values())])
+    env = environment()
+    print(f"\n{command_line()}\nCPU: {env['cpu']}, dtype {args.dtype}\n")
+    print(markdown_table(["share of a decode step", *results], rows))
 
 
 if __name__ == "__main__":

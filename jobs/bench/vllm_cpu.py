@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Written by jobs/bench/peer_workloads.py; bump both together when the layout changes.
+# Written by jobs/bench/workloads.py; bump both together when the layout changes.
 REQUEST_FILE_FORMAT = "batchpage-peer-requests/1"
 
 
@@ -33,7 +33,7 @@ def read_request_file(path: Path) -> tuple[list[list[int]], list[dict[str, Any]]
     if data.get("format") != REQUEST_FILE_FORMAT:
         raise ValueError(
             f"{path}: format {data.get('format')!r}, expected {REQUEST_FILE_FORMAT!r}; write it "
-            "with jobs/bench/peer_workloads.write_request_file"
+            "with jobs/bench/workloads.write_request_file"
         )
     for w in data["workloads"]:
         if len(w["prompts"]) != len(w["max_tokens"]):

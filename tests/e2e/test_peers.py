@@ -229,7 +229,7 @@ def test_vllm_script_refuses_a_request_file_of_another_format(tmp_path) -> None:
         "jobs.bench.vllm_cpu", "--model", "m", "--requests", str(requests), "--out",
         str(tmp_path / "out.json"), "--max-model-len", "64",
     )  # fmt: skip
-    assert done.returncode != 0 and "write it with jobs/bench/peer_workloads" in done.stderr
+    assert done.returncode != 0 and "write it with jobs/bench/workloads" in done.stderr
 
 
 @pytest.mark.slow

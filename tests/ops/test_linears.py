@@ -19,6 +19,7 @@ from batchpage.ops.linear import TORCH_LINEARS, Linear
 from batchpage.ops.onednn_linear import ONEDNN_LINEARS, OneDnnLinear, onednn_packs
 from batchpage.ops.select import ModelOps, select_linears
 from tests.gemma_factory import GEMMA_VARIANTS, build_gemma
+from tests.kernels.bench_smoke import markdown_tables, run_bench
 from tests.kernels.test_cpu_bf16_linear import NATIVE, best_kernel
 from tests.model.test_families import prefill_logits, random_ids
 from tests.model_factory import (
@@ -232,22 +233,21 @@ def test_engine_tokens_equal_with_and_without_packing(tiny_folder, tokenizer, dt
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_linears_benchmark_measures_every_path(tiny_folder, tmp_path, capsys, dtype):
-    """jobs/bench/linears.py on the tiny model: every shape at every row count, every path this
-    CPU has for the dtype timed (F.linear, oneDNN, and in bf16 on AVX512-BF16 the bf16 kernel),
-    hot and cold, the same products as F.linear."""
+def test_linears_benchmark_measures_every_path(tiny_folder, tmp_path, dtype):
+    """python -m jobs.bench.linears on the tiny model: every shape at every row count, every path
+    this CPU has for the dtype timed (F.linear, oneDNN, and in bf16 on AVX512-BF16 the bf16
+    kernel), hot and cold, the same products as F.linear."""
     import json
-
-    from jobs.bench import linears
 
     if not onednn_packs(getattr(torch, dtype), CPU):
         pytest.skip(f"oneDNN cannot pack {dtype} here")
     out = tmp_path / "linears.json"
-    linears.main(
-        ["--model", str(tiny_folder), "--dtype", dtype, "--rows", "1,8", "--repeats", "2",
-         "--out", str(out)]
+    done = run_bench(
+        "jobs.bench.linears", "--model", str(tiny_folder), "--dtype", dtype, "--rows", "1,8",
+        "--repeats", "2", "--out", str(out),
     )  # fmt: skip
-    rows = json.loads(out.read_text())["rows"]
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["results"]
     assert [(r["rows"], r["linear"]) for r in rows] == [
         (m, name)
         for m in (1, 8)
@@ -260,26 +260,35 @@ def test_linears_benchmark_measures_every_path(tiny_folder, tmp_path, capsys, dt
     # float32: summation order only; bf16: a rounding step of outputs of order 1 at most
     tolerance = 1e-4 if dtype == "float32" else 0.02
     assert all(r[f"{p}_max_abs_diff"] < tolerance for r in rows for p in paths)
-    printed = capsys.readouterr().out
-    assert "| rows | linear |" in printed
-    assert ("bf16 kernel vs oneDNN, cold" in printed) == ("bf16_kernel" in paths)
+    assert "| rows | linear |" in done.stdout
+    assert ("bf16 kernel vs oneDNN, cold" in done.stdout) == ("bf16_kernel" in paths)
 
 
-def test_step_profile_counts_every_linear_backend_as_linears():
-    """py-spy frames of the packed linears land in the linears bucket, not in the kernels'
-    (attention) or the model's catch-alls; the lm_head's in its own."""
-    from jobs.bench.step_profile import bucket_of
-
-    layer = "forward (batchpage/model/layers.py:90)"
-    for inner in (
+def test_step_profile_counts_every_linear_backend_as_linears(tmp_path):
+    """python -m jobs.bench.step_profile --samples on a py-spy raw file: frames of every linear
+    method land in the linears bucket, not in the kernels' (attention) or the model's
+    catch-alls, the lm_head's in its own; samples outside LLM.generate, or in the callback that
+    starts and stops py-spy, do not count."""
+    run = "generate (batchpage/llm.py:63);step (batchpage/engine/engine.py:120)"
+    layer = f"{run};forward (batchpage/model/layers.py:90)"
+    head = f"{run};compute_logits (batchpage/model/causal_lm.py:98)"
+    inners = [
         "forward (torch/nn/modules/linear.py:125)",
         "apply (batchpage/ops/linear.py:60)",
         "apply (batchpage/ops/onednn_linear.py:34)",
         "apply (batchpage/ops/bf16_linear.py:58)",
-    ):
-        assert bucket_of([layer, inner]) == "linears"
-        head = "compute_logits (batchpage/model/causal_lm.py:98)"
-        assert bucket_of([head, inner]) == "lm_head"
-    assert bucket_of([layer, "paged_decode (batchpage/kernels/cpu_paged_decode.py:70)"]) == (
-        "attention"
-    )
+    ]
+    lines = [f"{layer};{inner} 3" for inner in inners] + [f"{head};{inners[2]} 4"]
+    lines += [f"{layer};paged_decode (batchpage/kernels/cpu_paged_decode.py:70) 5"]
+    lines += ["<module> (x.py:1);sleep (time.py:1) 100"]  # outside generate
+    lines += [f"{run};on_step (jobs/bench/step_profile.py:90);sleep (time.py:1) 100"]
+    samples = tmp_path / "spy.txt"
+    samples.write_text("\n".join(lines) + "\n")
+    done = run_bench("jobs.bench.step_profile", "--samples", str(samples))
+    assert done.returncode == 0, done.stderr
+    (table,) = markdown_tables(done.stdout)
+    share = {row["share of a decode step"]: row["spy.txt"] for row in table}
+    assert share["linears"] == f"{12 / 21:.1%}"
+    assert share["lm_head"] == f"{4 / 21:.1%}"
+    assert share["attention"] == f"{5 / 21:.1%}"
+    assert share["outside the step"] == "0.0%"

@@ -1,22 +1,19 @@
-"""Model families on this CPU: greedy fidelity against HF transformers, decode speed, and the
-grouped-expert MoE block against a per-token loop.
+"""Model families on this CPU: decode speed at the same size, and the grouped-expert MoE block
+against a per-token loop.
 
     python -m jobs.bench.models --out bench/models.json     # the real measurement
     python -m jobs.bench.models --smoke                     # < 2 minutes: does it run?
 
-1. fidelity: every tiny random variant of tests/model_factory.py (each family, each rope
-   variant, each MoE layout) as a HF folder; --prompts random prompts of 4..40 tokens, greedy,
-   --new-tokens each, through the engine (LLM, float32, one batch) against HF `generate` one
-   prompt at a time. A prompt counts when every token matches.
-2. decode: one random model per family at the same size (hidden, layers, attention; the MoE
+1. decode: one random model per family at the same size (hidden, layers, attention; the MoE
    families with experts whose top-k together are as wide as the dense MLP, so every family does
    the same matmul work per token). --batch prompts of 16 tokens; decode tok/s is
    batch x (N - 1) / (time of max_tokens=N - time of max_tokens=1), prefix cache off. Every
    timing is the best of --repeats rounds that run all families in turn.
-3. moe: one MoE block at the decode size, its forward at T tokens grouped by expert (one matmul
+2. moe: one MoE block at the decode size, its forward at T tokens grouped by expert (one matmul
    per expert) against a loop over tokens (one matmul per token and chosen expert).
 
-Prints Markdown tables; --out also writes JSON.
+Greedy fidelity to HF transformers for every family and variant is the test suite's
+(tests/model/test_families.py). Prints Markdown tables; --out also writes JSON.
 """
 
 from __future__ import annotations
@@ -47,21 +44,12 @@ from jobs.bench.report import (
     args_json,
     command_line,
     environment,
-    fmt,
     log,
     markdown_table,
+    save_results,
     timed,
-    write_json,
 )
-from tests.model_factory import (
-    LENGTH_DEPENDENT_ROPE,
-    VARIANTS,
-    build_hf_model,
-    hf_greedy,
-    hf_stepwise_greedy,
-    save_hf_folder,
-    tiny_tokenizer,
-)
+from tests.model_factory import save_hf_folder, tiny_tokenizer
 
 
 def interleaved_best(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
@@ -74,51 +62,7 @@ def interleaved_best(fns: dict[str, Callable[[], object]], rounds: int) -> dict[
     return best
 
 
-# --- 1. fidelity -------------------------------------------------------------------------------
-
-
-def random_prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(4, 40))] for _ in range(count)]
-
-
-def fidelity(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
-    tokenizer = tiny_tokenizer()
-    prompts = random_prompts(args.prompts, len(tokenizer), args.seed)
-    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-    rows = []
-    for variant in args.variants:
-        hf = build_hf_model(variant, vocab_size=len(tokenizer))
-        path = save_hf_folder(hf, folder / variant, tokenizer)
-        llm = LLM(str(path), dtype="float32", kv_cache_memory=2**24)
-        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        want = [hf_greedy(hf, p, args.new_tokens) for p in prompts]
-        exact = sum(a == b for a, b in zip(ours, want, strict=True))
-        stepwise = None
-        if variant in LENGTH_DEPENDENT_ROPE:  # HF's generate does more than its forward here
-            forward = [hf_stepwise_greedy(hf, p, args.new_tokens) for p in prompts]
-            stepwise = sum(a == b for a, b in zip(ours, forward, strict=True))
-        tokens = sum(
-            next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-            for a, b in zip(ours, want, strict=True)
-        )
-        family = llm.model_config.family
-        log(f"fidelity {variant} ({family}): {exact}/{len(prompts)} prompts exact")
-        rows.append(
-            dict(
-                variant=variant,
-                family=family,
-                exact=exact,
-                exact_vs_forward=stepwise,
-                prompts=len(prompts),
-                tokens_before_first_difference=tokens,
-                tokens=len(prompts) * args.new_tokens,
-            )
-        )
-    return rows
-
-
-# --- 2. decode speed ---------------------------------------------------------------------------
+# --- 1. decode speed ---------------------------------------------------------------------------
 
 
 def same_size_configs(args: argparse.Namespace) -> dict[str, PreTrainedConfig]:
@@ -181,7 +125,7 @@ def decode_speed(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]
     return rows
 
 
-# --- 3. MoE: grouped experts vs a per-token loop ---------------------------------------------
+# --- 2. MoE: grouped experts vs a per-token loop ---------------------------------------------
 
 
 def per_token_moe(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
@@ -224,119 +168,33 @@ def moe_ratio(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # --- main --------------------------------------------------------------------------------------
 
-SECTIONS = ("fidelity", "decode", "moe")
-
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset")
+    p.add_argument("--sections", default="decode,moe", help="comma-separated subset")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=5, help="timings: best of this many rounds")
-    g = p.add_argument_group("fidelity")
-    g.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
-    g.add_argument("--prompts", type=int, default=16)
-    g.add_argument("--new-tokens", type=int, default=32)
-    g = p.add_argument_group("decode and moe: the same-size models")
-    g.add_argument("--hidden", type=int, default=512)
-    g.add_argument("--intermediate", type=int, default=1408)
-    g.add_argument("--layers", type=int, default=4)
-    g.add_argument("--heads", type=int, default=8)
-    g.add_argument("--kv-heads", type=int, default=2)
-    g.add_argument("--vocab", type=int, default=8192)
-    g.add_argument("--batch", type=int, default=64)
-    g.add_argument("--decode-tokens", type=int, default=32)
-    g.add_argument("--moe-tokens", default="64,512", help="tokens per MoE forward")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=1408)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--moe-tokens", default="64,512", help="tokens per MoE forward")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--smoke", action="store_true", help="small run to check it works")
     args = p.parse_args(argv)
     args.sections = args.sections.split(",")
-    if set(args.sections) - set(SECTIONS):
-        p.error(f"unknown section(s) in {args.sections}; known: {', '.join(SECTIONS)}")
-    args.variants = args.variants.split(",")
-    unknown = set(args.variants) - set(VARIANTS)
-    if unknown:
-        p.error(f"unknown variant(s) {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    if set(args.sections) - {"decode", "moe"}:
+        p.error(f"unknown section(s) in {args.sections}; known: decode, moe")
     args.moe_tokens = [int(t) for t in str(args.moe_tokens).split(",")]
     if args.smoke:
-        args.variants, args.prompts, args.new_tokens = ["phi3_longrope", "qwen3_moe"], 3, 8
         args.layers, args.batch, args.decode_tokens, args.repeats = 2, 8, 4, 1
         args.moe_tokens = [16]
     return args
-
-
-def fidelity_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
-    def vs_forward(r: dict[str, Any]) -> str:
-        return "-" if r["exact_vs_forward"] is None else f"{r['exact_vs_forward']}/{r['prompts']}"
-
-    headers = ["variant", "family", "exact prompts", "tokens before first difference"]
-    return [
-        f"### Greedy exact match against HF generate ({args.prompts} prompts of 4..40 tokens, "
-        f"{args.new_tokens} new tokens, tiny random models)",
-        "",
-        markdown_table(
-            [*headers, "exact vs HF forward"],
-            [
-                [
-                    r["variant"],
-                    r["family"],
-                    f"{r['exact']}/{r['prompts']}",
-                    f"{r['tokens_before_first_difference']}/{r['tokens']}",
-                    vs_forward(r),
-                ]
-                for r in rows
-            ],
-        ),  # fmt: skip
-        "",
-        "Exact vs HF forward: for the rope variants that depend on the sequence length, HF's "
-        "greedy from its own forward, one token at a time with its KV cache kept. HF's Phi-3 "
-        "`generate` instead drops its cache once when a sequence passes the original length "
-        "and recomputes every token with the long factors; batchpage keeps the cached K/V.",
-    ]
-
-
-def decode_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
-    llama = next(r["decode_tok_s"] for r in rows if r["family"] == "llama")
-    return [
-        f"### Decode at batch {args.batch} (hidden {args.hidden}, {args.layers} layers, "
-        f"{args.heads} heads / {args.kv_heads} KV heads, dense MLP {args.intermediate}, "
-        f"MoE top-2 of experts of {args.intermediate // 2}, vocab {args.vocab})",
-        "",
-        markdown_table(
-            ["family", "parameters (M)", "decode tok/s", "vs llama"],
-            [
-                [
-                    r["family"],
-                    r["parameters"] / 1e6,
-                    r["decode_tok_s"],
-                    f"{r['decode_tok_s'] / llama:.2f}x",
-                ]
-                for r in rows
-            ],
-        ),  # fmt: skip
-    ]
-
-
-def moe_table(rows: list[dict[str, Any]]) -> list[str]:
-    return [
-        "### MoE block: experts grouped (one matmul per expert) vs a per-token loop",
-        "",
-        markdown_table(
-            ["family", "experts", "top-k", "tokens", "grouped ms", "loop ms", "speedup"],
-            [
-                [
-                    r["family"],
-                    r["experts"],
-                    r["top_k"],
-                    r["tokens"],
-                    fmt(r["grouped_ms"], 2),
-                    fmt(r["loop_ms"], 2),
-                    f"{r['speedup']:.1f}x",
-                ]
-                for r in rows
-            ],
-        ),  # fmt: skip
-    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -344,28 +202,30 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     env = environment()
-    report = [
-        f"## Model families: fidelity to HF and decode speed ({env['date_utc']})",
-        "",
-        f"Command: `{command_line()}`",
-        "",
-        f"CPU {env['cpu']} ({env['cpu_count']} cores), {env['torch_threads']} torch threads, "
-        f"torch {env['torch']}, transformers {env['transformers']}, float32.",
-    ]
-    results: dict[str, Any] = {"args": args_json(args), "env": env}
-    with tempfile.TemporaryDirectory() as tmp:
-        if "fidelity" in args.sections:
-            results["fidelity"] = fidelity(args, Path(tmp))
-            report += ["", *fidelity_table(args, results["fidelity"])]
-        if "decode" in args.sections:
-            results["decode"] = decode_speed(args, Path(tmp))
-            report += ["", *decode_table(args, results["decode"])]
+    print(f"## Model families ({env['date_utc']})\n\nCommand: `{command_line()}`\n")
+    print(f"CPU {env['cpu']} ({env['cpu_count']} cores), {env['torch_threads']} torch threads, "
+          f"torch {env['torch']}, transformers {env['transformers']}, float32.\n")  # fmt: skip
+    results: dict[str, Any] = {}
+    if "decode" in args.sections:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = results["decode"] = decode_speed(args, Path(tmp))
+        llama = next(r["decode_tok_s"] for r in rows if r["family"] == "llama")
+        shape = (f"hidden {args.hidden}, {args.layers} layers, {args.heads} heads / "
+                 f"{args.kv_heads} KV heads, dense MLP {args.intermediate}, MoE top-2 of experts "
+                 f"of {args.intermediate // 2}, vocab {args.vocab}")  # fmt: skip
+        print(f"### Decode at batch {args.batch} ({shape})\n")
+        cells = [[r["family"], r["parameters"] / 1e6, r["decode_tok_s"],
+                  f"{r['decode_tok_s'] / llama:.2f}x"] for r in rows]  # fmt: skip
+        print(markdown_table(["family", "parameters (M)", "decode tok/s", "vs llama"], cells))
     if "moe" in args.sections:
-        results["moe"] = moe_ratio(args)
-        report += ["", *moe_table(results["moe"])]
-    print("\n".join(report))
+        rows = results["moe"] = moe_ratio(args)
+        print("\n### MoE block: experts grouped (one matmul per expert) vs a per-token loop\n")
+        header = ["family", "experts", "top-k", "tokens", "grouped ms", "loop ms", "speedup"]
+        cells = [[r["family"], r["experts"], r["top_k"], r["tokens"], f"{r['grouped_ms']:.2f}",
+                  f"{r['loop_ms']:.2f}", f"{r['speedup']:.1f}x"] for r in rows]  # fmt: skip
+        print(markdown_table(header, cells))
     if args.out:
-        write_json(args.out, results)
+        save_results(args.out, env, results, args=args_json(args))
 
 
 if __name__ == "__main__":

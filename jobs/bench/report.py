@@ -83,19 +83,6 @@ def save_results(out: str | Path, env: dict[str, Any], results: Any, **extra: An
     print(f"\nJSON: {out}")
 
 
-def print_results(
-    headers: Sequence[str],
-    rows: Iterable[Sequence[Any]],
-    out: str | Path | None,
-    env: dict[str, Any],
-    results: list[dict[str, Any]],
-) -> None:
-    """A benchmark's ending: its Markdown table, and with --out its results as JSON."""
-    print(markdown_table(headers, rows))
-    if out:
-        save_results(out, env, results)
-
-
 # --- tables ------------------------------------------------------------------------------------
 
 

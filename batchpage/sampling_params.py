@@ -369,6 +369,20 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing to apply to the logits first and no logprobs to report: the
+        token is the argmax of the raw logits (the sampler's hot path)."""
+        return (
+            self.is_greedy
+            and not self.logit_bias
+            and not self.min_tokens
+            and self.repetition_penalty == 1.0
+            and not self.presence_penalty
+            and not self.frequency_penalty
+            and self.logprobs is None
+        )
+
+    @property
     def effective_beam_width(self) -> int:
         """Beams kept per step under beam search: beam_width, or n when it is not set."""
         return self.beam_width if self.beam_width is not None else self.n

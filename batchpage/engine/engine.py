@@ -27,7 +27,7 @@ from batchpage.engine.grammar_cache import GrammarCache
 from batchpage.engine.kv_manager import KVCacheManager, StaticKVCacheManager, blocks_for
 from batchpage.engine.model_runner import ModelRunner, make_attention_backend, uses_cpu_kernels
 from batchpage.engine.plan import EnginePlan
-from batchpage.engine.sampler import compute_logprobs, sample
+from batchpage.engine.sampler import SamplerOutput, compute_logprobs, sample, sample_greedy
 from batchpage.engine.scheduler import ScheduledSeq, Scheduler
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.engine.sequence_factory import SequenceFactory
@@ -273,6 +273,15 @@ class Engine:
         seqs, rows = self._fork_samples(seqs)
         if len(rows) != logits.shape[0]:
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        if all(s.plain_greedy for s in seqs):
+            result = sample_greedy(logits, self.argmax)
+        else:
+            result = self._sample_rows(seqs, logits)
+        t1 = clock()
+        parts["sample"] += t1 - t0
+        return self._append(seqs, result, t1)
+
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
         params = [s.params for s in seqs]
         # Token histories cost a copy per row: build them only when a row's penalties read them.
         history = any(
@@ -291,8 +300,10 @@ class Engine:
             argmax=self.argmax,
         )
         advance(constraints, result.token_ids)
-        t1 = clock()
-        parts["sample"] += t1 - t0
+        return result
+
+    def _append(self, seqs: list[Sequence], result: SamplerOutput, t1: float) -> list[Sequence]:
+        """Each sequence takes its token; returns those the stop checks end."""
         stats = self.stats
         stats.generated_tokens += len(seqs)
         finished = []
@@ -307,21 +318,19 @@ class Engine:
                 if seq.logprobs is None:
                     seq.logprobs = []
                 seq.logprobs.append(logprobs)
-            if self._stops(seq, token):
+            decision = seq.stop.append(token)
+            if (decision is not None or seq.constraint is not None) and self._stops(seq, decision):
                 self.scheduler.finish(seq)
                 self.step_builder.release(seq)
                 finished.append(seq)
-        parts["stop_checks"] += clock() - t1
+        stats.step_time_s["stop_checks"] += time.perf_counter() - t1
         return finished
 
     @staticmethod
-    def _stops(seq: Sequence, token: int) -> bool:
-        """Run the stop checks on the new token; when it ends the sequence, set its finish
-        reason and final text."""
-        decision = seq.stop.append(token)
+    def _stops(seq: Sequence, decision: StopDecision | None) -> bool:
+        """After the stop checker's decision on the new token, a structured output's stop
+        strings; when the sequence ends, set its finish reason and final text."""
         constraint = seq.constraint
-        if decision is None and constraint is None:
-            return False  # the common case: the sequence goes on
         text = None
         if (
             constraint is not None

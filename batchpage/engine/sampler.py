@@ -95,8 +95,10 @@ def sample(
     greedy = [p.is_greedy for p in params]
     process = [_needs_processing(p, len(out)) for p, out in zip(params, output_ids, strict=True)]
 
+    wanted = [p.logprobs for p in params]
+    if all(greedy) and not any(process) and token_mask is None and all(k is None for k in wanted):
+        return sample_greedy(logits, argmax)
     if all(greedy) and not any(process) and token_mask is None:
-        # the hot path: no copy, no processing
         tokens = logits.argmax(dim=-1) if argmax is None else argmax(logits)
     else:
         work = logits.float()
@@ -108,11 +110,19 @@ def sample(
             apply_penalties(work, params, prompt_ids, output_ids, eos)
         tokens = _choose(work, params, generators, greedy)
 
-    wanted = [p.logprobs for p in params]
     logprobs: list[TopLogprobs | None] = [None] * n
     if any(k is not None for k in wanted):
         logprobs = compute_logprobs(logits, tokens, wanted)
     return SamplerOutput(tokens.tolist(), logprobs)
+
+
+def sample_greedy(
+    logits: torch.Tensor, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> SamplerOutput:
+    """The hot path, for rows that are all plain greedy (SamplingParams.is_plain_greedy) and
+    unconstrained: each row's argmax, no copy, no processing, no logprobs."""
+    tokens = logits.argmax(dim=-1) if argmax is None else argmax(logits)
+    return SamplerOutput(tokens.tolist(), [None] * logits.shape[0])
 
 
 def _needs_processing(p: SamplingParams, num_output: int) -> bool:

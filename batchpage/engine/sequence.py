@@ -65,9 +65,12 @@ class Sequence:
     pending_forks: list[int] = field(default_factory=list)
     # The grammar state of a request with structured_outputs; None when unconstrained.
     constraint: Constraint | None = None
+    # Its token is always the argmax of the raw logits (read every step, set once).
+    plain_greedy: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
+        self.plain_greedy = self.request.params.is_plain_greedy and self.constraint is None
 
     @property
     def params(self) -> SamplingParams:

@@ -123,7 +123,7 @@ def save_hf_folder(folder: Path) -> Path:
 def evaluate(lm: LM, task: str, manager: TaskManager) -> tuple[dict[str, Any], float]:
     """One task on a loaded model: (its results, wall seconds)."""
     with mock.patch.object(lm_eval.evaluator, "add_env_info", lambda results: None):
-        # lm-eval's environment record runs `pip list` and torch's collect_env (~5 s a call,
+        # lm-eval's environment record runs `pip list` and torch's collect_env (seconds a call,
         # the same for both backends): kept out of the timing.
         results, seconds = timed(
             lambda: lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager)

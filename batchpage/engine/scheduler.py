@@ -129,7 +129,7 @@ class Scheduler:
         scheduled, copies = out.scheduled, out.copies
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while True:
                 try:
                     copies += self.kv.allocate(seq, n)
@@ -170,7 +170,8 @@ class Scheduler:
                 if verdict is Admit.NO_ROOM:
                     break
             if demand is not None:
-                demand.add(*self._future(seq), copies=1 + len(seq.pending_forks))
+                copies = 1 + len(seq.pending_forks)
+                demand.add(*self._future(seq), copies=copies, held=len(seq.block_table))
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             seq.admitted_once = True
@@ -193,8 +194,8 @@ class Scheduler:
         if self.growth is None:
             return None
         demand = Demand(self.kv.block_size)
-        for s in seqs:
-            demand.add(*self._future(s), copies=1 + len(s.pending_forks))
+        futures = [self._future(s) for s in seqs for _ in range(1 + len(s.pending_forks))]
+        demand.add_all(futures, held=sum(len(s.block_table) for s in seqs))
         return demand
 
     def _fits(self, seq: Sequence, demand: Demand | None) -> bool:
@@ -203,7 +204,7 @@ class Scheduler:
         may grow to: the job must progress."""
         if demand is None or not self.running:
             return True
-        held = sum(len(s.block_table) for s in self.running) + len(seq.block_table)
+        held = demand.held + len(seq.block_table)
         peak = demand.peak_blocks(self._future(seq))
         return peak <= held + self.kv.num_free_blocks
 

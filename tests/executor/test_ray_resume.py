@@ -15,31 +15,13 @@ import pytest
 
 from batchpage.job import run_job
 from tests.executor.jobs import compared, job, job_args, ray_args, shard_indices, write_rows
-from tests.job.test_run_cli import cli, hooked_cli
+from tests.job.test_run_cli import cli, hooked_cli, pause_after
 
 ROWS = 40
 # Rows 1 and 4 are errors written before anything is generated: pausing well after them means
 # generated rows are on disk and the replicas are mid-job when the kill lands.
 PAUSE_AT = 11
 PAUSE_TIMEOUT_S = 600  # starting Ray and two replicas on a loaded 2-core machine
-
-
-def pause_after(rows: int) -> str:
-    """A hook for hooked_cli: once the driver's writer holds `rows` finished rows, say PAUSED on
-    stdout and wait for a signal (the driver writes every row, so the job stops there)."""
-    return f"""
-    import os, signal
-    from batchpage.output.writer import ShardWriter
-    add = ShardWriter.add
-    def add_then_pause(self, row):
-        added = add(self, row)
-        if added and self.num_done == {rows}:
-            os.write(1, b"PAUSED\\n")
-            while True:
-                signal.pause()
-        return added
-    ShardWriter.add = add_then_pause
-    """
 
 
 def wait_for_pause(proc: subprocess.Popen, stdout: Path, stderr: Path) -> None:

@@ -86,18 +86,9 @@ class PeerResult:
         return (self.prompt_tokens + self.output_tokens) / self.wall_s
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "system": self.system,
-            "workload": self.workload,
-            "dtype": self.dtype,
-            "wall_s": self.wall_s,
-            "requests": self.requests,
-            "prompt_tokens": self.prompt_tokens,
-            "output_tokens": self.output_tokens,
-            "output_tok_s": self.output_tok_s,
-            "total_tok_s": self.total_tok_s,
-            **self.extra,
-        }
+        fields = {k: v for k, v in vars(self).items() if k not in ("outputs", "extra")}
+        return {**fields, "output_tok_s": self.output_tok_s, "total_tok_s": self.total_tok_s,
+                **self.extra}  # fmt: skip
 
 
 def same_greedy(a: PeerResult, b: PeerResult) -> tuple[int, int]:
@@ -262,18 +253,17 @@ def run_hf(
 
 def best_rounds(results: list[PeerResult]) -> list[PeerResult]:
     """The fastest round (HF: batch size) of each (system, workload, dtype), in first-seen order,
-    with every round's wall time in extra["rounds_wall_s"]."""
-    walls: dict[tuple[str, str, str], list[float]] = {}
-    best: dict[tuple[str, str, str], PeerResult] = {}
+    with every round's wall time and output tok/s in extra["rounds_wall_s"], ["rounds_tok_s"]."""
+    rounds: dict[tuple[str, str, str], list[PeerResult]] = {}
     for r in results:
-        key = (r.system, r.workload, r.dtype)
-        walls.setdefault(key, []).append(r.wall_s)
-        if key not in best or r.output_tok_s > best[key].output_tok_s:
-            best[key] = r
-    return [
-        PeerResult(**{**vars(r), "extra": {**r.extra, "rounds_wall_s": walls[key]}})
-        for key, r in best.items()
-    ]
+        rounds.setdefault((r.system, r.workload, r.dtype), []).append(r)
+    best = []
+    for runs in rounds.values():
+        r = max(runs, key=lambda x: x.output_tok_s)
+        seen = {"rounds_wall_s": [x.wall_s for x in runs],
+                "rounds_tok_s": [x.output_tok_s for x in runs]}  # fmt: skip
+        best.append(PeerResult(**{**vars(r), "extra": {**r.extra, **seen}}))
+    return best
 
 
 def ratio(a: PeerResult | None, b: PeerResult | None) -> str | None:
@@ -316,7 +306,7 @@ def rounds_table(results: list[PeerResult]) -> str:
     headers = ["dtype", "workload", "system", *[f"round {i + 1} out tok/s" for i in range(rounds)]]
     rows = []
     for r in results:
-        cells = [r.output_tokens / w for w in r.extra["rounds_wall_s"]]
+        cells = r.extra["rounds_tok_s"]
         rows.append([r.dtype, r.workload, SYSTEM_NAMES[r.system], *cells])
         rows[-1] += [None] * (rounds - len(cells))
     return markdown_table(headers, rows)

@@ -21,6 +21,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from batchpage.json_depth import schema_depth_error
+
 # The range torch.Generator.manual_seed accepts.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 # OpenAI's documented range for logit_bias values.
@@ -95,6 +97,10 @@ class StructuredOutputsParams:
                 f"got {', '.join(chosen) or 'none'}"
             )
         self.json_object = _as_bool("structured_outputs.json_object", self.json_object)
+        if self.json is not None:  # before json.loads and json.dumps, which recurse
+            too_deep = schema_depth_error(self.json, "structured_outputs.json")
+            if too_deep:
+                raise ValueError(too_deep)
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
@@ -144,6 +150,8 @@ class StructuredOutputsParams:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
                 raise ValueError(f"response_format is not valid JSON text: {e}") from None
+            except RecursionError:
+                raise ValueError("its schema is nested too deeply to read: flatten it") from None
         if not isinstance(value, dict):
             raise ValueError(f"response_format must be an object with a type, got {value!r:.80}")
         kind = value.get("type")

@@ -213,3 +213,18 @@ def test_sampling_params_structured_outputs() -> None:
         SamplingParams(structured_outputs=so, min_tokens=2, max_tokens=5)
     with pytest.raises(ValueError, match="ignore_eos"):
         SamplingParams(ignore_eos=True).replace(structured_outputs=so)
+
+
+def test_a_schema_nested_past_the_limit_is_a_clear_error_not_a_recursion() -> None:
+    from batchpage.json_depth import MAX_SCHEMA_DEPTH
+
+    def nested(levels: int) -> str:
+        return '{"type": "array", "items": ' * levels + "{}" + "}" * levels
+
+    # Each level is an object inside the one before: the top object and `levels` more.
+    StructuredOutputsParams(json=nested(MAX_SCHEMA_DEPTH - 1))
+    for schema in (nested(MAX_SCHEMA_DEPTH), nested(1000), json.loads(nested(200))):
+        with pytest.raises(ValueError, match=f"over the limit of {MAX_SCHEMA_DEPTH}"):
+            StructuredOutputsParams(json=schema)
+    with pytest.raises(ValueError, match="nested too deeply to read"):
+        StructuredOutputsParams.from_response_format("[" * 100_000 + "]" * 100_000)

@@ -6,9 +6,8 @@ are keyed by the constraint's content (StructuredOutputsParams.key), so a job wh
 schema compiles it once; a constraint that xgrammar refuses is remembered as its error, so a bad
 schema repeated over many rows is not compiled again either.
 
-A JSON schema nested more than MAX_SCHEMA_DEPTH levels is refused before xgrammar sees it: its
-compile time grows steeply with the depth, and Python's own JSON reader and writer give up near
-a thousand levels.
+A JSON schema nested more than MAX_SCHEMA_DEPTH levels (batchpage/json_depth.py) is refused
+before xgrammar sees it.
 
 JSON schemas compile without free whitespace (xgrammar's any_whitespace=False): the output is
 laid out as json.dumps does. With free whitespace, a small model can fill its whole budget with
@@ -20,20 +19,16 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from typing import Any
 
 import xgrammar as xgr
 
+from batchpage.json_depth import schema_depth_error
 from batchpage.sampling_params import StructuredOutputsParams
 
 # Distinct constraints kept compiled (each is tens of KiB); the least recently used goes first.
 DEFAULT_CAPACITY = 512
-# Objects and arrays inside one another in a schema (an object property is two: the object and
-# its properties).
-MAX_SCHEMA_DEPTH = 64
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
-_BRACKET = re.compile(r"[][{}]")
 # xgrammar's C++ errors start with a timestamp and a source location: "[12:00:00] x.cc:94: ".
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -109,39 +104,6 @@ def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar whose sentences are exactly the given strings. JSON string escapes are
     also EBNF's, so json.dumps quotes each string safely (quotes, backslashes, newlines)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-def nesting_depth(value: Any) -> int:
-    """How deep objects and arrays nest in `value`: JSON text, or the dicts and lists json.loads
-    makes of it. Counted without recursion, so any depth is measured."""
-    if isinstance(value, str):
-        depth = deepest = 0
-        for bracket in _BRACKET.findall(_JSON_STRING.sub("", value)):
-            depth += 1 if bracket in "[{" else -1
-            deepest = max(deepest, depth)
-        return deepest
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, Mapping):
-            item = item.values()
-        elif not isinstance(item, (list, tuple)):
-            continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in item)
-    return deepest
-
-
-def schema_depth_error(schema: Any, what: str) -> str | None:
-    """The error for a schema (JSON text or its value) nested deeper than MAX_SCHEMA_DEPTH;
-    None when it is within the bound."""
-    depth = nesting_depth(schema)
-    if depth <= MAX_SCHEMA_DEPTH:
-        return None
-    return (
-        f"{what} nests objects and arrays {depth} levels deep, over the limit of "
-        f"{MAX_SCHEMA_DEPTH}: flatten the schema"
-    )
 
 
 def xgrammar_message(error: Exception) -> str:

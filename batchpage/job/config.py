@@ -16,6 +16,7 @@ from typing import Any
 from batchpage.data.spec import DatasetSpec
 from batchpage.engine.config import EngineConfig
 from batchpage.executor.config import ExecutorConfig
+from batchpage.json_depth import schema_depth_error
 from batchpage.sampling_params import SamplingParams, StructuredOutputsParams
 
 # SamplingParams fields that the job does not expose: logprobs are not written to the output,
@@ -83,8 +84,6 @@ class SamplingConfig:
         constraint = fields.pop("structured_outputs")
         chosen = {k: v for k, v in constraint.items() if v not in (None, False)}
         if chosen.get("json") is not None:  # before json.loads, which recurses
-            from batchpage.engine.grammar_cache import schema_depth_error  # imports xgrammar
-
             too_deep = schema_depth_error(chosen["json"], "sampling.structured_outputs.json")
             if too_deep:
                 raise ValueError(too_deep)

@@ -22,9 +22,9 @@ import pytest
 
 from batchpage.data import DatasetError, DatasetSpec, iter_rows, validate
 from batchpage.data.readers import DEFAULT_MAX_PROMPT_BYTES
-from batchpage.engine.grammar_cache import MAX_SCHEMA_DEPTH
 from batchpage.job import JobConfigError, run_job
 from batchpage.job.config import SamplingConfig, StructuredOutputsConfig
+from batchpage.json_depth import MAX_SCHEMA_DEPTH
 from batchpage.model.tokenizer import Tokenizer
 from tests.job.test_loop import job, never, table, write_jsonl
 from tests.job.test_run_cli import cli, tiny_job_args
@@ -256,8 +256,8 @@ def test_a_rows_schema_nested_too_deep_is_that_rows_error(tmp_path: Path, tiny_f
         == "bad response_format: its schema is nested too deeply to read: flatten it"
     )
     assert got[3]["error"] == (
-        f"structured_outputs.json nests objects and arrays 100 levels deep, over the limit of "
-        f"{MAX_SCHEMA_DEPTH}: flatten the schema"
+        f"bad response_format: structured_outputs.json nests objects and arrays 100 levels deep, "
+        f"over the limit of {MAX_SCHEMA_DEPTH}: flatten the schema"
     )
     assert [got[i]["error"] for i in (0, 4, 5)] == [None] * 3
     assert all(got[i]["completion"] for i in (0, 4, 5))

@@ -12,8 +12,11 @@
     the same K/V stored contiguously. Targets: >= 70% of peak and <= 1.2x SDPA at large batch and
     long context.
 (c) end-to-end engine throughput (batchpage.LLM) on a randomly initialised 1B-class Llama
-    (Llama-3.2-1B shapes), paged KV (kv_allocator="paged") against contiguous per-sequence
-    reservations (kv_allocator="static"), both with the Triton attention backend.
+    (Llama-3.2-1B shapes), paged KV (kv_allocator="paged") with and without CUDA graphs of
+    decode steps (enforce_eager), and contiguous per-sequence reservations
+    (kv_allocator="static"), all with the Triton attention backend; each with its step time,
+    the parts of a step, and the step against the roofline of reading its weights and K/V.
+    `--engine-max-seqs 512` measures the engine at 512 running.
 
 Results print as Markdown tables (ready for BENCHMARKS.md); --out also writes them as JSON.
 """
@@ -44,6 +47,7 @@ from batchpage.kernels.paged_decode_attention import (
 )
 from batchpage.kernels.reference import ref_paged_attention, ref_write_kv
 from batchpage.kernels.testing import make_paged_case, tolerances
+from batchpage.metrics import STEP_PARTS
 from jobs.bench.report import log, markdown_table, write_json
 
 Row = dict[str, Any]
@@ -330,6 +334,12 @@ def write_random_llama(folder: Path, shape: dict[str, Any], dtype: torch.dtype) 
     return folder
 
 
+def bytes_per_token(shape: dict[str, Any], dtype: torch.dtype) -> int:
+    """K and V of one token over every layer."""
+    heads, dim, layers = shape["num_key_value_heads"], shape["head_dim"], shape["num_hidden_layers"]
+    return 2 * layers * heads * dim * dtype.itemsize
+
+
 def bench_engine(
     device: torch.device,
     smoke: bool,
@@ -338,10 +348,13 @@ def bench_engine(
     max_tokens: int,
     kv_gib: float | None = None,
     max_num_seqs: int = 256,
+    peak_tbps: float = 4.8,
 ) -> list[Row]:
-    """Throughput of batchpage.LLM, paged vs contiguous (static) KV, Triton attention, both in
-    the same KV memory (kv_gib; default: the engine's share of free memory). Each configuration
-    that fails is reported with its error instead of stopping the script."""
+    """Throughput of batchpage.LLM: paged KV with CUDA graphs of decode steps and without
+    (enforce_eager), and contiguous (static) KV, Triton attention, all in the same KV memory
+    (kv_gib; default: the engine's share of free memory); with the time of a step and of its
+    parts, and the step against its roofline (weights and K/V read at peak_tbps). Each
+    configuration that fails is reported with its error instead of stopping the script."""
     try:
         from batchpage import LLM, SamplingParams
     except ImportError as exc:
@@ -364,9 +377,11 @@ def bench_engine(
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_random_llama(Path(tmp) / "llama", shape, dtype)
+        weight_bytes = (folder / "model.safetensors").stat().st_size
         for name, kwargs in (
-            ("paged", dict(kv_allocator="paged")),
-            ("contiguous", dict(kv_allocator="static")),
+            ("paged, CUDA graphs", dict(kv_allocator="paged")),
+            ("paged, eager", dict(kv_allocator="paged", enforce_eager=True)),
+            ("contiguous, CUDA graphs", dict(kv_allocator="static")),
         ):
             try:
                 llm = LLM(
@@ -386,6 +401,14 @@ def bench_engine(
                 continue
             generated = sum(len(o.outputs[0].token_ids) for o in outs)
             stats = llm.stats
+            steps = max(1, stats["steps"])
+            part_ms = {p: 1e3 * stats["step_time_s"][p] / steps for p in STEP_PARTS}
+            step_ms = 1e3 * elapsed / steps
+            # A decode step reads every weight once and each running sequence's K/V: at the
+            # mean context (prompt, then half the output) that bounds its time from below.
+            context = sum(len(p) for p in prompts) / len(prompts) + max_tokens / 2
+            kv_bytes = stats["peak_running"] * context * bytes_per_token(shape, dtype)
+            roofline_ms = 1e3 * (weight_bytes + kv_bytes) / (peak_tbps * 1e12)
             rows.append(
                 dict(
                     config=name,
@@ -398,6 +421,10 @@ def bench_engine(
                     kv_utilization=stats.get("kv_utilization"),
                     preemptions=stats.get("preemptions"),
                     steps=stats.get("steps"),
+                    step_ms=step_ms,
+                    **{f"{p}_ms": v for p, v in part_ms.items()},
+                    roofline_ms=roofline_ms,
+                    step_over_roofline=step_ms / roofline_ms,
                 )
             )
             del llm
@@ -488,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     if "c" in parts:
         rows = bench_engine(
             device, args.smoke, args.engine_prompts, args.engine_prompt_len,
-            args.engine_max_tokens, args.engine_kv_gib, args.engine_max_seqs,
+            args.engine_max_tokens, args.engine_kv_gib, args.engine_max_seqs, args.peak_tbps,
         )  # fmt: skip
         results["engine"] = rows
         report.append(markdown("(c) engine throughput, random-init Llama, Triton attention", rows))

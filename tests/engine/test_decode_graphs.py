@@ -72,3 +72,19 @@ def test_padded_decode_equals_the_unpadded_step(folder: Path, backend: str, dtyp
         for row, s in enumerate(scheduled):  # the step happened: its tokens are computed
             s.seq.num_computed_tokens += 1
             s.seq.token_ids.append(int(want[row].argmax()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graphs_give_the_eager_outputs(folder: Path) -> None:
+    """On a GPU: decode steps replayed from CUDA graphs against enforce_eager, greedy."""
+    prompts = random_prompts(24, 300, seed=4)  # ragged: padded to several ladder sizes
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = []
+    for eager in (False, True):
+        llm = LLM(
+            model=str(folder), dtype="float32", block_size=16, max_model_len=96, max_num_seqs=24,
+            kv_cache_memory=2**26, enforce_eager=eager,
+        )  # fmt: skip
+        assert (llm.engine.runner.decode_graphs is None) == eager
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outputs[0] == outputs[1]

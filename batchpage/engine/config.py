@@ -84,9 +84,10 @@ class EngineConfig:
         return torch.device(self.device)
 
     def batched_tokens(self, device: torch.device) -> int:
-        """The step's token budget. A CPU computes about 250 prompt tokens/s per 2 cores for a
-        135M model, so 2048 tokens would make a step of 8 s or more: the running decodes would
-        wait that long for each token and progress would freeze. 512 keeps steps to about 2 s at
-        the same matmul efficiency; a GPU takes 2048 in a few milliseconds."""
+        """The step's token budget. Every running decode waits for the whole step, prompt chunks
+        included: a CPU computes prompt tokens slowly enough that 2048 of them would make each
+        step, and so each decoded token, take seconds, and progress would seem frozen; 512
+        keeps a CPU step short at nearly the same matmul efficiency, while a GPU takes 2048 in
+        a step of milliseconds."""
         default = 512 if device.type == "cpu" else 2048
         return self.max_num_batched_tokens or max(default, self.max_num_seqs)

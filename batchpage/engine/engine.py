@@ -62,7 +62,7 @@ class Engine:
         self.device = plan.device
         self.max_model_len = plan.max_model_len
         if plan.device.type == "cpu":
-            keep_freed_memory()  # see host_memory.py: page faults were a third of a CPU step
+            keep_freed_memory()  # see host_memory.py: freed pages are not faulted in again
         # CUDA graphs of decode steps pad them onto one block beyond the pool's (decode_graphs.py).
         graphs_on = plan.device.type == "cuda" and not cfg.enforce_eager
         kv = KVCache.allocate(

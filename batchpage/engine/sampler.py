@@ -74,7 +74,7 @@ def sample(
     """Pick one token per row of ``logits`` [N, V]; the input tensor is never modified.
 
     ``argmax`` replaces ``logits.argmax(dim=-1)`` on the all-greedy hot path (the CPU engine
-    passes the C++ one of kernels/cpu_layer_ops.py, same ties and NaN rule, 14x faster there).
+    passes the C++ one of kernels/cpu_layer_ops.py, same ties and NaN rule, and faster there).
 
     ``token_mask`` restricts its rows to the tokens it allows; the other rows are untouched, so
     they get the same token whether or not constrained rows share their batch.

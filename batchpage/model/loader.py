@@ -143,8 +143,8 @@ def resolve_dtype(
         # Python shows a warning once per place it is raised from: once per process here.
         warnings.warn(
             f"dtype bfloat16 on a CPU without native bf16 ({cpu_model()}): torch emulates it, "
-            "and its matmuls run several times slower than float32 (5.4x at 128 rows on an AMD "
-            "EPYC; BENCHMARKS.md, dtype per CPU). dtype='auto' picks float32 on this CPU.",
+            "and its matmuls run several times slower than float32 (BENCHMARKS.md, dtype per "
+            "CPU). dtype='auto' picks float32 on this CPU.",
             stacklevel=1,  # attributed to this line, whoever calls: shown once per process
         )
     return chosen

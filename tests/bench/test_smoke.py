@@ -38,6 +38,21 @@ def test_peers_then_ceiling_on_the_tiny_model(tmp_path) -> None:
     assert share["ceiling_share"] == pytest.approx(result["output_tok_s"] / share["bound_tok_s"])
 
 
+def test_engine_steps_smoke(tmp_path) -> None:
+    """The step parts at two batch sizes: every part timed, own work the parts but the forward,
+    every request generated in full."""
+    out = tmp_path / "steps.json"
+    done = run_bench("jobs.bench.engine_steps", "--smoke", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = table_with(markdown_tables(done.stdout), "own work ms")
+    assert [r["running"] for r in rows] == ["4", "8"]
+    for result in json.loads(out.read_text())["results"]:
+        parts = ("schedule", "inputs", "sample", "stop_checks")
+        assert result["own_work_ms"] == pytest.approx(sum(result[f"{p}_ms"] for p in parts))
+        assert result["forward_ms"] > 0 and result["peak_running"] == result["running"]
+        assert result["output_tok_s"] > 0
+
+
 @pytest.mark.slow  # random models of five families, built and timed
 def test_models_smoke() -> None:
     done = run_bench("jobs.bench.models", "--smoke")

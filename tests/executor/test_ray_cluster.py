@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -41,6 +42,10 @@ CONNECT = (
 class Head:
     address: str  # host:port of its GCS
     cpus: int  # what it was started with: never this machine's count
+    # Ray's token auth, as a user's cluster would have it: a process joins with the cluster's
+    # token. The token is the test's own, not ~/.ray/auth_token's, which a local ray.init may
+    # have made for another cluster.
+    auth: dict[str, str]
 
 
 def free_port() -> int:
@@ -71,9 +76,11 @@ def ray_head() -> Iterator[Head]:
         f"--temp-dir={temp}", "--disable-usage-stats",
         *(f"--{name}={value}" for name, value in ports.items()),
     ]  # fmt: skip
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, **auth},
+    )  # fmt: skip
     try:
         seen = []
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -82,7 +89,7 @@ def ray_head() -> Iterator[Head]:
                 break
         else:
             pytest.fail("ray start --head did not start:\n" + "".join(seen[-30:]))
-        yield Head(f"127.0.0.1:{port}", cpus)
+        yield Head(f"127.0.0.1:{port}", cpus, auth)
     finally:
         # --block: `ray start` stops what it started on SIGTERM; the group catches the rest.
         proc.send_signal(signal.SIGTERM)
@@ -96,7 +103,7 @@ def ray_head() -> Iterator[Head]:
 def connect_in_a_fresh_process(address: str, head: Head) -> dict:
     """connect() in a new Python with RAY_ADDRESS naming the running cluster, as on a machine
     where `ray start` ran (ray.init would join it unasked)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": head.address}
+    env = {**os.environ, **head.auth, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": head.address}
     proc = subprocess.run(
         [sys.executable, "-c", CONNECT, address],
         env=env,
@@ -115,11 +122,6 @@ def test_no_address_starts_a_private_instance_beside_a_running_cluster(ray_head:
     assert got["gcs"] != ray_head.address
 
 
-@pytest.mark.xfail(
-    reason="seen failing on a fresh machine: the joining process gets Ray's InvalidAuthToken from "
-    "the test's own head (its token is not shared); to be fixed under #32 class 10",
-    strict=False,
-)
 @pytest.mark.parametrize("how", ["address", "auto"])
 def test_an_address_or_auto_joins_the_cluster_as_it_is_sized(ray_head: Head, how: str) -> None:
     address = ray_head.address if how == "address" else "auto"
@@ -136,7 +138,7 @@ def test_the_job_runs_on_a_private_instance_beside_a_running_cluster(
     data = write_rows(tmp_path / "d.jsonl", 6, bad=False)
     out = tmp_path / "out"
     args = job_args(data, tiny_folder, out, *ray_args(replicas=1))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ray_head.address}
+    env = {**os.environ, **ray_head.auth, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ray_head.address}
     proc = subprocess.run(
         [sys.executable, "-m", "batchpage.run", *args, f"hydra.run.dir={tmp_path}/hydra"],
         cwd=tmp_path,

@@ -1,0 +1,129 @@
+"""IntWeight: the one in-memory form of an integer-quantized linear weight, whatever checkpoint
+format it came from (AWQ, GPTQ, compressed-tensors, GGUF), and its float64 reference.
+
+Every format's decoder (batchpage/quant/formats/) turns its tensors into this form; every
+implementation (the C++ kernel, the Triton kernel, torch's dequantize-then-matmul) repacks it
+once, at bind, into its own layout. The form is row-major in the output dimension, so the
+shards of a merged linear (q/k/v, gate/up) concatenate along dim 0 as dense weights do.
+
+Values: W[n, k] = scales[n, k // group_size] * q[n, k] + offsets[n, k // group_size], with q an
+unsigned integer of `bits` bits stored in `storage_bits` (4: two per byte, k even in the low
+nibble; 8: one per byte). A format with zero points z has offsets = -scales * z; a signed
+format stores q + 2^(bits - 1) with offsets shifted to match. A K-quant's 5- and 6-bit values
+are stored in bytes.
+
+Act order (GPTQ desc_act): `perm` is the input permutation that makes groups contiguous;
+the stored columns are W[:, perm], and y = x[:, perm] @ stored.T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class IntWeight:
+    packed: torch.Tensor  # uint8 [N, ceil(K / 2)] (storage_bits 4) or [N, K] (8)
+    scales: torch.Tensor  # float32 [N, G], G = ceil(K / group_size)
+    offsets: torch.Tensor  # float32 [N, G]
+    bits: int  # significant bits of q: 4 (4-bit storage) or 5..8 (byte storage)
+    group_size: int
+    in_features: int  # K
+    perm: torch.Tensor | None = None  # int64 [K], act order; None: columns in order
+
+    def __post_init__(self) -> None:
+        n, k = self.out_features, self.in_features
+        groups = -(-k // self.group_size)
+        width = -(-k // 2) if self.storage_bits == 4 else k
+        assert self.packed.dtype == torch.uint8 and self.packed.shape == (n, width), (
+            self.packed.shape,
+            (n, width),
+        )
+        for t in (self.scales, self.offsets):
+            assert t.dtype == torch.float32 and t.shape == (n, groups), (t.dtype, t.shape)
+        assert 4 <= self.bits <= 8, self.bits
+        assert self.perm is None or (self.perm.dtype == torch.int64 and self.perm.shape == (k,))
+
+    @property
+    def storage_bits(self) -> int:
+        return 4 if self.bits == 4 else 8
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return -(-self.in_features // self.group_size)
+
+    def nbytes(self) -> int:
+        tensors = [self.packed, self.scales, self.offsets]
+        if self.perm is not None:
+            tensors.append(self.perm)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def values(self) -> torch.Tensor:  # int32 [N, K]: q, in stored column order
+        if self.storage_bits == 8:
+            return self.packed.to(torch.int32)
+        low, high = (self.packed & 0xF).to(torch.int32), (self.packed >> 4).to(torch.int32)
+        return torch.stack([low, high], dim=2).reshape(self.out_features, -1)[
+            :, : self.in_features
+        ]
+
+    def dequantize_stored(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """[N, K] in stored column order (W[:, perm] under act order)."""
+        groups = torch.arange(self.in_features, device=self.packed.device) // self.group_size
+        scales = self.scales.to(dtype)[:, groups]
+        offsets = self.offsets.to(dtype)[:, groups]
+        return scales * self.values().to(dtype) + offsets
+
+    def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """[N, K] in the checkpoint's column order: the dense weight this stands for."""
+        stored = self.dequantize_stored(dtype)
+        if self.perm is None:
+            return stored
+        dense = torch.empty_like(stored)
+        dense[:, self.perm] = stored
+        return dense
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """int [N, K] with values in [0, 16) -> uint8 [N, ceil(K / 2)], k even in the low nibble."""
+    assert q.dim() == 2, q.shape
+    q = q.to(torch.uint8)
+    if q.shape[1] % 2:
+        q = torch.nn.functional.pad(q, (0, 1))
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def concat_rows(parts: list[IntWeight]) -> IntWeight:
+    """The shards of a merged linear, stacked along the output dimension. Act order needs the
+    same permutation in every shard (it is: GPTQ orders a layer's inputs by their Hessian,
+    which q/k/v, or gate/up, share)."""
+    first = parts[0]
+    for p in parts[1:]:
+        same = (p.bits, p.group_size, p.in_features) == (
+            first.bits,
+            first.group_size,
+            first.in_features,
+        )
+        if not same:
+            raise ValueError("the shards of a merged linear are quantized differently")
+        if (p.perm is None) != (first.perm is None) or (
+            p.perm is not None and not torch.equal(p.perm, first.perm)
+        ):
+            raise ValueError(
+                "the shards of a merged linear have different act orders (g_idx); batchpage "
+                "runs merged q/k/v and gate/up with one input permutation"
+            )
+    return IntWeight(
+        torch.cat([p.packed for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        torch.cat([p.offsets for p in parts]),
+        first.bits,
+        first.group_size,
+        first.in_features,
+        first.perm,
+    )

@@ -1,0 +1,405 @@
+// y = x @ W.T (+ b) with x bfloat16 and W an integer weight (W4A16, W8A16): W[n, k] =
+// s[n, g] * q[n, k] + o[n, g], g = k / group_size. Built and launched by cpu_int_linear.py, which
+// repacks batchpage.quant's IntWeight into the layout below and says why.
+//
+// The integers become bf16 without a conversion: the bf16 with bits 0x4300 | q is 128 + q
+// exactly for 0 <= q < 128 (exponent 2^7, q in the 7 mantissa bits), so vdpbf16ps of such pairs
+// against pairs of x sums (q + 128) * x in float32. Per group, acc_g = sum (q + C) * x, and
+//     y += s * acc_g + (o - C * s) * xsum_g,    xsum_g = the sum of the row's x over the group,
+// two FMAs per group and column; cpu_int_linear.py stores o' = o - C * s. C, by kind:
+//   4: 4-bit q, C = 128, one vdpbf16ps per pair.
+//   7: q < 128 in bytes (5- to 7-bit), C = 128, the same.
+//   8: 8-bit q in bytes: q = lo7 + 128 * b7, where (w & 0x7F) | 0x4300 is 128 + lo7 and
+//      (w & 0x80) | 0x4300 is 128 or 256 (bit 7 is the exponent's lowest bit): two vdpbf16ps
+//      into one accumulator give (q + 256) * x, C = 256.
+//
+// Layout, uint8 [NB][KQ][B] with NB = ceil(N / 32), KQ = ceil(K / 4) k-quads of one 32-column
+// block, B = 64 (kind 4) or 128 bytes. In one quad t, for pair p (k = 4t + 2p, 4t + 2p + 1),
+// half h (columns 16h .. 16h + 15) and lane l < 32, column 16h + l / 2 and k = 4t + 2p + l % 2:
+//   kind 4: byte 32h + l, pair 0 in the low nibble, pair 1 in the high;
+//   kind 7, 8: byte 64p + 32h + l.
+// So _mm512_cvtepu8_epi16 of 32 bytes puts (k even, k odd) of 16 columns in the 16-bit halves
+// of 16 lanes: one vdpbf16ps operand against one 32-bit broadcast of x. Zero past N and K (x
+// is read as zero past K, so a padded q's 128 * x is 0). Scales and offsets: float32 [NB][G][32].
+// A group is `group_quads` quads (group_size / 4, or all KQ for one group).
+//
+// Work as in cpu_bf16_linear.cpp: column blocks split over torch's threads, rows too where
+// blocks are few; MR-row tiles against one block. The sum is rounded once to bf16.
+//
+// Without AVX512-BF16, with AVX2 + FMA: the same sums widened to float32 (the 0x4300 | q pairs
+// are float32 128 + q once shifted into the top half), 8 columns per FMA. Without AVX2: a plain
+// loop over the same layout.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_vec.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(BATCHPAGE_AVX512)
+#define BATCHPAGE_BF16_DOT 1
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 32;  // columns per packed block
+
+struct Problem {
+  const uint16_t* x;     // bf16 bits [M, K], rows `x_stride` apart
+  int64_t x_stride;
+  const uint8_t* q;      // packed [NB][KQ][bytes]
+  const float* scales;   // [NB][G][32]
+  const float* offsets;  // [NB][G][32]: o - C * s
+  const float* xsum;     // [M][G]: each row's x summed over each group, float32
+  const float* bias;     // [N] or nullptr
+  uint16_t* y;           // bf16 bits [M, N], rows `y_stride` apart
+  int64_t y_stride;
+  int64_t m, n, k;
+  int64_t groups, group_quads;
+};
+
+inline int64_t quad_bytes(int kind) { return kind == 4 ? 64 : 128; }
+
+// x[2p] low, x[2p + 1] high; zero past K, so nothing past the row is read (it could be Inf or
+// NaN in the next row, and 0 * Inf is NaN).
+inline uint32_t pair_at(const uint16_t* row, int64_t p, int64_t k) {
+  if (2 * p + 1 < k) {
+    uint32_t v;
+    std::memcpy(&v, row + 2 * p, sizeof(v));
+    return v;
+  }
+  return 2 * p < k ? row[2 * p] : 0;
+}
+
+inline float widen(uint32_t bits16) {
+  const uint32_t u = bits16 << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint16_t round_bf16(float f) {
+  return c10::BFloat16(f).x;  // nearest even, NaN kept
+}
+
+// Each row's x summed over each group in float32, k in order: the same for a row whatever the
+// batch, so a row's result does not depend on M.
+void group_sums(const Problem& pr, float* out) {
+  const int64_t group = pr.group_quads * 4;
+  at::parallel_for(0, pr.m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* row = pr.x + r * pr.x_stride;
+      for (int64_t g = 0; g < pr.groups; ++g) {
+        float s = 0.f;
+        for (int64_t k = g * group; k < std::min(pr.k, (g + 1) * group); ++k) s += widen(row[k]);
+        out[r * pr.groups + g] = s;
+      }
+    }
+  });
+}
+
+#ifdef BATCHPAGE_BF16_DOT
+// The two (or, kind 8, four) vdpbf16ps operands of one quad's half h: pair 0's into w[0] (and
+// w[2]), pair 1's into w[1] (and w[3]).
+template <int KIND>
+inline void unpack(const uint8_t* quad, int h, __m512i* w) {
+  const __m512i bf = _mm512_set1_epi16(0x4300);
+  if constexpr (KIND == 4) {
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(quad + 32 * h)));
+    w[0] = _mm512_ternarylogic_epi32(v, _mm512_set1_epi16(0x000F), bf, 0xEA);  // (v & F) | bf
+    w[1] = _mm512_or_si512(_mm512_srli_epi16(v, 4), bf);
+  } else {
+    for (int p = 0; p < 2; ++p) {
+      const __m512i v =
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(quad + 64 * p + 32 * h)));
+      if constexpr (KIND == 7) {
+        w[p] = _mm512_or_si512(v, bf);
+      } else {
+        w[p] = _mm512_ternarylogic_epi32(v, _mm512_set1_epi16(0x007F), bf, 0xEA);
+        w[2 + p] = _mm512_ternarylogic_epi32(v, _mm512_set1_epi16(0x0080), bf, 0xEA);
+      }
+    }
+  }
+}
+
+// MR rows of x against one 32-column block, the whole K, into y.
+template <int KIND, int MR>
+void tile(const Problem& pr, int64_t row0, int64_t block) {
+  constexpr int kOps = KIND == 8 ? 4 : 2;  // operands per half and quad
+  const int64_t kq = (pr.k + 3) / 4, full = pr.k / 4, bytes = quad_bytes(KIND);
+  const uint8_t* wb = pr.q + block * kq * bytes;
+  const float* sb = pr.scales + block * pr.groups * kCols;
+  const float* ob = pr.offsets + block * pr.groups * kCols;
+  const uint16_t* rows[MR];
+  for (int i = 0; i < MR; ++i) rows[i] = pr.x + (row0 + i) * pr.x_stride;
+  __m512 total[MR][2];
+  for (int i = 0; i < MR; ++i) total[i][0] = total[i][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < pr.groups; ++g) {
+    const int64_t t0 = g * pr.group_quads, t1 = std::min(kq, t0 + pr.group_quads);
+    // Pair 0 and pair 1 of each quad into separate accumulators, summed per group: chains of
+    // dependent vdpbf16ps short enough to keep the unit busy with one row. Every tile size sums
+    // alike, so that a row's result does not depend on M.
+    __m512 acc[MR][2][2];
+    for (int i = 0; i < MR; ++i)
+      for (int h = 0; h < 2; ++h) acc[i][h][0] = acc[i][h][1] = _mm512_setzero_ps();
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* quad = wb + t * bytes;
+      uint32_t xp[MR][2];
+      for (int i = 0; i < MR; ++i) {
+        if (t < full) {
+          std::memcpy(xp[i], rows[i] + 4 * t, sizeof(xp[i]));
+        } else {  // the last quad of a K that is not a multiple of 4
+          xp[i][0] = pair_at(rows[i], 2 * t, pr.k);
+          xp[i][1] = pair_at(rows[i], 2 * t + 1, pr.k);
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        __m512i w[kOps];
+        unpack<KIND>(quad, h, w);
+        for (int i = 0; i < MR; ++i) {
+          for (int p = 0; p < 2; ++p) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[i][p]));
+            __m512& c = acc[i][h][p];
+            c = _mm512_dpbf16_ps(c, a, (__m512bh)w[p]);
+            if constexpr (KIND == 8) c = _mm512_dpbf16_ps(c, a, (__m512bh)w[2 + p]);
+          }
+        }
+      }
+    }
+    const __m512 s[2] = {_mm512_loadu_ps(sb + g * kCols), _mm512_loadu_ps(sb + g * kCols + 16)};
+    const __m512 o[2] = {_mm512_loadu_ps(ob + g * kCols), _mm512_loadu_ps(ob + g * kCols + 16)};
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xs = _mm512_set1_ps(pr.xsum[(row0 + i) * pr.groups + g]);
+      for (int h = 0; h < 2; ++h) {
+        const __m512 sum = _mm512_add_ps(acc[i][h][0], acc[i][h][1]);
+        total[i][h] = _mm512_fmadd_ps(o[h], xs, _mm512_fmadd_ps(s[h], sum, total[i][h]));
+      }
+    }
+  }
+  const int64_t col0 = block * kCols, cols = std::min<int64_t>(kCols, pr.n - col0);
+  const __mmask32 keep = cols == kCols ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (pr.bias != nullptr) {
+    b0 = _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep), pr.bias + col0);
+    b1 = _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep >> 16), pr.bias + col0 + 16);
+  }
+  for (int i = 0; i < MR; ++i) {
+    // cvtne2ps: the second operand fills the low 16 lanes; rounds to nearest even.
+    const __m512bh out =
+        _mm512_cvtne2ps_pbh(_mm512_add_ps(total[i][1], b1), _mm512_add_ps(total[i][0], b0));
+    _mm512_mask_storeu_epi16(pr.y + (row0 + i) * pr.y_stride + col0, keep, (__m512i)out);
+  }
+}
+
+// MR: 4 * MR accumulators, 2 * MR running totals, the operands and two constants of 32 zmm.
+#ifndef BATCHPAGE_INT_ROWS
+#define BATCHPAGE_INT_ROWS 4
+#endif
+constexpr int kRows = BATCHPAGE_INT_ROWS;
+const char* const kPath = "avx512_bf16";
+
+#elif defined(BATCHPAGE_AVX2)
+// AVX2 + FMA: one quad's half h, columns 8c .. 8c + 7 (c < 2), as 32-bit lanes holding the
+// 0x4300 | q pairs of (k even, k odd); w[2p] and w[2p + 1] are pair p's (and, kind 8, w[4 + 2p],
+// w[5 + 2p] the bit-7 terms). As float32: even = lane << 16, odd = lane & 0xFFFF0000.
+template <int KIND>
+inline void unpack8(const uint8_t* quad, int h, int c, __m256* w) {
+  const __m256i bf = _mm256_set1_epi16(0x4300), high = _mm256_set1_epi32(int(0xFFFF0000u));
+  auto split = [&](__m256i v, __m256* out) {
+    out[0] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    out[1] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+  };
+  if constexpr (KIND == 4) {
+    const __m256i v =
+        _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(quad + 32 * h + 16 * c)));
+    split(_mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(0x000F)), bf), w);
+    split(_mm256_or_si256(_mm256_srli_epi16(v, 4), bf), w + 2);
+  } else {
+    for (int p = 0; p < 2; ++p) {
+      const __m256i v = _mm256_cvtepu8_epi16(
+          _mm_loadu_si128((const __m128i*)(quad + 64 * p + 32 * h + 16 * c)));
+      if constexpr (KIND == 7) {
+        split(_mm256_or_si256(v, bf), w + 2 * p);
+      } else {
+        split(_mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(0x007F)), bf), w + 2 * p);
+        split(_mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(0x0080)), bf), w + 4 + 2 * p);
+      }
+    }
+  }
+}
+
+// MR rows against one block, 8 columns at a time (16 ymm hold MR * 4 accumulators, the operands
+// and x); the running totals live in memory, touched once per group.
+template <int KIND, int MR>
+void tile(const Problem& pr, int64_t row0, int64_t block) {
+  constexpr int kOps = KIND == 8 ? 8 : 4;
+  const int64_t kq = (pr.k + 3) / 4, bytes = quad_bytes(KIND);
+  const uint8_t* wb = pr.q + block * kq * bytes;
+  const float* sb = pr.scales + block * pr.groups * kCols;
+  const float* ob = pr.offsets + block * pr.groups * kCols;
+  alignas(32) float total[MR][kCols] = {};
+  for (int64_t g = 0; g < pr.groups; ++g) {
+    const int64_t t0 = g * pr.group_quads, t1 = std::min(kq, t0 + pr.group_quads);
+    for (int c8 = 0; c8 < 4; ++c8) {  // 8-column slice: half c8 / 2, within it c8 % 2
+      __m256 acc[MR];
+      for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t t = t0; t < t1; ++t) {
+        __m256 w[kOps];
+        unpack8<KIND>(wb + t * bytes, c8 / 2, c8 % 2, w);
+        for (int i = 0; i < MR; ++i) {
+          const uint16_t* row = pr.x + (row0 + i) * pr.x_stride;
+          for (int p = 0; p < 2; ++p) {
+            const uint32_t v = pair_at(row, 2 * t + p, pr.k);
+            const __m256 lo = _mm256_set1_ps(widen(v & 0xFFFF));
+            const __m256 hi = _mm256_set1_ps(widen(v >> 16));
+            acc[i] = _mm256_fmadd_ps(lo, w[2 * p], acc[i]);
+            acc[i] = _mm256_fmadd_ps(hi, w[2 * p + 1], acc[i]);
+            if constexpr (KIND == 8) {
+              acc[i] = _mm256_fmadd_ps(lo, w[4 + 2 * p], acc[i]);
+              acc[i] = _mm256_fmadd_ps(hi, w[5 + 2 * p], acc[i]);
+            }
+          }
+        }
+      }
+      const __m256 s = _mm256_loadu_ps(sb + g * kCols + 8 * c8);
+      const __m256 o = _mm256_loadu_ps(ob + g * kCols + 8 * c8);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xs = _mm256_set1_ps(pr.xsum[(row0 + i) * pr.groups + g]);
+        float* tp = total[i] + 8 * c8;
+        _mm256_store_ps(tp, _mm256_fmadd_ps(o, xs, _mm256_fmadd_ps(s, acc[i], _mm256_load_ps(tp))));
+      }
+    }
+  }
+  const int64_t col0 = block * kCols, cols = std::min<int64_t>(kCols, pr.n - col0);
+  for (int i = 0; i < MR; ++i)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float b = pr.bias == nullptr ? 0.f : pr.bias[col0 + c];
+      pr.y[(row0 + i) * pr.y_stride + col0 + c] = round_bf16(total[i][c] + b);
+    }
+}
+
+constexpr int kRows = 3;
+const char* const kPath = "avx2";
+
+#else
+// Without AVX2 (never chosen by the engine; it keeps the packed layout testable on any CPU):
+// the same sums in plain float32, one row and column at a time.
+template <int KIND>
+inline uint32_t stored(const uint8_t* quad, int64_t c, int64_t kk) {  // q of column c, k = 4t + kk
+  const int64_t h = c / 16, lane = 2 * (c % 16) + kk % 2, p = kk / 2;
+  if constexpr (KIND == 4) return (quad[32 * h + lane] >> (4 * p)) & 0xF;
+  return quad[64 * p + 32 * h + lane];
+}
+
+template <int KIND, int MR>
+void tile(const Problem& pr, int64_t row0, int64_t block) {
+  constexpr float kBias = KIND == 8 ? 256.f : 128.f;  // C
+  const int64_t kq = (pr.k + 3) / 4, bytes = quad_bytes(KIND), col0 = block * kCols;
+  const uint8_t* wb = pr.q + block * kq * bytes;
+  for (int i = 0; i < MR; ++i) {
+    const int64_t r = row0 + i;
+    const uint16_t* row = pr.x + r * pr.x_stride;
+    float total[kCols] = {};
+    for (int64_t g = 0; g < pr.groups; ++g) {
+      const int64_t t0 = g * pr.group_quads, t1 = std::min(kq, t0 + pr.group_quads);
+      float acc[kCols] = {};
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t kk = 0; kk < 4 && 4 * t + kk < pr.k; ++kk) {
+          const float x = widen(row[4 * t + kk]);
+          for (int64_t c = 0; c < kCols; ++c)
+            acc[c] += (static_cast<float>(stored<KIND>(wb + t * bytes, c, kk)) + kBias) * x;
+        }
+      const float* s = pr.scales + (block * pr.groups + g) * kCols;
+      const float* o = pr.offsets + (block * pr.groups + g) * kCols;
+      const float xs = pr.xsum[r * pr.groups + g];
+      for (int64_t c = 0; c < kCols; ++c)
+        total[c] = std::fma(o[c], xs, std::fma(s[c], acc[c], total[c]));
+    }
+    for (int64_t c = 0; c < std::min<int64_t>(kCols, pr.n - col0); ++c) {
+      const float b = pr.bias == nullptr ? 0.f : pr.bias[col0 + c];
+      pr.y[r * pr.y_stride + col0 + c] = round_bf16(total[c] + b);
+    }
+  }
+}
+
+constexpr int kRows = 1;
+const char* const kPath = "plain";
+#endif
+
+template <int KIND, int MR>
+void tail_tiles(const Problem& pr, int64_t r, int64_t block) {
+  if constexpr (MR > 0) {
+    if (pr.m - r == MR) return tile<KIND, MR>(pr, r, block);
+    tail_tiles<KIND, MR - 1>(pr, r, block);
+  }
+}
+
+template <int KIND>
+void run_block(const Problem& pr, int64_t block) {
+  int64_t r = 0;
+  for (; r + kRows <= pr.m; r += kRows) tile<KIND, kRows>(pr, r, block);
+  tail_tiles<KIND, kRows - 1>(pr, r, block);
+}
+
+}  // namespace
+
+const char* path() { return kPath; }
+
+// out [M, N] bf16 = x [M, K] bf16 @ W.T + bias for W packed as `kind` (4, 7 or 8); shapes and
+// strides checked by the launcher.
+void linear(torch::Tensor out,                    // bf16 [M, N], dense
+            torch::Tensor x,                      // bf16 [M, K], rows dense
+            torch::Tensor q,                      // uint8 [NB, ceil(K / 4), 64 or 128]
+            torch::Tensor scales,                 // float32 [NB, G, 32]
+            torch::Tensor offsets,                // float32 [NB, G, 32]: o - C * s
+            c10::optional<torch::Tensor> bias,    // float32 [N]
+            int64_t kind, int64_t group_quads) {
+  const int64_t m = x.size(0), groups = scales.size(1);
+  if (m == 0) return;
+  std::vector<float> xsum(static_cast<size_t>(m * groups));
+  const Problem pr{reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+                   x.stride(0),
+                   q.data_ptr<uint8_t>(),
+                   scales.data_ptr<float>(),
+                   offsets.data_ptr<float>(),
+                   xsum.data(),
+                   bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+                   out.stride(0),
+                   m,
+                   out.size(1),
+                   x.size(1),
+                   groups,
+                   group_quads};
+  group_sums(pr, xsum.data());
+  const int64_t blocks = q.size(0);
+  // As in cpu_bf16_linear.cpp: blocks alone where there are several per thread, else the rows
+  // split too, into groups of whole tiles, some 4 items per thread.
+  const int64_t tiles = (m + kRows - 1) / kRows, want = 4 * at::get_num_threads();
+  const int64_t parts = blocks >= want ? 1 : std::min(tiles, (want + blocks - 1) / blocks);
+  const int64_t part_rows = (tiles + parts - 1) / parts * kRows;
+  at::parallel_for(0, blocks * parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      Problem part = pr;
+      const int64_t row0 = item / blocks * part_rows;
+      if (row0 >= m) continue;
+      part.x = pr.x + row0 * pr.x_stride;
+      part.y = pr.y + row0 * pr.y_stride;
+      part.xsum = pr.xsum + row0 * groups;
+      part.m = std::min(part_rows, m - row0);
+      const int64_t block = item % blocks;
+      if (kind == 4) run_block<4>(part, block);
+      else if (kind == 7) run_block<7>(part, block);
+      else run_block<8>(part, block);
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("path", &path, "the build's instruction path: avx512_bf16, avx2 or plain");
+  m.def("linear", &linear, "bf16 x @ W.T (+ b) against an integer weight packed in k-quads");
+}

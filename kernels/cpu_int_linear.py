@@ -1,0 +1,163 @@
+"""Integer weight-only linears on CPUs (W4A16, W8A16): the launcher of cpu_int_linear.cpp
+(built once, like the other CPU kernels, through cpu_build.py), and `pack_int_weight`, which
+repacks batchpage.quant's IntWeight into the kernel's layout once, at bind.
+
+Why a kernel: dequantizing to bf16 and calling a bf16 linear reads the weight four (int4) or two
+(int8) times over and writes it once, where a decode step's linears are bound by reading their
+weights. This kernel reads the packed integers once, in the order stored (k-quads of 32-column
+blocks, 64 bytes per quad at 4 bits), and turns them into bf16 operands of AVX512-BF16's
+vdpbf16ps in registers without an integer-to-float conversion: the bf16 with bits 0x4300 | q
+is 128 + q exactly for q < 128. Per group, acc = sum (q + C) * x, and the scale and the offset
+enter once per group and column, y += s * acc + (o - C * s) * sum(x over the group); the packing
+stores o - C * s. Measured against the bf16 kernel and F.linear: `python -m
+jobs.bench.int_linears`.
+
+Byte-stored q (5 to 8 bits) are one byte each; 8-bit q are split in the kernel into their low
+7 bits (0x4300 | lo7 = 128 + lo7) and bit 7 ((w & 0x80) | 0x4300 = 128 or 256, bit 7 being the
+bf16 exponent's lowest), two vdpbf16ps into one accumulator, C = 256. 5- to 7-bit q need one.
+
+Without AVX512-BF16 the library builds an AVX2 + FMA path (the same sums widened to float32) or,
+without AVX2, a plain loop over the same layout (`native` is then False; `path` says which).
+Act order (IntWeight.perm) is the caller's: it permutes x's columns, the kernel multiplies the
+stored columns.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from batchpage.kernels.cpu_build import build_extension
+from batchpage.quant.int_weight import IntWeight
+
+SOURCE = Path(__file__).with_name("cpu_int_linear.cpp")  # shipped in the wheel beside this file
+
+COLUMNS = 32  # a packed block's columns, kCols in the .cpp
+QUAD = 4  # k per packed quad
+BYTES_PER_QUAD = {4: 64, 7: 128, 8: 128}
+BIAS = {4: 128, 7: 128, 8: 256}  # C: what the kernel adds to every q, by kind
+
+
+class IntPacked(NamedTuple):
+    """An IntWeight in the kernel's layout (cpu_int_linear.cpp's header)."""
+
+    q: torch.Tensor  # uint8 [ceil(N / 32), ceil(K / 4), 64 (kind 4) or 128]
+    scales: torch.Tensor  # float32 [ceil(N / 32), G, 32]
+    offsets: torch.Tensor  # float32 [ceil(N / 32), G, 32]: offset - BIAS[kind] * scale
+    kind: int  # 4: 4-bit q; 7: q < 128 in bytes (5 to 7 bits); 8: 8-bit q
+    group_quads: int  # quads per group: group_size / 4, or ceil(K / 4) for one group
+    in_features: int  # K
+    out_features: int  # N
+
+
+def kind_of(w: IntWeight) -> int:
+    return 4 if w.storage_bits == 4 else (7 if w.bits <= 7 else 8)
+
+
+def quad_layout(
+    q: torch.Tensor,  # int [N, K], values below 2^8
+    kind: int,
+) -> torch.Tensor:  # uint8 [ceil(N / 32), ceil(K / 4), BYTES_PER_QUAD[kind]]
+    """Quad t of block j: for pair p (k = 4t + 2p + kk), half h (columns 32j + 16h + c) and lane
+    l = 2c + kk, byte 32h + l holds pair 0's q in its low nibble and pair 1's in its high (kind
+    4), or byte 64p + 32h + l holds it (kinds 7 and 8); zero past N and K."""
+    n, k = q.shape
+    blocks, quads = -(-n // COLUMNS), -(-k // QUAD)
+    padded = F.pad(q.to(torch.int32), (0, QUAD * quads - k, 0, blocks * COLUMNS - n))
+    # [NB, 2h, 16c, KQ, 2p, 2kk] -> [NB, KQ, p, h, c, kk]
+    split = padded.reshape(blocks, 2, COLUMNS // 2, quads, 2, 2).permute(0, 3, 4, 1, 2, 5)
+    if kind == 4:
+        return (split[:, :, 0] | (split[:, :, 1] << 4)).to(torch.uint8).reshape(blocks, quads, 64)
+    return split.to(torch.uint8).reshape(blocks, quads, 128)
+
+
+def pack_int_weight(w: IntWeight) -> IntPacked:
+    """The kernel's layout of `w`'s stored columns (act order stays the caller's)."""
+    k, n, groups = w.in_features, w.out_features, w.num_groups
+    if groups > 1 and w.group_size % QUAD:
+        raise ValueError(
+            f"the CPU int kernel needs a group size that is a multiple of {QUAD} (or one group), "
+            f"not {w.group_size}"
+        )
+    kind = kind_of(w)
+    blocks = -(-n // COLUMNS)
+    group_quads = w.group_size // QUAD if groups > 1 else -(-k // QUAD)
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # float32 [N, G] -> [NB, G, 32]
+        padded = F.pad(t, (0, 0, 0, blocks * COLUMNS - n))
+        return padded.reshape(blocks, COLUMNS, groups).transpose(1, 2).contiguous()
+
+    scales = w.scales.detach().cpu().float()
+    offsets = w.offsets.detach().cpu().float() - BIAS[kind] * scales
+    return IntPacked(
+        quad_layout(w.values().cpu(), kind).contiguous(),
+        per_block(scales),
+        per_block(offsets),
+        kind,
+        group_quads,
+        k,
+        n,
+    )
+
+
+class CpuIntLinear:
+    """The compiled kernel. Build with `CpuIntLinear.build()`."""
+
+    def __init__(self, module: object) -> None:
+        self._module = module
+
+    @classmethod
+    def build(cls, verbose: bool = False) -> CpuIntLinear:
+        """Compiles on first use (kernels/cpu_build.py), then loads the cached library."""
+        return cls(build_extension(SOURCE, "batchpage_cpu_int_linear", "the int linear", verbose))
+
+    @property
+    def path(self) -> str:
+        """The build's instructions: "avx512_bf16", "avx2" (AVX2 + FMA) or "plain"."""
+        return str(self._module.path())
+
+    @property
+    def native(self) -> bool:
+        """Whether this build runs on AVX512-BF16."""
+        return self.path == "avx512_bf16"
+
+    @property
+    def raw(self) -> object:
+        """The compiled library: `raw.linear(out, rows, q, scales, offsets, bias, kind,
+        group_quads)` as `linear` calls it, unchecked, for a caller that checked its shapes once;
+        `out` is a preallocated bf16 [M, N], contiguous."""
+        return self._module
+
+    def linear(
+        self,
+        x: torch.Tensor,  # bf16 [..., K]
+        packed: IntPacked,
+        bias: torch.Tensor | None,  # float32 [N]
+    ) -> torch.Tensor:  # bf16 [..., N]
+        k, n = packed.in_features, packed.out_features
+        blocks, groups = -(-n // COLUMNS), packed.scales.shape[1]
+        assert x.device.type == "cpu" and x.dtype == torch.bfloat16, (x.device, x.dtype)
+        assert x.shape[-1] == k, (x.shape, k)
+        assert packed.kind in BYTES_PER_QUAD, packed.kind
+        quads = -(-k // QUAD)
+        assert packed.q.dtype == torch.uint8 and packed.q.is_contiguous()
+        assert packed.q.shape == (blocks, quads, BYTES_PER_QUAD[packed.kind]), packed.q.shape
+        assert groups == -(-quads // packed.group_quads), (groups, quads, packed.group_quads)
+        for t in (packed.scales, packed.offsets):
+            assert t.dtype == torch.float32 and t.is_contiguous(), t.dtype
+            assert t.shape == (blocks, groups, COLUMNS), (t.shape, blocks, groups)
+        if bias is not None:
+            assert bias.dtype == torch.float32 and bias.shape == (n,), (bias.dtype, bias.shape)
+            assert bias.is_contiguous()
+        rows = x.reshape(-1, k)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+        self._module.linear(
+            out, rows, packed.q, packed.scales, packed.offsets, bias, packed.kind,
+            packed.group_quads,
+        )  # fmt: skip
+        return out.reshape(*x.shape[:-1], n)

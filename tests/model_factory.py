@@ -336,6 +336,19 @@ def paged_greedy(
     return out
 
 
+@torch.no_grad()
+def prefill_logits(model: torch.nn.Module, ids: list[int], block_size: int = 8) -> torch.Tensor:
+    """Our model's logits over a whole prompt in one step (torch's attention)."""
+    from batchpage.attention.torch_backend import TorchPagedAttention
+
+    kv = new_kv_cache(model.config, -(-len(ids) // block_size), block_size)
+    meta = prefill_meta(len(ids), block_size)
+    attention = TorchPagedAttention().plan(meta)
+    return model.compute_logits(
+        model(torch.tensor(ids), torch.arange(len(ids)), meta, kv, attention)
+    )
+
+
 def prefill_meta(num_tokens: int, block_size: int = 16) -> AttentionMetadata:
     """One sequence, every token new, stored in blocks 0..n-1 in order."""
     num_blocks = -(-num_tokens // block_size)

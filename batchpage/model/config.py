@@ -8,7 +8,10 @@ without touching any weight, so an unsupported checkpoint is refused before load
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from batchpage.quant.scheme import QuantScheme
 
 # The one table: checkpoint type -> model family (the family's class is in families.py).
 # Keys are ("hf", config.json model_type) or ("gguf", general.architecture).
@@ -118,6 +121,8 @@ class ModelConfig:
     local_rope_theta: float | None = None
     model_type: str = "llama"  # the checkpoint's own name for its architecture
     torch_dtype: str | None = None  # the checkpoint's own dtype name, used by dtype="auto"
+    # The checkpoint's quantization_config (batchpage/quant/scheme.py); None: float weights.
+    quant: QuantScheme | None = None
 
     def __post_init__(self) -> None:
         if not self.rotary_dim:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from batchpage.model.config import ModelConfig
+from batchpage.model.config import ModelConfig, UnsupportedModelError
 
 # safetensors refuses larger headers itself (its MAX_HEADER_SIZE); checked here first so that
 # the message names the file and the numbers.
@@ -67,6 +67,7 @@ def check_weights(folder: Path, cfg: ModelConfig, shapes: Shapes) -> int:
     of its shape, no tensor unknown to the architecture). Returns its parameter count. Raises
     ValueError naming the folder, the tensor and the sizes."""
     from batchpage.model.families import build_model  # the model classes import this package
+    from batchpage.quant.layout import load_quantized
 
     # Every layer has tensors of its own: a layer count beyond the number of tensors is refused
     # before the meta model is built (that takes time linear in the layers).
@@ -77,7 +78,12 @@ def check_weights(folder: Path, cfg: ModelConfig, shapes: Shapes) -> int:
         )
     try:
         model = build_model(cfg, torch.float32, "meta", 1)
-        model.load_weights(_meta_tensors(shapes))
+        tensors = _meta_tensors(shapes)
+        if cfg.quant is not None:
+            tensors = load_quantized(model, cfg.quant, shapes, tensors)
+        model.load_weights(tensors)
+    except UnsupportedModelError as e:  # what batchpage does not run: not a mismatch
+        raise UnsupportedModelError(f"{folder}: {e}") from None
     except ValueError as e:
         raise ValueError(f"{folder}: {e} ({_sizes(cfg)}): {_mismatch_fix()}") from None
     except (RuntimeError, TypeError, IndexError) as e:  # a shape the layers cannot even form

@@ -1,12 +1,13 @@
 """A Hugging Face config.json (transformers 4.x or 5.x layout) -> ModelConfig.
 
 Everything a checkpoint needs that batchpage lacks is refused here, before any weight is read:
-an architecture outside config.FAMILIES, a quantized checkpoint, a missing or malformed key, a
-rope variant or activation that is not implemented.
+an architecture outside config.FAMILIES, a quantization scheme batchpage/quant does not run, a
+missing or malformed key, a rope variant or activation that is not implemented.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from batchpage.model.config import (
 )
 from batchpage.model.gemma_config import gemma_config_from_hf
 from batchpage.model.hf_fields import id_tuple, int_field, require_keys, rope_fields
+from batchpage.quant.scheme import read_quant_scheme
 
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 _MOE_REQUIRED = {
@@ -31,9 +33,9 @@ def model_config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
     that is incomplete or malformed; both name the fix."""
     model_type = cfg.get("model_type")
     family = family_for("hf", model_type)
-    _refuse_quantized(cfg)
+    quant = read_quant_scheme(cfg)
     if family in ("gemma2", "gemma3"):
-        return gemma_config_from_hf(cfg, family)
+        return dataclasses.replace(gemma_config_from_hf(cfg, family), quant=quant)
     require_keys(cfg, _REQUIRED + _MOE_REQUIRED.get(str(model_type), ()))
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -82,17 +84,8 @@ def model_config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
         moe=moe,
         model_type=str(model_type),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        quant=quant,
     )
-
-
-def _refuse_quantized(cfg: Mapping[str, Any]) -> None:
-    quant = cfg.get("quantization_config") or cfg.get("compression_config")
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, Mapping) else "unknown"
-        raise UnsupportedModelError(
-            f"this is a quantized checkpoint (quant_method={method!r}); batchpage loads float "
-            "weights only: use the unquantized (bf16/fp16/fp32) checkpoint or a GGUF file"
-        )
 
 
 def _attention_biases(model_type: str, cfg: Mapping[str, Any]) -> tuple[bool, bool]:

@@ -16,8 +16,9 @@ from safetensors import SafetensorError, safe_open
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
 from batchpage.model.families import build_model
-from batchpage.model.hf_checks import read_index
+from batchpage.model.hf_checks import read_index, read_shapes
 from batchpage.model.hf_config import model_config_from_hf
+from batchpage.quant.layout import check_quantized, load_quantized
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_CONFIG_BYTES = 16 << 20  # a real config.json is a few KiB; this bounds reading a hostile one
@@ -91,7 +92,12 @@ def load_hf_model(
     cfg = read_hf_config(folder)
     model = build_model(cfg, dtype, device, max_positions)
     try:
-        model.load_weights(iter_safetensors(safetensors_files(folder)))
+        files = safetensors_files(folder)
+        weights = iter_safetensors(files)
+        if cfg.quant is not None:
+            weights = load_quantized(model, cfg.quant, read_shapes(files), weights)
+        model.load_weights(weights)
+        check_quantized(model)
     except ValueError as e:
         raise ValueError(f"{folder}: {e}") from None
     except (SafetensorError, OSError) as e:  # a file changed or damaged since it was checked

@@ -68,9 +68,7 @@ class IntWeight:
         if self.storage_bits == 8:
             return self.packed.to(torch.int32)
         low, high = (self.packed & 0xF).to(torch.int32), (self.packed >> 4).to(torch.int32)
-        return torch.stack([low, high], dim=2).reshape(self.out_features, -1)[
-            :, : self.in_features
-        ]
+        return torch.stack([low, high], dim=2).reshape(self.out_features, -1)[:, : self.in_features]
 
     def dequantize_stored(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """[N, K] in stored column order (W[:, perm] under act order)."""

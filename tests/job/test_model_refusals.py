@@ -16,7 +16,7 @@ from batchpage.job.config import JobConfig, ModelSpec
 @pytest.mark.parametrize(
     ("patch", "message"),
     [
-        ({"quantization_config": {"quant_method": "awq"}}, "quantized checkpoint.*'awq'"),
+        ({"quantization_config": {"quant_method": "hqq"}}, "quantized with quant_method='hqq'"),
         ({"hidden_size": None}, "lacks hidden_size"),
         ({"model_type": "gemma3n_text"}, "unsupported model_type 'gemma3n_text'"),
     ],

@@ -9,7 +9,6 @@ import torch
 
 from batchpage.attention.torch_backend import TorchPagedAttention
 from batchpage.kernels.cpu_layer_ops import CpuLayerOps
-from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import FAMILIES
 from batchpage.model.families import MODEL_CLASSES, build_model
 from batchpage.model.hf_config import model_config_from_hf
@@ -27,7 +26,7 @@ from tests.model_factory import (
     hf_stepwise_greedy,
     new_kv_cache,
     paged_greedy,
-    prefill_meta,
+    prefill_logits,
     save_hf_folder,
     step_meta,
 )
@@ -44,16 +43,6 @@ def checkpoints(tmp_path_factory) -> dict:
         folder = save_hf_folder(hf, tmp_path_factory.mktemp(variant))
         out[variant] = (hf, load_hf_model(folder, torch.float32, "cpu")[0], folder)
     return out
-
-
-@torch.no_grad()
-def prefill_logits(model: CausalLM, ids: list[int], block_size: int = 8) -> torch.Tensor:
-    kv = new_kv_cache(model.config, -(-len(ids) // block_size), block_size)
-    meta = prefill_meta(len(ids), block_size)
-    attention = TorchPagedAttention().plan(meta)
-    return model.compute_logits(
-        model(torch.tensor(ids), torch.arange(len(ids)), meta, kv, attention)
-    )
 
 
 def random_ids(n: int, seed: int, vocab: int = 320) -> list[int]:

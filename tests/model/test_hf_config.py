@@ -188,7 +188,7 @@ def test_phi3_rope_quirks():
         ({"model_type": None}, UnsupportedModelError, "unsupported model_type None in config.json"),
         ({"hidden_act": "gelu"}, UnsupportedModelError, "hidden_act"),
         ({"mlp_bias": True}, UnsupportedModelError, "mlp_bias"),
-        ({"quantization_config": {"quant_method": "gptq"}}, UnsupportedModelError, "'gptq'"),
+        ({"quantization_config": {"quant_method": "eetq"}}, UnsupportedModelError, "'eetq'"),
         ({"num_attention_heads": None}, ValueError, "lacks num_attention_heads"),
         ({"vocab_size": -1}, ValueError, "vocab_size must be an integer from 0 to"),
         ({"vocab_size": 10**10}, ValueError, "vocab_size must be an integer from 0 to 2,147,"),

@@ -255,16 +255,18 @@ LLAMA_CONFIG = dict(
 @pytest.mark.parametrize(
     "quant",
     [
-        {"quant_method": "awq", "bits": 4, "group_size": 128},
-        {"quant_method": "gptq", "bits": 4},
-        {"quant_method": "fp8", "weight_block_size": [128, 128]},
+        {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+        {"quant_method": "gptq", "bits": 3},
         {"quant_method": "bitsandbytes", "load_in_4bit": True},
+        {"quant_method": "hqq"},
     ],
 )
-def test_quantized_hf_checkpoints_are_refused_before_weights(tmp_path, tokenizer, quant):
+def test_unsupported_quantized_checkpoints_are_refused_before_weights(tmp_path, tokenizer, quant):
+    """A scheme batchpage does not run is refused from config.json alone, naming the method
+    and what it runs."""
     folder = unreadable_hf_folder(tmp_path, tokenizer, **LLAMA_CONFIG, quantization_config=quant)
-    message = refused(folder, UnsupportedModelError, "quantized checkpoint")
-    assert quant["quant_method"] in message and "unquantized" in message
+    message = refused(folder, UnsupportedModelError, "does not run")
+    assert repr(quant["quant_method"]) in message and "gptq (4/8-bit" in message
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,102 @@
+"""Give a freshly built model the quantized linears its checkpoint holds, before it loads.
+
+The model is built as for a float checkpoint; each dense linear the checkpoint stores quantized
+is then replaced by a QuantLinear of the same shape, so that `load_weights` fills IntWeight
+tensors by the same names and shard keys as dense ones. A merged linear (q/k/v, gate/up) is
+quantized when all its checkpoint parts are; a checkpoint that quantizes some parts of one and
+not others, or quantizes what batchpage only runs dense (MoE experts, embeddings), is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from batchpage.model.causal_lm import CausalLM
+from batchpage.model.config import UnsupportedModelError
+from batchpage.model.layers import MergedLinear
+from batchpage.ops.linear import Linear
+from batchpage.quant.formats import decode_stream, quantized_prefixes
+from batchpage.quant.linear import QuantLinear
+from batchpage.quant.scheme import QuantScheme
+
+
+def checkpoint_parts(model: CausalLM, name: str, module: Linear) -> list[str]:
+    """The checkpoint prefixes a linear of ours loads from, in shard order."""
+    if not isinstance(module, MergedLinear):
+        return [name]
+    parts: dict[int, str] = {}
+    for theirs, (ours, shard) in model.RENAMES.items():
+        if name.endswith(f".{ours}") and isinstance(shard, int):
+            parts[shard] = name.removesuffix(ours) + theirs
+    if sorted(parts) != list(range(len(module.part_sizes))):
+        return [name]  # stored merged, as ours (Phi-3's qkv_proj)
+    return [parts[i] for i in range(len(parts))]
+
+
+def quantize_layout(model: CausalLM, scheme: QuantScheme, prefixes: set[str]) -> int:
+    """Replace the dense linears whose checkpoint prefixes are in `prefixes` (names without
+    `model.`); returns how many. Raises UnsupportedModelError for quantized tensors no linear
+    takes, ValueError for a merged linear quantized in part."""
+    covered: set[str] = set()
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Linear):
+            continue
+        parts = checkpoint_parts(model, name, module)
+        quantized = [p in prefixes for p in parts]
+        if not any(quantized):
+            continue
+        if not all(quantized):
+            dense = [p for p in parts if p not in prefixes]
+            raise ValueError(
+                f"the checkpoint quantizes {name}'s parts but not {dense}, which batchpage "
+                "multiplies as one linear: use a checkpoint that quantizes all of them"
+            )
+        sizes = module.part_sizes if len(parts) > 1 else (module.out_features,)
+        layer = QuantLinear(
+            module.in_features,
+            sizes,
+            module.bias is not None,
+            scheme,
+            module.weight.dtype,
+            module.weight.device,
+        )
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+        covered.update(parts)
+        replaced += 1
+    left = sorted(prefixes - covered)
+    if left:
+        raise UnsupportedModelError(
+            f"the checkpoint holds quantized tensors for {left[:3]} ({len(left)} in all), which "
+            "batchpage runs only as float weights (it runs quantized attention, MLP and lm_head "
+            "linears, not MoE experts or embeddings): use a checkpoint that leaves them "
+            "unquantized"
+        )
+    return replaced
+
+
+def load_quantized(
+    model: CausalLM,
+    scheme: QuantScheme,
+    names: Iterable[str],
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Ready `model` for a checkpoint of `scheme` whose tensor names are `names`, and return
+    its tensor stream as the model loads it (each quantized linear's tensors decoded)."""
+    prefixes = quantized_prefixes(names, scheme)
+    quantize_layout(model, scheme, prefixes)
+    return decode_stream(weights, scheme, prefixes)
+
+
+def check_quantized(model: CausalLM) -> None:
+    """After loading: every quantized linear's weight is whole (a merged linear's shards in one
+    act order). Raises ValueError naming the linear."""
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            try:
+                module.int_weight()
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -67,6 +68,9 @@ class RunStats:
     first_token_s: list[float] = field(default_factory=list)
     # Seconds spent in each of STEP_PARTS, summed over the run's steps.
     step_time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
+    # What the engine's model holds (CausalLM.weight_bytes, weight_formats), fixed at setup.
+    weight_bytes: int = 0
+    weight_formats: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def merged(cls, runs: Sequence[RunStats]) -> RunStats:
@@ -85,25 +89,32 @@ class RunStats:
             setattr(total, name, max((getattr(r, name) for r in runs), default=0))
         total.first_token_s = [t for r in runs for t in r.first_token_s]
         total.step_time_s = {p: sum(r.step_time_s[p] for r in runs) for p in STEP_PARTS}
+        if runs:  # every run of one job loads the same model
+            total.weight_bytes = runs[-1].weight_bytes
+            total.weight_formats = dict(runs[-1].weight_formats)
         return total
 
-    def to_record(self) -> dict[str, float | int]:
+    def to_record(self) -> dict[str, Any]:
         """The counters, JSON-able, for a job's run history: `from_record` restores a RunStats
         that merges like the original (time-to-first-token samples are not kept)."""
-        record: dict[str, float | int] = {n: getattr(self, n) for n in (*_SUMMED, *_PEAKS)}
+        record: dict[str, Any] = {n: getattr(self, n) for n in (*_SUMMED, *_PEAKS)}
         parts = {f"step_time_s.{p}": self.step_time_s[p] for p in STEP_PARTS}
         return {
             **record, **parts, "kv_blocks_total": self.kv_blocks_total,
-            "elapsed_s": self.elapsed_s,
+            "elapsed_s": self.elapsed_s, "weight_bytes": self.weight_bytes,
+            "weight_formats": dict(self.weight_formats),
         }  # fmt: skip
 
     @classmethod
-    def from_record(cls, record: dict[str, float | int], block_size: int) -> RunStats:
+    def from_record(cls, record: dict[str, Any], block_size: int) -> RunStats:
         stats = cls(int(record["kv_blocks_total"]), block_size, 0.0, float(record["elapsed_s"]))
         for name in (*_SUMMED, *_PEAKS):
             setattr(stats, name, int(record.get(name, 0)))
         for part in STEP_PARTS:
             stats.step_time_s[part] = float(record.get(f"step_time_s.{part}", 0.0))
+        stats.weight_bytes = int(record.get("weight_bytes", 0))
+        formats = record.get("weight_formats", {})
+        stats.weight_formats = dict(formats) if isinstance(formats, dict) else {}
         return stats
 
     def record_step(
@@ -137,7 +148,7 @@ class RunStats:
             return 0.0
         return self.used_slot_steps / self.reserved_slot_steps
 
-    def as_dict(self) -> dict[str, float | int | dict[str, float]]:
+    def as_dict(self) -> dict[str, Any]:
         elapsed = self.elapsed_s
         return {
             "elapsed_s": self.elapsed_s,
@@ -162,4 +173,6 @@ class RunStats:
             },
             "steps": self.steps,
             "step_time_s": dict(self.step_time_s),
+            "weight_bytes": self.weight_bytes,
+            "weight_formats": dict(self.weight_formats),
         }

@@ -87,6 +87,7 @@ class Engine:
             cfg.linear_backend, uses_cpu_kernels(attention), plan.dtype, plan.device
         )
         self.bind_report = model.bind(ops)
+        self.weight_bytes = model.weight_bytes()  # after bind: in the layouts the ops keep
         # The all-greedy sampler's argmax: the bound layer ops' (the C++ one on the CPU kernels).
         self.argmax: Callable[[torch.Tensor], torch.Tensor] = ops.layer.argmax
         graphs = None
@@ -129,10 +130,16 @@ class Engine:
             max_model_len=plan.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
         )
-        self.stats = RunStats(plan.num_blocks, cfg.block_size)
+        self.stats = self._new_stats()
         self._started: set[int] = set()  # requests of this run that produced a token
         # Tests set this to check every invariant after every step.
         self.check_integrity_each_step = False
+
+    def _new_stats(self) -> RunStats:
+        stats = RunStats(self.kv_manager.num_blocks, self.cfg.block_size)
+        stats.weight_bytes = self.weight_bytes
+        stats.weight_formats = dict(self.bind_report.weight_formats)
+        return stats
 
     def add_requests(self, requests: list[Request]) -> RunStats:
         """Queue every valid request (those with an error are skipped). When nothing was running,
@@ -142,7 +149,7 @@ class Engine:
         it (LLM does, to turn a bad constraint into that request's error); a bad one raises
         ValueError, as does one combined with beam search."""
         if not self.has_unfinished():
-            self.stats = RunStats(self.kv_manager.num_blocks, self.cfg.block_size)
+            self.stats = self._new_stats()
             self._started = set()
         share = self.cfg.kv_allocator == "paged"
         seqs: list[Sequence] = []

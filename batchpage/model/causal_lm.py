@@ -29,6 +29,7 @@ from batchpage.model.rope import RotaryEmbedding
 from batchpage.ops.linear import Linear, LinearOp, dtype_format
 from batchpage.ops.select import ModelOps
 from batchpage.ops.workspace import Workspace
+from batchpage.quant.linear import QuantLinear
 
 ShardKey = Hashable | None  # None: the whole parameter
 
@@ -120,10 +121,11 @@ class CausalLM(nn.Module):
     def bind(self, ops: ModelOps) -> BindReport:
         """Bind the loaded model to the engine's ops, once: every dense linear becomes the
         linear method's module (the lm_head included; a tied one gets a copy in that layout
-        beside the embedding table), each SiLU-gated MLP's gate/up linear the fused one where
-        the method fuses it, and every layer computes through `ops.layer`. Call after
-        load_weights: a method that repacks drops the plain weights. Raises on a second call
-        (a bound model's layers are no longer the dense ones a method takes)."""
+        beside the embedding table), every quantized one the method's integer module, each
+        SiLU-gated MLP's gate/up linear the fused one where the method fuses it, and every layer
+        computes through `ops.layer`. Call after load_weights: a method that repacks drops the
+        plain weights. Raises on a second call (a bound model's layers are no longer the dense
+        ones a method takes)."""
         if self.bound is not None:
             raise RuntimeError("this model is bound already: bind it once, after loading")
         method = ops.linear
@@ -136,12 +138,19 @@ class CausalLM(nn.Module):
                     mlp.gate_up_proj = method.silu_mul(gate_up.weight)
                     mlp.gate_up_activated = True
         replaced, extra = 0, 0
+        if method.make_int is not None:
+            quantized = [(n, m) for n, m in self.named_modules() if isinstance(m, QuantLinear)]
+            for name, module in quantized:
+                parent, _, leaf = name.rpartition(".")
+                made = method.make_int(module.int_weight(), module.bias, module.weight_format)
+                setattr(self.get_submodule(parent), leaf, made)
+            replaced += len(quantized)
         if method.make is not None:
             dense = [(n, m) for n, m in self.named_modules() if isinstance(m, Linear)]
             for name, module in dense:
                 parent, _, leaf = name.rpartition(".")
                 setattr(self.get_submodule(parent), leaf, method.make(module.weight, module.bias))
-            replaced = len(dense)
+            replaced += len(dense)
             if self.lm_head is None:
                 table = self.embed_tokens.weight
                 self.tied_head = method.make(table, None)
@@ -151,6 +160,25 @@ class CausalLM(nn.Module):
                 module.ops = ops.layer
         self.bound = ops
         return BindReport(replaced, extra, self.weight_formats())
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights this model holds, in whatever layout each layer keeps them (a
+        tensor shared by two modules counted once; rope tables, derived, not counted)."""
+        seen: set[int] = set()
+        total = 0
+        for module in self.modules():
+            skip = module._non_persistent_buffers_set
+            tensors = [*module._parameters.values()]
+            tensors += [b for n, b in module._buffers.items() if n not in skip]
+            for t in tensors:
+                if t is None or t.is_meta:
+                    continue
+                # oneDNN's packed weights are opaque (no data pointer), and never shared.
+                key = id(t) if t.is_mkldnn else t.data_ptr()
+                if key not in seen:
+                    seen.add(key)
+                    total += t.numel() * t.element_size()
+        return total
 
     def weight_formats(self) -> dict[str, int]:
         """Linear layers per weight format (e.g. {"bf16": 211}), the lm_head among them."""

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from batchpage.quant.int_weight import IntWeight
 
 
 class LinearOp(nn.Module):
@@ -78,6 +82,8 @@ class Linear(nn.Linear, LinearOp):
 LinearMaker = Callable[[torch.Tensor, torch.Tensor | None], LinearOp]
 # merged [gate | up] weight [2I, in] -> a module whose output is SiLU(x @ gate.T) * (x @ up.T)
 SiluMulMaker = Callable[[torch.Tensor], LinearOp]
+# a quantized linear's IntWeight, bias [out] or None, format name -> the implementation's module
+IntLinearMaker = Callable[["IntWeight", torch.Tensor | None, str], LinearOp]
 
 
 @dataclass(frozen=True)
@@ -85,11 +91,14 @@ class LinearMethod:
     """How bind turns each dense `Linear` of a loaded model into this implementation's module.
     `make` None keeps the dense Linear (torch's method); `silu_mul`, where the implementation
     fuses it, makes the module for a SiLU-gated MLP's merged gate/up linear, which then returns
-    the activation itself."""
+    the activation itself. `make_int` makes the module for a quantized checkpoint's linear
+    (batchpage/quant's QuantLinear) from its IntWeight; None keeps the QuantLinear, which
+    dequantizes in torch."""
 
     name: str
     make: LinearMaker | None = None
     silu_mul: SiluMulMaker | None = None
+    make_int: IntLinearMaker | None = None
 
 
 TORCH_LINEARS = LinearMethod("torch")

@@ -4,11 +4,12 @@ device, dtype and options."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from batchpage.ops.bf16_linear import bf16_dot_kernel, bf16_linears
+from batchpage.ops.int_linear import cpu_int_linears
 from batchpage.ops.layer_ops import LayerOps
 from batchpage.ops.linear import TORCH_LINEARS, LinearMethod
 from batchpage.ops.onednn_linear import ONEDNN_LINEARS, onednn_packs
@@ -27,13 +28,19 @@ class ModelOps:
 def select_linears(choice: str, dtype: torch.dtype, device: torch.device) -> LinearMethod:
     """The engine's `linear_backend`: "avx512_bf16" is the bf16 kernel (with SiLU(gate) * up
     fused into the gate/up linear) or raises; "onednn" is oneDNN's prepacked layout or raises;
-    "torch" keeps the dense weights; "auto" takes the first that applies: the bf16 kernel (bf16
-    on AVX512-BF16), oneDNN (wherever it packs this dtype on a CPU), torch."""
+    "torch" keeps the dense weights and dequantizes quantized ones; "auto" takes the first that
+    applies: the bf16 kernel (bf16 on AVX512-BF16), oneDNN (wherever it packs this dtype on a
+    CPU), torch. Every choice but "torch" runs a quantized checkpoint's linears on the C++ int
+    kernel where it applies (bf16 on a CPU with AVX512-BF16 or AVX2)."""
     if choice not in LINEAR_BACKENDS:
         allowed = ", ".join(LINEAR_BACKENDS)
         raise ValueError(f"linear_backend must be one of {allowed}; got {choice!r}")
     if choice == "torch":
         return TORCH_LINEARS
+    return replace(_dense_linears(choice, dtype, device), make_int=cpu_int_linears(dtype, device))
+
+
+def _dense_linears(choice: str, dtype: torch.dtype, device: torch.device) -> LinearMethod:
     if choice in ("auto", "avx512_bf16"):
         kernel = bf16_dot_kernel(dtype, device, required=choice == "avx512_bf16")
         if kernel is not None:

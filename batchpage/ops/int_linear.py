@@ -1,0 +1,83 @@
+"""Integer-weight linears on the C++ int kernel (kernels/cpu_int_linear.py): the CPU
+implementation of a quantized checkpoint's linears (QuantLinear, batchpage/quant/linear.py)
+for bfloat16 activations.
+
+Bind repacks each QuantLinear's IntWeight once into the kernel's layout and drops the loaded
+form. Shapes are checked once, when a layer is made; `apply` calls the compiled kernel
+unchecked with the Workspace buffers the layers hand it (bf16, [T, width], dense rows).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from batchpage.cpu_info import cpu_flags
+from batchpage.kernels.cpu_build import KernelBuildError
+from batchpage.kernels.cpu_int_linear import CpuIntLinear, pack_int_weight
+from batchpage.ops.linear import IntLinearMaker, LinearOp
+from batchpage.quant.int_weight import IntWeight
+
+
+class CpuIntLinearOp(LinearOp):
+    """y = x @ W.T + b for bfloat16 x and an integer W in the kernel's layout. Under act order
+    x's columns are permuted first (one index_select: the kernel reads the stored order)."""
+
+    def __init__(
+        self, weight: IntWeight, bias: torch.Tensor | None, fmt: str, kernel: CpuIntLinear
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self._format = fmt
+        self._run = kernel.raw.linear
+        packed = pack_int_weight(weight)
+        self.kind, self.group_quads = packed.kind, packed.group_quads
+        self.register_buffer("q", packed.q)
+        self.register_buffer("scales", packed.scales)
+        self.register_buffer("offsets", packed.offsets)
+        self.register_buffer("perm", weight.perm)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        # The launcher's checks, once: the layout pack_int_weight made for these sizes.
+        kernel.linear(torch.zeros(1, self.in_features, dtype=torch.bfloat16), packed, self.bias)
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1, (x.dtype, x.shape)
+        assert x.shape[1] == self.in_features, (x.shape, self.in_features)
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        if out is None:
+            out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+        self._run(
+            out, x, self.q, self.scales, self.offsets, self.bias, self.kind, self.group_quads
+        )  # fmt: skip
+        return out
+
+    @property
+    def weight_format(self) -> str:
+        return self._format
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"{self._format}, C++ int kernel"
+        )
+
+
+def cpu_int_linears(dtype: torch.dtype, device: torch.device) -> IntLinearMaker | None:
+    """The int kernel's maker where it applies: bfloat16 activations on a CPU with AVX512-BF16
+    or AVX2 + FMA, built here; None elsewhere (a quantized linear then dequantizes in torch)."""
+    flags = cpu_flags()
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        return None
+    if "avx512_bf16" not in flags and not {"avx2", "fma"} <= set(flags):
+        return None
+    try:
+        kernel = CpuIntLinear.build()
+    except KernelBuildError as exc:
+        warnings.warn(f"{exc}; quantized linears dequantize in torch", stacklevel=3)
+        return None
+    if kernel.path == "plain":  # the compiler lacks the instructions the CPU has
+        return None
+    return functools.partial(CpuIntLinearOp, kernel=kernel)

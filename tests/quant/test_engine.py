@@ -1,0 +1,69 @@
+"""A quantized checkpoint through the engine: bound to the C++ int kernel on a bf16 CPU engine,
+reporting what it holds, and computing what the dequantized model computes."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchpage import LLM, SamplingParams
+from batchpage.cpu_info import cpu_flags
+from batchpage.kernels.cpu_int_linear import CpuIntLinear
+from batchpage.ops.int_linear import CpuIntLinearOp
+from batchpage.quant.linear import QuantLinear
+from tests.model_factory import hf_greedy
+from tests.quant.test_formats import PROMPTS, write_quantized
+
+needs_kernel = pytest.mark.skipif(
+    "avx512_bf16" not in cpu_flags() and not {"avx2", "fma"} <= cpu_flags(),
+    reason="the int kernel runs on AVX512-BF16 or AVX2 CPUs",
+)
+
+
+def engine(folder, **kw) -> LLM:
+    return LLM(model=str(folder), block_size=4, max_model_len=64, kv_cache_memory=2**22, **kw)
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["gptq4_asym_desc_act_v2", "awq4_g32", "ct_int8_channel"])
+def test_a_bf16_cpu_engine_runs_quantized_linears_on_the_int_kernel(tmp_path, tokenizer, case):
+    assert CpuIntLinear.build().path != "plain"
+    folder, hf = write_quantized(tmp_path, case)
+    tokenizer.save_pretrained(folder)
+    llm = engine(folder, dtype="bfloat16")
+    model = llm.engine.runner.model
+    ints = [m for m in model.modules() if isinstance(m, CpuIntLinearOp)]
+    assert len(ints) == 8 and not any(isinstance(m, QuantLinear) for m in model.modules())
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], params)
+    # bf16 activations against HF's float32 run of the dequantized weights: the tiny random
+    # model's top logits are far enough apart that the first tokens agree.
+    for out, prompt in zip(outs, PROMPTS, strict=True):
+        assert out.outputs[0].token_ids[:2] == hf_greedy(hf, list(prompt), 2)
+    stats = llm.stats
+    fmt = {"gptq4_asym_desc_act_v2": "gptq_int4", "awq4_g32": "awq_int4"}.get(case, "ct_int8")
+    assert stats["weight_formats"] == {fmt: 8, "bf16": 1}
+    dense = engine(save_dense(tmp_path, hf, tokenizer), dtype="bfloat16")
+    assert stats["weight_bytes"] < dense.engine.weight_bytes
+    assert dense.engine.bind_report.weight_formats == {"bf16": 9}
+
+
+def save_dense(tmp_path, hf, tokenizer):
+    from tests.model_factory import save_hf_folder
+
+    folder = save_hf_folder(hf, tmp_path / "dense")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("case", ["gptq4_sym_g32", "ct_int4_asym_g32"])
+def test_a_float32_engine_runs_quantized_linears_as_hf_runs_the_dequantized_model(
+    tmp_path, tokenizer, case
+):
+    folder, hf = write_quantized(tmp_path, case)
+    tokenizer.save_pretrained(folder)
+    llm = engine(folder, dtype="float32")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], params)
+    for out, prompt in zip(outs, PROMPTS, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, list(prompt), 8)
+    assert llm.stats["weight_formats"]["gptq_int4" if "gptq" in case else "ct_int4"] == 8

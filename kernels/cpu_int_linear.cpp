@@ -135,7 +135,11 @@ void tile(const Problem& pr, int64_t row0, int64_t block) {
   const float* sb = pr.scales + block * pr.groups * kCols;
   const float* ob = pr.offsets + block * pr.groups * kCols;
   const uint16_t* rows[MR];
-  for (int i = 0; i < MR; ++i) rows[i] = pr.x + (row0 + i) * pr.x_stride;
+  uint16_t last[MR][4] = {};
+  for (int i = 0; i < MR; ++i) {
+    rows[i] = pr.x + (row0 + i) * pr.x_stride;
+    for (int64_t k = 4 * full; k < pr.k; ++k) last[i][k - 4 * full] = rows[i][k];
+  }
   __m512 total[MR][2];
   for (int i = 0; i < MR; ++i) total[i][0] = total[i][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < pr.groups; ++g) {
@@ -147,22 +151,22 @@ void tile(const Problem& pr, int64_t row0, int64_t block) {
     for (int i = 0; i < MR; ++i)
       for (int h = 0; h < 2; ++h) acc[i][h][0] = acc[i][h][1] = _mm512_setzero_ps();
     for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* quad = wb + t * bytes;
-      uint32_t xp[MR][2];
-      for (int i = 0; i < MR; ++i) {
-        if (t < full) {
-          std::memcpy(xp[i], rows[i] + 4 * t, sizeof(xp[i]));
-        } else {  // the last quad of a K that is not a multiple of 4
-          xp[i][0] = pair_at(rows[i], 2 * t, pr.k);
-          xp[i][1] = pair_at(rows[i], 2 * t + 1, pr.k);
-        }
-      }
+      // x[4t .. 4t + 3] of each row: in place, or for the last quad of a K that is not a
+      // multiple of 4 from `last`, zero past K
+      const uint16_t* xq[MR];
+      for (int i = 0; i < MR; ++i) xq[i] = t < full ? rows[i] + 4 * t : last[i];
+      // unrolled outright, so that the accumulators are registers, not an array in memory
+#pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         __m512i w[kOps];
-        unpack<KIND>(quad, h, w);
+        unpack<KIND>(wb + t * bytes, h, w);
+#pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 2
           for (int p = 0; p < 2; ++p) {
-            const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[i][p]));
+            uint32_t v;  // a 32-bit load the compiler folds into vdpbf16ps's broadcast
+            std::memcpy(&v, xq[i] + 2 * p, sizeof(v));
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
             __m512& c = acc[i][h][p];
             c = _mm512_dpbf16_ps(c, a, (__m512bh)w[p]);
             if constexpr (KIND == 8) c = _mm512_dpbf16_ps(c, a, (__m512bh)w[2 + p]);

@@ -87,6 +87,28 @@ class IntWeight:
         return dense
 
 
+def as_form(w: IntWeight, bits: int, group_size: int) -> IntWeight:
+    """`w` in a wider form: values stored for `bits` (>= w.bits), groups of `group_size` (which
+    must divide w.group_size); the same weight. Merged linears whose parts a GGUF file stores
+    in different types (Q4_K q/k, Q6_K v) share the widest form."""
+    if (bits, group_size) == (w.bits, w.group_size):
+        return w
+    assert bits >= w.bits and w.group_size % group_size == 0, (w.bits, w.group_size, bits)
+    assert w.perm is None
+    repeat = w.group_size // group_size
+    groups = -(-w.in_features // group_size)
+    values = w.values()
+    packed = pack_nibbles(values) if bits == 4 else values.to(torch.uint8)
+    return IntWeight(
+        packed,
+        w.scales.repeat_interleave(repeat, dim=1)[:, :groups].contiguous(),
+        w.offsets.repeat_interleave(repeat, dim=1)[:, :groups].contiguous(),
+        bits,
+        group_size,
+        w.in_features,
+    )
+
+
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """int [N, K] with values in [0, 16) -> uint8 [N, ceil(K / 2)], k even in the low nibble."""
     assert q.dim() == 2, q.shape

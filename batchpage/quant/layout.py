@@ -9,7 +9,9 @@ not others, or quantizes what batchpage only runs dense (MoE experts, embeddings
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
 
 import torch
 
@@ -35,25 +37,27 @@ def checkpoint_parts(model: CausalLM, name: str, module: Linear) -> list[str]:
     return [parts[i] for i in range(len(parts))]
 
 
-def quantize_layout(model: CausalLM, scheme: QuantScheme, prefixes: set[str]) -> int:
-    """Replace the dense linears whose checkpoint prefixes are in `prefixes` (names without
-    `model.`); returns how many. Raises UnsupportedModelError for quantized tensors no linear
-    takes, ValueError for a merged linear quantized in part."""
-    covered: set[str] = set()
-    replaced = 0
+def quantize_layout(model: CausalLM, schemes: Mapping[str, QuantScheme]) -> dict[str, QuantScheme]:
+    """Replace the dense linears whose checkpoint prefixes (names without `model.`) `schemes`
+    names; returns the scheme each prefix's linear holds (a merged linear whose parts differ,
+    as a GGUF file's may, holds their widest form: `merged_scheme`). Raises
+    UnsupportedModelError for quantized tensors no linear takes, ValueError for a merged linear
+    quantized in part."""
+    held: dict[str, QuantScheme] = {}
     for name, module in list(model.named_modules()):
         if not isinstance(module, Linear):
             continue
         parts = checkpoint_parts(model, name, module)
-        quantized = [p in prefixes for p in parts]
+        quantized = [p in schemes for p in parts]
         if not any(quantized):
             continue
         if not all(quantized):
-            dense = [p for p in parts if p not in prefixes]
+            dense = [p for p in parts if p not in schemes]
             raise ValueError(
                 f"the checkpoint quantizes {name}'s parts but not {dense}, which batchpage "
                 "multiplies as one linear: use a checkpoint that quantizes all of them"
             )
+        scheme = merged_scheme([schemes[p] for p in parts])
         sizes = module.part_sizes if len(parts) > 1 else (module.out_features,)
         layer = QuantLinear(
             module.in_features,
@@ -65,9 +69,8 @@ def quantize_layout(model: CausalLM, scheme: QuantScheme, prefixes: set[str]) ->
         )
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, layer)
-        covered.update(parts)
-        replaced += 1
-    left = sorted(prefixes - covered)
+        held.update(dict.fromkeys(parts, scheme))
+    left = sorted(set(schemes) - set(held))
     if left:
         raise UnsupportedModelError(
             f"the checkpoint holds quantized tensors for {left[:3]} ({len(left)} in all), which "
@@ -75,7 +78,26 @@ def quantize_layout(model: CausalLM, scheme: QuantScheme, prefixes: set[str]) ->
             "linears, not MoE experts or embeddings): use a checkpoint that leaves them "
             "unquantized"
         )
-    return replaced
+    return held
+
+
+def merged_scheme(parts: list[QuantScheme]) -> QuantScheme:
+    """One scheme for the parts of a merged linear: theirs where they agree, else (GGUF types
+    that differ) the widest storage and the finest group, which holds each part exactly."""
+    first = parts[0]
+    if all(p == first for p in parts):
+        return first
+    if any(p.method != "gguf" for p in parts):
+        raise ValueError("the parts of a merged linear are quantized with different schemes")
+    groups = [p.group_size for p in parts]
+    assert None not in groups
+    labels = sorted({p.name for p in parts})
+    return replace(
+        first,
+        bits=max(p.bits for p in parts) if any(p.bits > 4 for p in parts) else 4,
+        group_size=math.gcd(*groups),  # type: ignore[arg-type]
+        label="+".join(labels),
+    )
 
 
 def load_quantized(
@@ -87,7 +109,7 @@ def load_quantized(
     """Ready `model` for a checkpoint of `scheme` whose tensor names are `names`, and return
     its tensor stream as the model loads it (each quantized linear's tensors decoded)."""
     prefixes = quantized_prefixes(names, scheme)
-    quantize_layout(model, scheme, prefixes)
+    quantize_layout(model, dict.fromkeys(prefixes, scheme))
     return decode_stream(weights, scheme, prefixes)
 
 

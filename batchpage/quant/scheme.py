@@ -20,7 +20,7 @@ SUPPORTED = (
     "compressed-tensors (pack-quantized int4/int8 weight-only, int-quantized W8A8)"
 )
 
-Method = Literal["awq", "gptq", "compressed-tensors"]
+Method = Literal["awq", "gptq", "compressed-tensors", "gguf"]
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,14 @@ class QuantScheme:
     zero_stored_minus_one: bool = False
     # compressed-tensors int-quantized: activations quantized per token to int8 at run time.
     int8_activations: bool = False
+    # A GGUF tensor's type name ("q4_1"), the format's name in stats.
+    label: str | None = None
 
     @property
     def name(self) -> str:
-        """The weight format's name in stats: "awq_int4", "gptq_int8", ..."""
+        """The weight format's name in stats: "awq_int4", "gptq_int8", "q4_1", ..."""
+        if self.label is not None:
+            return self.label
         method = {"compressed-tensors": "ct"}.get(self.method, self.method)
         kind = "w8a8" if self.int8_activations else f"int{self.bits}"
         return f"{method}_{kind}"

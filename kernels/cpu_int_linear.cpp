@@ -55,6 +55,7 @@ struct Problem {
   const float* scales;   // [NB][G][32]
   const float* offsets;  // [NB][G][32]: o - C * s
   const float* xsum;     // [M][G]: each row's x summed over each group, float32
+  const float* xf;       // AVX2 only: [M][4 * KQ], x widened to float32, zero past K
   const float* bias;     // [N] or nullptr
   uint16_t* y;           // bf16 bits [M, N], rows `y_stride` apart
   int64_t y_stride;
@@ -63,17 +64,6 @@ struct Problem {
 };
 
 inline int64_t quad_bytes(int kind) { return kind == 4 ? 64 : 128; }
-
-// x[2p] low, x[2p + 1] high; zero past K, so nothing past the row is read (it could be Inf or
-// NaN in the next row, and 0 * Inf is NaN).
-inline uint32_t pair_at(const uint16_t* row, int64_t p, int64_t k) {
-  if (2 * p + 1 < k) {
-    uint32_t v;
-    std::memcpy(&v, row + 2 * p, sizeof(v));
-    return v;
-  }
-  return 2 * p < k ? row[2 * p] : 0;
-}
 
 inline float widen(uint32_t bits16) {
   const uint32_t u = bits16 << 16;
@@ -87,17 +77,19 @@ inline uint16_t round_bf16(float f) {
 }
 
 // Each row's x summed over each group in float32, k in order: the same for a row whatever the
-// batch, so a row's result does not depend on M.
-void group_sums(const Problem& pr, float* out) {
-  const int64_t group = pr.group_quads * 4;
+// batch, so a row's result does not depend on M. With `xf`, x widened to float32 too, [M][4 KQ].
+void prepare_rows(const Problem& pr, float* xsum, float* xf) {
+  const int64_t group = pr.group_quads * 4, width = (pr.k + 3) / 4 * 4;
   at::parallel_for(0, pr.m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint16_t* row = pr.x + r * pr.x_stride;
       for (int64_t g = 0; g < pr.groups; ++g) {
         float s = 0.f;
         for (int64_t k = g * group; k < std::min(pr.k, (g + 1) * group); ++k) s += widen(row[k]);
-        out[r * pr.groups + g] = s;
+        xsum[r * pr.groups + g] = s;
       }
+      if (xf != nullptr)
+        for (int64_t k = 0; k < width; ++k) xf[r * width + k] = k < pr.k ? widen(row[k]) : 0.f;
     }
   });
 }
@@ -152,7 +144,8 @@ void tile(const Problem& pr, int64_t row0, int64_t block) {
       for (int h = 0; h < 2; ++h) acc[i][h][0] = acc[i][h][1] = _mm512_setzero_ps();
     for (int64_t t = t0; t < t1; ++t) {
       // x[4t .. 4t + 3] of each row: in place, or for the last quad of a K that is not a
-      // multiple of 4 from `last`, zero past K
+      // multiple of 4 from `last`, zero past K, so that nothing past a row is read (the next
+      // row's Inf or NaN times a padded q's 128 would be NaN)
       const uint16_t* xq[MR];
       for (int i = 0; i < MR; ++i) xq[i] = t < full ? rows[i] + 4 * t : last[i];
       // unrolled outright, so that the accumulators are registers, not an array in memory
@@ -207,74 +200,76 @@ constexpr int kRows = BATCHPAGE_INT_ROWS;
 const char* const kPath = "avx512_bf16";
 
 #elif defined(BATCHPAGE_AVX2)
-// AVX2 + FMA: one quad's half h, columns 8c .. 8c + 7 (c < 2), as 32-bit lanes holding the
-// 0x4300 | q pairs of (k even, k odd); w[2p] and w[2p + 1] are pair p's (and, kind 8, w[4 + 2p],
-// w[5 + 2p] the bit-7 terms). As float32: even = lane << 16, odd = lane & 0xFFFF0000.
+// AVX2 + FMA: pair p of one quad's half h, columns 8c .. 8c + 7 (c < 2), as 32-bit lanes holding
+// the 0x4300 | q pairs of (k even, k odd), as float32: w[0] (k even) = lane << 16, w[1] (k odd)
+// = lane & 0xFFFF0000; kind 8 adds the bit-7 terms in w[2], w[3].
 template <int KIND>
-inline void unpack8(const uint8_t* quad, int h, int c, __m256* w) {
+inline void unpack8(const uint8_t* quad, int h, int c, int p, __m256* w) {
   const __m256i bf = _mm256_set1_epi16(0x4300), high = _mm256_set1_epi32(int(0xFFFF0000u));
   auto split = [&](__m256i v, __m256* out) {
     out[0] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
     out[1] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
   };
+  const int64_t at = (KIND == 4 ? 0 : 64 * p) + 32 * h + 16 * c;
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(quad + at)));
   if constexpr (KIND == 4) {
-    const __m256i v =
-        _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(quad + 32 * h + 16 * c)));
-    split(_mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(0x000F)), bf), w);
-    split(_mm256_or_si256(_mm256_srli_epi16(v, 4), bf), w + 2);
+    const __m256i nibble = p == 0 ? _mm256_and_si256(v, _mm256_set1_epi16(0x000F))
+                                  : _mm256_srli_epi16(v, 4);
+    split(_mm256_or_si256(nibble, bf), w);
+  } else if constexpr (KIND == 7) {
+    split(_mm256_or_si256(v, bf), w);
   } else {
-    for (int p = 0; p < 2; ++p) {
-      const __m256i v = _mm256_cvtepu8_epi16(
-          _mm_loadu_si128((const __m128i*)(quad + 64 * p + 32 * h + 16 * c)));
-      if constexpr (KIND == 7) {
-        split(_mm256_or_si256(v, bf), w + 2 * p);
-      } else {
-        split(_mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(0x007F)), bf), w + 2 * p);
-        split(_mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(0x0080)), bf), w + 4 + 2 * p);
-      }
-    }
+    split(_mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(0x007F)), bf), w);
+    split(_mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(0x0080)), bf), w + 2);
   }
 }
 
-// MR rows against one block, 8 columns at a time (16 ymm hold MR * 4 accumulators, the operands
-// and x); the running totals live in memory, touched once per group.
+// MR rows against one block, from x widened to float32 (`xf`, zero past K): per quad, four
+// 8-column slices, MR * 4 accumulators of 16 ymm; the running totals live in memory, touched
+// once per group.
 template <int KIND, int MR>
 void tile(const Problem& pr, int64_t row0, int64_t block) {
-  constexpr int kOps = KIND == 8 ? 8 : 4;
   const int64_t kq = (pr.k + 3) / 4, bytes = quad_bytes(KIND);
   const uint8_t* wb = pr.q + block * kq * bytes;
   const float* sb = pr.scales + block * pr.groups * kCols;
   const float* ob = pr.offsets + block * pr.groups * kCols;
+  const float* rows[MR];
+  for (int i = 0; i < MR; ++i) rows[i] = pr.xf + (row0 + i) * 4 * kq;
   alignas(32) float total[MR][kCols] = {};
   for (int64_t g = 0; g < pr.groups; ++g) {
     const int64_t t0 = g * pr.group_quads, t1 = std::min(kq, t0 + pr.group_quads);
-    for (int c8 = 0; c8 < 4; ++c8) {  // 8-column slice: half c8 / 2, within it c8 % 2
-      __m256 acc[MR];
-      for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
-      for (int64_t t = t0; t < t1; ++t) {
-        __m256 w[kOps];
-        unpack8<KIND>(wb + t * bytes, c8 / 2, c8 % 2, w);
-        for (int i = 0; i < MR; ++i) {
-          const uint16_t* row = pr.x + (row0 + i) * pr.x_stride;
-          for (int p = 0; p < 2; ++p) {
-            const uint32_t v = pair_at(row, 2 * t + p, pr.k);
-            const __m256 lo = _mm256_set1_ps(widen(v & 0xFFFF));
-            const __m256 hi = _mm256_set1_ps(widen(v >> 16));
-            acc[i] = _mm256_fmadd_ps(lo, w[2 * p], acc[i]);
-            acc[i] = _mm256_fmadd_ps(hi, w[2 * p + 1], acc[i]);
+    __m256 acc[MR][4];
+    for (int i = 0; i < MR; ++i)
+      for (int c8 = 0; c8 < 4; ++c8) acc[i][c8] = _mm256_setzero_ps();
+    for (int64_t t = t0; t < t1; ++t) {
+#pragma GCC unroll 4
+      for (int c8 = 0; c8 < 4; ++c8) {  // 8-column slice: half c8 / 2, within it c8 % 2
+#pragma GCC unroll 2
+        for (int p = 0; p < 2; ++p) {
+          __m256 w[KIND == 8 ? 4 : 2];
+          unpack8<KIND>(wb + t * bytes, c8 / 2, c8 % 2, p, w);
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) {
+            const __m256 lo = _mm256_broadcast_ss(rows[i] + 4 * t + 2 * p);
+            const __m256 hi = _mm256_broadcast_ss(rows[i] + 4 * t + 2 * p + 1);
+            acc[i][c8] = _mm256_fmadd_ps(lo, w[0], acc[i][c8]);
+            acc[i][c8] = _mm256_fmadd_ps(hi, w[1], acc[i][c8]);
             if constexpr (KIND == 8) {
-              acc[i] = _mm256_fmadd_ps(lo, w[4 + 2 * p], acc[i]);
-              acc[i] = _mm256_fmadd_ps(hi, w[5 + 2 * p], acc[i]);
+              acc[i][c8] = _mm256_fmadd_ps(lo, w[2], acc[i][c8]);
+              acc[i][c8] = _mm256_fmadd_ps(hi, w[3], acc[i][c8]);
             }
           }
         }
       }
+    }
+    for (int c8 = 0; c8 < 4; ++c8) {
       const __m256 s = _mm256_loadu_ps(sb + g * kCols + 8 * c8);
       const __m256 o = _mm256_loadu_ps(ob + g * kCols + 8 * c8);
       for (int i = 0; i < MR; ++i) {
         const __m256 xs = _mm256_set1_ps(pr.xsum[(row0 + i) * pr.groups + g]);
         float* tp = total[i] + 8 * c8;
-        _mm256_store_ps(tp, _mm256_fmadd_ps(o, xs, _mm256_fmadd_ps(s, acc[i], _mm256_load_ps(tp))));
+        const __m256 sum = _mm256_fmadd_ps(s, acc[i][c8], _mm256_load_ps(tp));
+        _mm256_store_ps(tp, _mm256_fmadd_ps(o, xs, sum));
       }
     }
   }
@@ -286,8 +281,9 @@ void tile(const Problem& pr, int64_t row0, int64_t block) {
     }
 }
 
-constexpr int kRows = 3;
+constexpr int kRows = 2;
 const char* const kPath = "avx2";
+#define BATCHPAGE_INT_WIDEN 1  // the tiles read x widened to float32
 
 #else
 // Without AVX2 (never chosen by the engine; it keeps the packed layout testable on any CPU):
@@ -365,12 +361,18 @@ void linear(torch::Tensor out,                    // bf16 [M, N], dense
   const int64_t m = x.size(0), groups = scales.size(1);
   if (m == 0) return;
   std::vector<float> xsum(static_cast<size_t>(m * groups));
+#ifdef BATCHPAGE_INT_WIDEN
+  std::vector<float> xf(static_cast<size_t>(m * ((x.size(1) + 3) / 4 * 4)));
+#else
+  std::vector<float> xf;
+#endif
   const Problem pr{reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
                    x.stride(0),
                    q.data_ptr<uint8_t>(),
                    scales.data_ptr<float>(),
                    offsets.data_ptr<float>(),
                    xsum.data(),
+                   xf.empty() ? nullptr : xf.data(),
                    bias.has_value() ? bias->data_ptr<float>() : nullptr,
                    reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
                    out.stride(0),
@@ -379,7 +381,7 @@ void linear(torch::Tensor out,                    // bf16 [M, N], dense
                    x.size(1),
                    groups,
                    group_quads};
-  group_sums(pr, xsum.data());
+  prepare_rows(pr, xsum.data(), xf.empty() ? nullptr : xf.data());
   const int64_t blocks = q.size(0);
   // As in cpu_bf16_linear.cpp: blocks alone where there are several per thread, else the rows
   // split too, into groups of whole tiles, some 4 items per thread.
@@ -394,6 +396,7 @@ void linear(torch::Tensor out,                    // bf16 [M, N], dense
       part.x = pr.x + row0 * pr.x_stride;
       part.y = pr.y + row0 * pr.y_stride;
       part.xsum = pr.xsum + row0 * groups;
+      if (pr.xf != nullptr) part.xf = pr.xf + row0 * ((pr.k + 3) / 4 * 4);
       part.m = std::min(part_rows, m - row0);
       const int64_t block = item % blocks;
       if (kind == 4) run_block<4>(part, block);

@@ -41,7 +41,13 @@ class LLM:
         self.chat_template = resolve_chat_template(cfg.chat_template)  # None: the model's own
         self.plan = plan = plan_engine(cfg, source)
         self.max_model_len = plan.max_model_len
-        loaded = load_model(source, plan.dtype, plan.device, max_positions=plan.max_model_len)
+        loaded = load_model(
+            source,
+            plan.dtype,
+            plan.device,
+            max_positions=plan.max_model_len,
+            quantized=cfg.quantized_weights,
+        )
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.engine = Engine(loaded.model, loaded.tokenizer, loaded.config, cfg, plan)

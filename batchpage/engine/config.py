@@ -30,6 +30,10 @@ class EngineConfig:
     # AVX512-BF16, else prepacks weights for oneDNN where it can; "avx512_bf16" and "onednn"
     # require theirs; "torch" keeps F.linear.
     linear_backend: str = "auto"
+    # A quantized checkpoint (AWQ, GPTQ, compressed-tensors, a GGUF file's Q4_0/Q4_1/Q8_0/K-quant
+    # linears) keeps its integer weights and runs them quantized (batchpage/quant); False
+    # dequantizes them once at load into the engine's dtype.
+    quantized_weights: bool = True
     kv_allocator: str = "paged"
     schedule: str = "prefix"
     preemption_mode: str = "recompute"

@@ -64,8 +64,8 @@ def read_gguf_header(path: Path) -> GGUFHeader:
             return _HeaderParser(path, buf, size).parse()
 
 
-def read_tensor(data: np.ndarray, header: GGUFHeader, t: TensorInfo) -> torch.Tensor:
-    """Dequantize one tensor to float32, shaped torch-style (rows first: [out, in])."""
+def read_raw_rows(data: np.ndarray, header: GGUFHeader, t: TensorInfo) -> np.ndarray:
+    """One tensor's bytes, uint8 [rows, bytes per row] (a row: ne0 values in its blocks)."""
     qtype = GGMLQuantizationType(t.ggml_type)  # checked against GGML_QUANT_SIZES in the header
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     row_len, rows = t.shape[0], int(np.prod(t.shape[1:], dtype=np.int64))
@@ -75,7 +75,13 @@ def read_tensor(data: np.ndarray, header: GGUFHeader, t: TensorInfo) -> torch.Te
             f"{header.path}: tensor {_shown(t.name)} ends at byte {start + t.nbytes:,} but the "
             f"file has {data.size:,}: was it replaced while loading? {_FIX}"
         )
-    raw = data[start : start + t.nbytes].reshape(rows, row_len // block * block_bytes)
+    return data[start : start + t.nbytes].reshape(rows, row_len // block * block_bytes)
+
+
+def read_tensor(data: np.ndarray, header: GGUFHeader, t: TensorInfo) -> torch.Tensor:
+    """Dequantize one tensor to float32, shaped torch-style (rows first: [out, in])."""
+    qtype = GGMLQuantizationType(t.ggml_type)
+    raw = read_raw_rows(data, header, t)
     try:
         arr = dequantize(raw, qtype).reshape(tuple(reversed(t.shape)))
     except NotImplementedError:

@@ -26,6 +26,7 @@ from batchpage.model.gguf_loader import load_gguf_model
 from batchpage.model.hf_checks import check_weights, read_shapes
 from batchpage.model.hf_loader import load_hf_model, read_hf_config, safetensors_files
 from batchpage.model.tokenizer import Tokenizer, check_hf_tokenizer_files
+from batchpage.quant.layout import dequantize_layout
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +156,11 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
+    quantized: bool = True,
 ) -> LoadedModel:
     """Load weights and tokenizer. max_positions sizes the RoPE tables (default: the model's
-    max_model_len); pass the engine's max_model_len."""
+    max_model_len); pass the engine's max_model_len. `quantized` keeps a quantized
+    checkpoint's integer weights (False: dequantized into `dtype` at load)."""
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
     torch_dtype = resolve_dtype(dtype, source.config, device)
     # Stages a job's progress shows as they happen: weights take seconds to minutes.
@@ -165,8 +168,10 @@ def load_model(
     start = time.perf_counter()
     if source.kind == "hf":
         net, config = load_hf_model(source.path, torch_dtype, device, max_positions)
+        if not quantized:
+            dequantize_layout(net)
     else:
-        net, config = load_gguf_model(source.path, torch_dtype, device, max_positions)
+        net, config = load_gguf_model(source.path, torch_dtype, device, max_positions, quantized)
     log.info("weights loaded in %.1f s", time.perf_counter() - start)
     return LoadedModel(net, load_tokenizer(source, config.eos_token_ids), config, source)
 

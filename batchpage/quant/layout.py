@@ -17,7 +17,7 @@ import torch
 
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import UnsupportedModelError
-from batchpage.model.layers import MergedLinear
+from batchpage.model.layers import MergedLinear, linear, merged_linear
 from batchpage.ops.linear import Linear
 from batchpage.quant.formats import decode_stream, quantized_prefixes
 from batchpage.quant.linear import QuantLinear
@@ -122,3 +122,28 @@ def check_quantized(model: CausalLM) -> None:
                 module.int_weight()
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
+
+
+@torch.no_grad()
+def dequantize_layout(model: CausalLM) -> int:
+    """Replace every loaded QuantLinear by a dense linear of the model's dtype holding its
+    dequantized weight (engine option quantized_weights=False); returns how many."""
+    quantized = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    for name, module in quantized:
+        dtype = module.bias.dtype if module.bias is not None else model.embed_tokens.weight.dtype
+        if len(module.part_sizes) > 1:
+            dense: Linear = merged_linear(
+                module.in_features, module.part_sizes, module.bias is not None, dtype,
+                module.packed.device,
+            )  # fmt: skip
+        else:
+            dense = linear(
+                module.in_features, module.out_features, module.bias is not None, dtype,
+                module.packed.device,
+            )  # fmt: skip
+        dense.weight.copy_(module.int_weight().dequantize(torch.float32))
+        if module.bias is not None:
+            dense.bias.copy_(module.bias)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, dense)
+    return len(quantized)

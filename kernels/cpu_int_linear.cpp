@@ -11,7 +11,9 @@
 //   7: q < 128 in bytes (5- to 7-bit), C = 128, the same.
 //   8: 8-bit q in bytes: q = lo7 + 128 * b7, where (w & 0x7F) | 0x4300 is 128 + lo7 and
 //      (w & 0x80) | 0x4300 is 128 or 256 (bit 7 is the exponent's lowest bit): two vdpbf16ps
-//      into one accumulator give (q + 256) * x, C = 256.
+//      into one accumulator give (q + 256) * x, C = 256. (Two nibble planes, 0x4300 | lo and
+//      0x4500 | hi, would take the same two vdpbf16ps and a shift more; converting q through
+//      float32 takes one vdpbf16ps but four conversions, slower for few rows.)
 //
 // Layout, uint8 [NB][KQ][B] with NB = ceil(N / 32), KQ = ceil(K / 4) k-quads of one 32-column
 // block, B = 64 (kind 4) or 128 bytes. In one quad t, for pair p (k = 4t + 2p, 4t + 2p + 1),

@@ -142,7 +142,7 @@ class CausalLM(nn.Module):
             quantized = [(n, m) for n, m in self.named_modules() if isinstance(m, QuantLinear)]
             for name, module in quantized:
                 parent, _, leaf = name.rpartition(".")
-                made = method.make_int(module.int_weight(), module.bias, module.weight_format)
+                made = method.make_int(module.int_weight(), module.bias, module.scheme)
                 setattr(self.get_submodule(parent), leaf, made)
             replaced += len(quantized)
         if method.make is not None:

@@ -18,7 +18,9 @@ from batchpage.cpu_info import cpu_flags
 from batchpage.kernels.cpu_build import KernelBuildError
 from batchpage.kernels.cpu_int_linear import CpuIntLinear, pack_int_weight
 from batchpage.ops.linear import IntLinearMaker, LinearOp
+from batchpage.quant.activations import quantize_rows_int8
 from batchpage.quant.int_weight import IntWeight
+from batchpage.quant.scheme import QuantScheme
 
 
 class CpuIntLinearOp(LinearOp):
@@ -26,11 +28,16 @@ class CpuIntLinearOp(LinearOp):
     x's columns are permuted first (one index_select: the kernel reads the stored order)."""
 
     def __init__(
-        self, weight: IntWeight, bias: torch.Tensor | None, fmt: str, kernel: CpuIntLinear
+        self,
+        weight: IntWeight,
+        bias: torch.Tensor | None,
+        scheme: QuantScheme,
+        kernel: CpuIntLinear,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.out_features, weight.in_features
-        self._format = fmt
+        self._format = scheme.name
+        self.int8_activations = scheme.int8_activations
         self._run = kernel.raw.linear
         packed = pack_int_weight(weight)
         self.kind, self.group_quads = packed.kind, packed.group_quads
@@ -47,6 +54,16 @@ class CpuIntLinearOp(LinearOp):
         assert x.shape[1] == self.in_features, (x.shape, self.in_features)
         if self.perm is not None:
             x = x.index_select(1, self.perm)
+        if self.int8_activations:  # W8A8: the rows' int8 values (exact in bf16), scaled after
+            values, row_scales = quantize_rows_int8(x)
+            y = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+            self._run(
+                y, values, self.q, self.scales, self.offsets, None, self.kind, self.group_quads
+            )  # fmt: skip
+            y = y.float() * row_scales
+            if self.bias is not None:
+                y += self.bias
+            return y.to(torch.bfloat16)
         if out is None:
             out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
         self._run(

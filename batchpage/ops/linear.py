@@ -19,6 +19,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from batchpage.quant.int_weight import IntWeight
+    from batchpage.quant.scheme import QuantScheme
 
 
 class LinearOp(nn.Module):
@@ -82,8 +83,8 @@ class Linear(nn.Linear, LinearOp):
 LinearMaker = Callable[[torch.Tensor, torch.Tensor | None], LinearOp]
 # merged [gate | up] weight [2I, in] -> a module whose output is SiLU(x @ gate.T) * (x @ up.T)
 SiluMulMaker = Callable[[torch.Tensor], LinearOp]
-# a quantized linear's IntWeight, bias [out] or None, format name -> the implementation's module
-IntLinearMaker = Callable[["IntWeight", torch.Tensor | None, str], LinearOp]
+# a quantized linear's IntWeight, bias [out] or None, its scheme -> the implementation's module
+IntLinearMaker = Callable[["IntWeight", torch.Tensor | None, "QuantScheme"], LinearOp]
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchpage.ops.linear import LinearOp
+from batchpage.quant.activations import quantize_rows_int8
 from batchpage.quant.int_weight import IntWeight
 from batchpage.quant.scheme import QuantScheme
 
@@ -89,6 +90,11 @@ class QuantLinear(LinearOp):
         weight = self.int_weight()
         if weight.perm is not None:
             x = x.index_select(1, weight.perm)
+        if self.scheme.int8_activations:  # W8A8: int8 rows times int8 weights, then the scales
+            values, row_scales = quantize_rows_int8(x)
+            dense = weight.dequantize_stored(torch.float32)
+            y = F.linear(values.float(), dense) * row_scales
+            return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
         dense = weight.dequantize_stored(torch.float32).to(x.dtype)
         return F.linear(x, dense, self.bias)
 

@@ -4,6 +4,8 @@ linear_backend choice, and the same greedy tokens through the engine with each."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ from batchpage.cpu_info import cpu_flags
 from batchpage.model.hf_loader import load_hf_model
 from batchpage.model.layers import GatedMLP
 from batchpage.ops.bf16_linear import Bf16DotLinear, Bf16SiluMulLinear, bf16_linears
+from batchpage.ops.int_linear import CpuIntLinearOp
 from batchpage.ops.layer_ops import LayerOps
 from batchpage.ops.linear import TORCH_LINEARS, Linear
 from batchpage.ops.onednn_linear import ONEDNN_LINEARS, OneDnnLinear, onednn_packs
@@ -127,12 +130,18 @@ def test_linear_backend_choice():
             for method in (auto, select_linears("avx512_bf16", dtype, CPU)):
                 assert method.make.func is Bf16DotLinear
                 assert method.silu_mul.func is Bf16SiluMulLinear
+                assert method.make_int.func is CpuIntLinearOp
         else:
-            assert auto is (ONEDNN_LINEARS if onednn_packs(dtype, CPU) else TORCH_LINEARS)
+            dense = replace(auto, make_int=None)
+            assert dense == (ONEDNN_LINEARS if onednn_packs(dtype, CPU) else TORCH_LINEARS)
             with pytest.raises(ValueError, match="linear_backend='avx512_bf16' needs bfloat16"):
                 select_linears("avx512_bf16", dtype, CPU)
         if onednn_packs(dtype, CPU):
-            assert select_linears("onednn", dtype, CPU) is ONEDNN_LINEARS
+            onednn = select_linears("onednn", dtype, CPU)
+            assert replace(onednn, make_int=None) == ONEDNN_LINEARS
+            # A quantized checkpoint's linears: the int kernel for bf16 activations only.
+            int_isa = "avx512_bf16" in flags or {"avx2", "fma"} <= flags
+            assert (onednn.make_int is not None) == (dtype == torch.bfloat16 and int_isa)
         else:
             with pytest.raises(ValueError, match="linear_backend='onednn' cannot pack"):
                 select_linears("onednn", dtype, CPU)

@@ -110,3 +110,24 @@ def compressed_tensors(qz: Quantized, bits: int, sym: bool) -> dict[str, torch.T
             (qz.zero - half).to(torch.int8), bits, packed_dim=0
         )
     return out
+
+
+def compressed_int8(qz: Quantized) -> dict[str, torch.Tensor]:
+    """compressed-tensors' int-quantized (W8A8): the signed int8 weight as it is, with its
+    per-channel scale."""
+    return {"weight": (qz.q - 128).to(torch.int8), "weight_scale": qz.scale.half()}
+
+
+def quantize_linear_inputs(model: torch.nn.Module, suffixes: tuple[str, ...]) -> None:
+    """Make an HF model's linears (those whose names end in `suffixes`) see their inputs as
+    W8A8 does: each token's row rounded to a multiple of its own max |x| / 127. A plain-torch
+    reference of dynamic per-token activation quantization, independent of batchpage's."""
+
+    def hook(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        (x,) = args
+        step = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 127
+        return (torch.round(x / step).clamp(-128, 127) * step,)
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.endswith(suffixes):
+            module.register_forward_pre_hook(hook)

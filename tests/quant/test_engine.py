@@ -24,7 +24,9 @@ def engine(folder, **kw) -> LLM:
 
 
 @needs_kernel
-@pytest.mark.parametrize("case", ["gptq4_asym_desc_act_v2", "awq4_g32", "ct_int8_channel"])
+@pytest.mark.parametrize(
+    "case", ["gptq4_asym_desc_act_v2", "awq4_g32", "ct_int8_channel", "ct_w8a8"]
+)
 def test_a_bf16_cpu_engine_runs_quantized_linears_on_the_int_kernel(tmp_path, tokenizer, case):
     assert CpuIntLinear.build().path != "plain"
     folder, hf = write_quantized(tmp_path, case)
@@ -40,7 +42,8 @@ def test_a_bf16_cpu_engine_runs_quantized_linears_on_the_int_kernel(tmp_path, to
     for out, prompt in zip(outs, PROMPTS, strict=True):
         assert out.outputs[0].token_ids[:2] == hf_greedy(hf, list(prompt), 2)
     stats = llm.stats
-    fmt = {"gptq4_asym_desc_act_v2": "gptq_int4", "awq4_g32": "awq_int4"}.get(case, "ct_int8")
+    fmt = {"gptq4_asym_desc_act_v2": "gptq_int4", "awq4_g32": "awq_int4", "ct_w8a8": "ct_w8a8"}
+    fmt = fmt.get(case, "ct_int8")
     assert stats["weight_formats"] == {fmt: 8, "bf16": 1}
     dense = engine(save_dense(tmp_path, hf, tokenizer), dtype="bfloat16")
     assert stats["weight_bytes"] < dense.engine.weight_bytes
@@ -55,7 +58,7 @@ def save_dense(tmp_path, hf, tokenizer):
     return folder
 
 
-@pytest.mark.parametrize("case", ["gptq4_sym_g32", "ct_int4_asym_g32"])
+@pytest.mark.parametrize("case", ["gptq4_sym_g32", "ct_int4_asym_g32", "ct_w8a8"])
 def test_a_float32_engine_runs_quantized_linears_as_hf_runs_the_dequantized_model(
     tmp_path, tokenizer, case
 ):
@@ -66,4 +69,5 @@ def test_a_float32_engine_runs_quantized_linears_as_hf_runs_the_dequantized_mode
     outs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], params)
     for out, prompt in zip(outs, PROMPTS, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, list(prompt), 8)
-    assert llm.stats["weight_formats"]["gptq_int4" if "gptq" in case else "ct_int4"] == 8
+    fmt = {"gptq4_sym_g32": "gptq_int4", "ct_int4_asym_g32": "ct_int4", "ct_w8a8": "ct_w8a8"}
+    assert llm.stats["weight_formats"][fmt[case]] == 8

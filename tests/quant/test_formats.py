@@ -122,6 +122,28 @@ CASES = {
         lambda qz: packers.compressed_tensors(qz, 8, sym=True),
         dict(bits=8, group=None, sym=True),
     ),
+    "ct_w8a8": (
+        {
+            "quant_method": "compressed-tensors",
+            "format": "int-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+                    "input_activations": {
+                        "num_bits": 8,
+                        "type": "int",
+                        "strategy": "token",
+                        "dynamic": True,
+                        "symmetric": True,
+                    },
+                }
+            },
+            "ignore": ["lm_head"],
+        },
+        packers.compressed_int8,
+        dict(bits=8, group=None, sym=True),
+    ),
 }
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -147,6 +169,8 @@ def write_quantized(tmp_path, case: str, quantize_head: bool = False, pack=None)
         tensors.update({f"{prefix}.{leaf}": t for leaf, t in pack(qz).items()})
         hf.get_parameter(name).data.copy_(qz.dense)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    if case == "ct_w8a8":  # the reference sees the activations W8A8 multiplies
+        packers.quantize_linear_inputs(hf, LINEARS)
     cfg = json.loads((folder / "config.json").read_text())
     config = {**config, "lm_head": quantize_head} if config["quant_method"] == "gptq" else config
     (folder / "config.json").write_text(json.dumps({**cfg, "quantization_config": config}))

@@ -79,6 +79,10 @@ class CausalLM(nn.Module):
         # A tied model's lm_head in its linear method's layout, set by bind (the embedding keeps
         # its plain table for lookups); None: the embedding table itself multiplies.
         self.tied_head: LinearOp | None = None
+        # A tied model whose file stores the embedding table quantized (a GGUF's Q8_0
+        # token_embd): that table as a quantized linear, which bind makes the tied head, as
+        # llama.cpp multiplies it; the embedding keeps a dequantized copy for lookups.
+        self.tied_quant: QuantLinear | None = None
         self.bound: ModelOps | None = None  # set once, by bind
 
     def make_layer(
@@ -115,6 +119,8 @@ class CausalLM(nn.Module):
             return self.lm_head(hidden)
         if self.tied_head is not None:
             return self.tied_head(hidden)
+        if self.tied_quant is not None:
+            return self.tied_quant(hidden)
         return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
 
     @torch.no_grad()
@@ -139,19 +145,25 @@ class CausalLM(nn.Module):
                     mlp.gate_up_activated = True
         replaced, extra = 0, 0
         if method.make_int is not None:
+            if self.tied_quant is not None:
+                weight = self.tied_quant.int_weight()
+                self.tied_head = method.make_int(weight, None, self.tied_quant.scheme)
+                self.tied_quant = None
             quantized = [(n, m) for n, m in self.named_modules() if isinstance(m, QuantLinear)]
             for name, module in quantized:
                 parent, _, leaf = name.rpartition(".")
                 made = method.make_int(module.int_weight(), module.bias, module.scheme)
                 setattr(self.get_submodule(parent), leaf, made)
             replaced += len(quantized)
+        if self.tied_quant is not None:  # no integer kernel here: it dequantizes in torch
+            self.tied_head, self.tied_quant = self.tied_quant, None
         if method.make is not None:
             dense = [(n, m) for n, m in self.named_modules() if isinstance(m, Linear)]
             for name, module in dense:
                 parent, _, leaf = name.rpartition(".")
                 setattr(self.get_submodule(parent), leaf, method.make(module.weight, module.bias))
             replaced += len(dense)
-            if self.lm_head is None:
+            if self.lm_head is None and self.tied_head is None:
                 table = self.embed_tokens.weight
                 self.tied_head = method.make(table, None)
                 extra = table.numel() * table.element_size()
@@ -186,7 +198,8 @@ class CausalLM(nn.Module):
         for m in self.modules():  # the lm_head, or a tied model's copy, among them
             if isinstance(m, LinearOp):
                 formats[m.weight_format] = formats.get(m.weight_format, 0) + 1
-        if self.lm_head is None and self.tied_head is None:  # the embedding table multiplies
+        tied = (self.tied_head, self.tied_quant)
+        if self.lm_head is None and tied == (None, None):  # the embedding table multiplies
             name = dtype_format(self.embed_tokens.weight.dtype)
             formats[name] = formats.get(name, 0) + 1
         return formats

@@ -33,6 +33,7 @@ from batchpage.model.gguf_file import (
 from batchpage.quant.gguf_blocks import GGUF_INT_TYPES
 from batchpage.quant.int_weight import IntWeight, as_form
 from batchpage.quant.layout import quantize_layout
+from batchpage.quant.linear import QuantLinear
 from batchpage.quant.scheme import QuantScheme
 
 _TOP_LEVEL = {
@@ -130,6 +131,10 @@ def _iter_tensors(
             continue  # already in cfg.rope_scaling
         name = gguf_to_hf_name(t.name, cfg.family)
         prefix = name.removeprefix("model.").removesuffix(".weight")
+        if prefix == "embed_tokens" and "tied_quant" in held:  # the tied head's table too
+            weight = _int_weight(data, header, t, held["tied_quant"])
+            for leaf in ("packed", "scales", "offsets"):
+                yield f"tied_quant.{leaf}", getattr(weight, leaf)
         if prefix in held:
             weight = _int_weight(data, header, t, held[prefix])
             order = _rows_to_hf(path, t, cfg, weight.out_features)
@@ -156,5 +161,15 @@ def load_gguf_model(
     check_declared_size(path, header, cfg)  # before sizes from the header allocate memory
     model = build_model(cfg, dtype, device, max_positions)
     held = quantize_layout(model, int_schemes(header, cfg)) if quantized else {}
+    embed = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
+    form = None if embed is None else GGUF_INT_TYPES.get(embed.ggml_type)
+    if quantized and cfg.tie_word_embeddings and form is not None:
+        scheme = QuantScheme(
+            "gguf", form.bits, form.group_size, symmetric=False, act_order=False, label=form.name
+        )
+        model.tied_quant = QuantLinear(
+            cfg.hidden_size, (cfg.vocab_size,), False, scheme, dtype, torch.device(device)
+        )
+        held["tied_quant"] = scheme
     model.load_weights(_iter_tensors(path, header, cfg, held))
     return model.eval(), cfg

@@ -161,6 +161,8 @@ def test_unpermute_inverts_llama_cpp_permute():
         ("llama_linear_rope", "llama", "F32"),
         ("qwen2_bias_gqa", "qwen2", "F32"),
         ("qwen3_tied", "qwen3", "Q8_0"),  # q/k norms, head_dim 24 as attention.key_length
+        ("llama_gqa_tied", "llama", "Q4_1"),  # the bundled model's types: Q4_1, a Q8_0 table
+        ("qwen2_bias_gqa", "qwen2", "Q4_0"),
     ],
 )
 def test_tiny_gguf_matches_transformers(tmp_path, variant, arch, matrix_type):
@@ -174,6 +176,14 @@ def test_tiny_gguf_matches_transformers(tmp_path, variant, arch, matrix_type):
     assert cfg.head_dim == model.layers[0].self_attn.head_dim == getattr(hf.config, "head_dim", 16)
     ids = list(range(3, 50))  # past the llama3 variant's 32-token original length
     torch.testing.assert_close(prefill_logits(model, ids), hf_logits(hf, ids), atol=1e-4, rtol=0)
+    # Quantized matrices stay integers (the q/k rows restored on them), F16/F32 ones dense; a
+    # tied model's Q8_0 table is also its quantized head.
+    want = {matrix_type.lower(): 4 * 2} if matrix_type.startswith("Q") else {"f32": 4 * 2}
+    if cfg.tie_word_embeddings:
+        want["q8_0"] = want.get("q8_0", 0) + 1
+    else:
+        want["f32" if matrix_type.startswith("F") else matrix_type.lower()] += 1
+    assert model.weight_formats() == want
 
 
 @pytest.mark.parametrize(

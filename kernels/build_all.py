@@ -1,4 +1,4 @@
-"""python -m batchpage.kernels.build_all: build the four C++ CPU kernels now (`make setup` runs
+"""python -m batchpage.kernels.build_all: build the five C++ CPU kernels now (`make setup` runs
 it), so that the first job starts generating at once instead of compiling for minutes.
 
 Each kernel is built through its own builder (cpu_build.py caches the library by content), and
@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from batchpage.kernels.cpu_bf16_linear import CpuBf16Linear
 from batchpage.kernels.cpu_build import KernelBuildError
+from batchpage.kernels.cpu_int_linear import CpuIntLinear
 from batchpage.kernels.cpu_layer_ops import CpuLayerOps
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
 from batchpage.kernels.cpu_paged_prefill import CpuPagedPrefill
@@ -27,6 +28,7 @@ def builders() -> list[tuple[str, Callable[[], object]]]:
         ("the CPU paged-prefill kernel", CpuPagedPrefill.build),
         ("the CPU layer ops", CpuLayerOps.build),
         ("the bf16 linear", CpuBf16Linear.build),
+        ("the int linear", CpuIntLinear.build),
     ]
 
 

@@ -30,9 +30,9 @@ from batchpage.model.gguf_file import (
     read_raw_rows,
     read_tensor,
 )
-from batchpage.quant.gguf_blocks import GGUF_INT_TYPES
+from batchpage.model.quant_layout import quantize_layout
+from batchpage.quant.gguf_types import GGUF_INT_TYPES
 from batchpage.quant.int_weight import IntWeight, as_form
-from batchpage.quant.layout import quantize_layout
 from batchpage.quant.linear import QuantLinear
 from batchpage.quant.scheme import QuantScheme
 

@@ -67,7 +67,7 @@ def check_weights(folder: Path, cfg: ModelConfig, shapes: Shapes) -> int:
     of its shape, no tensor unknown to the architecture). Returns its parameter count. Raises
     ValueError naming the folder, the tensor and the sizes."""
     from batchpage.model.families import build_model  # the model classes import this package
-    from batchpage.quant.layout import load_quantized
+    from batchpage.model.quant_layout import load_quantized
 
     # Every layer has tensors of its own: a layer count beyond the number of tensors is refused
     # before the meta model is built (that takes time linear in the layers).

@@ -18,7 +18,7 @@ from batchpage.model.config import ModelConfig
 from batchpage.model.families import build_model
 from batchpage.model.hf_checks import read_index, read_shapes
 from batchpage.model.hf_config import model_config_from_hf
-from batchpage.quant.layout import check_quantized, load_quantized
+from batchpage.model.quant_layout import check_quantized, load_quantized
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_CONFIG_BYTES = 16 << 20  # a real config.json is a few KiB; this bounds reading a hostile one

@@ -25,8 +25,8 @@ from batchpage.model.gguf_file import read_gguf_header
 from batchpage.model.gguf_loader import load_gguf_model
 from batchpage.model.hf_checks import check_weights, read_shapes
 from batchpage.model.hf_loader import load_hf_model, read_hf_config, safetensors_files
+from batchpage.model.quant_layout import dequantize_layout
 from batchpage.model.tokenizer import Tokenizer, check_hf_tokenizer_files
-from batchpage.quant.layout import dequantize_layout
 
 log = logging.getLogger(__name__)
 

@@ -9,13 +9,12 @@ llama.cpp's ggml-common.h defines them:
   j + 16 its high one; W = d * (q - 8).
 - Q4_1 (20 bytes / 32): d f16, m f16, qs[16] as Q4_0; W = d * q + m.
 - Q8_0 (34 bytes / 32): d f16, qs int8[32]; W = d * q.
-The K-quants (Q4_K, Q5_K, Q6_K) are in gguf_kquants.py.
+The K-quants (Q4_K, Q5_K, Q6_K) are in gguf_kquants.py; the table of both, gguf_types.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -57,29 +56,3 @@ def decode_q8_0(raw: np.ndarray, k: int) -> IntWeight:
     d = _f16(b, 0)
     q = torch.from_numpy(np.ascontiguousarray(b[:, :, 2:]).view(np.int8)).to(torch.int16) + 128
     return IntWeight(q.to(torch.uint8).reshape(b.shape[0], k), d, -128 * d, 8, 32, k)
-
-
-class GgufIntType(NamedTuple):
-    name: str  # the format's name in stats
-    bits: int
-    group_size: int
-    decode: BlockDecoder
-
-
-def _int_types() -> dict[int, GgufIntType]:
-    from gguf import GGMLQuantizationType as T
-
-    from batchpage.quant.gguf_kquants import decode_q4_k, decode_q5_k, decode_q6_k
-
-    return {
-        T.Q4_0: GgufIntType("q4_0", 4, 32, decode_q4_0),
-        T.Q4_1: GgufIntType("q4_1", 4, 32, decode_q4_1),
-        T.Q8_0: GgufIntType("q8_0", 8, 32, decode_q8_0),
-        T.Q4_K: GgufIntType("q4_k", 4, 32, decode_q4_k),
-        T.Q5_K: GgufIntType("q5_k", 5, 32, decode_q5_k),
-        T.Q6_K: GgufIntType("q6_k", 6, 16, decode_q6_k),
-    }
-
-
-# ggml type id -> how batchpage holds it as an IntWeight
-GGUF_INT_TYPES: dict[int, GgufIntType] = _int_types()

@@ -13,8 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from batchpage.model.config import UnsupportedModelError
-
 SUPPORTED = (
     "awq (GEMM, 4-bit, zero points), gptq (4/8-bit, sym or asym, desc_act), "
     "compressed-tensors (pack-quantized int4/int8 weight-only, int-quantized W8A8)"
@@ -56,7 +54,7 @@ def read_quant_scheme(cfg: Mapping[str, Any]) -> QuantScheme | None:
     if not quant:
         return None
     if not isinstance(quant, Mapping):
-        raise UnsupportedModelError(
+        raise ValueError(
             f"quantization_config is {type(quant).__name__}, not an object: restore the "
             "model's config.json"
         )
@@ -70,7 +68,10 @@ def read_quant_scheme(cfg: Mapping[str, Any]) -> QuantScheme | None:
     raise _refuse(method, "")
 
 
-def _refuse(method: object, detail: str) -> UnsupportedModelError:
+def _refuse(method: object, detail: str) -> ValueError:
+    # Imported here: batchpage.model imports the quantized linears, which import this module.
+    from batchpage.model.config import UnsupportedModelError
+
     what = f" ({detail})" if detail else ""
     return UnsupportedModelError(
         f"this checkpoint is quantized with quant_method={method!r}{what}, which batchpage "

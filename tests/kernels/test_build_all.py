@@ -1,4 +1,4 @@
-"""`make setup` builds the four C++ kernels ahead (python -m batchpage.kernels.build_all), saying
+"""`make setup` builds the five C++ kernels ahead (python -m batchpage.kernels.build_all), saying
 what it builds and how long each took, so the first job does not compile at first use."""
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def test_build_all_builds_every_kernel_and_says_how_long_each_took() -> None:
         "the CPU paged-prefill kernel",
         "the CPU layer ops",
         "the bf16 linear",
+        "the int linear",
     ]
-    assert sum(bool(re.match(r"  ready in \d+\.\d s$", line)) for line in lines) == 4
-    assert re.match(r"4 of 4 kernels ready in \d+\.\d s$", lines[-1])
+    assert sum(bool(re.match(r"  ready in \d+\.\d s$", line)) for line in lines) == 5
+    assert re.match(r"5 of 5 kernels ready in \d+\.\d s$", lines[-1])

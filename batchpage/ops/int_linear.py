@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,7 +21,9 @@ from batchpage.kernels.cpu_int_linear import CpuIntLinear, pack_int_weight
 from batchpage.ops.linear import IntLinearMaker, LinearOp
 from batchpage.quant.activations import quantize_rows_int8
 from batchpage.quant.int_weight import IntWeight
-from batchpage.quant.scheme import QuantScheme
+
+if TYPE_CHECKING:  # the scheme module imports batchpage.model, which imports the ops
+    from batchpage.quant.scheme import QuantScheme
 
 
 class CpuIntLinearOp(LinearOp):

@@ -5,6 +5,7 @@
     python -m jobs.bench.ab --a prefix_caching=true --b prefix_caching=false --workloads system
     python -m jobs.bench.ab --b-rev HEAD~3 --both dtype=bfloat16      # this tree against HEAD~3
     python -m jobs.bench.ab --smoke                                   # seconds: does it run?
+    python -m jobs.bench.ab --model F --a model=Q --both dtype=bfloat16  # two checkpoints
 
 A side is a set of LLM keyword options (--a, --b; --both adds to each), reached only through
 batchpage's public API. Without a revision both sides are engines in this process; with --a-rev
@@ -188,17 +189,20 @@ def make_sides(args: argparse.Namespace, stack: ExitStack) -> dict[str, dict[str
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="batchpage-ab-")))
     for name, items, rev in (("A", args.a, args.a_rev), ("B", args.b, args.b_rev)):
         options = {**both, **parse_options(items, f"--{name.lower()}")}
-        where = "this working tree"
+        # model=PATH on one side: the same workload through another checkpoint of one
+        # tokenizer (a quantized and a float one of the same shape).
+        model = str(options.pop("model", args.model))
+        where = "this working tree" if model == args.model else f"{model}, this working tree"
         if workers:
             tree, sha = (ROOT, None) if rev is None else checkout(rev, tmp / f"tree-{name}", stack)
             where = f"{rev} ({sha[:12]})" if sha else where
-            runner: Any = Worker(args.model, tree, tmp / f"stage-{name}", name)
+            runner: Any = Worker(model, tree, tmp / f"stage-{name}", name)
         else:
             try:
                 EngineConfig(**options)  # a bad option fails now, before any engine loads
             except (TypeError, ValueError) as exc:
                 raise SystemExit(f"side {name}: {exc}") from exc
-            runner = InProcess(args.model)
+            runner = InProcess(model)
         stack.callback(runner.close)
         sides[name] = {"runner": runner, "options": options, "where": where}
     return sides

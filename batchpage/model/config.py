@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from batchpage.errors import UnsupportedModelError
+
 if TYPE_CHECKING:
     from batchpage.quant.scheme import QuantScheme
 
@@ -32,10 +34,6 @@ FAMILIES: dict[tuple[Literal["hf", "gguf"], str], str] = {
     ("gguf", "gemma2"): "gemma2",
     ("gguf", "gemma3"): "gemma3",
 }
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint is readable but its architecture or a feature of it is not implemented."""
 
 
 def family_for(kind: Literal["hf", "gguf"], name: str | None) -> str:
@@ -173,3 +171,13 @@ class ModelConfig:
     def max_model_len(self) -> int:
         """The longest context this checkpoint supports without leaving its trained regime."""
         return self.context_limit
+
+
+__all__ = [
+    "FAMILIES",
+    "ModelConfig",
+    "MoEConfig",
+    "RopeScaling",
+    "UnsupportedModelError",
+    "family_for",
+]

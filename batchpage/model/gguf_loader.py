@@ -30,7 +30,7 @@ from batchpage.model.gguf_file import (
     read_raw_rows,
     read_tensor,
 )
-from batchpage.model.quant_layout import quantize_layout
+from batchpage.model.quant_layout import quantize_layout, whole_linears
 from batchpage.quant.gguf_types import GGUF_INT_TYPES
 from batchpage.quant.int_weight import IntWeight, as_form
 from batchpage.quant.linear import QuantLinear
@@ -160,7 +160,8 @@ def load_gguf_model(
     cfg = gguf_config(path, header)
     check_declared_size(path, header, cfg)  # before sizes from the header allocate memory
     model = build_model(cfg, dtype, device, max_positions)
-    held = quantize_layout(model, int_schemes(header, cfg)) if quantized else {}
+    schemes = whole_linears(model, int_schemes(header, cfg)) if quantized else {}
+    held = quantize_layout(model, schemes)
     embed = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
     form = None if embed is None else GGUF_INT_TYPES.get(embed.ggml_type)
     if quantized and cfg.tie_word_embeddings and form is not None:

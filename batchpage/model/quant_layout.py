@@ -81,6 +81,21 @@ def quantize_layout(model: CausalLM, schemes: Mapping[str, QuantScheme]) -> dict
     return held
 
 
+def whole_linears(model: CausalLM, schemes: Mapping[str, QuantScheme]) -> dict[str, QuantScheme]:
+    """`schemes` without the parts of a merged linear that the file quantizes only in part (a
+    GGUF file may store attn_v in F16 beside Q8_0 attn_q): such a linear is loaded dense."""
+    keep: dict[str, QuantScheme] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            parts = checkpoint_parts(model, name, module)
+            if all(p in schemes for p in parts):
+                keep.update({p: schemes[p] for p in parts})
+    covered = {p for n, m in model.named_modules() if isinstance(m, Linear)
+               for p in checkpoint_parts(model, n, m)}  # fmt: skip
+    keep.update({p: s for p, s in schemes.items() if p not in covered})  # refused by the layout
+    return keep
+
+
 def merged_scheme(parts: list[QuantScheme]) -> QuantScheme:
     """One scheme for the parts of a merged linear: theirs where they agree, else (GGUF types
     that differ) the widest storage and the finest group, which holds each part exactly."""

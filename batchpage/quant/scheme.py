@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from batchpage.errors import UnsupportedModelError
+
 SUPPORTED = (
     "awq (GEMM, 4-bit, zero points), gptq (4/8-bit, sym or asym, desc_act), "
     "compressed-tensors (pack-quantized int4/int8 weight-only, int-quantized W8A8)"
@@ -68,10 +70,7 @@ def read_quant_scheme(cfg: Mapping[str, Any]) -> QuantScheme | None:
     raise _refuse(method, "")
 
 
-def _refuse(method: object, detail: str) -> ValueError:
-    # Imported here: batchpage.model imports the quantized linears, which import this module.
-    from batchpage.model.config import UnsupportedModelError
-
+def _refuse(method: object, detail: str) -> UnsupportedModelError:
     what = f" ({detail})" if detail else ""
     return UnsupportedModelError(
         f"this checkpoint is quantized with quant_method={method!r}{what}, which batchpage "

@@ -53,7 +53,7 @@ def export_gguf(source: ModelSource, folder: Path) -> None:
     cfg = gguf_config(source.path, header)
     tensors = {
         name: t.to(torch.float32).contiguous()
-        for name, t in _iter_tensors(source.path, header, cfg)
+        for name, t in _iter_tensors(source.path, header, cfg, held={})
     }
     config = AutoConfig.from_pretrained(source.path.parent, gguf_file=source.path.name)
     if config.tie_word_embeddings:

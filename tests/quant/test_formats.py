@@ -31,6 +31,24 @@ from tests.quant import packers
 
 PROMPTS = ([5, 17, 33, 2, 90, 41, 7], [100, 3, 3, 250, 12])
 
+
+def ct_config(fmt: str, weights: dict, activations: dict | None = None) -> dict:
+    """A compressed-tensors quantization_config of one config group over every Linear."""
+    group = {"targets": ["Linear"], "weights": weights}
+    if activations is not None:
+        group["input_activations"] = activations
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+    }
+
+
+def int4_group32(sym: bool) -> dict:
+    return {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group", "group_size": 32}
+
+
 # name -> (quantization_config, packer(Quantized) -> tensors, quantize kwargs)
 CASES = {
     "gptq4_sym_g32": (
@@ -66,81 +84,26 @@ CASES = {
         dict(bits=4, group=32, sym=False),
     ),
     "ct_int4_sym_g32": (
-        {
-            "quant_method": "compressed-tensors",
-            "format": "pack-quantized",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": {
-                        "num_bits": 4,
-                        "type": "int",
-                        "symmetric": True,
-                        "strategy": "group",
-                        "group_size": 32,
-                    },
-                }
-            },
-            "ignore": ["lm_head"],
-        },
+        ct_config("pack-quantized", int4_group32(sym=True)),
         lambda qz: packers.compressed_tensors(qz, 4, sym=True),
         dict(bits=4, group=32, sym=True),
     ),
     "ct_int4_asym_g32": (
-        {
-            "quant_method": "compressed-tensors",
-            "format": "pack-quantized",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": {
-                        "num_bits": 4,
-                        "type": "int",
-                        "symmetric": False,
-                        "strategy": "group",
-                        "group_size": 32,
-                    },
-                }
-            },
-            "ignore": ["lm_head"],
-        },
+        ct_config("pack-quantized", int4_group32(sym=False)),
         lambda qz: packers.compressed_tensors(qz, 4, sym=False),
         dict(bits=4, group=32, sym=False),
     ),
     "ct_int8_channel": (
-        {
-            "quant_method": "compressed-tensors",
-            "format": "pack-quantized",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
-                }
-            },
-            "ignore": ["lm_head"],
-        },
+        ct_config("pack-quantized", {"num_bits": 8, "type": "int", "strategy": "channel"}),
         lambda qz: packers.compressed_tensors(qz, 8, sym=True),
         dict(bits=8, group=None, sym=True),
     ),
     "ct_w8a8": (
-        {
-            "quant_method": "compressed-tensors",
-            "format": "int-quantized",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
-                    "input_activations": {
-                        "num_bits": 8,
-                        "type": "int",
-                        "strategy": "token",
-                        "dynamic": True,
-                        "symmetric": True,
-                    },
-                }
-            },
-            "ignore": ["lm_head"],
-        },
+        ct_config(
+            "int-quantized",
+            {"num_bits": 8, "type": "int", "strategy": "channel"},
+            {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True},
+        ),
         packers.compressed_int8,
         dict(bits=8, group=None, sym=True),
     ),

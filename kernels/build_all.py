@@ -1,4 +1,4 @@
-"""python -m batchpage.kernels.build_all: build the five C++ CPU kernels now (`make setup` runs
+"""python -m batchpage.kernels.build_all: build the six C++ CPU kernels now (`make setup` runs
 it), so that the first job starts generating at once instead of compiling for minutes.
 
 Each kernel is built through its own builder (cpu_build.py caches the library by content), and
@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from batchpage.kernels.cpu_a8_linear import CpuA8Linear
 from batchpage.kernels.cpu_bf16_linear import CpuBf16Linear
 from batchpage.kernels.cpu_build import KernelBuildError
 from batchpage.kernels.cpu_int_linear import CpuIntLinear
@@ -29,6 +30,7 @@ def builders() -> list[tuple[str, Callable[[], object]]]:
         ("the CPU layer ops", CpuLayerOps.build),
         ("the bf16 linear", CpuBf16Linear.build),
         ("the int linear", CpuIntLinear.build),
+        ("the int8-activation linear", CpuA8Linear.build),
     ]
 
 

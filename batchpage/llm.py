@@ -47,6 +47,7 @@ class LLM:
             plan.device,
             max_positions=plan.max_model_len,
             quantized=cfg.quantized_weights,
+            int8_activations=cfg.int8_activations,
         )
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -103,6 +103,31 @@ def pack_int_weight(w: IntWeight) -> IntPacked:
     )
 
 
+def dequantize_rows(
+    packed: IntPacked,
+    ids: torch.Tensor,  # int64 [R], output rows (columns of y)
+) -> torch.Tensor:  # float32 [R, K]: W[ids], in stored column order
+    """Rows of the weight `packed` holds, read back from the kernel's layout and dequantized
+    (a tied model's embedding lookups from its quantized head): only those rows' bytes are
+    read."""
+    k, kind = packed.in_features, packed.kind
+    block, col = ids // COLUMNS, ids % COLUMNS
+    lane = 32 * (col // 16) + 2 * (col % 16)  # [R]: the byte of (k even, pair 0)
+    quads = torch.arange(packed.q.shape[1], device=ids.device)
+    if kind == 4:  # two bytes a quad: pair 0 in the low nibbles, pair 1 in the high
+        at = torch.stack([lane, lane + 1], dim=1)
+        two = packed.q[block[:, None, None], quads[None, :, None], at[:, None, :]].to(torch.int32)
+        q = torch.cat([two & 0xF, two >> 4], dim=2)
+    else:
+        at = torch.stack([lane, lane + 1, lane + 64, lane + 65], dim=1)
+        q = packed.q[block[:, None, None], quads[None, :, None], at[:, None, :]].to(torch.int32)
+    q = q.reshape(len(ids), -1)[:, :k]
+    groups = torch.arange(k, device=ids.device) // (QUAD * packed.group_quads)
+    scales = packed.scales[block, :, col][:, groups]
+    offsets = packed.offsets[block, :, col][:, groups] + BIAS[kind] * scales
+    return scales * q + offsets
+
+
 class CpuIntLinear:
     """The compiled kernel. Build with `CpuIntLinear.build()`."""
 

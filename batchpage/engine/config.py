@@ -34,6 +34,10 @@ class EngineConfig:
     # linears) keeps its integer weights and runs them quantized (batchpage/quant); False
     # dequantizes them once at load into the engine's dtype.
     quantized_weights: bool = True
+    # Those integer linears quantize each input row to int8 with its own scale (W4A8; a W8A8
+    # checkpoint always does): on CPUs with AVX512-VNNI twice the multiply-adds an instruction
+    # where many rows run, at the cost of rounding activations, so results differ from bf16's.
+    int8_activations: bool = False
     kv_allocator: str = "paged"
     schedule: str = "prefix"
     preemption_mode: str = "recompute"
@@ -73,6 +77,11 @@ class EngineConfig:
             raise ValueError(
                 "kv_cache_memory must be a byte count (> 1) or a fraction of free memory in "
                 f"(0, 1]; got {self.kv_cache_memory!r}"
+            )
+        if self.int8_activations and not self.quantized_weights:
+            raise ValueError(
+                "int8_activations applies to quantized weights: set quantized_weights=True, or "
+                "drop int8_activations"
             )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")

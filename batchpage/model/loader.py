@@ -25,7 +25,7 @@ from batchpage.model.gguf_file import read_gguf_header
 from batchpage.model.gguf_loader import load_gguf_model
 from batchpage.model.hf_checks import check_weights, read_shapes
 from batchpage.model.hf_loader import load_hf_model, read_hf_config, safetensors_files
-from batchpage.model.quant_layout import dequantize_layout
+from batchpage.model.quant_layout import dequantize_layout, quantize_activations
 from batchpage.model.tokenizer import Tokenizer, check_hf_tokenizer_files
 
 log = logging.getLogger(__name__)
@@ -157,10 +157,12 @@ def load_model(
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
     quantized: bool = True,
+    int8_activations: bool = False,
 ) -> LoadedModel:
     """Load weights and tokenizer. max_positions sizes the RoPE tables (default: the model's
     max_model_len); pass the engine's max_model_len. `quantized` keeps a quantized
-    checkpoint's integer weights (False: dequantized into `dtype` at load)."""
+    checkpoint's integer weights (False: dequantized into `dtype` at load);
+    `int8_activations` makes their linears quantize each input row to int8 (W4A8, W8A8)."""
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
     torch_dtype = resolve_dtype(dtype, source.config, device)
     # Stages a job's progress shows as they happen: weights take seconds to minutes.
@@ -172,6 +174,8 @@ def load_model(
             dequantize_layout(net)
     else:
         net, config = load_gguf_model(source.path, torch_dtype, device, max_positions, quantized)
+    if int8_activations:
+        quantize_activations(net)
     log.info("weights loaded in %.1f s", time.perf_counter() - start)
     return LoadedModel(net, load_tokenizer(source, config.eos_token_ids), config, source)
 

@@ -162,3 +162,13 @@ def dequantize_layout(model: CausalLM) -> int:
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, dense)
     return len(quantized)
+
+
+def quantize_activations(model: CausalLM) -> int:
+    """Make every QuantLinear quantize its input rows to int8 with a scale each (W4A8, W8A8 for
+    weight-only schemes: engine option int8_activations=True); returns how many. A W8A8
+    checkpoint's linears already do."""
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for module in quantized:
+        module.scheme = replace(module.scheme, int8_activations=True)
+    return len(quantized)

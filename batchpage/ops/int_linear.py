@@ -1,8 +1,11 @@
-"""Integer-weight linears on the C++ int kernel (kernels/cpu_int_linear.py): the CPU
-implementation of a quantized checkpoint's linears (QuantLinear, batchpage/quant/linear.py)
-for bfloat16 activations.
+"""Integer-weight linears on the C++ int kernels: the CPU implementation of a quantized
+checkpoint's linears (QuantLinear, batchpage/quant/linear.py) for bfloat16 activations.
+A scheme with bf16 activations runs on kernels/cpu_int_linear.py (W4A16, W8A16); one with int8
+activations (W8A8, or any scheme under the engine option int8_activations) on
+kernels/cpu_a8_linear.py where the CPU has AVX512-VNNI, else on the A16 kernel fed the rows'
+int8 values (exact in bf16) and scaled after.
 
-Bind repacks each QuantLinear's IntWeight once into the kernel's layout and drops the loaded
+Bind repacks each QuantLinear's IntWeight once into its kernel's layout and drops the loaded
 form. Shapes are checked once, when a layer is made; `apply` calls the compiled kernel
 unchecked with the Workspace buffers the layers hand it (bf16, [T, width], dense rows).
 """
@@ -16,6 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchpage.cpu_info import cpu_flags
+from batchpage.kernels import cpu_a8_linear, cpu_int_linear
+from batchpage.kernels.cpu_a8_linear import CpuA8Linear, pack_a8_weight
 from batchpage.kernels.cpu_build import KernelBuildError
 from batchpage.kernels.cpu_int_linear import CpuIntLinear, pack_int_weight
 from batchpage.ops.linear import IntLinearMaker, LinearOp
@@ -74,6 +79,13 @@ class CpuIntLinearOp(LinearOp):
         )  # fmt: skip
         return out
 
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        packed = cpu_int_linear.IntPacked(
+            self.q, self.scales, self.offsets, self.kind, self.group_quads, self.in_features,
+            self.out_features,
+        )  # fmt: skip
+        return cpu_int_linear.dequantize_rows(packed, ids)
+
     @property
     def weight_format(self) -> str:
         return self._format
@@ -85,9 +97,80 @@ class CpuIntLinearOp(LinearOp):
         )
 
 
+class CpuA8LinearOp(LinearOp):
+    """y = x @ W.T + b for bfloat16 x, quantized per row to int8 in the kernel, and an integer
+    W in the VNNI kernel's layout. Under act order x's columns are permuted first."""
+
+    def __init__(
+        self,
+        weight: IntWeight,
+        bias: torch.Tensor | None,
+        scheme: QuantScheme,
+        kernel: CpuA8Linear,
+    ) -> None:
+        super().__init__()
+        assert scheme.int8_activations, scheme
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self._format = scheme.name
+        self._run = kernel.raw.linear
+        packed = pack_a8_weight(weight)
+        self.kind, self.group_quads = packed.kind, packed.group_quads
+        self.register_buffer("q", packed.q)
+        self.register_buffer("scales", packed.scales)
+        self.register_buffer("offsets", packed.offsets)
+        self.register_buffer("perm", weight.perm)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        kernel.linear(torch.zeros(1, self.in_features, dtype=torch.bfloat16), packed, self.bias)
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1, (x.dtype, x.shape)
+        assert x.shape[1] == self.in_features, (x.shape, self.in_features)
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        if out is None:
+            out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+        self._run(
+            out, x, self.q, self.scales, self.offsets, self.bias, self.kind, self.group_quads
+        )  # fmt: skip
+        return out
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        packed = cpu_a8_linear.A8Packed(
+            self.q, self.scales, self.offsets, self.kind, self.group_quads, self.in_features,
+            self.out_features,
+        )  # fmt: skip
+        return cpu_a8_linear.dequantize_rows(packed, ids)
+
+    @property
+    def weight_format(self) -> str:
+        return self._format
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"{self._format}, C++ int8-activation kernel"
+        )
+
+
+def make_int_linear(
+    weight: IntWeight,
+    bias: torch.Tensor | None,
+    scheme: QuantScheme,
+    a16: CpuIntLinear,
+    a8: CpuA8Linear | None,
+) -> LinearOp:
+    """The int linear for one quantized layer: the VNNI kernel where the scheme quantizes its
+    activations and `a8` was built, else the A16 kernel (which rounds the rows to int8 values
+    itself under such a scheme)."""
+    if scheme.int8_activations and a8 is not None:
+        return CpuA8LinearOp(weight, bias, scheme, a8)
+    return CpuIntLinearOp(weight, bias, scheme, a16)
+
+
 def cpu_int_linears(dtype: torch.dtype, device: torch.device) -> IntLinearMaker | None:
-    """The int kernel's maker where it applies: bfloat16 activations on a CPU with AVX512-BF16
-    or AVX2 + FMA, built here; None elsewhere (a quantized linear then dequantizes in torch)."""
+    """The int kernels' maker where they apply: bfloat16 activations on a CPU with AVX512-BF16
+    or AVX2 + FMA (and, for int8 activations, AVX512-VNNI), built here; None elsewhere (a
+    quantized linear then dequantizes in torch)."""
     flags = cpu_flags()
     if dtype != torch.bfloat16 or device.type != "cpu":
         return None
@@ -100,4 +183,12 @@ def cpu_int_linears(dtype: torch.dtype, device: torch.device) -> IntLinearMaker 
         return None
     if kernel.path == "plain":  # the compiler lacks the instructions the CPU has
         return None
-    return functools.partial(CpuIntLinearOp, kernel=kernel)
+    a8: CpuA8Linear | None = None
+    if "avx512_vnni" in flags:
+        try:
+            a8 = CpuA8Linear.build()
+        except KernelBuildError as exc:
+            warnings.warn(f"{exc}; int8 activations run on the A16 int kernel", stacklevel=3)
+        if a8 is not None and not a8.native:
+            a8 = None
+    return functools.partial(make_int_linear, a16=kernel, a8=a8)

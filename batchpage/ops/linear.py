@@ -41,6 +41,15 @@ class LinearOp(nn.Module):
     def weight_format(self) -> str:
         raise NotImplementedError
 
+    def weight_rows(
+        self,
+        ids: torch.Tensor,  # int64 [R], output rows
+    ) -> torch.Tensor:  # float32 [R, in]: W[ids], dequantized where W is held quantized
+        """Rows of the weight, for a tied model whose head holds the only copy of its embedding
+        table (a GGUF's quantized token_embd): lookups read it here. Implemented by the integer
+        linears; dense ones leave the table to the embedding."""
+        raise NotImplementedError(f"{type(self).__name__} does not give back its weight's rows")
+
     def weight_bytes(self) -> int:
         """Bytes of weight (and bias) this layer holds."""
         return sum(t.numel() * t.element_size() for t in (*self.parameters(), *self.buffers()))

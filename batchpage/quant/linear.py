@@ -98,6 +98,14 @@ class QuantLinear(LinearOp):
         dense = weight.dequantize_stored(torch.float32).to(x.dtype)
         return F.linear(x, dense, self.bias)
 
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = self.int_weight()
+        rows = IntWeight(
+            weight.packed[ids], weight.scales[ids], weight.offsets[ids], weight.bits,
+            weight.group_size, weight.in_features, weight.perm,
+        )  # fmt: skip
+        return rows.dequantize(torch.float32)
+
     @property
     def weight_format(self) -> str:
         return self.scheme.name

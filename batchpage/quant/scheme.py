@@ -34,18 +34,20 @@ class QuantScheme:
     act_order: bool  # GPTQ desc_act: groups follow g_idx, not the input order
     # GPTQ's original format stores each zero point minus one ("gptq"); "gptq_v2" stores it.
     zero_stored_minus_one: bool = False
-    # compressed-tensors int-quantized: activations quantized per token to int8 at run time.
+    # Activations quantized per token to int8 at run time: compressed-tensors int-quantized
+    # (W8A8), or any scheme under the engine option int8_activations.
     int8_activations: bool = False
     # A GGUF tensor's type name ("q4_1"), the format's name in stats.
     label: str | None = None
 
     @property
     def name(self) -> str:
-        """The weight format's name in stats: "awq_int4", "gptq_int8", "q4_1", ..."""
+        """The weight format's name in stats: "awq_int4", "gptq_int8", "q4_1", and with int8
+        activations "ct_w8a8", "gptq_w4a8", "q4_1_a8"."""
         if self.label is not None:
-            return self.label
+            return f"{self.label}_a8" if self.int8_activations else self.label
         method = {"compressed-tensors": "ct"}.get(self.method, self.method)
-        kind = "w8a8" if self.int8_activations else f"int{self.bits}"
+        kind = f"w{self.bits}a8" if self.int8_activations else f"int{self.bits}"
         return f"{method}_{kind}"
 
 

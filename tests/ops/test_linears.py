@@ -16,7 +16,7 @@ from batchpage.cpu_info import cpu_flags
 from batchpage.model.hf_loader import load_hf_model
 from batchpage.model.layers import GatedMLP
 from batchpage.ops.bf16_linear import Bf16DotLinear, Bf16SiluMulLinear, bf16_linears
-from batchpage.ops.int_linear import CpuIntLinearOp
+from batchpage.ops.int_linear import make_int_linear
 from batchpage.ops.layer_ops import LayerOps
 from batchpage.ops.linear import TORCH_LINEARS, Linear
 from batchpage.ops.onednn_linear import ONEDNN_LINEARS, OneDnnLinear, onednn_packs
@@ -130,7 +130,7 @@ def test_linear_backend_choice():
             for method in (auto, select_linears("avx512_bf16", dtype, CPU)):
                 assert method.make.func is Bf16DotLinear
                 assert method.silu_mul.func is Bf16SiluMulLinear
-                assert method.make_int.func is CpuIntLinearOp
+                assert method.make_int.func is make_int_linear
         else:
             dense = replace(auto, make_int=None)
             assert dense == (ONEDNN_LINEARS if onednn_packs(dtype, CPU) else TORCH_LINEARS)

@@ -1,5 +1,6 @@
-"""A quantized checkpoint through the engine: bound to the C++ int kernel on a bf16 CPU engine,
-reporting what it holds, and computing what the dequantized model computes."""
+"""A quantized checkpoint through the engine: bound to the C++ int kernels on a bf16 CPU engine,
+reporting what it holds, and computing what the dequantized model computes; with the engine
+option int8_activations, what the dequantized model computes from int8-rounded inputs."""
 
 from __future__ import annotations
 
@@ -8,15 +9,17 @@ import pytest
 from batchpage import LLM, SamplingParams
 from batchpage.cpu_info import cpu_flags
 from batchpage.kernels.cpu_int_linear import CpuIntLinear
-from batchpage.ops.int_linear import CpuIntLinearOp
+from batchpage.ops.int_linear import CpuA8LinearOp, CpuIntLinearOp
 from batchpage.quant.linear import QuantLinear
 from tests.model_factory import hf_greedy
-from tests.quant.test_formats import PROMPTS, write_quantized
+from tests.quant import packers
+from tests.quant.test_formats import LINEARS, PROMPTS, write_quantized
 
 needs_kernel = pytest.mark.skipif(
     "avx512_bf16" not in cpu_flags() and not {"avx2", "fma"} <= cpu_flags(),
     reason="the int kernel runs on AVX512-BF16 or AVX2 CPUs",
 )
+VNNI = "avx512_vnni" in cpu_flags()
 
 
 def engine(folder, **kw) -> LLM:
@@ -33,8 +36,11 @@ def test_a_bf16_cpu_engine_runs_quantized_linears_on_the_int_kernel(tmp_path, to
     tokenizer.save_pretrained(folder)
     llm = engine(folder, dtype="bfloat16")
     model = llm.engine.runner.model
-    ints = [m for m in model.modules() if isinstance(m, CpuIntLinearOp)]
-    assert len(ints) == 8 and not any(isinstance(m, QuantLinear) for m in model.modules())
+    # W8A8 on the int8-activation kernel where the CPU has VNNI, else on the A16 one
+    op = CpuA8LinearOp if case == "ct_w8a8" and VNNI else CpuIntLinearOp
+    ints = [m for m in model.modules() if isinstance(m, (CpuIntLinearOp, CpuA8LinearOp))]
+    assert len(ints) == 8 and all(isinstance(m, op) for m in ints)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], params)
     # bf16 activations against HF's float32 run of the dequantized weights: the tiny random
@@ -71,3 +77,36 @@ def test_a_float32_engine_runs_quantized_linears_as_hf_runs_the_dequantized_mode
         assert out.outputs[0].token_ids == hf_greedy(hf, list(prompt), 8)
     fmt = {"gptq4_sym_g32": "gptq_int4", "ct_int4_asym_g32": "ct_int4", "ct_w8a8": "ct_w8a8"}
     assert llm.stats["weight_formats"][fmt[case]] == 8
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_kernel)])
+@pytest.mark.parametrize("case", ["gptq4_asym_desc_act_v2", "ct_int8_channel"])
+def test_int8_activations_compute_the_dequantized_model_on_int8_rounded_inputs(
+    tmp_path, tokenizer, case, dtype
+):
+    """W4A8 / W8A8 for weight-only checkpoints: in float32 QuantLinear quantizes each row in
+    torch, in bf16 the VNNI kernel (or the A16 one fed int8 values) does; both against HF's
+    float32 run of the dequantized weights whose linears see int8-rounded rows."""
+    folder, hf = write_quantized(tmp_path, case)
+    tokenizer.save_pretrained(folder)
+    packers.quantize_linear_inputs(hf, LINEARS)
+    llm = engine(folder, dtype=dtype, int8_activations=True)
+    model = llm.engine.runner.model
+    if dtype == "bfloat16":
+        op = CpuA8LinearOp if VNNI else CpuIntLinearOp
+        assert sum(isinstance(m, op) for m in model.modules()) == 8
+    else:
+        held = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        assert len(held) == 8 and all(m.scheme.int8_activations for m in held)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], params)
+    agree = 6 if dtype == "float32" else 2  # bf16 activations: the first tokens, as above
+    for out, prompt in zip(outs, PROMPTS, strict=True):
+        assert out.outputs[0].token_ids[:agree] == hf_greedy(hf, list(prompt), agree)
+    fmt = {"gptq4_asym_desc_act_v2": "gptq_w4a8", "ct_int8_channel": "ct_w8a8"}[case]
+    assert llm.stats["weight_formats"][fmt] == 8
+
+
+def test_int8_activations_need_quantized_weights():
+    with pytest.raises(ValueError, match="int8_activations applies to quantized weights"):
+        LLM(model="smollm2", quantized_weights=False, int8_activations=True)

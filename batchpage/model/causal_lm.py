@@ -24,7 +24,7 @@ from batchpage.attention.backend import StepAttention
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
 from batchpage.model.config import ModelConfig
-from batchpage.model.layers import GatedMLP, RMSNorm, UsesLayerOps, linear
+from batchpage.model.layers import GatedMLP, RMSNorm, TiedEmbedding, UsesLayerOps, linear
 from batchpage.model.rope import RotaryEmbedding
 from batchpage.ops.linear import Linear, LinearOp, dtype_format
 from batchpage.ops.select import ModelOps
@@ -63,7 +63,7 @@ class CausalLM(nn.Module):
         device = torch.device(device if device is not None else "cpu")
         self.config = cfg
         self.max_positions = max_positions or cfg.max_model_len
-        self.embed_tokens = skip_init(
+        self.embed_tokens: nn.Embedding | TiedEmbedding = skip_init(
             nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
         )
         self.rotary = RotaryEmbedding(cfg, self.max_positions, device)
@@ -81,7 +81,8 @@ class CausalLM(nn.Module):
         self.tied_head: LinearOp | None = None
         # A tied model whose file stores the embedding table quantized (a GGUF's Q8_0
         # token_embd): that table as a quantized linear, which bind makes the tied head, as
-        # llama.cpp multiplies it; the embedding keeps a dequantized copy for lookups.
+        # llama.cpp multiplies it. Until bind the embedding holds a dequantized copy; bind
+        # drops it, and lookups read the head's rows (TiedEmbedding).
         self.tied_quant: QuantLinear | None = None
         self.bound: ModelOps | None = None  # set once, by bind
 
@@ -135,6 +136,7 @@ class CausalLM(nn.Module):
         if self.bound is not None:
             raise RuntimeError("this model is bound already: bind it once, after loading")
         method = ops.linear
+        quantized_table = self.tied_quant is not None
         if method.silu_mul is not None:
             for mlp in self.modules():
                 if not (isinstance(mlp, GatedMLP) and mlp.silu_gated):
@@ -157,6 +159,9 @@ class CausalLM(nn.Module):
             replaced += len(quantized)
         if self.tied_quant is not None:  # no integer kernel here: it dequantizes in torch
             self.tied_head, self.tied_quant = self.tied_quant, None
+        if quantized_table:  # lookups read the quantized head's rows; the dense copy goes
+            assert self.tied_head is not None
+            self.embed_tokens = TiedEmbedding(self.tied_head, self.embed_tokens.weight.dtype)
         if method.make is not None:
             dense = [(n, m) for n, m in self.named_modules() if isinstance(m, Linear)]
             for name, module in dense:

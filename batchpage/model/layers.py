@@ -236,3 +236,16 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(normed, cos, sin, meta, kv, attn, ws)
         self.post_attention_layernorm.add_norm_into(normed, residual, h)
         return self.mlp(normed, ws)
+
+
+class TiedEmbedding(nn.Module):
+    """A tied model's token embedding read from its head, for a head that holds the only copy
+    of the table (quantized: a GGUF's Q8_0 token_embd): each lookup dequantizes the rows it
+    needs, so the table is not held twice."""
+
+    def __init__(self, head: LinearOp, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head, self.dtype = head, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # int64 [T] -> [T, hidden]
+        return self.head.weight_rows(ids).to(self.dtype)

@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf.quants import dequantize
 
 from batchpage.attention.torch_backend import TorchPagedAttention
 from batchpage.cpu_info import has_native_bf16
@@ -26,6 +27,9 @@ from batchpage.model import (
 from batchpage.model.config import ModelConfig
 from batchpage.model.gguf_loader import load_gguf_model, unpermute_rows
 from batchpage.model.hf_loader import read_hf_config
+from batchpage.model.layers import TiedEmbedding
+from batchpage.ops.layer_ops import LayerOps
+from batchpage.ops.select import ModelOps, select_linears
 from tests.model_factory import (
     HAS_SMOLLM2,
     build_hf_model,
@@ -184,6 +188,31 @@ def test_tiny_gguf_matches_transformers(tmp_path, variant, arch, matrix_type):
     else:
         want["f32" if matrix_type.startswith("F") else matrix_type.lower()] += 1
     assert model.weight_formats() == want
+
+
+@pytest.mark.parametrize(("linears", "dtype"), [("torch", "float32"), ("auto", "bfloat16")])
+def test_a_tied_gguf_holds_its_quantized_table_once(tmp_path, linears, dtype):
+    """Bound, a tied GGUF whose token_embd is Q8_0 keeps that table only as its quantized head:
+    lookups read the head's rows, which are the gguf package's dequantized table, and the
+    dense copy's bytes are gone. With torch's linears the logits are unchanged by binding."""
+    hf = build_hf_model("llama_gqa_tied")
+    path = write_gguf(hf, tmp_path / "m.gguf", "llama", matrix_type="Q4_1")
+    model, _ = load_gguf_model(path, getattr(torch, dtype), "cpu")
+    ids = list(range(3, 50))
+    before, held = prefill_logits(model, ids), model.weight_bytes()
+    table = model.embed_tokens.weight
+    model.bind(ModelOps(LayerOps(), select_linears(linears, table.dtype, torch.device("cpu"))))
+    assert isinstance(model.embed_tokens, TiedEmbedding)
+    assert model.embed_tokens.head is model.tied_head
+    raw = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
+    assert raw.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    want = torch.from_numpy(dequantize(raw.data, raw.tensor_type)).reshape(table.shape)
+    rows = model.tied_head.weight_rows(torch.tensor(ids))
+    torch.testing.assert_close(rows, want[ids], rtol=1e-6, atol=0)
+    assert torch.equal(model.embed_tokens(torch.tensor(ids)), rows.to(table.dtype))
+    if linears == "torch":  # the quantized linears stay as loaded: only the table goes
+        assert model.weight_bytes() == held - table.numel() * table.element_size()
+        torch.testing.assert_close(prefill_logits(model, ids), before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""The integer weight-only linear kernel (kernels/cpu_int_linear.cpp) against the bf16 kernel
+"""The integer-weight linear kernels, with bf16 activations (kernels/cpu_int_linear.cpp) and
+with int8 ones (kernels/cpu_a8_linear.cpp, "a8"), against the bf16 kernel
 (kernels/cpu_bf16_linear.cpp) and F.linear in bfloat16, at a 1B-class model's shapes and the
 row counts a step has.
 
@@ -25,6 +26,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from batchpage.kernels.cpu_a8_linear import CpuA8Linear, pack_a8_weight
 from batchpage.kernels.cpu_bf16_linear import CpuBf16Linear, pack_weight
 from batchpage.kernels.cpu_int_linear import CpuIntLinear, pack_int_weight
 from batchpage.quant.int_weight import IntWeight, pack_nibbles
@@ -56,6 +58,11 @@ def int_call(kernel: CpuIntLinear, w: IntWeight) -> Callable[[torch.Tensor], tor
     return lambda x: kernel.linear(x, packed, None)
 
 
+def a8_call(kernel: CpuA8Linear, w: IntWeight) -> Callable[[torch.Tensor], torch.Tensor]:
+    packed = pack_a8_weight(w)
+    return lambda x: kernel.linear(x, packed, None)
+
+
 def in_turns(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     """Median milliseconds of each, after one warm-up call each, one call each per round."""
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -84,12 +91,16 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    bf16, ints = CpuBf16Linear.build(), CpuIntLinear.build()
-    if not (bf16.native and ints.native):
-        p.error("this CPU has no AVX512-BF16: the kernels compared here would be their test loops")
+    bf16, ints, a8 = CpuBf16Linear.build(), CpuIntLinear.build(), CpuA8Linear.build()
+    if not (bf16.native and ints.native and a8.native):
+        p.error(
+            "this CPU lacks AVX512-BF16 or AVX512-VNNI: the kernels compared here would be their "
+            "test loops"
+        )
     gen = torch.Generator().manual_seed(0)
-    names = ["F.linear", "bf16 kernel", "int4 kernel", "int8 kernel"]
-    cold_names = [] if args.no_cold else ["bf16 kernel", "int4 kernel", "int8 kernel"]
+    kernels = ["bf16 kernel", "int4 kernel", "int8 kernel", "int4 a8 kernel", "int8 a8 kernel"]
+    names = ["F.linear", *kernels]
+    cold_names = [] if args.no_cold else kernels
     rows, results = [], []
     for k, n in SHAPES:
         dense = (torch.randn(n, k, generator=gen) * k**-0.5).to(torch.bfloat16)
@@ -104,6 +115,12 @@ def main(argv: list[str] | None = None) -> None:
             ],
             "int8 kernel": [
                 int_call(ints, w8) for _ in range(copies_for(w8.nbytes(), not args.no_cold))
+            ],
+            "int4 a8 kernel": [
+                a8_call(a8, w4) for _ in range(copies_for(w4.nbytes(), not args.no_cold))
+            ],
+            "int8 a8 kernel": [
+                a8_call(a8, w8) for _ in range(copies_for(w8.nbytes(), not args.no_cold))
             ],
         }
         for m in (int(r) for r in args.rows.split(",")):
@@ -131,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"`{command_line()}`\n")
     print(
         f"CPU: {env['cpu']} ({', '.join(env['cpu_flags'])}), {env['torch_threads']} threads, "
-        f"median of {args.repeats} calls in turns; int4 and int8 in groups of 128.\n"
+        f"median of {args.repeats} calls in turns; int4 and int8 in groups of 128; a8: each "
+        "row quantized to int8 in the kernel.\n"
     )
     header = ["rows", "in x out"] + [f"{c} ms (GFLOP/s)" for c in names]
     header += [f"{c} cold ms (GFLOP/s)" for c in cold_names]

@@ -151,7 +151,12 @@ class CausalLM(nn.Module):
                 weight = self.tied_quant.int_weight()
                 self.tied_head = method.make_int(weight, None, self.tied_quant.scheme)
                 self.tied_quant = None
-            quantized = [(n, m) for n, m in self.named_modules() if isinstance(m, QuantLinear)]
+            # FP8 weights have no int kernel: their QuantLinear dequantizes in torch.
+            quantized = [
+                (n, m)
+                for n, m in self.named_modules()
+                if isinstance(m, QuantLinear) and m.scheme.integer
+            ]
             for name, module in quantized:
                 parent, _, leaf = name.rpartition(".")
                 made = method.make_int(module.int_weight(), module.bias, module.scheme)

@@ -170,5 +170,10 @@ def quantize_activations(model: CausalLM) -> int:
     checkpoint's linears already do."""
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     for module in quantized:
+        if not module.scheme.integer:
+            raise ValueError(
+                f"int8_activations needs integer weights, and this checkpoint's are "
+                f"{module.scheme.name}: leave int8_activations off for it"
+            )
         module.scheme = replace(module.scheme, int8_activations=True)
     return len(quantized)

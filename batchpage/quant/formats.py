@@ -18,6 +18,11 @@ Layouts, as each format's writer packs them:
 - compressed-tensors pack-quantized: weight_packed int32 [N, ceil(K * bits / 32)] along K, each
   signed value stored plus 2^(bits - 1); weight_scale [N, G]; an asymmetric scheme's
   weight_zero_point packed along N. W = scale * (q - zero). int-quantized: weight int8 [N, K].
+- FP8 (fp8, compressed-tensors float-quantized): weight float8_e4m3fn [N, K] and one scale per
+  block of R rows by C inputs: weight_scale_inv (fp8 with weight_block_size; despite its name
+  it multiplies) or weight_scale, [ceil(N / R), ceil(K / C)]; per channel [N, 1] or [N]; per
+  tensor one value. W[n, k] = weight[n, k] * scale[n // R, k // C]. A static scheme's
+  input_scale is dropped (activations run in the model's dtype).
 """
 
 from __future__ import annotations
@@ -30,11 +35,29 @@ from batchpage.quant.int_weight import IntWeight
 from batchpage.quant.scheme import QuantScheme
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-# The tensor that marks a linear as quantized, per method; the others it waits for.
-MARKERS = {"gptq": "qweight", "awq": "qweight", "compressed-tensors": "weight_packed"}
+
+
+def _fp8_scale(scheme: QuantScheme) -> str:
+    return "weight_scale_inv" if scheme.method == "fp8" and scheme.block_rows else "weight_scale"
+
+
+def marker_leaf(scheme: QuantScheme) -> str:
+    """The tensor that marks a linear as quantized; the others it waits for."""
+    if scheme.float8:
+        return _fp8_scale(scheme)
+    if scheme.int8_activations:  # W8A8's layers keep the name `weight`
+        return "weight_scale"
+    return {"gptq": "qweight", "awq": "qweight"}.get(scheme.method, "weight_packed")
+
+
+def dropped_leaves(scheme: QuantScheme) -> tuple[str, ...]:
+    """Tensors of a quantized linear batchpage does not use (a static FP8 input scale)."""
+    return ("input_scale",) if scheme.float8 else ()
 
 
 def required_leaves(scheme: QuantScheme) -> tuple[str, ...]:
+    if scheme.float8:
+        return ("weight", _fp8_scale(scheme))
     if scheme.method == "gptq":
         return ("qweight", "qzeros", "scales") + (("g_idx",) if scheme.act_order else ())
     if scheme.method == "awq":
@@ -51,9 +74,9 @@ def optional_leaves(scheme: QuantScheme) -> tuple[str, ...]:
 
 
 def quantized_prefixes(names: Iterable[str], scheme: QuantScheme) -> set[str]:
-    """The linears a checkpoint holds quantized (names without `model.`), from its tensor names.
-    W8A8 int-quantized layers keep the name `weight`: theirs are those with a `weight_scale`."""
-    marker = "weight_scale" if scheme.int8_activations else MARKERS[scheme.method]
+    """The linears a checkpoint holds quantized (names without `model.`), from its tensor names
+    (marker_leaf: W8A8 and FP8 layers keep the name `weight`, theirs are those with a scale)."""
+    marker = marker_leaf(scheme)
     out = set()
     for name in names:
         prefix, _, leaf = name.removeprefix("model.").rpartition(".")
@@ -167,6 +190,35 @@ def decode_compressed(t: dict[str, torch.Tensor], scheme: QuantScheme, prefix: s
     return IntWeight(_store(q, bits), scale.contiguous(), offsets.contiguous(), bits, group, k)
 
 
+def decode_fp8(t: dict[str, torch.Tensor], scheme: QuantScheme, prefix: str) -> IntWeight:
+    weight, scale = t["weight"], t[_fp8_scale(scheme)].float()
+    if weight.dim() != 2:
+        raise ValueError(f"{prefix}.weight has shape {tuple(weight.shape)}, not [out, in]")
+    n, k = weight.shape
+    if weight.is_meta:  # the header checks: shapes only
+        packed = torch.empty(n, k, dtype=torch.uint8, device="meta")
+    elif weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(
+            f"{prefix}.weight is {weight.dtype}, not float8_e4m3fn, in an FP8 e4m3 checkpoint: "
+            "its files do not match its quantization_config"
+        )
+    else:
+        packed = weight.contiguous().view(torch.uint8)
+    rows, group = scheme.block_rows or n, scheme.group_size or k
+    want = (-(-n // rows), -(-k // group))
+    if scale.dim() < 2:  # per tensor, () or [1]; per channel, [N]
+        scale = scale.reshape(-1, 1)
+    if tuple(scale.shape) != want:
+        raise ValueError(
+            f"{prefix}.{_fp8_scale(scheme)} has shape {tuple(scale.shape)}, but blocks of "
+            f"{rows} x {group} over a [{n}, {k}] weight make {list(want)}: the checkpoint's "
+            "quantization_config does not match its tensors"
+        )
+    scales = scale.repeat_interleave(rows, dim=0)[:n].contiguous()  # [N, G]
+    zeros = torch.zeros_like(scales)
+    return IntWeight(packed, scales, zeros, 8, group, k, float8=True)
+
+
 DECODERS = {"gptq": decode_gptq, "awq": decode_awq, "compressed-tensors": decode_compressed}
 
 
@@ -176,10 +228,13 @@ def decode_stream(
     """The checkpoint's tensors with each quantized linear's set replaced by IntWeight's
     tensors; every other tensor passes as it is. Raises ValueError naming a linear whose set
     is incomplete at the end."""
-    need, extra = required_leaves(scheme), optional_leaves(scheme)
+    need, extra, drop = required_leaves(scheme), optional_leaves(scheme), dropped_leaves(scheme)
+    decode = decode_fp8 if scheme.float8 else DECODERS[scheme.method]
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         prefix, _, leaf = name.removeprefix("model.").rpartition(".")
+        if prefix in prefixes and leaf in drop:
+            continue
         if prefix not in prefixes or (leaf not in need and leaf not in extra):
             yield name, tensor
             continue
@@ -187,7 +242,7 @@ def decode_stream(
         parts[leaf] = tensor
         if all(leaf in parts for leaf in need):
             del pending[prefix]
-            weight = DECODERS[scheme.method](parts, scheme, prefix)
+            weight = decode(parts, scheme, prefix)
             yield from _int_tensors(prefix, weight)
     if pending:
         prefix, parts = next(iter(pending.items()))

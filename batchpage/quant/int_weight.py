@@ -12,6 +12,9 @@ nibble; 8: one per byte). A format with zero points z has offsets = -scales * z;
 format stores q + 2^(bits - 1) with offsets shifted to match. A K-quant's 5- and 6-bit values
 are stored in bytes.
 
+FP8 (`float8`): each byte holds an e4m3 value's bits (torch.float8_e4m3fn), q is that value,
+offsets are 0, bits is 8; a checkpoint's block scales are repeated over their rows.
+
 Act order (GPTQ desc_act): `perm` is the input permutation that makes groups contiguous;
 the stored columns are W[:, perm], and y = x[:, perm] @ stored.T.
 """
@@ -32,6 +35,7 @@ class IntWeight:
     group_size: int
     in_features: int  # K
     perm: torch.Tensor | None = None  # int64 [K], act order; None: columns in order
+    float8: bool = False  # packed holds float8_e4m3fn bits [N, K], not unsigned integers
 
     def __post_init__(self) -> None:
         n, k = self.out_features, self.in_features
@@ -45,6 +49,7 @@ class IntWeight:
             assert t.dtype == torch.float32 and t.shape == (n, groups), (t.dtype, t.shape)
         assert 4 <= self.bits <= 8, self.bits
         assert self.perm is None or (self.perm.dtype == torch.int64 and self.perm.shape == (k,))
+        assert not self.float8 or self.bits == 8, self.bits
 
     @property
     def storage_bits(self) -> int:
@@ -65,6 +70,7 @@ class IntWeight:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def values(self) -> torch.Tensor:  # int32 [N, K]: q, in stored column order
+        assert not self.float8, "FP8 codes are not integers: read them with dequantize"
         if self.storage_bits == 8:
             return self.packed.to(torch.int32)
         low, high = (self.packed & 0xF).to(torch.int32), (self.packed >> 4).to(torch.int32)
@@ -72,10 +78,16 @@ class IntWeight:
 
     def dequantize_stored(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """[N, K] in stored column order (W[:, perm] under act order)."""
-        groups = torch.arange(self.in_features, device=self.packed.device) // self.group_size
-        scales = self.scales.to(dtype)[:, groups]
-        offsets = self.offsets.to(dtype)[:, groups]
-        return scales * self.values().to(dtype) + offsets
+        if self.float8:
+            values = self.packed.view(torch.float8_e4m3fn).to(dtype)
+        else:
+            values = self.values().to(dtype)
+        n, k, groups = self.out_features, self.in_features, self.num_groups
+        padded = groups * self.group_size
+        # [N, G, group]: each group's scale and offset broadcast over it, no [N, K] gathers
+        values = torch.nn.functional.pad(values, (0, padded - k)).view(n, groups, -1)
+        scales, offsets = self.scales.to(dtype)[:, :, None], self.offsets.to(dtype)[:, :, None]
+        return (scales * values + offsets).view(n, padded)[:, :k]
 
     def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """[N, K] in the checkpoint's column order: the dense weight this stands for."""
@@ -124,10 +136,11 @@ def concat_rows(parts: list[IntWeight]) -> IntWeight:
     which q/k/v, or gate/up, share)."""
     first = parts[0]
     for p in parts[1:]:
-        same = (p.bits, p.group_size, p.in_features) == (
+        same = (p.bits, p.group_size, p.in_features, p.float8) == (
             first.bits,
             first.group_size,
             first.in_features,
+            first.float8,
         )
         if not same:
             raise ValueError("the shards of a merged linear are quantized differently")
@@ -146,4 +159,5 @@ def concat_rows(parts: list[IntWeight]) -> IntWeight:
         first.group_size,
         first.in_features,
         first.perm,
+        first.float8,
     )

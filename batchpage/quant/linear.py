@@ -84,6 +84,7 @@ class QuantLinear(LinearOp):
             self.group_size,
             self.in_features,
             perm,
+            self.scheme.float8,
         )
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -102,7 +103,7 @@ class QuantLinear(LinearOp):
         weight = self.int_weight()
         rows = IntWeight(
             weight.packed[ids], weight.scales[ids], weight.offsets[ids], weight.bits,
-            weight.group_size, weight.in_features, weight.perm,
+            weight.group_size, weight.in_features, weight.perm, weight.float8,
         )  # fmt: skip
         return rows.dequantize(torch.float32)
 

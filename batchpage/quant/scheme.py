@@ -17,15 +17,19 @@ from batchpage.errors import UnsupportedModelError
 
 SUPPORTED = (
     "awq (GEMM, 4-bit, zero points), gptq (4/8-bit, sym or asym, desc_act), "
-    "compressed-tensors (pack-quantized int4/int8 weight-only, int-quantized W8A8)"
+    "compressed-tensors (pack-quantized int4/int8 weight-only, int-quantized W8A8, "
+    "float-quantized FP8 e4m3 by tensor, channel or block), fp8 (e4m3, per tensor or "
+    "weight_block_size with weight_scale_inv)"
 )
 
-Method = Literal["awq", "gptq", "compressed-tensors", "gguf"]
+Method = Literal["awq", "gptq", "compressed-tensors", "fp8", "gguf"]
 
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """An integer weight scheme: W = scale * (q - zero) per group of `group_size` inputs."""
+    """A weight scheme: W = scale * (q - zero) per group of `group_size` inputs, q an integer,
+    or (float8) W = scale * q with q an FP8 e4m3 value and a scale per block of `block_rows`
+    outputs by `group_size` inputs."""
 
     method: Method
     bits: int
@@ -39,6 +43,16 @@ class QuantScheme:
     int8_activations: bool = False
     # A GGUF tensor's type name ("q4_1"), the format's name in stats.
     label: str | None = None
+    # FP8 e4m3 weights (bits 8): float8_e4m3fn codes, no zero point. The checkpoint's scales
+    # cover `block_rows` output rows each (1: per channel; None: every row, per tensor); its
+    # FP8 activations, where it declares them, run in the model's dtype.
+    float8: bool = False
+    block_rows: int | None = 1
+
+    @property
+    def integer(self) -> bool:
+        """Whether q are integers (what the int kernels and int8 activations take)."""
+        return not self.float8
 
     @property
     def name(self) -> str:
@@ -46,6 +60,8 @@ class QuantScheme:
         activations "ct_w8a8", "gptq_w4a8", "q4_1_a8"."""
         if self.label is not None:
             return f"{self.label}_a8" if self.int8_activations else self.label
+        if self.float8:
+            return "fp8" if self.method == "fp8" else "ct_fp8"
         method = {"compressed-tensors": "ct"}.get(self.method, self.method)
         kind = f"w{self.bits}a8" if self.int8_activations else f"int{self.bits}"
         return f"{method}_{kind}"
@@ -69,6 +85,8 @@ def read_quant_scheme(cfg: Mapping[str, Any]) -> QuantScheme | None:
         return _awq(quant)
     if method == "compressed-tensors":
         return _compressed_tensors(quant)
+    if method == "fp8":
+        return _fp8(quant)
     raise _refuse(method, "")
 
 
@@ -123,6 +141,51 @@ def _awq(quant: Mapping[str, Any]) -> QuantScheme:
     return QuantScheme("awq", bits, group, symmetric=not zero_point, act_order=False)
 
 
+def _block(value: object, method: str, key: str) -> tuple[int, int]:
+    """A [rows, inputs] block of one scale, each a positive int."""
+    ok = isinstance(value, (list, tuple)) and len(value) == 2
+    ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    if not ok:
+        raise _refuse(method, f"{key}={value!r}; supported: [rows, inputs] of positive ints")
+    rows, cols = value  # type: ignore[misc]
+    return int(rows), int(cols)
+
+
+def _fp8(quant: Mapping[str, Any]) -> QuantScheme:
+    """HF's fp8 (DeepSeek's and Qwen3-FP8's releases): e4m3 weights, a weight_scale_inv per
+    weight_block_size block, or without one a weight_scale per tensor."""
+    fmt = quant.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise _refuse("fp8", f"fmt={fmt!r}; supported: e4m3")
+    acts = quant.get("activation_scheme", "dynamic")
+    if acts not in ("dynamic", "static"):
+        raise _refuse("fp8", f"activation_scheme={acts!r}; supported: dynamic, static")
+    block = quant.get("weight_block_size")
+    if block is None:
+        return QuantScheme("fp8", 8, None, True, False, float8=True, block_rows=None)
+    rows, cols = _block(block, "fp8", "weight_block_size")
+    return QuantScheme("fp8", 8, cols, True, False, float8=True, block_rows=rows)
+
+
+def _ct_float(weights: Mapping[str, Any], acts: object) -> QuantScheme:
+    """compressed-tensors float-quantized: FP8 e4m3 weights scaled per tensor, channel or
+    block; FP8 activations, if declared, are not quantized here."""
+    method = "compressed-tensors"
+    if weights.get("num_bits") != 8:
+        raise _refuse(method, f"float weights of {weights.get('num_bits')!r} bits; supported: 8")
+    if acts and (not isinstance(acts, Mapping) or acts.get("type") != "float"):
+        raise _refuse(method, "float-quantized weights with non-float activations")
+    strategy = weights.get("strategy")
+    if strategy == "tensor":
+        return QuantScheme(method, 8, None, True, False, float8=True, block_rows=None)
+    if strategy == "channel":
+        return QuantScheme(method, 8, None, True, False, float8=True, block_rows=1)
+    if strategy == "block":
+        rows, cols = _block(weights.get("block_structure"), method, "block_structure")
+        return QuantScheme(method, 8, cols, True, False, float8=True, block_rows=rows)
+    raise _refuse(method, f"float weight strategy {strategy!r}; supported: tensor, channel, block")
+
+
 def _compressed_tensors(quant: Mapping[str, Any]) -> QuantScheme:
     fmt = quant.get("format")
     groups = quant.get("config_groups")
@@ -135,10 +198,14 @@ def _compressed_tensors(quant: Mapping[str, Any]) -> QuantScheme:
     fmt = group.get("format") or fmt
     weights = group["weights"]
     acts = group.get("input_activations")
-    if weights.get("type") != "int":
-        raise _refuse("compressed-tensors", f"weights of type {weights.get('type')!r}")
     if group.get("output_activations"):
         raise _refuse("compressed-tensors", "quantized output activations")
+    if weights.get("type") == "float":
+        if fmt != "float-quantized":
+            raise _refuse("compressed-tensors", f"float weights in format={fmt!r}")
+        return _ct_float(weights, acts)
+    if weights.get("type") != "int":
+        raise _refuse("compressed-tensors", f"weights of type {weights.get('type')!r}")
     bits = _bits(weights, "compressed-tensors", "num_bits", (4, 8))
     strategy = weights.get("strategy")
     if strategy not in ("group", "channel"):
@@ -164,7 +231,8 @@ def _compressed_tensors(quant: Mapping[str, Any]) -> QuantScheme:
         int8_acts = True
     else:
         raise _refuse(
-            "compressed-tensors", f"format={fmt!r}; supported: pack-quantized, int-quantized"
+            "compressed-tensors",
+            f"format={fmt!r}; supported: pack-quantized, int-quantized, float-quantized",
         )
     return QuantScheme(
         "compressed-tensors",

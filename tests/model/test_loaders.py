@@ -298,6 +298,13 @@ LLAMA_CONFIG = dict(
         {"quant_method": "gptq", "bits": 3},
         {"quant_method": "bitsandbytes", "load_in_4bit": True},
         {"quant_method": "hqq"},
+        {"quant_method": "fp8", "fmt": "e5m2"},
+        {"quant_method": "fp8", "weight_block_size": [128]},
+        {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float"}}},
+        },
     ],
 )
 def test_unsupported_quantized_checkpoints_are_refused_before_weights(tmp_path, tokenizer, quant):

@@ -118,6 +118,52 @@ def compressed_int8(qz: Quantized) -> dict[str, torch.Tensor]:
     return {"weight": (qz.q - 128).to(torch.int8), "weight_scale": qz.scale.half()}
 
 
+@dataclass
+class Fp8Quantized:
+    weight: torch.Tensor  # float8_e4m3fn [N, K]
+    scale: torch.Tensor  # float32 [ceil(N / R), ceil(K / C)]: one per block
+    dense: torch.Tensor  # float32 [N, K]: weight * its block's scale
+
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int | None] | None) -> Fp8Quantized:
+    """FP8 e4m3 with one scale per block of R rows by C inputs (C None: the whole row; block
+    None: one scale for the tensor), the
+    block's max |w| mapped to about e4m3's largest value, 448; torch's own float8_e4m3fn
+    rounding."""
+    n, k = w.shape
+    rows, cols = block or (n, k)
+    cols = cols or k
+    scale = torch.empty(-(-n // rows), -(-k // cols))
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            part = w[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols]
+            scale[i, j] = part.abs().max().clamp_min(1e-8) / 448
+    # bf16-exact scales, so that each product (4 by 8 significant bits) is exact in float32
+    scale = scale.bfloat16().float()
+    full = scale.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+    weight = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return Fp8Quantized(weight, scale, weight.float() * full)
+
+
+def fp8_block(qz: Fp8Quantized) -> dict[str, torch.Tensor]:
+    """HF's fp8 with weight_block_size: the scale of each block as weight_scale_inv."""
+    return {"weight": qz.weight, "weight_scale_inv": qz.scale}
+
+
+def fp8_tensor_static(qz: Fp8Quantized) -> dict[str, torch.Tensor]:
+    """HF's fp8 per tensor, static activations: one weight_scale and one input_scale."""
+    return {
+        "weight": qz.weight,
+        "weight_scale": qz.scale.reshape(()).clone(),
+        "input_scale": torch.tensor(0.02),  # unused: activations run in the model's dtype
+    }
+
+
+def ct_fp8(qz: Fp8Quantized) -> dict[str, torch.Tensor]:
+    """compressed-tensors float-quantized: weight_scale [N, 1] per channel, else per block."""
+    return {"weight": qz.weight, "weight_scale": qz.scale}
+
+
 def quantize_linear_inputs(model: torch.nn.Module, suffixes: tuple[str, ...]) -> None:
     """Make an HF model's linears (those whose names end in `suffixes`) see their inputs as
     W8A8 does: each token's row rounded to a multiple of its own max |x| / 127. A plain-torch

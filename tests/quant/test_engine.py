@@ -5,11 +5,13 @@ option int8_activations, what the dequantized model computes from int8-rounded i
 from __future__ import annotations
 
 import pytest
+import torch
 
 from batchpage import LLM, SamplingParams
 from batchpage.cpu_info import cpu_flags
 from batchpage.kernels.cpu_int_linear import CpuIntLinear
 from batchpage.ops.int_linear import CpuA8LinearOp, CpuIntLinearOp
+from batchpage.ops.linear import dtype_format
 from batchpage.quant.linear import QuantLinear
 from tests.model_factory import hf_greedy
 from tests.quant import packers
@@ -110,3 +112,26 @@ def test_int8_activations_compute_the_dequantized_model_on_int8_rounded_inputs(
 def test_int8_activations_need_quantized_weights():
     with pytest.raises(ValueError, match="int8_activations applies to quantized weights"):
         LLM(model="smollm2", quantized_weights=False, int8_activations=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_weights_are_held_in_a_byte_and_run_as_hf_on_them(tmp_path, tokenizer, dtype):
+    """FP8 block weights stay float8 codes (a byte each) in QuantLinear, which widens them in
+    torch on every device (no int kernel takes them), and the engine decodes as HF does on the
+    dequantized weights; int8_activations is refused for them."""
+    folder, hf = write_quantized(tmp_path, "fp8_block")
+    tokenizer.save_pretrained(folder)
+    llm = engine(folder, dtype=dtype)
+    model = llm.engine.runner.model
+    held = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(held) == 8 and all(m.packed.dtype == torch.uint8 for m in held)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], params)
+    agree = 6 if dtype == "float32" else 2  # bf16 activations: the first tokens, as above
+    for out, prompt in zip(outs, PROMPTS, strict=True):
+        assert out.outputs[0].token_ids[:agree] == hf_greedy(hf, list(prompt), agree)
+    assert llm.stats["weight_formats"] == {"fp8": 8, dtype_format(getattr(torch, dtype)): 1}
+    dense = engine(save_dense(tmp_path, hf, tokenizer), dtype=dtype)
+    assert llm.stats["weight_bytes"] < dense.engine.weight_bytes
+    with pytest.raises(ValueError, match="int8_activations needs integer weights.* fp8"):
+        engine(folder, dtype=dtype, int8_activations=True)

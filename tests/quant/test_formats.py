@@ -49,7 +49,19 @@ def int4_group32(sym: bool) -> dict:
     return {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group", "group_size": 32}
 
 
-# name -> (quantization_config, packer(Quantized) -> tensors, quantize kwargs)
+def fp8_config(**kw) -> dict:
+    return {"quant_method": "fp8", "fmt": "e4m3", "modules_to_not_convert": ["lm_head"], **kw}
+
+
+def ct_fp8_weights(strategy: str, **kw) -> dict:
+    return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, **kw}
+
+
+FP8_TOKENS = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+BLOCK = (24, 40)  # blocks that divide neither the tiny model's rows (32, 64, 96) nor inputs
+
+# name -> (quantization_config, packer(quantized) -> tensors, quantize kwargs: packers.quantize
+# unless they name a quantizer)
 CASES = {
     "gptq4_sym_g32": (
         {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False},
@@ -107,6 +119,26 @@ CASES = {
         packers.compressed_int8,
         dict(bits=8, group=None, sym=True),
     ),
+    "fp8_block": (
+        fp8_config(activation_scheme="dynamic", weight_block_size=list(BLOCK)),
+        packers.fp8_block,
+        dict(quantizer=packers.quantize_fp8, block=BLOCK),
+    ),
+    "fp8_tensor_static": (
+        fp8_config(activation_scheme="static"),
+        packers.fp8_tensor_static,
+        dict(quantizer=packers.quantize_fp8, block=None),
+    ),
+    "ct_fp8_channel": (
+        ct_config("float-quantized", ct_fp8_weights("channel"), FP8_TOKENS),
+        packers.ct_fp8,
+        dict(quantizer=packers.quantize_fp8, block=(1, None)),
+    ),
+    "ct_fp8_block": (
+        ct_config("float-quantized", ct_fp8_weights("block", block_structure=list(BLOCK))),
+        packers.ct_fp8,
+        dict(quantizer=packers.quantize_fp8, block=BLOCK),
+    ),
 }
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -128,7 +160,12 @@ def write_quantized(tmp_path, case: str, quantize_head: bool = False, pack=None)
         quantized = prefix.rsplit(".", 1)[-1] in LINEARS or (quantize_head and prefix == "lm_head")
         if not quantized:
             continue
-        qz = packers.quantize(tensors.pop(name), seed=seed, **kwargs)
+        options = dict(kwargs)
+        quantizer = options.pop("quantizer", None)
+        if quantizer is None:
+            qz = packers.quantize(tensors.pop(name), seed=seed, **options)
+        else:
+            qz = quantizer(tensors.pop(name), **options)
         tensors.update({f"{prefix}.{leaf}": t for leaf, t in pack(qz).items()})
         hf.get_parameter(name).data.copy_(qz.dense)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
@@ -214,3 +251,26 @@ def test_quantized_tensors_no_linear_takes_are_refused_before_loading(tmp_path, 
     tokenizer.save_pretrained(folder)
     with pytest.raises(UnsupportedModelError, match="embed_tokens.*only as float weights"):
         resolve_model_source(str(folder))
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        ("transpose", r"q_proj.weight_scale_inv has shape \(2, 3\), but blocks of 24 x 40"),
+        ("bfloat16", r"q_proj.weight is torch.bfloat16, not float8_e4m3fn"),
+    ],
+)
+def test_fp8_tensors_that_do_not_match_the_config_are_refused(tmp_path, tokenizer, edit, match):
+    """A block scale stored transposed (as many values, the wrong blocks) or a weight that is not
+    FP8 is refused, naming the tensor, rather than loaded as other weights."""
+    folder, _ = write_quantized(tmp_path, "fp8_block")
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj"
+    if edit == "transpose":
+        tensors[f"{name}.weight_scale_inv"] = tensors[f"{name}.weight_scale_inv"].t().contiguous()
+    else:
+        tensors[f"{name}.weight"] = tensors[f"{name}.weight"].bfloat16()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
+    with pytest.raises(ValueError, match=match):
+        load_model(str(folder), dtype="float32")

@@ -64,22 +64,6 @@ ROOT = Path(__file__).resolve().parents[2]
 STATS = ("prefill_tokens_computed", "prefix_hit_rate", "preemptions", "peak_running", "kv_waste")
 
 
-def parse_options(items: list[str], flag: str) -> dict[str, Any]:
-    """KEY=VALUE words as LLM keyword options; a value is JSON where it parses (numbers, true,
-    false, null), else a string."""
-    words = {"True": True, "False": False, "None": None}
-    options: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"{flag}: {item!r} is not KEY=VALUE (e.g. attention_backend=torch)")
-        try:
-            options[key] = json.loads(text)
-        except ValueError:
-            options[key] = words.get(text, text)
-    return options
-
-
 # --- sides -------------------------------------------------------------------------------------
 
 
@@ -184,11 +168,11 @@ def checkout(rev: str, folder: Path, stack: ExitStack) -> tuple[Path, str]:
 def make_sides(args: argparse.Namespace, stack: ExitStack) -> dict[str, dict[str, Any]]:
     """Each side: its runner, its options (--both, then its own) and what it is."""
     sides = {}
-    both = parse_options(args.both, "--both")
+    both = engine_runs.parse_options(args.both, "--both")
     workers = bool(args.a_rev or args.b_rev)
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="batchpage-ab-")))
     for name, items, rev in (("A", args.a, args.a_rev), ("B", args.b, args.b_rev)):
-        options = {**both, **parse_options(items, f"--{name.lower()}")}
+        options = {**both, **engine_runs.parse_options(items, f"--{name.lower()}")}
         # model=PATH on one side: the same workload through another checkpoint of one
         # tokenizer (a quantized and a float one of the same shape).
         model = str(options.pop("model", args.model))

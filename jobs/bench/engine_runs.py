@@ -27,6 +27,22 @@ from batchpage import LLM, SamplingParams
 WARM_UP_TEXTS = ("Warm-up: count from one to ten.", "Another warm-up line about the weather.")
 
 
+def parse_options(items: list[str], flag: str) -> dict[str, Any]:
+    """KEY=VALUE words as LLM keyword options; a value is JSON where it parses (numbers, true,
+    false, null), else a string."""
+    words = {"True": True, "False": False, "None": None}
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"{flag}: {item!r} is not KEY=VALUE (e.g. attention_backend=torch)")
+        try:
+            options[key] = json.loads(text)
+        except ValueError:
+            options[key] = words.get(text, text)
+    return options
+
+
 def log(message: str) -> None:
     """Progress on stderr, so stdout stays the report (or, in a worker, the answers)."""
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

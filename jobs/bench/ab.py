@@ -284,12 +284,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.smoke:
         args.runs, args.decode_running = 2, 4
         args.decode_steps = args.decode_steps and 4
-        args.sharegpt_requests, args.max_output_tokens, args.random_requests = "4", 8, 4
-        args.system_requests, args.system_tokens, args.system_max_tokens = 4, 64, 8
-        args.shots, args.fewshot_requests, args.fewshot_max_tokens = 1, 4, 8
-        args.max_shot_tokens = args.max_question_tokens = 600
-        args.documents, args.questions_per_document, args.document_tokens = 2, 2, 32
-        args.schedule_max_tokens, args.random_prompt_tokens, args.random_max_tokens = 8, "8,24", 8
     return args
 
 

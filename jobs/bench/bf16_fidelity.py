@@ -13,8 +13,6 @@ bf16's rounding of each other) or a real disagreement.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from batchpage import LLM, SamplingParams
 from batchpage.model.loader import load_tokenizer, resolve_model_source
-from jobs.bench.report import command_line, environment, log, markdown_table, save_results
+from jobs.bench import report
 from jobs.bench.workloads import sharegpt_workload
 
 
@@ -35,13 +33,12 @@ def hf_greedy(model: Any, prompt: list[int], max_new: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = report.parser(__doc__, smoke=False)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     source = resolve_model_source(args.model)
     tok = load_tokenizer(source)
@@ -51,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     del llm
-    log("batchpage done")
+    report.log("batchpage done")
     dtype = getattr(torch, args.dtype)
     if source.kind == "hf":
         hf = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
@@ -80,18 +77,16 @@ def main(argv: list[str] | None = None) -> None:
                  f"{result['hf_top_logit']:.2f}"]
             )  # fmt: skip
         results.append(result)
-        log(f"request {i}: {'same' if at is None else f'diverges at {at}'}")
+        report.log(f"request {i}: {'same' if at is None else f'diverges at {at}'}")
     same = sum(r["same"] for r in results)
-    env = environment()
-    print(f"## Greedy fidelity against HF in {args.dtype} ({env['date_utc']})\n")
-    print(f"`{command_line()}`, CPU: {env['cpu']}\n")
+    env = report.environment()
+    report.print_header(f"Greedy fidelity against HF in {args.dtype}", env)
     print(f"Identical greedy continuations: **{same}/{len(results)}** ({args.new_tokens} tokens)\n")
     if rows:
         header = ["request", "first divergent token", "HF top-2 logit gap",
                   "HF logit gap, its token - ours", "HF top logit"]  # fmt: skip
-        print(markdown_table(header, rows))
-    if args.out:
-        save_results(args.out, env, results)
+        print(report.markdown_table(header, rows))
+    report.save_results(args.out, env, results)
 
 
 if __name__ == "__main__":

@@ -49,10 +49,9 @@ from batchpage.kernels.cpu_build import build_extension
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
 from batchpage.kernels.cpu_paged_prefill import CpuPagedPrefill
 from batchpage.kernels.testing import make_paged_case
-from jobs.bench.report import environment, log, markdown_table, save_results, timed
+from jobs.bench import report
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
-COLD_BYTES = 128 * 2**20  # the copies of a case together: four times a 32 MiB L3
 # (label, context lengths, new tokens per sequence, leading blocks shared by all sequences)
 PREFILL_CASES = [
     ("10 prompts of 67", [67] * 10, [67] * 10, 0),
@@ -142,21 +141,21 @@ def streaming_read_gb_s(gib: float, repeats: int = 5) -> float:
     sums over a tensor much larger than the caches. The kernel's GB/s compares with it."""
     x = torch.ones(int(gib * 2**30) // 4)
     x.sum()
-    best = min(timed(x.sum)[1] for _ in range(repeats))
+    best = min(report.timed(x.sum)[1] for _ in range(repeats))
     return x.numel() * 4 / best / 1e9
 
 
 def decode_cases(args: argparse.Namespace) -> list[tuple[str, list[int], int]]:
     """(label, context lengths, shared blocks) of every decode case."""
-    lo, hi = (int(x) for x in args.spread.split(","))
+    lo, hi = report.ints(args.spread)
     cases = []
-    for b in (int(x) for x in args.batch_sizes.split(",")):
-        for ctx in (int(x) for x in args.contexts.split(",")):
+    for b in report.ints(args.batch_sizes):
+        for ctx in report.ints(args.contexts):
             cases.append((f"{b} x {ctx}", [ctx] * b, 0))
         cases.append((f"{b} x {lo}..{hi}, longest first", torch.linspace(hi, lo, b).round().int()
                       .tolist(), 0))  # fmt: skip
     if args.shared:
-        rows, ctx, prefix = (int(x) for x in args.shared.split(","))
+        rows, ctx, prefix = report.ints(args.shared)
         cases.append((f"{rows} x {ctx}, first {prefix} shared (cached)", [ctx] * rows,
                       prefix // BLOCK))  # fmt: skip
     return cases
@@ -171,7 +170,7 @@ def run_decode(args, systems, dtype) -> tuple[list[dict[str, Any]], list[list[An
         need = sum(blocks_for(n) for n in lens)
         case_bytes = sum(lens) * token_bytes
         blocks = max(pool_blocks, 2 * need)
-        copies = min(blocks // need, -(-COLD_BYTES // case_bytes))
+        copies = report.cold_copies(case_bytes, blocks // need)
         kv = KVCache.allocate(1, blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype, "cpu")
         kv.k[0].normal_(generator=gen)
         kv.v[0].normal_(generator=gen)
@@ -190,8 +189,12 @@ def run_decode(args, systems, dtype) -> tuple[list[dict[str, Any]], list[list[An
             row += [result["baseline_ms"], f"{result['vs_baseline']:.2f}x"]
         results.append(result)
         rows.append(row)
-        log(f"{label}: " + ", ".join(f"{name} {sec * 1e3:.2f} ms" for name, sec in t.items()))
+        log_times(label, t)
     return results, rows
+
+
+def log_times(label: str, times: dict[str, float]) -> None:
+    report.log(f"{label}: " + ", ".join(f"{n} {sec * 1e3:.2f} ms" for n, sec in times.items()))
 
 
 def run_prefill(args, systems, dtype) -> tuple[list[dict[str, Any]], list[list[Any]]]:
@@ -210,12 +213,12 @@ def run_prefill(args, systems, dtype) -> tuple[list[dict[str, Any]], list[list[A
         results.append(result)
         rows.append([label, result["torch_ms"], result["cpu_ms"], f"{result['speedup']:.2f}x",
                      f"{diff:.1e}"])  # fmt: skip
-        log(f"{label}: " + ", ".join(f"{name} {sec * 1e3:.2f} ms" for name, sec in t.items()))
+        log_times(label, t)
     return results, rows
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = report.parser(__doc__)
     p.add_argument("--parts", default="decode,prefill", help="comma-separated: decode, prefill")
     p.add_argument("--batch-sizes", default="64,256", help="decode rows")
     p.add_argument("--contexts", default="128,512", help="uniform decode context lengths")
@@ -231,8 +234,6 @@ def main(argv: list[str] | None = None) -> None:
         help="C++ source of another version of the decode kernel, timed in turn with this one",
     )  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     parts = args.parts.split(",")
     if not parts or not set(parts) <= {"decode", "prefill"}:
@@ -252,11 +253,10 @@ def main(argv: list[str] | None = None) -> None:
         before = CpuPagedDecode(build_extension(path, "baseline_cpu_decode", f"the kernel {path}"))
         systems["baseline"] = lambda: CpuPagedAttention(before, prefill)
     dtype = getattr(torch, args.dtype)
-    env = environment()
-    print(f"## CPU attention: C++ kernels vs torch backend ({env['date_utc']})\n")
-    print(f"One layer, {HEADS} query / {KV_HEADS} KV heads, head_dim {HEAD_DIM}, {args.dtype}, "
-          f"block {BLOCK}, {env['torch_threads']} threads, median of {args.repeats} calls taken in "
-          f"turn. CPU: {env['cpu']} ({', '.join(env['cpu_flags'])}).\n")  # fmt: skip
+    env = report.environment()
+    report.print_header("CPU attention: C++ kernels vs torch backend", env, f"one layer, {HEADS} "
+                        f"query / {KV_HEADS} KV heads, head_dim {HEAD_DIM}, {args.dtype}, block "
+                        f"{BLOCK}, median of {args.repeats} calls taken in turn")  # fmt: skip
     results: list[dict[str, Any]] = []
     if "decode" in parts:
         found, rows = run_decode(args, systems, dtype)
@@ -271,15 +271,14 @@ def main(argv: list[str] | None = None) -> None:
         if args.baseline:
             print(f"Baseline: the kernel built from {args.baseline}.\n")
             header += ["baseline kernel ms", "kernel vs baseline"]
-        print(markdown_table(header, rows))
+        print(report.markdown_table(header, rows))
     if "prefill" in parts:
         found, rows = run_prefill(args, systems, dtype)
         results += found
         print("\nPrefill: the prefill kernel against SDPA over gathered blocks.\n")
         header = ["new rows", "torch ms", "cpu kernel ms", "speedup", "max abs diff"]
-        print(markdown_table(header, rows))
-    if args.out:
-        save_results(args.out, env, results)
+        print(report.markdown_table(header, rows))
+    report.save_results(args.out, env, results)
 
 
 if __name__ == "__main__":

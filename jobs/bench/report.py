@@ -1,14 +1,16 @@
-"""What every benchmark result carries and how it prints: the timing, the machine, the exact
-command, Markdown tables for BENCHMARKS.md (on stdout) and progress (on stderr), and the JSON
-file."""
+"""What every benchmark shares: its arguments (--out, --smoke, comma lists), timing (medians of
+calls taking turns), the machine, the exact command, Markdown tables for BENCHMARKS.md (on
+stdout), progress (on stderr) and the JSON file."""
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import os
 import platform
 import shlex
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -18,11 +20,33 @@ from typing import Any, TypeVar
 import torch
 
 from batchpage.cpu_info import cpu_flags, cpu_model, has_native_bf16
+from jobs.bench.engine_runs import log
 
+__all__ = ["cpu_model", "log"]  # re-exported: one progress format, one CPU name for all
 T = TypeVar("T")
+# Copies of a weight or of K/V blocks taken in turn, together this large (four times a big L3),
+# so that each call reads its operands from memory as a decode step does.
+COLD_BYTES = 128 * 2**20
 
 
-# --- timing and provenance ---------------------------------------------------------------------
+# --- arguments ---------------------------------------------------------------------------------
+
+
+def parser(doc: str | None, smoke: bool = True) -> argparse.ArgumentParser:
+    """A benchmark's parser: its docstring as help, --out and (unless smoke=False) --smoke."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    if smoke:
+        p.add_argument("--smoke", action="store_true", help="tiny sizes: does it run?")
+    return p
+
+
+def ints(text: str | int) -> list[int]:
+    """A comma list of integers ("1,16,64")."""
+    return [int(x) for x in str(text).split(",") if x]
+
+
+# --- timing ------------------------------------------------------------------------------------
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:
@@ -30,6 +54,26 @@ def timed(fn: Callable[[], T]) -> tuple[T, float]:
     start = time.perf_counter()
     result = fn()
     return result, time.perf_counter() - start
+
+
+def in_turns(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median milliseconds of each fn after one warm-up call each, the fns taking turns (one
+    call each per round), so that a drift of a shared machine's speed reaches them alike."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(timed(fn)[1])
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def cold_copies(nbytes: int, most: int) -> int:
+    """How many copies of an operand of `nbytes` reach COLD_BYTES together (at most `most`)."""
+    return max(1, min(most, -(-COLD_BYTES // nbytes)))
+
+
+# --- provenance --------------------------------------------------------------------------------
 
 
 def command_line() -> str:
@@ -58,17 +102,22 @@ def environment() -> dict[str, Any]:
     }
 
 
-def log(message: str) -> None:
-    """Progress on stderr, so stdout stays the clean Markdown report."""
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+def machine(env: dict[str, Any]) -> str:
+    """The machine in one line: what decides which kernels and dtype ran."""
+    native = "yes" if env["native_bf16"] else "no"
+    flags = ", ".join(env["cpu_flags"]) or "none"
+    return (f"CPU {env['cpu']} ({env['cpu_count']} cores, {env['torch_threads']} torch threads), "
+            f"flags {flags}; native bf16: {native}; torch {env['torch']}")  # fmt: skip
+
+
+def print_header(title: str, env: dict[str, Any], *notes: str) -> None:
+    """A report's opening: its title and date, the command, the machine and any notes."""
+    print(f"## {title} ({env['date_utc']})\n")
+    print(f"Command: `{command_line()}`\n")
+    print("; ".join([machine(env), *notes]) + ".\n")
 
 
 # --- JSON --------------------------------------------------------------------------------------
-
-
-def args_json(args: Any) -> dict[str, Any]:
-    """An argparse Namespace as JSON-ready values (paths as strings)."""
-    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
 
 
 def write_json(path: str | Path, data: Any) -> None:
@@ -77,8 +126,15 @@ def write_json(path: str | Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
-def save_results(out: str | Path, env: dict[str, Any], results: Any, **extra: Any) -> None:
-    """A benchmark's results as JSON beside the command and the environment that made them."""
+def save_results(
+    out: str | Path | None, env: dict[str, Any], results: Any, args: Any = None, **extra: Any
+) -> None:
+    """A benchmark's results as JSON beside the command, the environment and (an argparse
+    Namespace) the arguments that made them; nothing when out is None."""
+    if out is None:
+        return
+    if args is not None:
+        extra["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     write_json(out, {"command": command_line(), "environment": env, **extra, "results": results})
     print(f"\nJSON: {out}")
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from batchpage import LLM, SamplingParams
 from batchpage.model.loader import load_tokenizer
-from jobs.bench.report import command_line, environment, log, markdown_table
+from jobs.bench import report
 from jobs.bench.workloads import sharegpt_workload
 
 # (bucket, substrings of a py-spy frame "function (file:line)"), matched innermost frame first.
@@ -126,7 +126,7 @@ def profile(args: argparse.Namespace, running: int) -> tuple[Counter[str], float
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = report.parser(__doc__, smoke=False)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--running", default="64,256", help="comma-separated batch sizes")
@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if subprocess.run(["py-spy", "--version"], capture_output=True).returncode != 0:
             sys.exit("py-spy is needed: pip install py-spy")
-        for n in (int(x) for x in args.running.split(",")):
-            log(f"{n} running sequences: prefill, then {args.steps} decode steps under py-spy")
+        for n in report.ints(args.running):
+            report.log(f"{n} running: prefill, then {args.steps} decode steps under py-spy")
             results[f"{n} running"] = profile(args, n)
     rows = []
     for name in [b for b, _ in BUCKETS] + [OUTSIDE]:
@@ -152,9 +152,10 @@ def main(argv: list[str] | None = None) -> None:
         rows.append([name, *(f"{s:.1%}" for s in shares)])
     if not args.samples:
         rows.append(["decode step (ms)", *(f"{s * 1000:.1f}" for _, s in results.values())])
-    env = environment()
-    print(f"\n{command_line()}\nCPU: {env['cpu']}, dtype {args.dtype}\n")
-    print(markdown_table(["share of a decode step", *results], rows))
+    env = report.environment()
+    report.print_header("Where a decode step's time goes", env, f"dtype {args.dtype}")
+    print(report.markdown_table(["share of a decode step", *results], rows))
+    report.save_results(args.out, env, {name: dict(c) for name, (c, _) in results.items()})
 
 
 if __name__ == "__main__":

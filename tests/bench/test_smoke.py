@@ -4,6 +4,7 @@ import jobs/)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -56,3 +57,18 @@ def test_bf16_fidelity_in_float32_matches_hf(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     assert "Identical greedy continuations: **2/2**" in done.stdout
     assert all(r["same"] for r in json.loads(out.read_text())["results"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="pip install triton")
+def test_gpu_smoke_on_the_triton_interpreter(tmp_path) -> None:
+    """Without CUDA, --smoke runs the decode sweep and the three engine configurations on tiny
+    shapes through Triton's interpreter: every row measured, none failed."""
+    out = tmp_path / "gpu.json"
+    done = run_bench("jobs.bench.gpu", "--smoke", "--out", str(out), timeout=900)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.read_text())
+    assert all(r["paged_ms"] > 0 and r["max_abs_err_vs_sdpa"] < 0.05 for r in data["decode"])
+    engine = {r["config"]: r for r in data["engine"]}
+    assert set(engine) == {"paged, CUDA graphs", "paged, eager", "contiguous, CUDA graphs"}
+    assert all("error" not in r and r["generated_tokens"] == 12 for r in engine.values())
+    assert "| config |" in done.stdout

@@ -31,7 +31,7 @@ from batchpage.metrics import STEP_PARTS
 from jobs.bench import report
 from jobs.bench.random_models import random_model_folder
 from jobs.bench.report import fmt, log
-from jobs.bench.vllm_runtime import run_vllm_cpu
+from jobs.bench.vllm_cpu import run_vllm_cpu
 from jobs.bench.workloads import Workload, random_workload, write_request_file
 
 

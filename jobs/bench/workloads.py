@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from jobs.bench.vllm_cpu import REQUEST_FILE_FORMAT
+
 NAMES = ("sharegpt", "system", "fewshot", "schedule", "random")
-# Read by jobs/bench/vllm_cpu.py; bump both together when the layout changes.
-REQUEST_FILE_FORMAT = "batchpage-peer-requests/1"
 
 # A realistic long system prompt: what a support deployment sends in front of every user turn,
 # cut to --system-tokens tokens.

@@ -161,6 +161,11 @@ class LLM:
             return str(exc)
         if params.use_beam_search and params.structured_outputs is not None:
             return BEAM_SEARCH_WITH_CONSTRAINT
+        if params.thinking_token_budget is not None and self.engine.reasoning is None:
+            return (
+                "thinking_token_budget needs a reasoning parser: set reasoning_parser (auto, "
+                "qwen3, deepseek_r1, mistral) to that of a model whose vocabulary has the markers"
+            )
         max_seqs = self.config.max_num_seqs
         width = params.effective_beam_width if params.use_beam_search else params.n
         if width > max_seqs:
@@ -275,6 +280,7 @@ def _request_output(req: Request, seqs: list[Sequence]) -> RequestOutput:
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
                 logprobs=[_logprob_dict(lp) for lp in seq.logprobs] if seq.logprobs else None,
+                reasoning=seq.reasoning,
             )
         )
     return out

@@ -13,6 +13,9 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] | None = None  # per generated token: token id -> logprob
+    # With a reasoning parser: the thinking, apart from `text` (then the answer only); None when
+    # the output did not think.
+    reasoning: str | None = None
 
 
 @dataclass

@@ -201,6 +201,9 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never" (HF's beam-search semantics)
     structured_outputs: StructuredOutputsParams | None = None
+    # With a reasoning parser: at most this many thinking tokens, then the end of thinking is
+    # forced and the answer follows (batchpage/engine/reasoning.py). None: no limit.
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -224,6 +227,9 @@ class SamplingParams:
         self.min_tokens = _as_int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        self.thinking_token_budget = _optional_int(
+            "thinking_token_budget", self.thinking_token_budget, 0
+        )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
@@ -328,6 +334,11 @@ class SamplingParams:
                     f"got {self.early_stopping!r}"
                 )
             return
+        if self.thinking_token_budget is not None:
+            raise ValueError(
+                "thinking_token_budget cannot be combined with use_beam_search: beams are "
+                "ranked on whole outputs, so a forced end of thinking would bias them"
+            )
         if self.beam_width is not None and self.beam_width < self.n:
             raise ValueError(f"beam_width must be >= n ({self.n}), got {self.beam_width}")
         # Beam search ranks by the model's log-probs; sampling knobs would be silently ignored.

@@ -16,7 +16,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
@@ -234,6 +234,29 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
         pad_token="<|endoftext|>",
         chat_template=CHATML,
     )
+
+
+TEMPLATES = Path(__file__).parent / "model" / "templates"
+# DeepSeek-R1's turn and end tokens, which its template writes.
+DEEPSEEK_TOKENS = [
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+]
+
+
+def thinking_tokenizer(family: str = "qwen3") -> PreTrainedTokenizerFast:
+    """tiny_tokenizer with a reasoning model's markers as added (not special) tokens, as Qwen3's
+    and DeepSeek-R1's tokenizers have them, and that family's real chat template (qwen3 or
+    deepseek_r1, from tests/model/templates)."""
+    tok = tiny_tokenizer()
+    tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    if family == "deepseek_r1":
+        tok.add_special_tokens({"additional_special_tokens": DEEPSEEK_TOKENS})
+        tok.bos_token, tok.eos_token = DEEPSEEK_TOKENS[0], DEEPSEEK_TOKENS[1]
+    tok.chat_template = (TEMPLATES / f"{family}.jinja").read_text()
+    return tok
 
 
 def build_hf_model(variant: str, vocab_size: int = 320, seed: int = 0) -> PreTrainedModel:

@@ -169,8 +169,14 @@ class BeamSearchRunner:
             seq.status = SeqStatus.FINISHED
             ended = bool(hyp.tokens) and hyp.tokens[-1] in g.search.eos_ids
             seq.finish_reason = "stop" if ended else "length"
+            answer = hyp.tokens
+            if seq.thinking is not None:  # the split of a reasoning model's output
+                for token in hyp.tokens:
+                    seq.thinking.append(token)
+                start = seq.thinking.answer_start
+                answer = hyp.tokens[start:] if start is not None else []
             skip = g.req.params.skip_special_tokens
-            seq.text = self.factory.tokenizer.decode(hyp.tokens, skip_special_tokens=skip)
+            seq.text = self.factory.tokenizer.decode(answer, skip_special_tokens=skip)
             seq.beam_score = hyp.score
             stats.generated_tokens += len(hyp.tokens)
             results.append(seq)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from batchpage.cache.radix_cache import EVICTION_POLICIES
+from batchpage.engine.reasoning import REASONING_PARSERS
 from batchpage.ops.select import LINEAR_BACKENDS
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -50,6 +51,10 @@ class EngineConfig:
     # A chat template replacing the model's: a .jinja file or the template text. Read and checked
     # by the tokenizer (batchpage.model.tokenizer.resolve_chat_template); the engine ignores it.
     chat_template: str | None = None
+    # A reasoning model's thinking apart from its answer (batchpage/engine/reasoning.py):
+    # "qwen3", "deepseek_r1", "mistral", "auto" (from the tokenizer's markers) or None / "none"
+    # (the completion holds both, as before).
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -69,6 +74,8 @@ class EngineConfig:
         choice("kv_allocator", ("paged", "static"))
         choice("schedule", ("prefix", "fcfs"))
         choice("preemption_mode", ("recompute", "swap"))
+        if self.reasoning_parser is not None:
+            choice("reasoning_parser", REASONING_PARSERS)
         at_least("block_size", 1)
         at_least("max_num_seqs", 1)
         at_least("max_model_len", 1)

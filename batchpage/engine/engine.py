@@ -27,6 +27,7 @@ from batchpage.engine.grammar_cache import GrammarCache
 from batchpage.engine.kv_manager import KVCacheManager, StaticKVCacheManager, blocks_for
 from batchpage.engine.model_runner import ModelRunner, make_attention_backend, uses_cpu_kernels
 from batchpage.engine.plan import EnginePlan
+from batchpage.engine.reasoning import allow_start_marker, force_tokens, resolve_markers
 from batchpage.engine.sampler import SamplerOutput, compute_logprobs, sample, sample_greedy
 from batchpage.engine.scheduler import ScheduledSeq, Scheduler
 from batchpage.engine.sequence import Request, Sequence
@@ -114,7 +115,10 @@ class Engine:
         self.eos_ids = tokenizer.eos_token_ids
         self.grammars = GrammarCache(tokenizer.hf, model_cfg.vocab_size, self.eos_ids)
         self.masks = GrammarMasks(model_cfg.vocab_size)
-        self.factory = SequenceFactory(tokenizer, self.eos_ids, plan.max_model_len, cfg.seed)
+        self.reasoning = resolve_markers(cfg.reasoning_parser, tokenizer.single_token_id)
+        self.factory = SequenceFactory(
+            tokenizer, self.eos_ids, plan.max_model_len, cfg.seed, self.reasoning
+        )
         # Rows for every running sequence, and slack so that rows are seldom reclaimed.
         self.step_builder = StepBuilder(
             capacity=cfg.max_num_seqs + max(8, cfg.max_num_seqs // 4),
@@ -280,22 +284,41 @@ class Engine:
         seqs, rows = self._fork_samples(seqs)
         if len(rows) != logits.shape[0]:
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        if all(s.plain_greedy for s in seqs):
+        forced = self._forced_tokens(seqs)
+        if not forced and all(s.plain_greedy for s in seqs):
             result = sample_greedy(logits, self.argmax)
         else:
-            result = self._sample_rows(seqs, logits)
+            result = self._sample_rows(seqs, logits, forced)
         t1 = clock()
         parts["sample"] += t1 - t0
         return self._append(seqs, result, t1)
 
-    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
+    def _forced_tokens(self, seqs: list[Sequence]) -> dict[int, int]:
+        """Row -> the token it must take: the end of thinking of rows past their budget."""
+        if self.reasoning is None:
+            return {}
+        forced = {}
+        for row, seq in enumerate(seqs):
+            if seq.thinking is not None and (token := seq.thinking.forced_token) is not None:
+                forced[row] = token
+        return forced
+
+    def _sample_rows(
+        self, seqs: list[Sequence], logits: torch.Tensor, forced: dict[int, int]
+    ) -> SamplerOutput:
         params = [s.params for s in seqs]
         # Token histories cost a copy per row: build them only when a row's penalties read them.
         history = any(
             p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.min_tokens
             for p in params
         )
-        constraints = [s.constraint for s in seqs]
+        constraints = [s.active_constraint for s in seqs]
+        token_mask = self.masks.fill(constraints)
+        if token_mask is not None and self.reasoning is not None:
+            before = [i for i in token_mask.rows if (t := seqs[i].thinking) and t.may_open]
+            allow_start_marker(token_mask, before, self.reasoning.start_id)
+        if forced:
+            token_mask = force_tokens(token_mask, forced, len(seqs), self.masks.vocab_size)
         result = sample(
             logits,
             params=params,
@@ -303,9 +326,14 @@ class Engine:
             prompt_ids=[s.token_ids[: s.num_prompt_tokens] if history else () for s in seqs],
             output_ids=[s.output_token_ids if history else () for s in seqs],
             eos_ids=[self.eos_ids] * len(seqs),
-            token_mask=self.masks.fill(constraints),
+            token_mask=token_mask,
             argmax=self.argmax,
         )
+        if self.reasoning is not None:  # a grammar takes answer tokens, not a start marker
+            for i, (seq, token) in enumerate(zip(seqs, result.token_ids, strict=True)):
+                thinking = seq.thinking
+                if constraints[i] is not None and thinking and not thinking.is_answer_token(token):
+                    constraints[i] = None
         advance(constraints, result.token_ids)
         return result
 
@@ -325,6 +353,9 @@ class Engine:
                 if seq.logprobs is None:
                     seq.logprobs = []
                 seq.logprobs.append(logprobs)
+            thinking = seq.thinking
+            if thinking is not None and thinking.append(token) and not seq.stop.text_open:
+                seq.stop.open_text(tokens[-5:-1])  # the answer begins with this token
             decision = seq.stop.append(token)
             if (decision is not None or seq.constraint is not None) and self._stops(seq, decision):
                 self.scheduler.finish(seq)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
     from batchpage.engine.constraint import Constraint
+    from batchpage.engine.reasoning import ThinkingTracker
     from batchpage.engine.sampler import TopLogprobs
     from batchpage.engine.stop_checker import StopChecker
 
@@ -65,7 +66,11 @@ class Sequence:
     pending_forks: list[int] = field(default_factory=list)
     # The grammar state of a request with structured_outputs; None when unconstrained.
     constraint: Constraint | None = None
-    # Its token is always the argmax of the raw logits (read every step, set once).
+    # With a reasoning parser, where the thinking ends and the answer begins; None when the
+    # output is all answer (no parser, or a prompt that closed the thinking already).
+    thinking: ThinkingTracker | None = None
+    # Its token is the argmax of the raw logits (read every step, set once), but on a step
+    # that forces its end of thinking (thinking.forced_token).
     plain_greedy: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -87,6 +92,27 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def reasoning(self) -> str | None:
+        """The thinking's text (no markers); None when the output did not think."""
+        if self.thinking is None:
+            return None
+        output = self.output_token_ids
+        ids = self.thinking.reasoning_ids(output)
+        if ids is None:
+            return None
+        if self.thinking.reasoning_end is None and self.finish_reason == "stop" and ids:
+            ids = ids[:-1]  # the EOS or stop token that ended it while thinking
+        start = self.num_prompt_tokens + self.thinking.reasoning_start
+        return self.stop.decode_span(self.token_ids[max(0, start - 4) : start], ids)
+
+    @property
+    def active_constraint(self) -> Constraint | None:
+        """The constraint that masks this sequence's next token: none while it thinks."""
+        if self.thinking is not None and not self.thinking.answer_may_start:
+            return None
+        return self.constraint
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -8,6 +8,7 @@ from collections.abc import Collection
 import torch
 
 from batchpage.engine.constraint import Constraint
+from batchpage.engine.reasoning import Phase, ReasoningMarkers, ThinkingTracker, prompt_phase
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.engine.stop_checker import StopChecker
 from batchpage.model.tokenizer import Tokenizer
@@ -22,13 +23,31 @@ def sequence_seed(request_seed: int | None, engine_seed: int, index: int, sample
 
 class SequenceFactory:
     def __init__(
-        self, tokenizer: Tokenizer, eos_ids: Collection[int], max_model_len: int, seed: int
+        self,
+        tokenizer: Tokenizer,
+        eos_ids: Collection[int],
+        max_model_len: int,
+        seed: int,
+        reasoning: ReasoningMarkers | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.seed = seed
+        self.reasoning = reasoning  # the engine's reasoning parser, resolved; None: off
         self._next_id = 0
+
+    def _is_blank(self, token_id: int) -> bool:
+        return not self.tokenizer.decode([token_id], skip_special_tokens=False).strip()
+
+    def _thinking(self, req: Request) -> ThinkingTracker | None:
+        """The tracker of a sequence of req; None when there is no thinking to follow."""
+        if self.reasoning is None:
+            return None
+        phase = prompt_phase(self.reasoning, req.prompt_token_ids, self._is_blank)
+        if phase is Phase.ANSWER:
+            return None
+        return ThinkingTracker(self.reasoning, phase, req.params.thinking_token_budget)
 
     def make(self, req: Request, sample_index: int) -> Sequence:
         """A fresh sequence for one sample of req, holding its prompt and no blocks."""
@@ -49,6 +68,7 @@ class SequenceFactory:
             )
             # Stop strings are the constraint's to check: it knows where the output may end.
             params = params.replace(stop=[])
+        thinking = self._thinking(req)
         seq = Sequence(
             seq_id=self._next_id,
             request=req,
@@ -56,6 +76,7 @@ class SequenceFactory:
             token_ids=list(req.prompt_token_ids),
             generator=gen,
             constraint=constraint,
+            thinking=thinking,
             stop=StopChecker(
                 self.tokenizer.decoder(params.skip_special_tokens),
                 params,
@@ -65,6 +86,8 @@ class SequenceFactory:
                 # A few prompt tokens as context keep the first output token's leading space.
                 context_ids=req.prompt_token_ids[-4:],
                 stream_text=constraint is not None and constraint.has_stops,
+                # A thinking output's text (the answer) opens when its thinking ends.
+                text_open=thinking is None,
             ),
         )
         if req.params.prompt_logprobs is not None:

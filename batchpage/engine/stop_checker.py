@@ -145,6 +145,7 @@ class StopChecker:
         max_model_len: int | None = None,
         context_ids: Sequence[int] = (),
         stream_text: bool = False,
+        text_open: bool = True,
     ) -> None:
         """``decode``: token ids to text, honouring params.skip_special_tokens
         (Tokenizer.decoder). ``context_ids``: the prompt's last tokens, decoded ahead of the
@@ -152,7 +153,10 @@ class StopChecker:
         behaviour); leave empty to get exactly ``decode(output_ids)``. ``stream_text``: keep
         ``text`` current every step although params has no stop strings (a caller that reads
         it each step, as a structured output's stop strings do); otherwise the text is decoded
-        once, when it is first read after the sequence finishes."""
+        once, when it is first read after the sequence finishes. ``text_open=False``: the
+        tokens are not text (a reasoning model's thinking) until ``open_text``; they count
+        towards the limits and may stop the sequence, but stop strings are not looked for in
+        them."""
         self.params = params
         self._eos = frozenset() if params.ignore_eos else frozenset(eos_ids)
         self._stop_ids = frozenset(params.stop_token_ids or ())
@@ -163,8 +167,10 @@ class StopChecker:
         self._min_tokens = params.min_tokens
         self._decode = decode
         self._context_ids = list(context_ids)
+        self._stream = bool(self._stops) or stream_text
+        self._text_open = text_open
         self._detok: IncrementalDetokenizer | None = None
-        if self._stops or stream_text:
+        if self._stream and text_open:
             self._detok = IncrementalDetokenizer(decode, context_ids)
         self._ids: list[int] = []  # the tokens of the text, without a stop token left out
         self._final_text: str | None = None
@@ -190,6 +196,24 @@ class StopChecker:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def decode_span(self, context_ids: Sequence[int], ids: list[int]) -> str:
+        """The text of ``ids`` after ``context_ids``, decoded as this sequence's text is."""
+        return decode_once(self._decode, context_ids, ids)
+
+    @property
+    def text_open(self) -> bool:
+        return self._text_open
+
+    def open_text(self, context_ids: Sequence[int]) -> None:
+        """The tokens appended from now on are the text (see ``text_open``); ``context_ids``:
+        the tokens before them, decoded ahead as context."""
+        if self._text_open:
+            raise RuntimeError("the text is already open")
+        self._text_open = True
+        self._context_ids = list(context_ids[-_CONTEXT_TOKENS:])
+        if self._stream:
+            self._detok = IncrementalDetokenizer(self._decode, self._context_ids)
+
     def append(self, token_id: int) -> StopDecision | None:
         """Take the next generated token; return why the sequence stops, or None to go on."""
         if self.finished:
@@ -198,7 +222,7 @@ class StopChecker:
         if self.num_tokens > self._min_tokens and (
             token_id in self._eos or token_id in self._stop_ids
         ):
-            if self.params.include_stop_str_in_output:
+            if self.params.include_stop_str_in_output and self._text_open:
                 self._add(token_id)
             if self._detok is not None:
                 self._detok.flush()
@@ -206,6 +230,8 @@ class StopChecker:
             return self._finish("stop", reason)
 
         last = self.num_tokens == self._max_tokens or self._at_model_len()
+        if not self._text_open:
+            return self._finish("length", None) if last else None
         if self._detok is None:
             self._ids.append(token_id)
             return self._finish("length", None) if last else None

@@ -106,6 +106,12 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.decoder(skip_special_tokens)(list(ids))
 
+    def single_token_id(self, text: str) -> int | None:
+        """The id of ``text`` when it is one token of the vocabulary (an added marker such as
+        ``<think>``), else None."""
+        ids = self.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+
     def decoder(self, skip_special_tokens: bool) -> Callable[[list[int]], str]:
         """Token ids to text through the tokenizers library directly: transformers' decode adds
         per-call conversions, and its tokenization-space cleanup rewrites text across token

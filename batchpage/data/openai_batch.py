@@ -36,6 +36,7 @@ _SAMPLING_FIELDS = (
     "seed",
     "presence_penalty",
     "frequency_penalty",
+    "thinking_token_budget",  # vLLM's extension, for a job with a reasoning parser
 )
 # Accepted and ignored: they do not change what is generated.
 _IGNORED = frozenset(

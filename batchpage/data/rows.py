@@ -30,6 +30,7 @@ DEFAULT_OVERRIDES = (
     "seed",
     "stop",
     "n",
+    "thinking_token_budget",
     "response_format",
 )
 
@@ -53,6 +54,7 @@ OVERRIDE_FIELDS: MappingProxyType[str, type] = MappingProxyType(
         "repetition_penalty": float,
         "ignore_eos": bool,
         "stop": list,
+        "thinking_token_budget": int,
         "response_format": StructuredOutputsParams,  # OpenAI's shape, as a struct or JSON text
     }
 )

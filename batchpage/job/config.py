@@ -75,6 +75,7 @@ class SamplingConfig:
     use_beam_search: bool = False
     beam_width: int | None = None
     length_penalty: float = 1.0
+    thinking_token_budget: int | None = None
     # Not None by default: Hydra cannot set `sampling.structured_outputs.json=...` on a None node.
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 

@@ -170,6 +170,9 @@ def _generate(
     def saved(out: RequestOutput, index: int) -> None:
         p = ready[index]
         result = to_result(p, out, plan.listed, llm.tokenizer if plan.openai_batch else None)
+        if plan.reasoning is not None and out.error is None:
+            thoughts = [c.reasoning for c in out.outputs]
+            result.extra["reasoning"] = thoughts if plan.listed else thoughts[0]
         if plan.style is not None and out.error is None:
             codes = [code_of(plan.style, p.row.prompt, c.text) for c in out.outputs]
             result.extra["code"] = codes if plan.listed else codes[0]

@@ -17,6 +17,7 @@ import pyarrow as pa
 from batchpage.data.spec import DatasetInfo, validate
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.plan import EnginePlan, plan_engine
+from batchpage.engine.reasoning import resolve_markers
 from batchpage.fileio import file_digest
 from batchpage.job.config import JobConfig
 from batchpage.job.prompts import PromptPlan, check_template
@@ -61,6 +62,9 @@ class JobPlan:
     # The output's columns after batchpage's own: derived (code; url and logprobs of an OpenAI
     # Batch file), then the carried input columns.
     extra_schema: pa.Schema | None = None
+    # The engine's reasoning parser, resolved against the model's tokenizer; None: off (no
+    # `reasoning` column, the completion holds any thinking).
+    reasoning: str | None = None
 
     @property
     def openai_batch(self) -> bool:
@@ -82,18 +86,22 @@ def plan_job(cfg: JobConfig) -> JobPlan:
             stops = [*(params.stop or []), *info.styles.completion_stop]
             params = params.replace(stop=list(dict.fromkeys(stops)))
         listed = params.n > 1 or "n" in info.override_columns or info.format == "openai_batch"
-        extra = _extra_schema(cfg, info, style, listed)
+        reasoning = _reasoning(engine_cfg, source)
+        extra = _extra_schema(cfg, info, style, listed, reasoning is not None)
     except (ValueError, OSError) as e:
         raise JobConfigError(str(e)) from None
     base_seed = cfg.sampling.seed if cfg.sampling.seed is not None else engine_cfg.seed
     # What the results depend on; engine knobs such as block_size only change the speed, and
     # engine.seed matters only to random sampling without a sampling.seed.
     engine_seed = engine_cfg.seed if cfg.sampling.seed is None and not params.is_greedy else None
+    sampling = asdict(cfg.sampling)
+    if sampling["thinking_token_budget"] is None:  # jobs without one keep their identity
+        del sampling["thinking_token_budget"]
     fingerprint = {
         # The files, not the path: the same model named another way resumes, while a
         # checkpoint replaced at the same path is another job.
         "model": model_identity(source),
-        "sampling": asdict(cfg.sampling),
+        "sampling": sampling,
         "engine_seed": engine_seed,
         "dataset": info.fingerprint,
         "max_model_len": engine.max_model_len,
@@ -103,9 +111,30 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     }
     if prompts.template is not None:  # only then: jobs without an override keep their identity
         fingerprint["chat_template"] = hashlib.sha256(prompts.template.encode()).hexdigest()[:16]
+    if reasoning is not None:  # the completion is then the answer only
+        fingerprint["reasoning_parser"] = reasoning
     return JobPlan(
-        info, source, engine, params, base_seed, prompts, style, fingerprint, listed, extra
+        info,
+        source,
+        engine,
+        params,
+        base_seed,
+        prompts,
+        style,
+        fingerprint,
+        listed,
+        extra,
+        reasoning,
     )
+
+
+def _reasoning(engine_cfg: EngineConfig, source: ModelSource) -> str | None:
+    """The reasoning parser's name for this model's tokenizer (ValueError for a named parser
+    whose markers it lacks), or None."""
+    if engine_cfg.reasoning_parser in (None, "none"):
+        return None
+    markers = resolve_markers(engine_cfg.reasoning_parser, load_tokenizer(source).single_token_id)
+    return None if markers is None else markers.name
 
 
 def _prompt_plan(
@@ -139,13 +168,14 @@ def _prompt_plan(
 
 
 def _extra_schema(
-    cfg: JobConfig, info: DatasetInfo, style: str | None, listed: bool
+    cfg: JobConfig, info: DatasetInfo, style: str | None, listed: bool, reasoning: bool
 ) -> pa.Schema | None:
     """Derived columns, then the carried ones; a carried column named like one of batchpage's
     is refused here, before the model loads."""
-    derived = pa.schema([])
+    text = pa.list_(pa.string()) if listed else pa.string()
+    derived = pa.schema([("reasoning", text)] if reasoning else [])
     if style is not None:
-        derived = code_schema(2 if listed else 1)  # code_schema: lists for n > 1
+        derived = pa.schema([*derived, *code_schema(2 if listed else 1)])  # lists for n > 1
     if info.format == "openai_batch":
         derived = pa.schema([*derived, *batch_schema()])
     taken = {*output_schema().names, *derived.names}

@@ -93,7 +93,10 @@ def _records(path: Path) -> Iterator[dict[str, Any]]:
         "url",
         "logprobs",
     ]
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=columns):
+    file = pq.ParquetFile(path)
+    if "reasoning" in file.schema_arrow.names:  # a job with a reasoning parser
+        columns.append("reasoning")
+    for batch in file.iter_batches(batch_size=1024, columns=columns):
         yield from batch.to_pylist()
 
 
@@ -106,12 +109,15 @@ def _answer(rec: dict[str, Any], key: str, model: str, created: int) -> dict[str
     completions = rec["url"] == _COMPLETIONS_URL
     texts, reasons = rec["completion"], rec["finish_reason"]
     logprobs = json.loads(rec["logprobs"]) if rec["logprobs"] else [None] * len(texts)
+    thoughts = rec.get("reasoning") or [None] * len(texts)
     choices = []
     for i, (text, reason, lps) in enumerate(zip(texts, reasons, logprobs, strict=True)):
         if completions:
             choice = {"index": i, "text": text, "logprobs": _completion_logprobs(lps)}
         else:
             message = {"role": "assistant", "content": text, "refusal": None}
+            if thoughts[i] is not None:  # where vLLM's server puts it
+                message["reasoning"] = thoughts[i]
             lp = None if lps is None else {"content": lps, "refusal": None}
             choice = {"index": i, "message": message, "logprobs": lp}
         choices.append({**choice, "finish_reason": reason})

@@ -64,6 +64,10 @@ class BatchpageLM(TemplateLM):
         add_bos_token: bool | None = None,
         prefix_token_id: int | None = None,
         chat_template_args: dict[str, Any] | None = None,
+        # lm-eval's end-of-thinking delimiter: a completion is scored on its text after the
+        # last one, and `until` strings cut only that text. Without it, reasoning_parser (an LLM
+        # argument) gives the engine's answer alone, with `until` applied to the answer.
+        think_end_token: str | None = None,
         # What lm-eval passes to every backend. The engine batches continuously (bounded by
         # max_num_seqs), so lm-eval's batch sizes have nothing to set.
         batch_size: int | str | None = None,
@@ -79,7 +83,7 @@ class BatchpageLM(TemplateLM):
             raise TypeError(
                 f"unknown batchpage model_args {unknown}: use LLM(...) arguments {known}, "
                 "device, or the backend's own pretrained, max_gen_toks, add_bos_token, "
-                "prefix_token_id, chat_template_args"
+                "prefix_token_id, chat_template_args, think_end_token"
             )
         engine_device = _engine_device(device)
         if engine_device is not None:
@@ -90,6 +94,7 @@ class BatchpageLM(TemplateLM):
         self.custom_prefix_token_id = prefix_token_id
         self.chat_template_args = chat_template_args or {}
         self._max_gen_toks = int(max_gen_toks)
+        self.think_end_token = think_end_token or None
 
     # -- what lm-eval reads ------------------------------------------------------------------------
 
@@ -218,7 +223,7 @@ class BatchpageLM(TemplateLM):
         outputs = self._generate(prompts, params, disable_tqdm)
         texts = []
         for req, out, until in zip(requests, outputs, stops, strict=True):
-            text = postprocess_generated_text(out.outputs[0].text, until, None)
+            text = postprocess_generated_text(out.outputs[0].text, until, self.think_end_token)
             self.cache_hook.add_partial("generate_until", req.args, text)
             texts.append(text)
         return texts
@@ -248,7 +253,9 @@ class BatchpageLM(TemplateLM):
                 f"generation kwargs {unknown} have no batchpage counterpart: use until, "
                 f"max_gen_toks, do_sample or SamplingParams fields {sorted(settable)}"
             )
-        stop = [s for s in until if s]  # an empty stop string would end every completion at once
+        # An empty stop string would end every completion at once; with think_end_token the
+        # thinking is in the text, so stop strings apply after generation, to the answer only.
+        stop = [s for s in until if s] if self.think_end_token is None else []
         sampling = SamplingParams(
             max_tokens=max_gen_toks, stop=stop, temperature=temperature, **kwargs
         )

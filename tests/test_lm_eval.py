@@ -17,10 +17,12 @@ import pytest
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils import postprocess_generated_text
 from lm_eval.tasks import TaskManager
 
-from batchpage import SamplingParams
+from batchpage import LLM, SamplingParams
 from batchpage.lm_eval import BatchpageLM
+from tests.model_factory import build_hf_model, save_hf_folder, thinking_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 # Short, so that few-shot contexts get truncated and each perplexity text spans several windows.
@@ -237,6 +239,51 @@ def test_sampled_generation_follows_the_seed(ours_lm: BatchpageLM) -> None:
     texts = ours_lm.generate_until(requests, disable_tqdm=True)
     assert texts[0] == texts[1]
     assert len(set(texts[1:])) > 1
+
+
+@pytest.fixture(scope="module")
+def r1_folder(tmp_path_factory) -> Path:
+    """A tiny random Llama with DeepSeek-R1's markers and template."""
+    tok = thinking_tokenizer("deepseek_r1")
+    hf = build_hf_model("llama_gqa_tied", vocab_size=len(tok))
+    return save_hf_folder(hf, tmp_path_factory.mktemp("r1"), tok)
+
+
+def test_with_a_reasoning_parser_until_cuts_the_answer_not_the_thinking(r1_folder: Path) -> None:
+    engine = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "kv_cache_memory": 2**22}
+    llm = LLM(str(r1_folder), reasoning_parser="deepseek_r1", **engine)
+    params = SamplingParams(temperature=0, max_tokens=20, thinking_token_budget=6)
+    whole = llm.generate(["Hello world"], params, use_tqdm=False)[0].outputs[0]
+    stop = whole.reasoning[1:3]  # text inside the thinking: as an engine stop it would cut it
+    assert stop and stop not in whole.text
+    lm = BatchpageLM(pretrained=str(r1_folder), reasoning_parser="deepseek_r1", **engine)
+    kwargs = {"until": [stop], "max_gen_toks": 20, "thinking_token_budget": 6}
+    texts = lm.generate_until([Instance("generate_until", {}, ("Hello world", kwargs), idx=0)])
+    assert texts == [whole.text]
+
+
+def test_think_end_token_scores_the_text_after_it_with_until_applied_there(
+    r1_folder: Path,
+) -> None:
+    """Without a parser the markers are in the text (added, not special, tokens): lm-eval's
+    think_end_token takes what follows the last one, and `until` is applied to that only, so
+    it is not an engine stop (which could cut the thinking)."""
+    engine = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "kv_cache_memory": 2**22}
+    lm = BatchpageLM(pretrained=str(r1_folder), think_end_token="</think>", **engine)
+    eos = lm.tokenizer.eos_token
+    params, until = lm._sampling_params({"until": ["\n\n"], "max_gen_toks": 12}, eos)
+    assert params.stop == [] and until == ["\n\n", eos]
+    raw = LLM(str(r1_folder), **engine).generate(
+        ["Hello world", "A radix tree"],
+        SamplingParams(temperature=0, max_tokens=12),
+        use_tqdm=False,
+    )
+    kwargs = {"until": ["\n\n"], "max_gen_toks": 12}
+    requests = [
+        Instance("generate_until", {}, (p, kwargs), idx=0) for p in ("Hello world", "A radix tree")
+    ]
+    texts = lm.generate_until(requests, disable_tqdm=True)
+    assert texts == [postprocess_generated_text(o.outputs[0].text, until, "</think>") for o in raw]
 
 
 def test_registered_and_unknown_model_args_refused(tiny_folder: Path) -> None:

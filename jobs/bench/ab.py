@@ -34,7 +34,6 @@ few sequences; this isolates the steps that dominate a long batch job.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import re
@@ -65,27 +64,6 @@ STATS = ("prefill_tokens_computed", "prefix_hit_rate", "preemptions", "peak_runn
 
 
 # --- sides -------------------------------------------------------------------------------------
-
-
-class InProcess:
-    """A side that is an engine in this process."""
-
-    def __init__(self, model: str) -> None:
-        self.model, self.llm = model, None
-
-    def load(self, label: str, options: dict[str, Any]) -> None:
-        self.llm = None
-        gc.collect()  # free the last engine's pool before the next allocates its own
-        self.llm = engine_runs.load_llm(self.model, label, **options)
-
-    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Any]:
-        return engine_runs.run_greedy(self.llm, prompts, max_tokens)
-
-    def decode(self, prompts: list[list[int]], steps: int) -> dict[str, Any]:
-        return engine_runs.decode_steps(self.llm, prompts, steps)
-
-    def close(self) -> None:
-        self.llm = None
 
 
 class Worker:
@@ -186,7 +164,7 @@ def make_sides(args: argparse.Namespace, stack: ExitStack) -> dict[str, dict[str
                 EngineConfig(**options)  # a bad option fails now, before any engine loads
             except (TypeError, ValueError) as exc:
                 raise SystemExit(f"side {name}: {exc}") from exc
-            runner = InProcess(model)
+            runner = engine_runs.Engine(model)
         stack.callback(runner.close)
         sides[name] = {"runner": runner, "options": options, "where": where}
     return sides

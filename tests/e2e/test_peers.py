@@ -186,6 +186,27 @@ def test_peers_runs_every_system_on_the_same_token_ids(tmp_path, tiny_folder) ->
     assert f"native bf16: {native}" in done.stdout
 
 
+def test_peers_running_gives_each_batch_size_its_own_vllm_engine(tmp_path, tiny_folder) -> None:
+    """--running N: N prompts of random ids, a request file and a vLLM engine of max_num_seqs N
+    for each, and the same token ids for both systems."""
+    venv, work = fake_venv(tmp_path), tmp_path / "work"
+    done = peers(
+        "--model", str(tiny_folder), "--systems", "batchpage,vllm", "--running", "2,3",
+        "--random-prompt-tokens", "5,5", "--random-max-tokens", "3", "--kv-cache-gib", "0.05",
+        "--vllm-venv", str(venv), "--work-dir", str(work),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for n in (2, 3):
+        (w,) = json.loads((work / f"running-{n}" / "requests.json").read_text())["workloads"]
+        assert len(w["prompts"]) == n and all(len(p) == 5 for p in w["prompts"])
+        raw = json.loads((work / f"running-{n}" / "vllm-float32.json").read_text())
+        assert raw["engine_args"]["max_num_seqs"] == n
+    ratios = table_with(markdown_tables(done.stdout), "vs vLLM-CPU")
+    assert [r["workload"] for r in ratios] == ["running-2", "running-3"]
+    steps = table_with(markdown_tables(done.stdout), "own work ms")
+    assert [r["running"] for r in steps] == ["2", "3"]
+
+
 def test_peers_stops_when_vllm_generates_other_lengths(tmp_path, tiny_folder) -> None:
     venv = fake_venv(tmp_path)
     env = {**os.environ, "FAKE_VLLM_SHORT": "1"}

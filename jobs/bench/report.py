@@ -155,10 +155,6 @@ def fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
-def pct(x: float) -> str:
-    return f"{x:.1%}"
-
-
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A GitHub Markdown table; cells are formatted with `fmt`, numbers right-aligned."""
     body = [[fmt(c) for c in row] for row in rows]

@@ -12,10 +12,19 @@ from batchpage.user_log import configure_package_logging
 
 if TYPE_CHECKING:
     from batchpage.llm import LLM
-    from batchpage.outputs import CompletionOutput, RequestOutput
+    from batchpage.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+    from batchpage.pooling_params import PoolingParams
     from batchpage.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
+]
 __version__ = "0.1.0"
 
 # A kernel build or a tokenizer conversion at first use says so, also to a program that set up
@@ -28,6 +37,8 @@ _HOMES = {
     "StructuredOutputsParams": "batchpage.sampling_params",
     "RequestOutput": "batchpage.outputs",
     "CompletionOutput": "batchpage.outputs",
+    "PoolingParams": "batchpage.pooling_params",
+    "PoolingRequestOutput": "batchpage.outputs",
 }
 
 

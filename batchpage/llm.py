@@ -19,15 +19,15 @@ from batchpage.metrics import RunStats, tokens_per_s
 from batchpage.model.loader import load_model, resolve_model_source
 from batchpage.model.tokenizer import check_chat_template_kwargs, resolve_chat_template
 from batchpage.outputs import CompletionOutput, RequestOutput
+from batchpage.pooling_api import PoolingMethods
+from batchpage.prompt_list import PromptType, as_prompt_list
 from batchpage.sampling_params import SamplingParams
 
-# Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts of either.
-PromptType = str | list[int] | dict[str, Any]
 OnOutput = Callable[[RequestOutput, int], None]  # (a finished request's output, its index)
 OnStep = Callable[[RunStats], None]  # after each engine step: the call's figures so far
 
 
-class LLM:
+class LLM(PoolingMethods):
     def __init__(self, model: str = "smollm2", **engine_args: Any) -> None:
         unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
         if unknown:
@@ -72,7 +72,8 @@ class LLM:
         and no completion; the others still run. `on_output(output, index)` is called as each
         request finishes (in completion order), so a caller can save results while the batch
         still runs; `on_step(stats)` after every engine step, so it can show progress."""
-        items = _as_prompt_list(prompts)
+        self._require_generation()
+        items = as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(items))
         pairs = enumerate(zip(items, params, strict=True))
         requests = [self._make_request(i, p, sp) for i, (p, sp) in pairs]
@@ -93,6 +94,7 @@ class LLM:
         this call; chat_template_kwargs are variables of the template, e.g.
         {"enable_thinking": False}. Message content may be a list of OpenAI text parts; a bad
         message (an unknown role, a non-text part) fails its own request only."""
+        self._require_generation()
         template = resolve_chat_template(chat_template) or self.chat_template
         check_chat_template_kwargs(chat_template_kwargs or {})
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -116,6 +118,15 @@ class LLM:
                 continue
             requests.append(self._make_request(i, ids, sp))
         return self._run(requests, use_tqdm, on_output)
+
+    def _require_generation(self) -> None:
+        task = self.engine.task
+        if task != "generate":
+            method = "embed" if task == "embed" else task
+            raise ValueError(
+                f"this model runs task={task}, which generates nothing: use LLM.{method}(), or "
+                "load a causal LM (task=generate)"
+            )
 
     def _make_request(self, index: int, prompt: Any, params: SamplingParams) -> Request:
         if isinstance(prompt, dict):
@@ -186,14 +197,18 @@ class LLM:
         use_tqdm: bool,
         on_output: OnOutput | None,
         on_step: OnStep | None = None,
-    ) -> list[RequestOutput]:
+        make_output: Callable[[Request, list[Sequence]], Any] | None = None,
+    ) -> list[Any]:
+        """Runs the requests; each output is `make_output(request, its sequences)` (default:
+        a RequestOutput)."""
+        make = make_output or _request_output
         bar = tqdm(total=len(requests), desc="requests", disable=not use_tqdm, dynamic_ncols=True)
         done: dict[int, list[Sequence]] = {r.index: [] for r in requests if r.error is None}
         for r in requests:
             if r.error is not None:
                 bar.update(1)
                 if on_output is not None:
-                    on_output(_request_output(r, []), r.index)
+                    on_output(make(r, []), r.index)
         engine = self.engine
         stats = engine.add_requests(requests)
         try:
@@ -209,7 +224,7 @@ class LLM:
                         tok_s=f"{rate:.1f}", hit=f"{stats.prefix_hit_rate:.0%}", refresh=False
                     )
                     if on_output is not None:
-                        on_output(_request_output(seq.request, seqs), seq.request.index)
+                        on_output(make(seq.request, seqs), seq.request.index)
                 if on_step is not None:
                     on_step(stats)
         finally:
@@ -217,7 +232,7 @@ class LLM:
         stats.finish()
         self.run_stats = stats
         self.stats = stats.as_dict()
-        return [_request_output(r, done.get(r.index, [])) for r in requests]
+        return [make(r, done.get(r.index, [])) for r in requests]
 
 
 def _unwrap_prompt(prompt: dict[str, Any]) -> tuple[Any, str | None]:
@@ -232,15 +247,6 @@ def _unwrap_prompt(prompt: dict[str, Any]) -> tuple[Any, str | None]:
         'a prompt dict must hold exactly one of "prompt" (text) or "prompt_token_ids" (token '
         f"ids); got keys {sorted(map(str, keys))}"
     )
-
-
-def _as_prompt_list(prompts: PromptType | Seq[PromptType]) -> list[Any]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
-    return prompts
 
 
 def _per_prompt(

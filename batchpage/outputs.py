@@ -1,8 +1,10 @@
-"""What generate() returns, in vLLM's shape."""
+"""What generate() and the pooling methods return, in vLLM's shape."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass
@@ -32,3 +34,46 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return True
+
+
+# Pooling models (LLM.embed / classify / score / reward), in vLLM's shapes. `error` is set for a
+# bad request, whose output is then empty.
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per label, in id order (LLM.model_config.head.labels names them)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class PoolingOutput:
+    data: torch.Tensor  # float32 [num_labels]: the head's raw outputs
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | ClassificationOutput | ScoringOutput | PoolingOutput | None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return True
+
+
+# vLLM's names for each method's output.
+EmbeddingRequestOutput = PoolingRequestOutput
+ClassificationRequestOutput = PoolingRequestOutput
+ScoringRequestOutput = PoolingRequestOutput

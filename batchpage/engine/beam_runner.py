@@ -127,7 +127,7 @@ class BeamSearchRunner:
                 copies += self.kv.allocate(beam, n)
                 scheduled.append(ScheduledSeq(beam, n))
         inputs = self.steps.build(scheduled)
-        logits, _ = self.runner.execute(inputs, SchedulerOutput(scheduled, copies))
+        logits = self.runner.execute(inputs, SchedulerOutput(scheduled, copies)).logits
         for s in scheduled:
             if s.num_new_tokens > 1:
                 stats.prefill_tokens_computed += s.num_new_tokens

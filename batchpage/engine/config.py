@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from batchpage.cache.radix_cache import EVICTION_POLICIES
+from batchpage.engine.pooling import POOLING_TYPES, TASKS
 from batchpage.engine.reasoning import REASONING_PARSERS
 from batchpage.ops.select import LINEAR_BACKENDS
 
@@ -55,6 +56,12 @@ class EngineConfig:
     # "qwen3", "deepseek_r1", "mistral", "auto" (from the tokenizer's markers) or None / "none"
     # (the completion holds both, as before).
     reasoning_parser: str | None = None
+    # What the model runs for (engine/pooling.py TASKS): "auto" is the checkpoint's own
+    # (generate for a causal LM, embed for a *Model, classify for *ForSequenceClassification,
+    # reward for *ForRewardModel). A pooling task reads each prompt's hidden states at
+    # `pooling_type`: last (the last token), mean (all of them), or cls (the first).
+    task: str = "auto"
+    pooling_type: str = "last"
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -76,6 +83,8 @@ class EngineConfig:
         choice("preemption_mode", ("recompute", "swap"))
         if self.reasoning_parser is not None:
             choice("reasoning_parser", REASONING_PARSERS)
+        choice("task", TASKS)
+        choice("pooling_type", POOLING_TYPES)
         at_least("block_size", 1)
         at_least("max_num_seqs", 1)
         at_least("max_model_len", 1)

@@ -27,6 +27,7 @@ from batchpage.engine.grammar_cache import GrammarCache
 from batchpage.engine.kv_manager import KVCacheManager, StaticKVCacheManager, blocks_for
 from batchpage.engine.model_runner import ModelRunner, make_attention_backend, uses_cpu_kernels
 from batchpage.engine.plan import EnginePlan
+from batchpage.engine.pooling import PoolingType, add_chunk, pooled_vector, uses_score_head
 from batchpage.engine.reasoning import allow_start_marker, force_tokens, resolve_markers
 from batchpage.engine.sampler import SamplerOutput, compute_logprobs, sample, sample_greedy
 from batchpage.engine.scheduler import ScheduledSeq, Scheduler
@@ -101,7 +102,11 @@ class Engine:
             start = time.perf_counter()
             graphs.capture_all()
             log.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
-        self.runner = ModelRunner(model, kv, attention, graphs)
+        # A pooling model's requests finish when their prompt is computed (pooling.py).
+        self.task = plan.task
+        self.pooling = None if plan.task == "generate" else PoolingType(cfg.pooling_type)
+        self.model = model
+        self.runner = ModelRunner(model, kv, attention, graphs, pooling=self.pooling is not None)
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs=cfg.max_num_seqs,
@@ -160,6 +165,11 @@ class Engine:
         for req in requests:
             if req.error is not None:
                 continue
+            if (req.pooling is None) != (self.pooling is None):
+                raise ValueError(
+                    f"a {'pooling' if req.pooling else 'generation'} request for an engine whose "
+                    f"task is {self.task}"
+                )
             self._compile_grammar(req)
             self.stats.requests += 1
             self.stats.prompt_tokens += len(req.prompt_token_ids)
@@ -202,7 +212,7 @@ class Engine:
         inputs = self.step_builder.build(out.scheduled)
         blocks_used = self.kv_manager.pool.num_used  # during the forward, before any frees
         t2 = clock()
-        logits, prompt_logits = self.runner.execute(inputs, out)
+        logits, prompt_logits, pooled = self.runner.execute(inputs, out)
         t3 = clock()
         parts["schedule"] += t1 - t0
         parts["inputs"] += t2 - t1
@@ -214,7 +224,12 @@ class Engine:
             s.seq.num_computed_tokens += s.num_new_tokens
             if s.num_new_tokens > 1:
                 self.kv_manager.cache_progress(s.seq)  # later arrivals can hit it now
-        finished = self._sample(inputs.sample_seqs, logits) if inputs.sample_seqs else []
+        if self.pooling is not None:
+            finished = self._pool(inputs, logits, pooled)
+        elif inputs.sample_seqs:
+            finished = self._sample(inputs.sample_seqs, logits)
+        else:
+            finished = []
         running = self.scheduler.running
         stats.record_step(
             num_running=len(running),
@@ -259,6 +274,37 @@ class Engine:
             assert seq.prompt_logprobs is not None
             seq.prompt_logprobs += scored[row : row + n]
             row += n
+
+    def _pool(
+        self, inputs: StepInputs, last_rows: torch.Tensor, pooled: torch.Tensor | None
+    ) -> list[Sequence]:
+        """Pooling requests: sum this step's MEAN / CLS rows; those whose prompt is now
+        computed get the head's output on their pooled vector and finish."""
+        row = 0
+        for seq, start, n in inputs.pool_owners:
+            assert pooled is not None
+            seq.pool_total = add_chunk(seq.pool_total, start, pooled[row : row + n])
+            row += n
+        seqs = inputs.sample_seqs
+        if not seqs:
+            return []
+        pooling = self.pooling
+        assert pooling is not None
+        vectors = [
+            pooled_vector(pooling, s.pool_total, last_rows[i], s.num_prompt_tokens)
+            for i, s in enumerate(seqs)
+        ]
+        stacked = torch.stack([v.to(last_rows.dtype) for v in vectors])
+        with torch.inference_mode():
+            outputs = self.model.pool_head(stacked) if uses_score_head(self.task) else stacked
+        outputs = outputs.float().cpu()
+        for seq, out in zip(seqs, outputs, strict=True):
+            seq.pooled, seq.pool_total = out, None
+            seq.finish_reason = "stop"
+            self.stats.cached_prompt_tokens += seq.num_cached_tokens
+            self.scheduler.finish(seq)
+            self.step_builder.release(seq)
+        return list(seqs)
 
     def _fork_samples(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """A parent whose prompt is now computed forks its other samples: they share its blocks

@@ -60,8 +60,8 @@ class KVCacheManager:
         """Share the longest cached block-aligned prefix with a sequence that holds no blocks;
         returns the number of tokens it no longer needs to compute."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if self.tree is None or seq.params.prompt_logprobs is not None:
-            return 0  # prompt logprobs need the logits of every prompt position
+        if self.tree is None or seq.reads_every_prompt_row:
+            return 0  # prompt logprobs (MEAN pooling) need the output of every prompt position
         m = self.tree.match_prefix(seq.token_ids, max_tokens=seq.num_tokens - 1)
         node = m.node
         if m.num_tokens:

@@ -5,6 +5,7 @@ tensors, the attention backend and the host copies of swapped-out sequences."""
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -50,6 +51,18 @@ def uses_cpu_kernels(attention: AttentionBackend) -> bool:
     return isinstance(attention, CpuPagedAttention)
 
 
+class StepOutput(NamedTuple):
+    """What a step's forward gives. `logits`: [N, vocab] for inputs.sample_seqs, in that order,
+    in the dtype `CausalLM.compute_logits` gives (the model's, or float32); for a pooling model,
+    their hidden states [N, hidden] instead (the last prompt position's). `prompt_logits`:
+    [P, vocab] for inputs.prompt_rows, None when no sequence asked for prompt logprobs.
+    `pooled`: hidden states [R, hidden] of inputs.pool_rows, None when there are none."""
+
+    logits: torch.Tensor
+    prompt_logits: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -57,22 +70,21 @@ class ModelRunner:
         kv: KVCache,
         attention: AttentionBackend,
         decode_graphs: DecodeGraphs | None = None,
+        pooling: bool = False,
     ) -> None:
         """With decode_graphs, a step of decodes alone (each sampling, none scoring its prompt)
-        of at most its largest size runs through them (decode_graphs.py)."""
+        of at most its largest size runs through them (decode_graphs.py). `pooling`: the model
+        is a pooling model, whose steps give hidden states rather than logits."""
         self.model = model
         self.kv = kv
         self.attention = attention
         self.decode_graphs = decode_graphs
+        self.head = _hidden if pooling else model.compute_logits
         self.swapped: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     @torch.inference_mode()
-    def execute(
-        self, inputs: StepInputs, decision: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [N, vocab] for inputs.sample_seqs, in that order, and [P, vocab] for
-        inputs.prompt_rows (None when no sequence asked for prompt logprobs), in the dtype
-        `CausalLM.compute_logits` gives (the model's, or float32)."""
+    def execute(self, inputs: StepInputs, decision: SchedulerOutput) -> StepOutput:
+        """The step's logits (or a pooling model's hidden states): see StepOutput."""
         # Order matters: a block swapped out this step may be handed out again this step.
         for s in decision.swap_out:
             self.swapped[s.seq_id] = self.kv.swap_out(s.blocks)
@@ -88,7 +100,7 @@ class ModelRunner:
             and inputs.logits_indices.numel() == meta.num_seqs
             and not inputs.prompt_targets
         ):
-            return graphs.run(inputs.input_ids, inputs.positions, meta), None
+            return StepOutput(graphs.run(inputs.input_ids, inputs.positions, meta))
         # What every layer's attention does depends only on the step's metadata: planned once.
         attention = self.attention.plan(inputs.meta)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv, attention)
@@ -96,7 +108,13 @@ class ModelRunner:
         # A step of decodes alone samples every row, in order: no gather at all.
         rows = inputs.logits_indices
         sampled = hidden if rows.numel() == hidden.shape[0] else hidden.index_select(0, rows)
-        logits = self.model.compute_logits(sampled)
-        if not inputs.prompt_targets:
-            return logits, None
-        return logits, self.model.compute_logits(hidden.index_select(0, inputs.prompt_rows))
+        logits = self.head(sampled)
+        prompt = None
+        if inputs.prompt_targets:
+            prompt = self.head(hidden.index_select(0, inputs.prompt_rows))
+        pooled = hidden.index_select(0, inputs.pool_rows) if inputs.pool_owners else None
+        return StepOutput(logits, prompt, pooled)
+
+
+def _hidden(rows: torch.Tensor) -> torch.Tensor:
+    return rows

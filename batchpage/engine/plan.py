@@ -11,6 +11,7 @@ import torch
 
 from batchpage.cache.kv_cache import bytes_per_block
 from batchpage.engine.config import EngineConfig
+from batchpage.engine.pooling import resolve_task
 from batchpage.host_memory import available_host_memory
 from batchpage.model.loader import ModelSource, resolve_dtype
 
@@ -26,6 +27,7 @@ class EnginePlan:
     max_model_len: int  # positions per sequence, prompt and completion together
     num_blocks: int  # KV blocks in the pool
     kv_cache_bytes: int  # the budget the blocks were cut from
+    task: str = "generate"  # EngineConfig.task resolved against the checkpoint's head
 
 
 def plan_engine(cfg: EngineConfig, source: ModelSource) -> EnginePlan:
@@ -33,6 +35,7 @@ def plan_engine(cfg: EngineConfig, source: ModelSource) -> EnginePlan:
     max_model_len unset and a pool too small for the model's whole context, max_model_len is
     capped to what the pool holds, with a warning, rather than refused."""
     model_cfg = source.config
+    task = resolve_task(cfg.task, model_cfg.head)
     device = cfg.resolved_device()
     dtype = resolve_dtype(cfg.dtype, model_cfg, device)
     limit = model_cfg.max_model_len  # positions the model's rope supports
@@ -65,7 +68,7 @@ def plan_engine(cfg: EngineConfig, source: ModelSource) -> EnginePlan:
             f"({needed} blocks, {needed * per_block / 2**20:.1f} MiB): raise kv_cache_memory or "
             "lower max_model_len"
         )
-    return EnginePlan(device, dtype, max_model_len, num_blocks, budget)
+    return EnginePlan(device, dtype, max_model_len, num_blocks, budget, task)
 
 
 def _capped_length(tokens: int, block_size: int) -> int:

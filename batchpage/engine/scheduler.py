@@ -256,7 +256,7 @@ class Scheduler:
         than the cache gave it: computing that block once, then hitting it next step, beats
         computing it twice now."""
         # Sequences that score their prompt never borrow cached blocks: nothing to wait for.
-        if self.kv.tree is None or seq.params.prompt_logprobs is not None:
+        if self.kv.tree is None or seq.reads_every_prompt_row:
             return False
         bs = self.kv.block_size
         limit = seq.num_tokens - 1  # the cache never covers the last prompt token

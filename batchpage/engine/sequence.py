@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
     from batchpage.engine.constraint import Constraint
+    from batchpage.engine.pooling import PoolingType
     from batchpage.engine.reasoning import ThinkingTracker
     from batchpage.engine.sampler import TopLogprobs
     from batchpage.engine.stop_checker import StopChecker
@@ -31,6 +32,9 @@ class Request:
     params: SamplingParams
     error: str | None = None  # set for a bad request: it gets no sequence and no completion
     grammar: CompiledGrammar | None = None  # params.structured_outputs compiled (GrammarCache)
+    # A pooling model's request (embed, classify, ...): it finishes when its prompt is computed,
+    # with no token sampled; None: a generation request.
+    pooling: PoolingType | None = None
 
 
 class SeqStatus(enum.Enum):
@@ -72,6 +76,10 @@ class Sequence:
     # Its token is the argmax of the raw logits (read every step, set once), but on a step
     # that forces its end of thinking (thinking.forced_token).
     plain_greedy: bool = field(init=False)
+    # A pooling request's float32 running sum of the rows it reads (engine/pooling.py), then
+    # its output: the model's head on the pooled vector.
+    pool_total: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -113,6 +121,15 @@ class Sequence:
         if self.thinking is not None and not self.thinking.answer_may_start:
             return None
         return self.constraint
+
+    @property
+    def reads_every_prompt_row(self) -> bool:
+        """Whether the output of every prompt position is needed (prompt logprobs; MEAN or CLS
+        pooling): such a sequence borrows no cached prefix."""
+        pooling = self.request.pooling
+        return self.params.prompt_logprobs is not None or (
+            pooling is not None and pooling.reads_every_row
+        )
 
     @property
     def num_uncomputed_tokens(self) -> int:

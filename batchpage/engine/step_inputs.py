@@ -30,6 +30,9 @@ class StepInputs:
     prompt_rows: torch.Tensor  # int64 [P]
     prompt_targets: list[int]  # [P]: the prompt token each row scores
     prompt_owners: list[tuple[Sequence, int]]  # (sequence, how many of the P rows are its)
+    # MEAN / CLS pooling (engine/pooling.py): the rows each pooling sequence sums this step.
+    pool_rows: torch.Tensor  # int64 [R]
+    pool_owners: list[tuple[Sequence, int, int]]  # (sequence, chunk start, how many R rows)
 
 
 class BlockTableRows:
@@ -141,6 +144,8 @@ class StepBuilder:
         prompt_rows: list[int] = []
         prompt_targets: list[int] = []
         prompt_owners: list[tuple[Sequence, int]] = []
+        pool_rows: list[int] = []
+        pool_owners: list[tuple[Sequence, int, int]] = []
         total = 0
         for seq, n in scheduled:
             start = seq.num_computed_tokens
@@ -171,6 +176,13 @@ class StepBuilder:
                     prompt_rows += range(row0 + first, row0 + last)
                     prompt_targets += seq.token_ids[first + 1 : last + 1]
                     prompt_owners.append((seq, last - first))
+            pooling = seq.request.pooling
+            if pooling is not None and pooling.reads_every_row:
+                wanted = pooling.chunk_rows(start, end)
+                if wanted:
+                    row0 = total - n - start
+                    pool_rows += (row0 + p for p in wanted)
+                    pool_owners.append((seq, start, len(wanted)))
 
         seqs = [s.seq for s in scheduled]
         rows = self.tables.rows(seqs)
@@ -178,13 +190,16 @@ class StepBuilder:
         index = torch.tensor(rows, dtype=torch.long)
         tables = self.tables.buffer[:, :width].index_select(0, index)  # contiguous [B, width]
         # One host tensor for every integer input, one copy to the device.
-        parts = (input_ids, positions, slots, logits_indices, prompt_rows, query_start, seq_lens)
+        parts = (
+            input_ids, positions, slots, logits_indices, prompt_rows, pool_rows, query_start,
+            seq_lens,
+        )  # fmt: skip
         flat = torch.tensor([v for part in parts for v in part], dtype=torch.long)
         if self.device.type == "cuda":
             flat = flat.pin_memory().to(self.device, non_blocking=True)
             tables = tables.pin_memory().to(self.device, non_blocking=True)
         views = flat.split([len(part) for part in parts])
-        ids, pos, slot_mapping, logits_rows, prompt_index, starts, lens = views
+        ids, pos, slot_mapping, logits_rows, prompt_index, pool_index, starts, lens = views
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=starts.to(torch.int32),
@@ -203,4 +218,6 @@ class StepBuilder:
             prompt_rows=prompt_index,
             prompt_targets=prompt_targets,
             prompt_owners=prompt_owners,
+            pool_rows=pool_index,
+            pool_owners=pool_owners,
         )

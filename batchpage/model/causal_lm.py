@@ -26,6 +26,7 @@ from batchpage.cache.kv_cache import KVCache
 from batchpage.model.config import ModelConfig
 from batchpage.model.layers import GatedMLP, RMSNorm, TiedEmbedding, UsesLayerOps, linear
 from batchpage.model.rope import RotaryEmbedding
+from batchpage.model.score_head import make_score_head
 from batchpage.ops.linear import Linear, LinearOp, dtype_format
 from batchpage.ops.select import ModelOps
 from batchpage.ops.workspace import Workspace
@@ -73,9 +74,11 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head: LinearOp | None = (
             None
-            if cfg.tie_word_embeddings
+            if cfg.tie_word_embeddings or cfg.head.pools
             else linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
         )
+        # A pooling checkpoint's head, named as in its files (score.weight; score.0 / score.2).
+        self.score: nn.Module | None = make_score_head(cfg, dtype, device)
         # A tied model's lm_head in its linear method's layout, set by bind (the embedding keeps
         # its plain table for lookups); None: the embedding table itself multiplies.
         self.tied_head: LinearOp | None = None
@@ -123,6 +126,13 @@ class CausalLM(nn.Module):
         if self.tied_quant is not None:
             return self.tied_quant(hidden)
         return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+
+    def pool_head(self, pooled: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> float32 [N, D]
+        """A pooling model's output for pooled hidden states: its score head's (labels), or the
+        states themselves (an embedding model, D = hidden), in float32."""
+        if self.score is None:
+            return pooled.float()
+        return self.score(pooled.to(self.embed_tokens.weight.dtype)).float()
 
     @torch.no_grad()
     def bind(self, ops: ModelOps) -> BindReport:
@@ -173,7 +183,7 @@ class CausalLM(nn.Module):
                 parent, _, leaf = name.rpartition(".")
                 setattr(self.get_submodule(parent), leaf, method.make(module.weight, module.bias))
             replaced += len(dense)
-            if self.lm_head is None and self.tied_head is None:
+            if self.lm_head is None and self.tied_head is None and not self.config.head.pools:
                 table = self.embed_tokens.weight
                 self.tied_head = method.make(table, None)
                 extra = table.numel() * table.element_size()

@@ -53,6 +53,31 @@ def family_for(kind: Literal["hf", "gguf"], name: str | None) -> str:
 
 
 @dataclass(frozen=True)
+class HeadConfig:
+    """What runs on the final norm's output, from config.json's `architectures`:
+
+    lm      the vocabulary's logits (a causal LM: *ForCausalLM and the rest)
+    none    nothing: the hidden states are the output (an embedding checkpoint, *Model)
+    linear  `score`, hidden -> num_labels without bias (*ForSequenceClassification)
+    mlp     `score.0` (hidden -> hidden), ReLU, `score.2` (hidden -> num_labels), with biases
+            (*ForRewardModel, Qwen2.5-Math-RM's layout)
+    """
+
+    kind: str = "lm"
+    num_labels: int = 0
+    labels: tuple[str, ...] = ()  # id2label in id order; () when the config names none
+    # Matryoshka embeddings (`is_matryoshka`, `matryoshka_dimensions`): the output sizes that
+    # keep their meaning when truncated; () with matryoshka=True allows any.
+    matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
+
+    @property
+    def pools(self) -> bool:
+        """Whether the checkpoint is a pooling model (its outputs are not next-token logits)."""
+        return self.kind != "lm"
+
+
+@dataclass(frozen=True)
 class RopeScaling:
     """A rope variant beyond plain RoPE, with every default already resolved.
 
@@ -121,6 +146,7 @@ class ModelConfig:
     torch_dtype: str | None = None  # the checkpoint's own dtype name, used by dtype="auto"
     # The checkpoint's quantization_config (batchpage/quant/scheme.py); None: float weights.
     quant: QuantScheme | None = None
+    head: HeadConfig = HeadConfig()
 
     def __post_init__(self) -> None:
         if not self.rotary_dim:
@@ -175,6 +201,7 @@ class ModelConfig:
 
 __all__ = [
     "FAMILIES",
+    "HeadConfig",
     "ModelConfig",
     "MoEConfig",
     "RopeScaling",

@@ -19,6 +19,7 @@ from batchpage.model.config import (
 )
 from batchpage.model.gemma_config import gemma_config_from_hf
 from batchpage.model.hf_fields import id_tuple, int_field, require_keys, rope_fields
+from batchpage.model.hf_head import read_head
 from batchpage.quant.scheme import read_quant_scheme
 
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
@@ -35,7 +36,8 @@ def model_config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
     family = family_for("hf", model_type)
     quant = read_quant_scheme(cfg)
     if family in ("gemma2", "gemma3"):
-        return dataclasses.replace(gemma_config_from_hf(cfg, family), quant=quant)
+        gemma = gemma_config_from_hf(cfg, family)
+        return dataclasses.replace(gemma, quant=quant, head=read_head(cfg))
     require_keys(cfg, _REQUIRED + _MOE_REQUIRED.get(str(model_type), ()))
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -85,6 +87,7 @@ def model_config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
         model_type=str(model_type),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         quant=quant,
+        head=read_head(cfg),
     )
 
 

@@ -1,0 +1,18 @@
+"""The prompts LLM's methods take: one prompt or a list, each text, token ids, or vLLM's
+TextPrompt / TokensPrompt dict of either."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[Any]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts

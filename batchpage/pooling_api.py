@@ -16,6 +16,7 @@ import torch
 
 from batchpage.engine.engine import Engine
 from batchpage.engine.sequence import Request, Sequence
+from batchpage.metrics import RunStats
 from batchpage.model.config import ModelConfig
 from batchpage.model.tokenizer import Tokenizer
 from batchpage.outputs import (
@@ -51,18 +52,24 @@ class PoolingMethods:
         prompts: Any,
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
+        on_output: Callable[[PoolingRequestOutput, int], None] | None = None,
+        on_step: Callable[[RunStats], None] | None = None,
     ) -> list[PoolingRequestOutput]:
         """The prompts' embeddings (task=embed): the pooled hidden state, truncated to
         pooling_params.dimensions and L2-normalized unless normalize=False."""
         params = pooling_params or PoolingParams()
         self._require_task("embed", ("embed",))
-        return self._pool_prompts(prompts, params, use_tqdm, lambda v: _embedding(v, params))
+        return self._pool_prompts(
+            prompts, params, use_tqdm, lambda v: _embedding(v, params), on_output, on_step
+        )
 
     def classify(
         self,
         prompts: Any,
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
+        on_output: Callable[[PoolingRequestOutput, int], None] | None = None,
+        on_step: Callable[[RunStats], None] | None = None,
     ) -> list[PoolingRequestOutput]:
         """Label probabilities (task=classify): softmax over the head's outputs (a sigmoid for
         one label) unless use_activation=False."""
@@ -73,13 +80,15 @@ class PoolingMethods:
         def output(v: torch.Tensor) -> Output:
             return ClassificationOutput(_activation(v).tolist() if activate else v.tolist())
 
-        return self._pool_prompts(prompts, params, use_tqdm, output)
+        return self._pool_prompts(prompts, params, use_tqdm, output, on_output, on_step)
 
     def reward(
         self,
         prompts: Any,
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
+        on_output: Callable[[PoolingRequestOutput, int], None] | None = None,
+        on_step: Callable[[RunStats], None] | None = None,
     ) -> list[PoolingRequestOutput]:
         """A reward model's outputs at the pooled position (task=reward): the head's raw
         values, activated only with use_activation=True."""
@@ -87,7 +96,12 @@ class PoolingMethods:
         self._require_task("reward", ("classify", "reward", "score"))
         activate = params.use_activation is True
         return self._pool_prompts(
-            prompts, params, use_tqdm, lambda v: PoolingOutput(_activation(v) if activate else v)
+            prompts,
+            params,
+            use_tqdm,
+            lambda v: PoolingOutput(_activation(v) if activate else v),
+            on_output,
+            on_step,
         )
 
     def score(
@@ -159,6 +173,8 @@ class PoolingMethods:
         params: PoolingParams,
         use_tqdm: bool,
         output: Callable[[torch.Tensor], Output],
+        on_output: Callable[[PoolingRequestOutput, int], None] | None = None,
+        on_step: Callable[[RunStats], None] | None = None,
     ) -> list[PoolingRequestOutput]:
         bad_dims = params.check_dimensions(self.model_config.head, self.model_config.hidden_size)
         if bad_dims is not None:
@@ -177,7 +193,7 @@ class PoolingMethods:
                 out.num_cached_tokens = seqs[0].num_cached_tokens
             return out
 
-        return self._run(requests, use_tqdm, None, make_output=make)
+        return self._run(requests, use_tqdm, on_output, on_step, make_output=make)
 
 
 def _embedding(vector: torch.Tensor, params: PoolingParams) -> EmbeddingOutput:

@@ -71,6 +71,7 @@ class Row:
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None  # system_prompt already prepended
     system_prompt: str | None = None  # set for plain prompts only (chats carry it inside)
+    response: str | None = None  # dataset.response_column's reply to score after the prompt
     overrides: dict[str, Any] = field(default_factory=dict)  # non-null per-row sampling values
     error: str | None = None
     # Values of the output's extra columns that come from the input: the carried columns (and an
@@ -102,6 +103,7 @@ def make_row(
     from_text: bool,
     carried: Sequence[str] = (),
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+    response_column: str | None = None,
 ) -> Row:
     """Check one record. `rec` is a str when the reader could not parse it (it says why).
 
@@ -113,7 +115,7 @@ def make_row(
         return Row(index=index, id=str(index), error=rec)
     text_column = messages_column if messages_column is not None else prompt_column or ""
     errors, bad = _unencodable_columns(
-        index, rec, [text_column, id_column, *override_columns, *carried]
+        index, rec, [text_column, id_column, response_column, *override_columns, *carried]
     )
     if bad:  # a value no UTF-8 writer takes goes nowhere: the row holds a null instead
         rec = {k: (None if k in bad else v) for k, v in rec.items()}
@@ -135,6 +137,12 @@ def make_row(
         row.system_prompt = system_prompt
     if err:
         errors.append(err)
+    if response_column is not None and response_column not in bad:
+        row.response, err = _check_text(rec.get(response_column, _MISSING), "response")
+        err = err or size_error_of(row.response, max_prompt_bytes, "the response")
+        row.response = None if err else row.response
+        if err:
+            errors.append(err)
     for name in override_columns:
         value = rec.get(name)
         blank = from_text and isinstance(value, str) and not value.strip()
@@ -151,8 +159,13 @@ def make_row(
 
 def prompt_size_error(prompt: str | None, bound: int) -> str | None:
     """The error of a prompt over `bound` UTF-8 bytes, else None."""
-    size = utf8_size(prompt, bound) if prompt is not None else None
-    return size_error("the prompt", size, bound) if size is not None else None
+    return size_error_of(prompt, bound, "the prompt")
+
+
+def size_error_of(text: str | None, bound: int, what: str) -> str | None:
+    """The error of a text over `bound` UTF-8 bytes, else None."""
+    size = utf8_size(text, bound) if text is not None else None
+    return size_error(what, size, bound) if size is not None else None
 
 
 def messages_size_error(messages: list[dict[str, str]] | None, bound: int) -> str | None:
@@ -230,14 +243,18 @@ def _row_id(rec: dict[str, Any], id_column: str | None, index: int) -> str:
 
 
 def _check_prompt(value: Any) -> tuple[str | None, str | None]:
+    return _check_text(value, "prompt", blank_ok=False)
+
+
+def _check_text(value: Any, what: str, blank_ok: bool = True) -> tuple[str | None, str | None]:
     if value is _MISSING:
-        return None, "the row has no prompt field"
+        return None, f"the row has no {what} field"
     if value is None:
-        return None, "prompt is null"
+        return None, f"{what} is null"
     if not isinstance(value, str):
-        return None, f"prompt is not text (got {type(value).__name__}: {str(value)[:40]!r})"
-    if not value.strip():
-        return None, "prompt is empty"
+        return None, f"{what} is not text (got {type(value).__name__}: {str(value)[:40]!r})"
+    if not blank_ok and not value.strip():
+        return None, f"{what} is empty"
     return value, None
 
 

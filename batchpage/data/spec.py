@@ -67,6 +67,9 @@ class DatasetSpec:
     None: every column the job does not consume (prompt or messages, id, overrides); []: none.
     format=openai_batch (auto-detected when the first record has custom_id and body): each line
     is an OpenAI Batch request; its body holds the prompt and sampling values, custom_id the id.
+    response_column: a reply to score after each prompt (a pooling job: a reward model over a
+    generated file's completion column). A chat gets it as its last, assistant turn, rendered
+    without a generation prompt; a plain prompt is followed by it as text.
     max_prompt_bytes: the most UTF-8 bytes of one prompt (a chat's contents together) and of
     the text the chat template makes of it, and of one input row as stored (a JSONL line, a CSV
     record). A longer JSONL line or prompt is that row's error, found before it is tokenized
@@ -79,6 +82,7 @@ class DatasetSpec:
     format: str = "auto"
     prompt_column: str | None = "prompt"
     messages_column: str | None = None
+    response_column: str | None = None
     system_prompt: str | None = None
     id_column: str | None = None
     split: str = "train"
@@ -114,6 +118,7 @@ class DatasetInfo:
     chat_template: str = "auto"  # normalised: auto | true | false
     carried: tuple[str, ...] = ()  # input columns copied to the output, in order
     carried_schema: pa.Schema = field(default_factory=lambda: pa.schema([]))
+    response_column: str | None = None
 
 
 # --- validate ----------------------------------------------------------------------------------
@@ -169,13 +174,20 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
             id_column = preset.id_column
         prompt_col, messages_col = _text_columns(spec)
         overrides = _override_columns(spec, columns)
-        for col in (prompt_col, messages_col, id_column, *overrides):
+        for col in (prompt_col, messages_col, id_column, spec.response_column, *overrides):
             if col is not None and col not in columns:
                 raise DatasetError(_missing_column_message(col, columns, spec, files))
     if id_column is not None and (spec.id_column is not None or fmt == "openai_batch"):
         _check_ids(fmt, files, spec, id_column)
     batch = fmt == "openai_batch"
-    consumed = REQUEST_FIELDS if batch else (prompt_col, messages_col, id_column, *overrides)
+    if batch and spec.response_column is not None:
+        raise DatasetError(
+            "an OpenAI Batch file has no response column: drop dataset.response_column"
+        )
+    response = spec.response_column
+    consumed = (
+        REQUEST_FIELDS if batch else (prompt_col, messages_col, id_column, response, *overrides)
+    )
     carried = carried_columns(columns, consumed, spec.keep_columns, files[0])
 
     if num_rows is None and fmt in (*JSON_LINES, "csv"):
@@ -193,6 +205,8 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         "chat_template_kwargs": dict(kwargs) if kwargs else None,
         "carried": list(carried),
     }
+    if response is not None:  # only then: other jobs keep their key
+        key["response_column"] = response
     if spec.max_prompt_bytes != DEFAULT_MAX_PROMPT_BYTES:  # only then: other jobs keep their key
         key["max_prompt_bytes"] = spec.max_prompt_bytes
     return DatasetInfo(
@@ -208,6 +222,7 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         preset=preset.name if preset else None,
         styles=preset.styles if preset else None,
         chat_template=chat_template,
+        response_column=response,
         carried=carried,
         carried_schema=carried_schema(fmt, files, spec.split, carried, bound),
     )
@@ -364,6 +379,7 @@ def iter_rows(spec: DatasetSpec, info: DatasetInfo | None = None) -> Iterator[Ro
     columns = [
         info.prompt_column or info.messages_column,
         info.id_column,
+        info.response_column,
         *info.override_columns,
         *info.carried,
     ]
@@ -386,6 +402,7 @@ def iter_rows(spec: DatasetSpec, info: DatasetInfo | None = None) -> Iterator[Ro
                 from_text=from_text,
                 carried=info.carried,
                 max_prompt_bytes=bound,
+                response_column=info.response_column,
             )
         if spec.limit is not None and index + 1 >= spec.limit:
             return

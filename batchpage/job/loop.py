@@ -27,6 +27,7 @@ from batchpage.data.spec import iter_windows
 from batchpage.job.config import JobConfig
 from batchpage.job.input_watch import InputWatch
 from batchpage.job.plan import JobConfigError, JobPlan, JobStoppedError, plan_job
+from batchpage.job.pooling_rows import pool_method, pool_result
 from batchpage.job.progress import JobProgress, job_rate
 from batchpage.job.prompts import Prepared, prepare_window, to_result
 from batchpage.job.report import JobResult, ThisRun, resolved_settings, summarize, write_report
@@ -34,7 +35,7 @@ from batchpage.job.score import code_of, score_output
 from batchpage.metrics import RunStats
 from batchpage.output import OutputDirError, ShardWriter, finalize
 from batchpage.output.batch_files import write_batch_files
-from batchpage.outputs import RequestOutput
+from batchpage.outputs import PoolingRequestOutput, RequestOutput
 
 LLMFactory = Callable[..., Any]
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -184,6 +185,18 @@ def _generate(
     def stepped(stats: RunStats) -> None:
         progress.step(stats, job_rate(done_before, stats))
 
+    task = plan.engine.task
+    if task != "generate":
+
+        def pooled(out: PoolingRequestOutput, index: int) -> None:
+            writer.add(pool_result(ready[index], out, task, llm.model_config.head.labels))
+            writer.maybe_flush()
+            progress.row_finished(unused_budget=budget(ready[index]))
+
+        pool_method(llm, task)(
+            [p.prompt_ids for p in ready], use_tqdm=False, on_output=pooled, on_step=stepped
+        )
+        return llm.run_stats
     llm.generate(
         [p.prompt_ids for p in ready],
         [p.params for p in ready],

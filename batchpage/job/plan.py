@@ -20,8 +20,10 @@ from batchpage.engine.plan import EnginePlan, plan_engine
 from batchpage.engine.reasoning import resolve_markers
 from batchpage.fileio import file_digest
 from batchpage.job.config import JobConfig
+from batchpage.job.pooling_rows import POOLING_JOB_TASKS, pool_schema
 from batchpage.job.prompts import PromptPlan, check_template
 from batchpage.job.score import check_scorable, code_schema
+from batchpage.model.config import ModelConfig
 from batchpage.model.loader import ModelSource, load_tokenizer, resolve_model_source
 from batchpage.model.tokenizer import check_chat_template_kwargs, resolve_chat_template
 from batchpage.output.batch_files import batch_schema
@@ -87,7 +89,11 @@ def plan_job(cfg: JobConfig) -> JobPlan:
             params = params.replace(stop=list(dict.fromkeys(stops)))
         listed = params.n > 1 or "n" in info.override_columns or info.format == "openai_batch"
         reasoning = _reasoning(engine_cfg, source)
-        extra = _extra_schema(cfg, info, style, listed, reasoning is not None)
+        if engine.task != "generate":
+            _check_pooling_job(engine.task, cfg, info)
+            listed, reasoning = False, None
+        extra = _extra_schema(cfg, info, style, listed, reasoning is not None, engine.task,
+                              source.config)  # fmt: skip
     except (ValueError, OSError) as e:
         raise JobConfigError(str(e)) from None
     base_seed = cfg.sampling.seed if cfg.sampling.seed is not None else engine_cfg.seed
@@ -113,6 +119,10 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         fingerprint["chat_template"] = hashlib.sha256(prompts.template.encode()).hexdigest()[:16]
     if reasoning is not None:  # the completion is then the answer only
         fingerprint["reasoning_parser"] = reasoning
+    if engine.task != "generate":  # generation jobs keep their identity
+        fingerprint["task"] = engine.task
+        fingerprint["pooling_type"] = engine_cfg.pooling_type
+        del fingerprint["sampling"]  # nothing is sampled
     return JobPlan(
         info,
         source,
@@ -167,13 +177,37 @@ def _prompt_plan(
     return style, plan
 
 
+def _check_pooling_job(task: str, cfg: JobConfig, info: DatasetInfo) -> None:
+    """What a pooling job cannot do, refused before the model loads."""
+    if task not in POOLING_JOB_TASKS:
+        raise ValueError(
+            f"engine.task={task} is not a job task (it scores pairs): use LLM.score, or a job "
+            "with task=classify on the cross-encoder (its probs) or task=reward"
+        )
+    if info.format == "openai_batch" or cfg.score is not None:
+        raise ValueError(
+            f"engine.task={task} takes a prompt or messages dataset, without score= (an OpenAI "
+            "Batch file and HumanEval scoring are for generation)"
+        )
+    if cfg.executor.kind != "local":
+        raise ValueError(f"engine.task={task} runs with executor=local only")
+
+
 def _extra_schema(
-    cfg: JobConfig, info: DatasetInfo, style: str | None, listed: bool, reasoning: bool
+    cfg: JobConfig,
+    info: DatasetInfo,
+    style: str | None,
+    listed: bool,
+    reasoning: bool,
+    task: str,
+    model: ModelConfig,
 ) -> pa.Schema | None:
     """Derived columns, then the carried ones; a carried column named like one of batchpage's
     is refused here, before the model loads."""
     text = pa.list_(pa.string()) if listed else pa.string()
     derived = pa.schema([("reasoning", text)] if reasoning else [])
+    if task != "generate":
+        derived = pool_schema(task, model)
     if style is not None:
         derived = pa.schema([*derived, *code_schema(2 if listed else 1)])  # lists for n > 1
     if info.format == "openai_batch":

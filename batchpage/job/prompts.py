@@ -108,7 +108,7 @@ def prepare_window(
             raise ValueError("prepare_window needs the tokenizer for rows left to generate")
         chat = chat_of(row, plan)
         if chat is None:
-            text = row.prompt or ""
+            text = (row.prompt or "") + (row.response or "")
             too_long = prompt_size_error(text, plan.max_prompt_bytes)
             if too_long:
                 fail(too_long, None)
@@ -116,8 +116,11 @@ def prepare_window(
             ready.append(Prepared(row, tokenizer.encode(text), text, params))
             continue
         try:
+            if row.response is not None:  # the reply to score: the last turn, not a prompt
+                chat = [*chat, {"role": "assistant", "content": row.response}]
             text = tokenizer.render_chat_template(
                 chat,
+                add_generation_prompt=row.response is None,
                 chat_template=plan.template,
                 chat_template_kwargs=plan.template_kwargs,
                 limits=plan.limits,

@@ -40,7 +40,7 @@ DOCS = [
 PROMPTS = [INSTRUCTION + d for d in DOCS] + DOCS  # ragged, half behind a shared prefix
 
 
-def _randomize(model: PreTrainedModel, seed: int) -> PreTrainedModel:
+def randomize(model: PreTrainedModel, seed: int) -> PreTrainedModel:
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -53,7 +53,7 @@ def _randomize(model: PreTrainedModel, seed: int) -> PreTrainedModel:
     return model.eval()
 
 
-def _config(variant: str, **extra: Any):
+def pooling_config(variant: str, **extra: Any):
     config_cls, kwargs = VARIANTS[variant]
     return config_cls(
         vocab_size=320,
@@ -65,7 +65,7 @@ def _config(variant: str, **extra: Any):
     )
 
 
-def _save(model: PreTrainedModel, folder: Path) -> Path:
+def save_with_tokenizer(model: PreTrainedModel, folder: Path) -> Path:
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
@@ -82,33 +82,33 @@ def models(tmp_path_factory) -> dict[str, tuple[Path, Any]]:
         ("llama_cls", "llama_gqa_tied", {"id2label": labels, "label2id": {}}),
         ("qwen3_cross", "qwen3_tied", {"num_labels": 1}),
     ]:
-        hf = _randomize(
-            AutoModelForSequenceClassification.from_config(_config(variant, **extra)), 1
+        hf = randomize(
+            AutoModelForSequenceClassification.from_config(pooling_config(variant, **extra)), 1
         )
 
         @torch.no_grad()
         def head(ids: list[int], hf=hf) -> torch.Tensor:
             return hf(torch.tensor([ids])).logits[0].float()
 
-        out[name] = (_save(hf, root / name), head)
+        out[name] = (save_with_tokenizer(hf, root / name), head)
     for name, variant, extra in [
         ("llama_embed", "llama_gqa_tied", {}),
         ("qwen3_embed", "qwen3_tied", {"is_matryoshka": True}),
     ]:
-        hf = _randomize(AutoModel.from_config(_config(variant, **extra)), 2)
+        hf = randomize(AutoModel.from_config(pooling_config(variant, **extra)), 2)
 
         @torch.no_grad()
         def hidden(ids: list[int], hf=hf) -> torch.Tensor:
             return hf(torch.tensor([ids])).last_hidden_state[0].float()
 
-        out[name] = (_save(hf, root / name), hidden)
-    out["qwen2_reward"] = _reward_model(root / "qwen2_reward")
+        out[name] = (save_with_tokenizer(hf, root / name), hidden)
+    out["qwen2_reward"] = reward_model_folder(root / "qwen2_reward")
     return out
 
 
-def _reward_model(folder: Path) -> tuple[Path, Any]:
+def reward_model_folder(folder: Path) -> tuple[Path, Any]:
     """Qwen2.5-Math-RM's layout: model.* of a Qwen2Model, score.0 / score.2 around a ReLU."""
-    base = _randomize(AutoModel.from_config(_config("qwen2_bias_gqa")), 3)
+    base = randomize(AutoModel.from_config(pooling_config("qwen2_bias_gqa")), 3)
     hidden = base.config.hidden_size
     torch.manual_seed(4)
     mlp = torch.nn.Sequential(

@@ -115,7 +115,8 @@ def test_openai_batch_output_puts_the_thinking_in_message_reasoning(
                 sampling={"max_tokens": 20, "ignore_eos": False}))  # fmt: skip
     answers = [json.loads(x) for x in (out / "batch_output.jsonl").read_text().splitlines()]
     llm = LLM(str(r1_folder), reasoning_parser="deepseek_r1", **ENGINE)
-    for answer, budget, text in zip(answers, [3, None], ["Hello world", "A radix tree"]):
+    pairs = zip(answers, [3, None], ["Hello world", "A radix tree"], strict=True)
+    for answer, budget, text in pairs:
         params = SamplingParams(temperature=0, max_tokens=20, thinking_token_budget=budget)
         o = llm.chat([{"role": "user", "content": text}], params, use_tqdm=False)[0].outputs[0]
         message = answer["response"]["body"]["choices"][0]["message"]

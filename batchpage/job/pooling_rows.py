@@ -1,0 +1,63 @@
+"""A pooling job's output (engine.task embed, classify or reward): its columns, each row's
+values, and the LLM method that makes them.
+
+embed: `embedding`, the normalized pooled hidden state (a fixed-size list of float32);
+classify: `label` (id2label's name of the likeliest label, else its id) and `probs`;
+reward: `score`, the reward head's first output. The completion columns stay empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+
+from batchpage.job.prompts import Prepared
+from batchpage.model.config import ModelConfig
+from batchpage.output.files import ResultRow
+from batchpage.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput
+
+POOLING_JOB_TASKS = ("embed", "classify", "reward")
+
+
+def pool_schema(task: str, model: ModelConfig) -> pa.Schema:
+    """The derived columns of a pooling job's output."""
+    if task == "embed":
+        return pa.schema([("embedding", pa.list_(pa.float32(), model.hidden_size))])
+    if task == "classify":
+        return pa.schema([("label", pa.string()), ("probs", pa.list_(pa.float32()))])
+    return pa.schema([("score", pa.float64())])
+
+
+def pool_method(llm: Any, task: str) -> Callable[..., list[PoolingRequestOutput]]:
+    return {"embed": llm.embed, "classify": llm.classify, "reward": llm.reward}[task]
+
+
+def pool_result(
+    p: Prepared, out: PoolingRequestOutput, task: str, labels: tuple[str, ...]
+) -> ResultRow:
+    row = ResultRow(
+        p.row.index,
+        p.row.id,
+        p.text,
+        prompt_tokens=len(out.prompt_token_ids),
+        completion_tokens=0,
+        cached_tokens=out.num_cached_tokens,
+        error=out.error,
+        extra=dict(p.row.extra),
+    )
+    if out.error is not None:
+        return row
+    result = out.outputs
+    if task == "embed":
+        assert isinstance(result, EmbeddingOutput)
+        row.extra["embedding"] = result.embedding
+    elif task == "classify":
+        assert isinstance(result, ClassificationOutput)
+        best = max(range(len(result.probs)), key=result.probs.__getitem__)
+        row.extra["label"] = labels[best] if labels else str(best)
+        row.extra["probs"] = result.probs
+    else:
+        row.extra["score"] = float(result.data[0])  # type: ignore[union-attr]
+    return row

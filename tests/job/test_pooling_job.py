@@ -1,0 +1,117 @@
+"""Pooling models through the job: engine.task=embed writes `embedding`, classify `label` and
+`probs`, reward `score`; resume, carried columns and row errors as for generation; and a reward
+job over a generated file (its messages and completions). The reference is LLM.embed /
+classify / reward on the same prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoModel, AutoModelForSequenceClassification
+
+from batchpage import LLM
+from batchpage.job import JobConfigError, run_job
+from tests.engine.test_pooling import (
+    pooling_config,
+    randomize,
+    reward_model_folder,
+    save_with_tokenizer,
+)
+from tests.job.test_loop import job, table, write_jsonl
+
+ENGINE = {"dtype": "float32", "kv_cache_memory": 2**22, "max_model_len": 256}
+TEXTS = ["Hello world", "The quick brown fox", "A radix tree", "Paged attention", "def f():"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pooling_job")
+    embed = randomize(AutoModel.from_config(pooling_config("llama_gqa_tied")), 2)
+    labels = {0: "bad", 1: "fine", 2: "good"}
+    config = pooling_config("llama_gqa_tied", id2label=labels, label2id={})
+    cls = randomize(AutoModelForSequenceClassification.from_config(config), 1)
+    reward, _ = reward_model_folder(root / "reward")
+    return {
+        "embed": save_with_tokenizer(embed, root / "embed"),
+        "classify": save_with_tokenizer(cls, root / "classify"),
+        "reward": reward,
+    }
+
+
+def records() -> list[dict]:
+    rows = [{"prompt": t, "topic": f"t{i}"} for i, t in enumerate(TEXTS)]
+    rows.insert(2, {"prompt": "", "topic": "empty"})  # a bad row: its error, the rest run
+    return rows
+
+
+def test_an_embedding_job_resumes_and_equals_llm_embed(tmp_path: Path, folders) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", records())
+    out = tmp_path / "out"
+    run_job(job(data, folders["embed"], out, engine={"task": "embed"}, dataset={"limit": 3}))
+    run_job(job(data, folders["embed"], out, engine={"task": "embed"}))
+    clean = tmp_path / "clean"
+    run_job(job(data, folders["embed"], clean, engine={"task": "embed"}))
+    rows, fresh = table(out), table(clean)
+    assert [r["embedding"] for r in rows] == [r["embedding"] for r in fresh]
+    schema = pq.read_schema(out / "completions.parquet")
+    kind = schema.field("embedding").type
+    assert kind.list_size == 64 and kind.value_type == pa.float32()  # a fixed-size float32 list
+    refs = LLM(str(folders["embed"]), **ENGINE).embed(TEXTS, use_tqdm=False)
+    good = [r for r in rows if r["error"] is None]
+    assert [r["topic"] for r in rows] == [r["topic"] for r in records()]  # carried, in order
+    assert "prompt is empty" in rows[2]["error"] and rows[2]["embedding"] is None
+    for row, ref in zip(good, refs, strict=True):
+        assert row["completion"] is None and row["prompt_tokens"] == len(ref.prompt_token_ids)
+        torch.testing.assert_close(
+            torch.tensor(row["embedding"]), torch.tensor(ref.outputs.embedding), atol=1e-6, rtol=0
+        )
+    with pytest.raises(JobConfigError, match="task: .embed. -> .classify."):
+        run_job(job(data, folders["classify"], out, engine={"task": "classify"}))
+
+
+def test_a_classification_job_writes_the_label_and_the_probabilities(
+    tmp_path: Path, folders
+) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", records())
+    run_job(job(data, folders["classify"], tmp_path / "out"))  # task=auto: the checkpoint's
+    rows = [r for r in table(tmp_path / "out") if r["error"] is None]
+    refs = LLM(str(folders["classify"]), **ENGINE).classify(TEXTS, use_tqdm=False)
+    for row, ref in zip(rows, refs, strict=True):
+        probs = ref.outputs.probs
+        assert row["label"] == ("bad", "fine", "good")[probs.index(max(probs))]
+        torch.testing.assert_close(torch.tensor(row["probs"]), torch.tensor(probs))
+
+
+def test_a_reward_job_over_a_generated_file(tmp_path: Path, folders, tiny_folder: Path) -> None:
+    """The generated file's prompt (the rendered chat) followed by its completion: the whole
+    conversation as the generator saw it, scored."""
+    chats = [{"messages": [{"role": "user", "content": t}]} for t in TEXTS]
+    data = write_jsonl(tmp_path / "chats.jsonl", chats)
+    generated = tmp_path / "generated"
+    run_job(job(data, tiny_folder, generated, sampling={"max_tokens": 6},
+                dataset={"messages_column": "messages"}))  # fmt: skip
+    scored = tmp_path / "scored"
+    run_job(job(
+        generated / "completions.parquet", folders["reward"], scored,
+        engine={"task": "reward"},
+        dataset={"response_column": "completion", "id_column": "id", "keep_columns": []},
+    ))  # fmt: skip
+    rows, gens = table(scored), table(generated)
+    texts = [g["prompt"] + g["completion"] for g in gens]
+    refs = LLM(str(folders["reward"]), **ENGINE).reward(texts, use_tqdm=False)
+    assert [r["id"] for r in rows] == [g["id"] for g in gens]
+    assert [r["prompt"] for r in rows] == texts
+    for row, ref in zip(rows, refs, strict=True):
+        assert abs(row["score"] - float(ref.outputs.data[0])) < 1e-6
+
+
+def test_pooling_jobs_refuse_what_they_cannot_do(tmp_path: Path, folders) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", records())
+    with pytest.raises(JobConfigError, match="task=score is not a job task"):
+        run_job(job(data, folders["embed"], tmp_path / "o", engine={"task": "score"}))
+    with pytest.raises(JobConfigError, match="task=classify needs a score head"):
+        run_job(job(data, folders["embed"], tmp_path / "o", engine={"task": "classify"}))

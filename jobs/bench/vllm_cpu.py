@@ -163,6 +163,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-caching", choices=("on", "off"), default="on")
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--task",
+        choices=("generate", "embed"),
+        default="generate",
+        help="embed: LLM.embed over each workload's prompts (a pooling model)",
+    )
     return p.parse_args(argv)
 
 
@@ -183,9 +189,13 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.max_num_seqs is not None:
         engine_args["max_num_seqs"] = args.max_num_seqs
+    if args.task == "embed":
+        engine_args["runner"] = "pooling"
     start = time.perf_counter()
     llm = LLM(**engine_args)
     log(f"engine created in {time.perf_counter() - start:.1f} s")
+    if args.task == "embed":
+        return embed_workloads(llm, args, warm_up, workloads, engine_args)
 
     def generate(prompts: list[list[int]], max_tokens: list[int]) -> tuple[list[list[int]], float]:
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
@@ -217,6 +227,37 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"vllm_version": vllm.__version__, "workloads": [
         {k: v for k, v in r.items() if k != "outputs"} for r in results
     ]}, indent=2))  # fmt: skip
+
+
+def embed_workloads(
+    llm: Any,
+    args: argparse.Namespace,
+    warm_up: list[list[int]],
+    workloads: list[dict[str, Any]],
+    engine_args: dict[str, Any],
+) -> None:
+    """--task embed: one LLM.embed per workload (its max_tokens unused); the wall clock around
+    it, and the embeddings, for the caller to compare."""
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    def embed(prompts: list[list[int]]) -> tuple[list[list[float]], float]:
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        t0 = time.perf_counter()
+        outs = llm.embed(inputs, use_tqdm=False)
+        return [list(o.outputs.embedding) for o in outs], time.perf_counter() - t0
+
+    embed(warm_up)
+    results = []
+    for w in workloads:
+        llm.reset_prefix_cache()
+        vectors, wall = embed(w["prompts"])
+        tokens = sum(len(p) for p in w["prompts"])
+        log(f"{w['name']}: {wall:.1f} s, {tokens / wall:.1f} prompt tok/s")
+        results.append({"name": w["name"], "wall_s": wall, "embeddings": vectors})
+    out = {"vllm_version": vllm.__version__, "engine_args": engine_args, "workloads": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out))
 
 
 if __name__ == "__main__":  # vLLM's engine starts worker processes: it must be created here only

@@ -1,8 +1,9 @@
 """One line of an OpenAI Batch input file -> one checked `Row`.
 
-A line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
-"body": {...}}``. The body's prompt (``messages`` for chat, ``prompt`` for completions) and its
-sampling fields become the row's prompt and per-row overrides; ``model`` and the bookkeeping
+A line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" |
+"/v1/embeddings", "body": {...}}``. The body's prompt (``messages`` for chat, ``prompt`` for
+completions, ``input`` for embeddings) and its sampling fields become the row's prompt and
+per-row overrides; ``model`` and the bookkeeping
 fields OpenAI accepts are ignored (the job's model runs). Anything else in the body, an unknown
 url, a missing prompt or a value of the wrong kind is that line's error: it gets its line in
 batch_errors.jsonl and the other requests run.
@@ -21,7 +22,8 @@ from batchpage.sampling_params import StructuredOutputsParams
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-URLS = (CHAT_URL, COMPLETIONS_URL)
+EMBEDDINGS_URL = "/v1/embeddings"  # answered by a job with engine.task=embed
+URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
 ID_FIELD = "custom_id"
 # The request's own fields: consumed, never carried into the output as input columns.
 REQUEST_FIELDS = (ID_FIELD, "method", "url", "body")
@@ -92,14 +94,15 @@ def _check_line(rec: dict[str, Any], custom_id: Any, url: Any) -> None:
     if method != "POST":
         raise ValueError(f"method must be POST, got {method!r:.40}")
     if url not in URLS:
-        raise ValueError(
-            f"url {url!r:.60} is not supported; batchpage runs {CHAT_URL} and {COMPLETIONS_URL}"
-        )
+        raise ValueError(f"url {url!r:.60} is not supported; batchpage runs {', '.join(URLS)}")
     if not isinstance(rec.get("body"), dict):
         raise ValueError(f"body must be an object, got {type(rec.get('body')).__name__}")
 
 
 def _read_body(row: Row, body: dict[str, Any], url: str) -> None:
+    if url == EMBEDDINGS_URL:
+        _read_embeddings_body(row, body)
+        return
     chat = url == CHAT_URL
     allowed = _BOTH | (_CHAT_ONLY if chat else {"prompt"})
     unknown = sorted(set(body) - allowed)
@@ -134,13 +137,28 @@ def _read_body(row: Row, body: dict[str, Any], url: str) -> None:
     row.overrides = overrides
 
 
-def _prompt(value: Any) -> str:
+def _read_embeddings_body(row: Row, body: dict[str, Any]) -> None:
+    allowed = {"input", "encoding_format", *_IGNORED}
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ValueError(
+            f"body field(s) {', '.join(unknown)} are not supported for {EMBEDDINGS_URL}; remove "
+            "them (supported: input, encoding_format)"
+        )
+    if body.get("encoding_format", "float") != "float":
+        raise ValueError(
+            f"encoding_format {body['encoding_format']!r:.30} is not supported: use float"
+        )
+    row.prompt = _prompt(body.get("input"), EMBEDDINGS_URL, "input")
+
+
+def _prompt(value: Any, url: str = COMPLETIONS_URL, name: str = "prompt") -> str:
     if isinstance(value, list) and len(value) == 1:
         value = value[0]
     if not isinstance(value, str):
         raise ValueError(
-            f"a {COMPLETIONS_URL} body needs prompt as one string (got {type(value).__name__}); "
-            "send one line per prompt"
+            f"a {url} body needs {name} as one string (got {type(value).__name__}); "
+            f"send one line per {name}"
         )
     if not value.strip():
         raise ValueError("prompt is empty")

@@ -27,7 +27,7 @@ from batchpage.data.spec import iter_windows
 from batchpage.job.config import JobConfig
 from batchpage.job.input_watch import InputWatch
 from batchpage.job.plan import JobConfigError, JobPlan, JobStoppedError, plan_job
-from batchpage.job.pooling_rows import pool_method, pool_result
+from batchpage.job.pooling_rows import check_url, pool_method, pool_result
 from batchpage.job.progress import JobProgress, job_rate
 from batchpage.job.prompts import Prepared, prepare_window, to_result
 from batchpage.job.report import JobResult, ThisRun, resolved_settings, summarize, write_report
@@ -102,6 +102,8 @@ def _run(
             watch.check()
             rows += len(window)
             todo = [r for r in window if not writer.is_done(r.index)]
+            if plan.openai_batch:
+                todo = [check_url(r, plan.engine.task) for r in todo]
             resumed += len(window) - len(todo)
             progress.rows_skipped(len(window) - len(todo))
             if llm is None and any(r.error is None for r in todo):

@@ -184,10 +184,10 @@ def _check_pooling_job(task: str, cfg: JobConfig, info: DatasetInfo) -> None:
             f"engine.task={task} is not a job task (it scores pairs): use LLM.score, or a job "
             "with task=classify on the cross-encoder (its probs) or task=reward"
         )
-    if info.format == "openai_batch" or cfg.score is not None:
+    if (info.format == "openai_batch" and task != "embed") or cfg.score is not None:
         raise ValueError(
             f"engine.task={task} takes a prompt or messages dataset, without score= (an OpenAI "
-            "Batch file and HumanEval scoring are for generation)"
+            "Batch file is for generation or /v1/embeddings, HumanEval scoring for generation)"
         )
     if cfg.executor.kind != "local":
         raise ValueError(f"engine.task={task} runs with executor=local only")

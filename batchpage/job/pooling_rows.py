@@ -1,7 +1,8 @@
 """A pooling job's output (engine.task embed, classify or reward): its columns, each row's
 values, and the LLM method that makes them.
 
-embed: `embedding`, the normalized pooled hidden state (a fixed-size list of float32);
+embed: `embedding`, the normalized pooled hidden state (a fixed-size list of float32), and for
+an OpenAI Batch file its /v1/embeddings answers;
 classify: `label` (id2label's name of the likeliest label, else its id) and `probs`;
 reward: `score`, the reward head's first output. The completion columns stay empty.
 """
@@ -13,6 +14,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchpage.data.openai_batch import EMBEDDINGS_URL
+from batchpage.data.rows import Row
 from batchpage.job.prompts import Prepared
 from batchpage.model.config import ModelConfig
 from batchpage.output.files import ResultRow
@@ -28,6 +31,23 @@ def pool_schema(task: str, model: ModelConfig) -> pa.Schema:
     if task == "classify":
         return pa.schema([("label", pa.string()), ("probs", pa.list_(pa.float32()))])
     return pa.schema([("score", pa.float64())])
+
+
+def check_url(row: Row, task: str) -> Row:
+    """An OpenAI Batch line whose url the job's task does not serve gets that as its error:
+    /v1/embeddings needs an embedding job, the others a generation job."""
+    url = row.extra.get("url")
+    if row.error is None and url is not None and (url == EMBEDDINGS_URL) != (task == "embed"):
+        needs = (
+            "engine.task=embed (an embedding model)"
+            if url == EMBEDDINGS_URL
+            else ("a generation model")
+        )
+        row.error = (
+            f"{url} needs a job with {needs}; this one runs engine.task={task}: put these "
+            "lines in a file of their own"
+        )
+    return row
 
 
 def pool_method(llm: Any, task: str) -> Callable[..., list[PoolingRequestOutput]]:

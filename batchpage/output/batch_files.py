@@ -27,6 +27,7 @@ from batchpage.output.files import BATCH_ERRORS_FILE, BATCH_OUTPUT_FILE, FINAL_F
 from batchpage.outputs import RequestOutput
 
 _COMPLETIONS_URL = "/v1/completions"
+_EMBEDDINGS_URL = "/v1/embeddings"
 _ERROR_CODE = "invalid_request"
 
 
@@ -94,8 +95,9 @@ def _records(path: Path) -> Iterator[dict[str, Any]]:
         "logprobs",
     ]
     file = pq.ParquetFile(path)
-    if "reasoning" in file.schema_arrow.names:  # a job with a reasoning parser
-        columns.append("reasoning")
+    for derived in ("reasoning", "embedding"):  # a job with a reasoning parser; an embed job
+        if derived in file.schema_arrow.names:
+            columns.append(derived)
     for batch in file.iter_batches(batch_size=1024, columns=columns):
         yield from batch.to_pylist()
 
@@ -106,6 +108,8 @@ def _key(job_key: str, index: int) -> str:
 
 
 def _answer(rec: dict[str, Any], key: str, model: str, created: int) -> dict[str, Any]:
+    if rec["url"] == _EMBEDDINGS_URL:
+        return _response(key, rec["id"], _embedding_body(rec, model))
     completions = rec["url"] == _COMPLETIONS_URL
     texts, reasons = rec["completion"], rec["finish_reason"]
     logprobs = json.loads(rec["logprobs"]) if rec["logprobs"] else [None] * len(texts)
@@ -135,9 +139,24 @@ def _answer(rec: dict[str, Any], key: str, model: str, created: int) -> dict[str
             "prompt_tokens_details": {"cached_tokens": rec["cached_tokens"] or 0},
         },
     }
+    return _response(key, rec["id"], body)
+
+
+def _embedding_body(rec: dict[str, Any], model: str) -> dict[str, Any]:
+    """OpenAI's embeddings response: one float embedding, the prompt's tokens as usage."""
+    tokens = rec["prompt_tokens"] or 0
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": 0, "embedding": rec["embedding"]}],
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+def _response(key: str, custom_id: str | None, body: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": f"batch_req_{key}",
-        "custom_id": rec["id"],
+        "custom_id": custom_id,
         "response": {"status_code": 200, "request_id": f"req_{key}", "body": body},
         "error": None,
     }

@@ -92,7 +92,12 @@ def test_detected_by_its_first_record_and_read_as_requests(tmp_path: Path) -> No
     [
         ("{not json", "not valid JSON"),
         ([1, 2], "is not an object"),
-        ({**line("a"), "url": "/v1/embeddings"}, "url '/v1/embeddings' is not supported"),
+        ({**line("a"), "url": "/v1/moderations"}, "url '/v1/moderations' is not supported"),
+        ({**line("a"), "url": "/v1/embeddings"}, "not supported for /v1/embeddings"),  # messages
+        (
+            {**line("a"), "url": "/v1/embeddings", "body": {"input": ["a", "b"]}},
+            "needs input as one string",
+        ),
         ({**line("a"), "method": "GET"}, "method must be POST"),
         ({**line("a"), "custom_id": 5}, "custom_id must be a non-empty string"),
         ({**line("a"), "body": "x"}, "body must be an object"),

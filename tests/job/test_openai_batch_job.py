@@ -111,7 +111,7 @@ def test_batch_files_answer_like_llm_chat_and_generate(tmp_path, tiny_folder, re
     assert [a["custom_id"] for a in answered] == good  # input order
     assert [f["custom_id"] for f in failed] == [None, "bad-url", "no-prompt", "bad-value"]
     assert "not valid JSON" in failed[0]["error"]["message"]
-    assert "url '/v1/embeddings'" in failed[1]["error"]["message"]
+    assert "/v1/embeddings needs a job with engine.task=embed" in failed[1]["error"]["message"]
     assert "needs messages" in failed[2]["error"]["message"]
     assert "temperature" in failed[3]["error"]["message"]
     assert all(f["response"] is None and f["error"]["code"] for f in failed)

@@ -5,6 +5,7 @@ classify / reward on the same prompts."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,6 +23,7 @@ from tests.engine.test_pooling import (
     save_with_tokenizer,
 )
 from tests.job.test_loop import job, table, write_jsonl
+from tests.job.test_openai_batch_job import ask, request
 
 ENGINE = {"dtype": "float32", "kv_cache_memory": 2**22, "max_model_len": 256}
 TEXTS = ["Hello world", "The quick brown fox", "A radix tree", "Paged attention", "def f():"]
@@ -115,3 +117,34 @@ def test_pooling_jobs_refuse_what_they_cannot_do(tmp_path: Path, folders) -> Non
         run_job(job(data, folders["embed"], tmp_path / "o", engine={"task": "score"}))
     with pytest.raises(JobConfigError, match="task=classify needs a score head"):
         run_job(job(data, folders["embed"], tmp_path / "o", engine={"task": "classify"}))
+
+
+def test_openai_batch_embeddings_lines_are_answered_in_openais_format(
+    tmp_path: Path, folders
+) -> None:
+    lines = [
+        request("e1", "/v1/embeddings", input="Hello world"),
+        request("c1", messages=ask("Hi"), max_tokens=3),  # a chat line: not for an embedder
+        request("e2", "/v1/embeddings", input=["A radix tree"], encoding_format="float"),
+        request("e3", "/v1/embeddings", input="x", encoding_format="base64"),
+    ]
+    data = write_jsonl(tmp_path / "b.jsonl", lines)
+    out = tmp_path / "out"
+    run_job(job(data, folders["embed"], out, engine={"task": "embed"}))
+    answers = [json.loads(x) for x in (out / "batch_output.jsonl").read_text().splitlines()]
+    errors = [json.loads(x) for x in (out / "batch_errors.jsonl").read_text().splitlines()]
+    refs = LLM(str(folders["embed"]), **ENGINE).embed(["Hello world", "A radix tree"])
+    assert [a["custom_id"] for a in answers] == ["e1", "e2"]
+    for answer, ref in zip(answers, refs, strict=True):
+        body = answer["response"]["body"]
+        assert body["object"] == "list" and body["data"][0]["object"] == "embedding"
+        torch.testing.assert_close(
+            torch.tensor(body["data"][0]["embedding"]),
+            torch.tensor(ref.outputs.embedding),
+            atol=1e-6,
+            rtol=0,
+        )
+        assert body["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+    assert [e["custom_id"] for e in errors] == ["c1", "e3"]
+    assert "needs a job with a generation model" in errors[0]["error"]["message"]
+    assert "encoding_format 'base64' is not supported" in errors[1]["error"]["message"]

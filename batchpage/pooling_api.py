@@ -18,6 +18,7 @@ from batchpage.engine.engine import Engine
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.metrics import RunStats
 from batchpage.model.config import ModelConfig
+from batchpage.model.score_head import num_labels
 from batchpage.model.tokenizer import Tokenizer
 from batchpage.outputs import (
     ClassificationOutput,
@@ -125,11 +126,13 @@ class PoolingMethods:
             raise ValueError(
                 f"score takes one data_1 or as many as data_2; got {len(firsts)} and {len(seconds)}"
             )
-        if self.model_config.head.kind in ("linear", "mlp"):
-            if self.model_config.head.num_labels != 1:
+        score_head = self.engine.model.score
+        if score_head is not None:
+            labels = num_labels(score_head)
+            if labels != 1:
                 raise ValueError(
-                    f"score needs a cross-encoder (one label); this classifier has "
-                    f"{self.model_config.head.num_labels}: use classify"
+                    f"score needs a cross-encoder (one label); this classifier has {labels}: "
+                    "use classify"
                 )
             hf = self.tokenizer.hf
             pairs = [hf(a, b)["input_ids"] for a, b in zip(firsts, seconds, strict=True)]

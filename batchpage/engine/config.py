@@ -62,6 +62,11 @@ class EngineConfig:
     # `pooling_type`: last (the last token), mean (all of them), or cls (the first).
     task: str = "auto"
     pooling_type: str = "last"
+    # A causal LM as a classifier over some of its tokens (vLLM's classifier_from_token, e.g.
+    # Qwen3-Reranker's ["no", "yes"]): two tokens give one label whose logit is their logits'
+    # difference (its sigmoid: the second's softmax probability against the first); more
+    # give one label each.
+    classifier_from_token: list[str] | None = None
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -85,6 +90,12 @@ class EngineConfig:
             choice("reasoning_parser", REASONING_PARSERS)
         choice("task", TASKS)
         choice("pooling_type", POOLING_TYPES)
+        tokens = self.classifier_from_token
+        if tokens is not None and (len(tokens) < 2 or not all(isinstance(t, str) for t in tokens)):
+            raise ValueError(
+                "classifier_from_token must list two or more tokens (e.g. [no, yes]); got "
+                f"{tokens!r}"
+            )
         at_least("block_size", 1)
         at_least("max_num_seqs", 1)
         at_least("max_model_len", 1)

@@ -39,6 +39,7 @@ from batchpage.host_memory import keep_freed_memory
 from batchpage.metrics import RunStats
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
+from batchpage.model.score_head import token_classifier
 from batchpage.model.tokenizer import Tokenizer
 from batchpage.ops.select import select_model_ops
 
@@ -88,6 +89,10 @@ class Engine:
         ops = select_model_ops(
             cfg.linear_backend, uses_cpu_kernels(attention), plan.dtype, plan.device
         )
+        if cfg.classifier_from_token is not None:  # before bind: the lm_head's plain rows
+            model.score = token_classifier(
+                model.head_table(), _token_ids(tokenizer, cfg.classifier_from_token)
+            )
         self.bind_report = model.bind(ops)
         self.weight_bytes = model.weight_bytes()  # after bind: in the layouts the ops keep
         # The all-greedy sampler's argmax: the bound layer ops' (the C++ one on the CPU kernels).
@@ -430,3 +435,15 @@ class Engine:
         seq.finish_reason, seq.stop_reason = decision.finish_reason, decision.stop_reason
         seq.text = seq.stop.text if text is None else text
         return True
+
+
+def _token_ids(tokenizer: Tokenizer, tokens: list[str]) -> list[int]:
+    """Each text's token id; ValueError naming a text that is not exactly one token."""
+    ids = [tokenizer.single_token_id(t) for t in tokens]
+    bad = [t for t, i in zip(tokens, ids, strict=True) if i is None]
+    if bad:
+        raise ValueError(
+            f"classifier_from_token: {bad} are not single tokens of this model's vocabulary: "
+            "give tokens as the tokenizer spells them"
+        )
+    return [i for i in ids if i is not None]

@@ -35,7 +35,7 @@ def plan_engine(cfg: EngineConfig, source: ModelSource) -> EnginePlan:
     max_model_len unset and a pool too small for the model's whole context, max_model_len is
     capped to what the pool holds, with a warning, rather than refused."""
     model_cfg = source.config
-    task = resolve_task(cfg.task, model_cfg.head)
+    task = resolve_task(cfg.task, model_cfg.head, cfg.classifier_from_token is not None)
     device = cfg.resolved_device()
     dtype = resolve_dtype(cfg.dtype, model_cfg, device)
     limit = model_cfg.max_model_len  # positions the model's rope supports

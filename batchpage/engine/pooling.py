@@ -68,9 +68,19 @@ def pooled_vector(
     return total / num_tokens if pooling is PoolingType.MEAN else total
 
 
-def resolve_task(task: str, head: HeadConfig) -> str:
-    """The task the engine runs for a checkpoint with this head ("auto": its own); raises
-    ValueError for a task the head cannot serve, naming the checkpoint it needs."""
+def resolve_task(task: str, head: HeadConfig, token_classifier: bool = False) -> str:
+    """The task the engine runs for a checkpoint with this head ("auto": its own);
+    `token_classifier`: a causal LM's head becomes a classifier over some of its tokens
+    (EngineConfig.classifier_from_token). Raises ValueError for a task the head cannot serve,
+    naming the checkpoint it needs."""
+    if token_classifier:
+        if head.kind != "lm" or task not in ("classify", "score"):
+            raise ValueError(
+                "classifier_from_token makes a causal LM's lm_head a classifier (a Qwen3-Reranker "
+                "style yes/no model): it needs a *ForCausalLM checkpoint and task=score or "
+                "task=classify"
+            )
+        return task
     if task == "auto":
         return _AUTO[head.kind]
     if task == "generate" and head.pools:

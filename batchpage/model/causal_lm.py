@@ -127,6 +127,15 @@ class CausalLM(nn.Module):
             return self.tied_quant(hidden)
         return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
 
+    def head_table(self) -> torch.Tensor:  # [V, hidden]
+        """The plain lm_head weight (a tied model's embedding table), before bind; ValueError
+        for a quantized head, which has no plain rows."""
+        head = self.lm_head
+        table = self.embed_tokens.weight if head is None else getattr(head, "weight", None)
+        if table is None or self.tied_quant is not None:
+            raise ValueError("this checkpoint's lm_head is quantized: it cannot be a classifier")
+        return table
+
     def pool_head(self, pooled: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> float32 [N, D]
         """A pooling model's output for pooled hidden states: its score head's (labels), or the
         states themselves (an embedding model, D = hidden), in float32."""

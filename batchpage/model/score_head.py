@@ -29,3 +29,24 @@ def make_score_head(
             skip_init(nn.Linear, hidden, head.num_labels, dtype=dtype, device=device),
         )
     return None
+
+
+def token_classifier(table: torch.Tensor, ids: list[int]) -> nn.Linear:
+    """A classifier from an lm_head's rows (table [V, hidden]): for two tokens one label whose
+    weight is row[ids[1]] - row[ids[0]] (its logit: the difference of the two tokens' logits,
+    so its sigmoid is the second's softmax probability over the pair); else one label a token."""
+    rows = table[ids].float()
+    weight = (rows[1] - rows[0])[None] if len(ids) == 2 else rows
+    head = nn.Linear(
+        table.shape[1], weight.shape[0], bias=False, dtype=table.dtype, device=table.device
+    )
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    return head.requires_grad_(False)
+
+
+def num_labels(head: nn.Module) -> int:
+    """How many outputs a score head has (its last linear's)."""
+    last = head[-1] if isinstance(head, nn.Sequential) else head
+    assert isinstance(last, nn.Linear)
+    return last.out_features

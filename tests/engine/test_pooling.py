@@ -265,3 +265,32 @@ def test_a_causal_lm_embeds_as_its_final_norm_states(models, tiny_folder: Path) 
         torch.testing.assert_close(
             torch.tensor(out.outputs.embedding), states.mean(0), atol=TOL, rtol=0
         )
+
+
+def test_a_causal_lm_as_a_yes_no_reranker(tiny_folder: Path) -> None:
+    """classifier_from_token (Qwen3-Reranker's use of its lm_head): the score is the second
+    token's softmax probability against the first at the pair's last position, as HF's
+    logits give it; with three tokens, classify is the softmax over their logits."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
+    llm = _llm(tiny_folder, task="score", classifier_from_token=["a", "b"])
+    ids = [llm.tokenizer.single_token_id(t) for t in ("a", "b", "c")]
+    assert None not in ids
+    query = "What does paged attention store?"
+    for doc, out in zip(DOCS, llm.score(query, DOCS, use_tqdm=False), strict=True):
+        with torch.no_grad():
+            logits = hf(torch.tensor([out.prompt_token_ids])).logits[0, -1]
+        assert out.prompt_token_ids == llm.tokenizer.hf(query, doc)["input_ids"]
+        ref = torch.softmax(logits[ids[:2]], -1)[1]
+        assert abs(out.outputs.score - float(ref)) < TOL
+    three = _llm(tiny_folder, task="classify", classifier_from_token=["a", "b", "c"])
+    for out in three.classify(DOCS, use_tqdm=False):
+        with torch.no_grad():
+            logits = hf(torch.tensor([out.prompt_token_ids])).logits[0, -1]
+        ref = torch.softmax(logits[ids], -1)
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), ref, atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="not single tokens"):
+        _llm(tiny_folder, task="score", classifier_from_token=["no such token", "b"])
+    with pytest.raises(ValueError, match="needs a \\*ForCausalLM checkpoint and task=score"):
+        _llm(tiny_folder, task="embed", classifier_from_token=["a", "b"])

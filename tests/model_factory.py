@@ -271,15 +271,21 @@ def build_hf_model(variant: str, vocab_size: int = 320, seed: int = 0) -> PreTra
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-    return model
+    return randomize_weights(model)
+
+
+@torch.no_grad()
+def randomize_weights(model: PreTrainedModel) -> PreTrainedModel:
+    """Every parameter redrawn from torch's current generator at test-friendly scales: norm
+    weights near 1, biases and weights small but far from HF's near-zero init."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        elif name.endswith("bias"):
+            p.copy_(0.2 * torch.randn_like(p))
+        else:
+            p.normal_(0.0, 0.08)
+    return model.eval()
 
 
 def save_hf_folder(

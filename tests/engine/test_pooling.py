@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from batchpage import LLM, PoolingParams
-from tests.model_factory import VARIANTS, tiny_tokenizer
+from tests.model_factory import VARIANTS, randomize_weights, tiny_tokenizer
 
 TOL = 1e-4
 INSTRUCTION = "Represent this sentence for searching relevant passages about paged attention: "
@@ -42,15 +42,7 @@ PROMPTS = [INSTRUCTION + d for d in DOCS] + DOCS  # ragged, half behind a shared
 
 def randomize(model: PreTrainedModel, seed: int) -> PreTrainedModel:
     torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-    return model.eval()
+    return randomize_weights(model)
 
 
 def pooling_config(variant: str, **extra: Any):

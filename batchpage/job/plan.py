@@ -122,6 +122,8 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     if engine.task != "generate":  # generation jobs keep their identity
         fingerprint["task"] = engine.task
         fingerprint["pooling_type"] = engine_cfg.pooling_type
+        if engine_cfg.classifier_from_token is not None:  # the head is made of these tokens
+            fingerprint["classifier_from_token"] = list(engine_cfg.classifier_from_token)
         del fingerprint["sampling"]  # nothing is sampled
     return JobPlan(
         info,

@@ -24,12 +24,22 @@ from batchpage.attention.backend import StepAttention
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
 from batchpage.model.config import ModelConfig
-from batchpage.model.layers import GatedMLP, RMSNorm, TiedEmbedding, UsesLayerOps, linear
+from batchpage.model.layers import (
+    Attention,
+    GatedMLP,
+    RMSNorm,
+    TiedEmbedding,
+    UsesLayerOps,
+    VocabShardEmbedding,
+    linear,
+)
 from batchpage.model.rope import RotaryEmbedding
 from batchpage.model.score_head import make_score_head
+from batchpage.model.shard import TensorShard
 from batchpage.ops.linear import Linear, LinearOp, dtype_format
 from batchpage.ops.select import ModelOps
 from batchpage.ops.workspace import Workspace
+from batchpage.parallel.collective import Collective
 from batchpage.quant.linear import QuantLinear
 
 ShardKey = Hashable | None  # None: the whole parameter
@@ -57,15 +67,25 @@ class CausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         max_positions: int | None = None,
+        shard: TensorShard | None = None,
     ):
         """max_positions: size of the rope tables (default: cfg.max_model_len); pass the
-        engine's max_model_len to save memory on long-context checkpoints."""
+        engine's max_model_len to save memory on long-context checkpoints. With `shard`, this is
+        one tensor-parallel rank's model: `cfg` is its share (model/shard.py shard_config),
+        the embedding and lm_head hold its rows of the vocabulary, and loading cuts each
+        checkpoint tensor to its part."""
         super().__init__()
         device = torch.device(device if device is not None else "cpu")
         self.config = cfg
+        self.shard = shard = shard or TensorShard()
         self.max_positions = max_positions or cfg.max_model_len
-        self.embed_tokens: nn.Embedding | TiedEmbedding = skip_init(
-            nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
+        vocab_rows = shard.vocab_rows(cfg.vocab_size)
+        self.embed_tokens: nn.Embedding | TiedEmbedding | VocabShardEmbedding = (
+            skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+            if shard.world == 1
+            else VocabShardEmbedding(
+                vocab_rows, shard.vocab_start(cfg.vocab_size), cfg.hidden_size, dtype, device
+            )
         )
         self.rotary = RotaryEmbedding(cfg, self.max_positions, device)
         self.layers = nn.ModuleList(
@@ -75,7 +95,7 @@ class CausalLM(nn.Module):
         self.lm_head: LinearOp | None = (
             None
             if cfg.tie_word_embeddings or cfg.head.pools
-            else linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+            else linear(cfg.hidden_size, vocab_rows, False, dtype, device)
         )
         # A pooling checkpoint's head, named as in its files (score.weight; score.0 / score.2).
         self.score: nn.Module | None = make_score_head(cfg, dtype, device)
@@ -88,6 +108,7 @@ class CausalLM(nn.Module):
         # drops it, and lookups read the head's rows (TiedEmbedding).
         self.tied_quant: QuantLinear | None = None
         self.bound: ModelOps | None = None  # set once, by bind
+        self.comm = Collective()  # the tensor-parallel group's, set by bind
 
     def make_layer(
         self, layer: int, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
@@ -118,14 +139,20 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
         """The lm_head's output in the model's dtype, as HF computes it; whoever needs float32
         (sampling, logprobs) converts the rows it uses. A greedy step only takes each row's
-        argmax, exact in any dtype, and skips a float32 copy of every row."""
+        argmax, exact in any dtype, and skips a float32 copy of every row. Under tensor
+        parallelism every rank computes its vocabulary rows' logits, and every rank gets them
+        all (`comm.gather_columns`, the padding rows cut)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden)
-        if self.tied_head is not None:
-            return self.tied_head(hidden)
-        if self.tied_quant is not None:
-            return self.tied_quant(hidden)
-        return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+            logits = self.lm_head(hidden)
+        elif self.tied_head is not None:
+            logits = self.tied_head(hidden)
+        elif self.tied_quant is not None:
+            logits = self.tied_quant(hidden)
+        else:
+            logits = torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+        if self.shard.world == 1:
+            return logits
+        return self.comm.gather_columns(logits)[:, : self.config.vocab_size]
 
     def head_table(self) -> torch.Tensor:  # [V, hidden]
         """The plain lm_head weight (a tied model's embedding table), before bind; ValueError
@@ -198,7 +225,8 @@ class CausalLM(nn.Module):
                 extra = table.numel() * table.element_size()
         for module in self.modules():
             if isinstance(module, UsesLayerOps):
-                module.ops = ops.layer
+                module.ops, module.comm = ops.layer, ops.comm
+        self.comm = ops.comm
         self.bound = ops
         return BindReport(replaced, extra, self.weight_formats())
 
@@ -245,7 +273,9 @@ class CausalLM(nn.Module):
         """Copy tensors named as in the family's HF checkpoint (`model.layers.0.self_attn.q_proj.
         weight`, `lm_head.weight`, ...) into this model, casting to its dtype and device.
 
-        Raises ValueError on unknown names, wrong shapes, or parameters left unloaded.
+        Raises ValueError on unknown names, wrong shapes, or parameters left unloaded. A
+        tensor-parallel rank's model takes its part of each (TensorShard.narrow); a tensor that
+        fills a merged parameter whole (Phi-3's fused qkv_proj) is cut part by part.
         """
         params = dict(self.named_parameters())
         pending = {(name, key) for name in params for key in self._shard_keys(name)}
@@ -258,19 +288,62 @@ class CausalLM(nn.Module):
             target, key = self.checkpoint_target(name)
             if target not in params:
                 raise ValueError(f"unexpected weight {ckpt_name!r} for this architecture")
-            dest = self._shard_view(target, key)
-            if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
             keys = self._shard_keys(target) if key is None else [key]
+            for dest, part in self._destinations(ckpt_name, target, key, keys, tensor):
+                if dest.shape != part.shape:
+                    raise ValueError(
+                        f"weight {ckpt_name!r} has shape {tuple(part.shape)}, "
+                        f"expected {tuple(dest.shape)}"
+                    )
+                dest.copy_(part)
             pending.difference_update((target, k) for k in keys)
         missing = sorted({name for name, _ in pending})
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
+        if self.shard.rank:  # a row-parallel bias is added once, by rank 0, before the sum
+            for module in self.modules():
+                if isinstance(module, Attention) and module.o_proj.bias is not None:
+                    module.o_proj.bias.zero_()
         self.requires_grad_(False)  # inference only: the ops write into given outputs
+
+    def _destinations(
+        self,
+        ckpt_name: str,
+        target: str,
+        key: ShardKey,
+        keys: list[ShardKey],
+        tensor: torch.Tensor,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter view, the part of `tensor` it takes) pairs for one checkpoint tensor."""
+        if self.shard.world == 1:
+            return [(self._shard_view(target, key), tensor)]
+        if key is None and keys != [None]:  # a fused tensor for a merged parameter
+            views = [self._shard_view(target, k) for k in keys]
+            parts = tensor.split(self._fused_parts(ckpt_name, tensor, views), dim=0)
+            return [
+                (v, self.shard.narrow(ckpt_name, p, v.shape))
+                for v, p in zip(views, parts, strict=True)
+            ]
+        dest = self._shard_view(target, key)
+        return [(dest, self.shard.narrow(ckpt_name, tensor, dest.shape))]
+
+    def _fused_parts(
+        self, ckpt_name: str, tensor: torch.Tensor, views: list[torch.Tensor]
+    ) -> list[int]:
+        """The checkpoint rows of each part of a fused tensor whose parts this rank holds
+        `views` of. The first part (q, gate) is split over every rank; the others (k and v;
+        up) too, or are K/V heads replicated over the ranks, C chunks each for some C < world
+        that the rows left over give."""
+        world = self.shard.world
+        first, rest = views[0].shape[0] * world, [v.shape[0] for v in views[1:]]
+        left = tensor.shape[0] - first
+        chunks = left // sum(rest) if left > 0 and left % sum(rest) == 0 else 0
+        if not chunks or world % chunks:
+            raise ValueError(
+                f"weight {ckpt_name!r} has {tensor.shape[0]} rows: it does not split into "
+                f"{len(views)} parts for tensor_parallel_size={world}"
+            )
+        return [first, *(r * chunks for r in rest)]
 
     def _owner(self, name: str) -> tuple[nn.Module, str]:
         module, _, leaf = name.rpartition(".")

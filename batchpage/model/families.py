@@ -13,6 +13,7 @@ from batchpage.model.mixtral import MixtralForCausalLM
 from batchpage.model.phi3 import Phi3ForCausalLM
 from batchpage.model.qwen3 import Qwen3ForCausalLM
 from batchpage.model.qwen3_moe import Qwen3MoeForCausalLM
+from batchpage.model.shard import TensorShard, shard_config
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     cls.family: cls
@@ -33,6 +34,15 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
+    shard: TensorShard | None = None,
 ) -> CausalLM:
-    """The family's model for `cfg`, parameters uninitialized until `load_weights`."""
-    return MODEL_CLASSES[cfg.family](cfg, dtype=dtype, device=device, max_positions=max_positions)
+    """The family's model for `cfg` (with `shard`, one tensor-parallel rank's share of it),
+    parameters uninitialized until `load_weights`."""
+    shard = shard or TensorShard()
+    return MODEL_CLASSES[cfg.family](
+        shard_config(cfg, shard.world),
+        dtype=dtype,
+        device=device,
+        max_positions=max_positions,
+        shard=shard,
+    )

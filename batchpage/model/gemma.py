@@ -25,6 +25,7 @@ from batchpage.model.config import ModelConfig
 from batchpage.model.gemma_layers import GeGLUMLP, GemmaAttention, GemmaDecoderLayer, GemmaRMSNorm
 from batchpage.model.llama import SPLIT_PROJECTIONS
 from batchpage.model.rope import RotaryEmbedding
+from batchpage.model.shard import TensorShard
 from batchpage.ops.workspace import Workspace
 
 # Where a Gemma 3 multimodal checkpoint keeps its text model (transformers 4.50-4.51 and later
@@ -50,8 +51,9 @@ class Gemma2ForCausalLM(CausalLM):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         max_positions: int | None = None,
+        shard: TensorShard | None = None,
     ):
-        super().__init__(cfg, dtype=dtype, device=device, max_positions=max_positions)
+        super().__init__(cfg, dtype=dtype, device=device, max_positions=max_positions, shard=shard)
         device = torch.device(device if device is not None else "cpu")
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.local_rotary = (

@@ -41,7 +41,7 @@ class GeGLUMLP(GatedMLP):
         gate, up = gate_up.split(self.intermediate, dim=-1)
         act = ws.take("act", self.intermediate)
         torch.mul(F.gelu(gate, approximate="tanh"), up, out=act)
-        return self.down_proj.apply(act, ws.take("mlp_out", self.hidden))
+        return self.comm.all_reduce_(self.down_proj.apply(act, ws.take("mlp_out", self.hidden)))
 
 
 class GemmaAttention(Attention):

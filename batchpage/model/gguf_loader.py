@@ -31,6 +31,7 @@ from batchpage.model.gguf_file import (
     read_tensor,
 )
 from batchpage.model.quant_layout import quantize_layout, whole_linears
+from batchpage.model.shard import TensorShard
 from batchpage.quant.gguf_types import GGUF_INT_TYPES
 from batchpage.quant.int_weight import IntWeight, as_form
 from batchpage.quant.linear import QuantLinear
@@ -155,11 +156,16 @@ def load_gguf_model(
     device: torch.device | str,
     max_positions: int | None = None,
     quantized: bool = True,
+    shard: TensorShard | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
+    """The model (with `shard`, one tensor-parallel rank's share: dequantized only) and the
+    file's whole config."""
     header = read_gguf_header(path)
     cfg = gguf_config(path, header)
     check_declared_size(path, header, cfg)  # before sizes from the header allocate memory
-    model = build_model(cfg, dtype, device, max_positions)
+    if shard is not None and shard.world > 1 and quantized:
+        raise ValueError("tensor parallelism runs a GGUF dequantized (quantized=False)")
+    model = build_model(cfg, dtype, device, max_positions, shard)
     schemes = whole_linears(model, int_schemes(header, cfg)) if quantized else {}
     held = quantize_layout(model, schemes)
     embed = next((t for t in header.tensors if t.name == "token_embd.weight"), None)

@@ -19,6 +19,7 @@ from batchpage.model.families import build_model
 from batchpage.model.hf_checks import read_index, read_shapes
 from batchpage.model.hf_config import model_config_from_hf
 from batchpage.model.quant_layout import check_quantized, load_quantized
+from batchpage.model.shard import TensorShard
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_CONFIG_BYTES = 16 << 20  # a real config.json is a few KiB; this bounds reading a hostile one
@@ -88,9 +89,14 @@ def load_hf_model(
     dtype: torch.dtype,
     device: torch.device | str,
     max_positions: int | None = None,
+    shard: TensorShard | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
+    """The model (with `shard`, one tensor-parallel rank's share: float checkpoints only) and
+    the checkpoint's whole config."""
     cfg = read_hf_config(folder)
-    model = build_model(cfg, dtype, device, max_positions)
+    if shard is not None and shard.world > 1 and cfg.quant is not None:
+        raise ValueError("tensor parallelism runs float checkpoints only")
+    model = build_model(cfg, dtype, device, max_positions, shard)
     try:
         files = safetensors_files(folder)
         weights = iter_safetensors(files)

@@ -27,14 +27,18 @@ from batchpage.model.config import ModelConfig
 from batchpage.ops.layer_ops import LayerOps
 from batchpage.ops.linear import Linear, LinearOp
 from batchpage.ops.workspace import Workspace
+from batchpage.parallel.collective import Collective
 
 
 class UsesLayerOps(nn.Module):
-    """A module that computes through LayerOps; `CausalLM.bind` sets every one's `ops`."""
+    """A module that computes through LayerOps and, where it ends in a row-parallel linear
+    (tensor parallelism: its input split by columns across the ranks), sums the ranks' partial
+    outputs through `comm`; `CausalLM.bind` sets every one's `ops` and `comm`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = LayerOps()
+        self.comm = Collective()
 
 
 class RMSNorm(UsesLayerOps):
@@ -124,7 +128,7 @@ class GatedMLP(UsesLayerOps):
         else:
             gate_up = self.gate_up_proj.apply(x, ws.take("gate_up", 2 * self.intermediate))
             self.ops.silu_mul(act, gate_up)
-        return self.down_proj.apply(act, ws.take("mlp_out", self.hidden))
+        return self.comm.all_reduce_(self.down_proj.apply(act, ws.take("mlp_out", self.hidden)))
 
 
 class Attention(UsesLayerOps):
@@ -191,7 +195,8 @@ class Attention(UsesLayerOps):
             sliding_window=self.sliding_window,
             logit_softcap=self.logit_softcap,
         )
-        return self.o_proj.apply(o.reshape(t, self.q_size), ws.take("attn_out", self.hidden))
+        out = self.o_proj.apply(o.reshape(t, self.q_size), ws.take("attn_out", self.hidden))
+        return self.comm.all_reduce_(out)
 
 
 class DecoderLayer(nn.Module):
@@ -249,3 +254,24 @@ class TiedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # int64 [T] -> [T, hidden]
         return self.head.weight_rows(ids).to(self.dtype)
+
+
+class VocabShardEmbedding(UsesLayerOps):
+    """A tensor-parallel rank's token embedding: rows [start, start + rows) of the table. Each
+    rank looks up the ids it holds, zeroes the rest, and the sum over the ranks (`comm`) is
+    every id's row."""
+
+    def __init__(
+        self, rows: int, start: int, hidden: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.start = start
+        self.weight = nn.Parameter(
+            torch.empty(rows, hidden, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # int64 [T] -> [T, hidden]
+        local = ids - self.start
+        held = (local >= 0) & (local < self.weight.shape[0])
+        rows = torch.nn.functional.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return self.comm.all_reduce_(rows.masked_fill_(~held[:, None], 0))

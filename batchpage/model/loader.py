@@ -26,6 +26,7 @@ from batchpage.model.gguf_loader import load_gguf_model
 from batchpage.model.hf_checks import check_weights, read_shapes
 from batchpage.model.hf_loader import load_hf_model, read_hf_config, safetensors_files
 from batchpage.model.quant_layout import dequantize_layout, quantize_activations
+from batchpage.model.shard import TensorShard
 from batchpage.model.tokenizer import Tokenizer, check_hf_tokenizer_files
 
 log = logging.getLogger(__name__)
@@ -158,22 +159,26 @@ def load_model(
     max_positions: int | None = None,
     quantized: bool = True,
     int8_activations: bool = False,
+    shard: TensorShard | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer. max_positions sizes the RoPE tables (default: the model's
     max_model_len); pass the engine's max_model_len. `quantized` keeps a quantized
     checkpoint's integer weights (False: dequantized into `dtype` at load);
-    `int8_activations` makes their linears quantize each input row to int8 (W4A8, W8A8)."""
+    `int8_activations` makes their linears quantize each input row to int8 (W4A8, W8A8).
+    `shard`: load one tensor-parallel rank's share (the config returned is the whole model's)."""
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
     torch_dtype = resolve_dtype(dtype, source.config, device)
     # Stages a job's progress shows as they happen: weights take seconds to minutes.
     log.info("loading weights from %s (%s)", source.path.name, str(torch_dtype).split(".")[-1])
     start = time.perf_counter()
     if source.kind == "hf":
-        net, config = load_hf_model(source.path, torch_dtype, device, max_positions)
+        net, config = load_hf_model(source.path, torch_dtype, device, max_positions, shard)
         if not quantized:
             dequantize_layout(net)
     else:
-        net, config = load_gguf_model(source.path, torch_dtype, device, max_positions, quantized)
+        net, config = load_gguf_model(
+            source.path, torch_dtype, device, max_positions, quantized, shard
+        )
     if int8_activations:
         quantize_activations(net)
     log.info("weights loaded in %.1f s", time.perf_counter() - start)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchpage.model.config import MoEConfig
-from batchpage.model.layers import linear
+from batchpage.model.layers import UsesLayerOps, linear
 from batchpage.ops.workspace import Workspace
 
 
@@ -57,7 +57,7 @@ class Experts(nn.Module):
         return F.linear(F.silu(gate) * up, self.down[expert])
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(UsesLayerOps):
     def __init__(self, hidden: int, moe: MoEConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
@@ -92,7 +92,8 @@ class SparseMoE(nn.Module):
                 out[start : start + n] = self.experts.run(expert, grouped[start : start + n])
                 start += n
         out *= weights.flatten()[order, None]
-        return torch.zeros_like(x).index_add_(0, tokens, out)
+        # Each rank's experts hold a share of every expert's intermediate size: partial sums.
+        return self.comm.all_reduce_(torch.zeros_like(x).index_add_(0, tokens, out))
 
 
 _EXPERT_NAME = re.compile(r"^(?P<prefix>layers\.\d+)\.(?P<block>[\w.]+?)\.experts\.(?P<e>\d+)\.")

@@ -4,7 +4,7 @@ device, dtype and options."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -13,16 +13,19 @@ from batchpage.ops.int_linear import cpu_int_linears
 from batchpage.ops.layer_ops import LayerOps
 from batchpage.ops.linear import TORCH_LINEARS, LinearMethod
 from batchpage.ops.onednn_linear import ONEDNN_LINEARS, onednn_packs
+from batchpage.parallel.collective import Collective
 
 LINEAR_BACKENDS = ("auto", "avx512_bf16", "onednn", "torch")
 
 
 @dataclass(frozen=True)
 class ModelOps:
-    """What `CausalLM.bind` binds a model to: the layers' elementwise ops and its linears."""
+    """What `CausalLM.bind` binds a model to: the layers' elementwise ops, its linears, and
+    the collectives of its tensor-parallel group (a single rank's: none)."""
 
     layer: LayerOps
     linear: LinearMethod
+    comm: Collective = field(default_factory=Collective)
 
 
 def select_linears(choice: str, dtype: torch.dtype, device: torch.device) -> LinearMethod:
@@ -73,6 +76,14 @@ def select_layer_ops(cpu_kernels: bool) -> LayerOps:
 
 
 def select_model_ops(
-    linear_backend: str, cpu_kernels: bool, dtype: torch.dtype, device: torch.device
+    linear_backend: str,
+    cpu_kernels: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    comm: Collective | None = None,
 ) -> ModelOps:
-    return ModelOps(select_layer_ops(cpu_kernels), select_linears(linear_backend, dtype, device))
+    return ModelOps(
+        select_layer_ops(cpu_kernels),
+        select_linears(linear_backend, dtype, device),
+        comm or Collective(),
+    )

@@ -19,6 +19,7 @@ from batchpage.metrics import RunStats, tokens_per_s
 from batchpage.model.loader import load_model, resolve_model_source
 from batchpage.model.tokenizer import check_chat_template_kwargs, resolve_chat_template
 from batchpage.outputs import CompletionOutput, RequestOutput
+from batchpage.parallel.workers import TensorParallelWorkers
 from batchpage.pooling_api import PoolingMethods
 from batchpage.prompt_list import PromptType, as_prompt_list
 from batchpage.sampling_params import SamplingParams
@@ -41,17 +42,29 @@ class LLM(PoolingMethods):
         self.chat_template = resolve_chat_template(cfg.chat_template)  # None: the model's own
         self.plan = plan = plan_engine(cfg, source)
         self.max_model_len = plan.max_model_len
-        loaded = load_model(
-            source,
-            plan.dtype,
-            plan.device,
-            max_positions=plan.max_model_len,
-            quantized=cfg.quantized_weights,
-            int8_activations=cfg.int8_activations,
-        )
+        # Tensor-parallel workers load their shares while this process loads rank 0's.
+        peers = None
+        if cfg.tensor_parallel_size > 1:
+            peers = TensorParallelWorkers.start(source, cfg, plan)
+        try:
+            loaded = load_model(
+                source,
+                plan.dtype,
+                plan.device,
+                max_positions=plan.max_model_len,
+                quantized=cfg.quantized_weights,
+                int8_activations=cfg.int8_activations,
+                shard=None if peers is None else peers.shard,
+            )
+            if peers is not None:
+                peers.join(plan.device)
+            self.engine = Engine(loaded.model, loaded.tokenizer, loaded.config, cfg, plan, peers)
+        except BaseException:
+            if peers is not None:
+                peers.close()
+            raise
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.engine = Engine(loaded.model, loaded.tokenizer, loaded.config, cfg, plan)
         # The last generate() call's figures: `stats` as a dict (vLLM-style), `run_stats` as
         # the RunStats that several calls can be merged from.
         self.run_stats = RunStats(plan.num_blocks, cfg.block_size)

@@ -28,6 +28,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from batchpage.job import JobConfigError, JobResult, run_job
 from batchpage.job.config import JobConfig, register_configs
 from batchpage.job.dry_run import dry_run
+from batchpage.parallel.workers import WorkerDied
 
 # conf/ sits next to the package in a source checkout; an installed wheel ships it inside.
 _SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -112,6 +113,9 @@ def _app(cfg: DictConfig) -> None:
             result = run_job(job)
     except JobConfigError as e:
         _fail(str(e))
+    except WorkerDied as e:  # a tensor-parallel rank died: the rows done so far are saved
+        print(f"error: {e}; rerun with output_dir={job.output_dir} to resume", file=sys.stderr)
+        sys.exit(1)
     except (KeyboardInterrupt, Terminated) as e:
         stopped = "terminated" if isinstance(e, Terminated) else "interrupted"
         print(

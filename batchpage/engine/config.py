@@ -45,6 +45,9 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     seed: int = 0
     device: str = "auto"
+    # Ranks the model is split over (model/shard.py): rank 0 in this process, the others in
+    # worker processes, one per CUDA device from `device` on, or sharing the host's cores.
+    tensor_parallel_size: int = 1
     # On CUDA, decode steps replay CUDA graphs captured at a ladder of batch sizes up to
     # max_num_seqs (batchpage/engine/decode_graphs.py); True runs every step eagerly (vLLM's
     # option of the same name). Elsewhere steps always run eagerly.
@@ -100,6 +103,12 @@ class EngineConfig:
         at_least("max_num_seqs", 1)
         at_least("max_model_len", 1)
         at_least("max_num_batched_tokens", 1)
+        at_least("tensor_parallel_size", 1)
+        if self.tensor_parallel_size > 1 and self.classifier_from_token is not None:
+            raise ValueError(
+                "classifier_from_token reads the whole lm_head, which tensor parallelism splits: "
+                "use tensor_parallel_size=1"
+            )
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(
                 "kv_cache_memory must be a byte count (> 1) or a fraction of free memory in "

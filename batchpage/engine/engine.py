@@ -17,15 +17,13 @@ from collections.abc import Callable
 
 import torch
 
-from batchpage.cache.kv_cache import KVCache
 from batchpage.engine.admission import GrowthEstimate
 from batchpage.engine.beam_runner import BeamSearchRunner
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.constraint import GrammarMasks, advance
-from batchpage.engine.decode_graphs import DecodeGraphs, ladder
 from batchpage.engine.grammar_cache import GrammarCache
 from batchpage.engine.kv_manager import KVCacheManager, StaticKVCacheManager, blocks_for
-from batchpage.engine.model_runner import ModelRunner, make_attention_backend, uses_cpu_kernels
+from batchpage.engine.model_runner import Peers, build_model_runner
 from batchpage.engine.plan import EnginePlan
 from batchpage.engine.pooling import PoolingType, add_chunk, pooled_vector, uses_score_head
 from batchpage.engine.reasoning import allow_start_marker, force_tokens, resolve_markers
@@ -41,7 +39,6 @@ from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
 from batchpage.model.score_head import token_classifier
 from batchpage.model.tokenizer import Tokenizer
-from batchpage.ops.select import select_model_ops
 
 log = logging.getLogger(__name__)
 
@@ -59,24 +56,16 @@ class Engine:
         model_cfg: ModelConfig,
         cfg: EngineConfig,
         plan: EnginePlan,
+        peers: Peers | None = None,
     ) -> None:
+        """`peers`: the model is rank 0's share of a tensor-parallel group, whose other ranks
+        (parallel/workers.py) run every step with it."""
         self.cfg = cfg
         self.plan = plan
         self.device = plan.device
         self.max_model_len = plan.max_model_len
         if plan.device.type == "cpu":
             keep_freed_memory()  # see host_memory.py: freed pages are not faulted in again
-        # CUDA graphs of decode steps pad them onto one block beyond the pool's (decode_graphs.py).
-        graphs_on = plan.device.type == "cuda" and not cfg.enforce_eager
-        kv = KVCache.allocate(
-            model_cfg.num_layers,
-            plan.num_blocks + int(graphs_on),
-            cfg.block_size,
-            model_cfg.num_kv_heads,
-            model_cfg.head_dim,
-            plan.dtype,
-            plan.device,
-        )
         if cfg.kv_allocator == "static":
             self.kv_manager: KVCacheManager = StaticKVCacheManager(
                 plan.num_blocks, cfg.block_size, plan.max_model_len
@@ -85,33 +74,20 @@ class Engine:
             self.kv_manager = KVCacheManager(
                 plan.num_blocks, cfg.block_size, cfg.prefix_caching, cfg.eviction_policy
             )
-        attention = make_attention_backend(cfg.attention_backend, plan.device)
-        ops = select_model_ops(
-            cfg.linear_backend, uses_cpu_kernels(attention), plan.dtype, plan.device
-        )
         if cfg.classifier_from_token is not None:  # before bind: the lm_head's plain rows
             model.score = token_classifier(
                 model.head_table(), _token_ids(tokenizer, cfg.classifier_from_token)
             )
-        self.bind_report = model.bind(ops)
+        built = build_model_runner(model, cfg, plan, peers)
+        self.bind_report = built.bind_report
         self.weight_bytes = model.weight_bytes()  # after bind: in the layouts the ops keep
         # The all-greedy sampler's argmax: the bound layer ops' (the C++ one on the CPU kernels).
-        self.argmax: Callable[[torch.Tensor], torch.Tensor] = ops.layer.argmax
-        graphs = None
-        if graphs_on:
-            sizes = ladder(cfg.max_num_seqs)
-            graphs = DecodeGraphs(
-                model, kv, attention, sizes, plan.max_model_len, plan.num_blocks, capture=True
-            )
-            log.info("capturing CUDA graphs of decode steps for %d batch sizes", len(sizes))
-            start = time.perf_counter()
-            graphs.capture_all()
-            log.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
+        self.argmax: Callable[[torch.Tensor], torch.Tensor] = built.argmax
         # A pooling model's requests finish when their prompt is computed (pooling.py).
         self.task = plan.task
         self.pooling = None if plan.task == "generate" else PoolingType(cfg.pooling_type)
         self.model = model
-        self.runner = ModelRunner(model, kv, attention, graphs, pooling=self.pooling is not None)
+        self.runner = built.runner
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs=cfg.max_num_seqs,

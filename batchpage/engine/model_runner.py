@@ -4,17 +4,29 @@ tensors, the attention backend and the host copies of swapped-out sequences."""
 
 from __future__ import annotations
 
+import logging
+import time
 import warnings
-from typing import NamedTuple
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import NamedTuple, Protocol
 
 import torch
 
 from batchpage.attention.backend import AttentionBackend
+from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
-from batchpage.engine.decode_graphs import DecodeGraphs
-from batchpage.engine.scheduler import SchedulerOutput
+from batchpage.engine.config import EngineConfig
+from batchpage.engine.decode_graphs import DecodeGraphs, ladder
+from batchpage.engine.kv_manager import BlockCopy
+from batchpage.engine.plan import EnginePlan
+from batchpage.engine.scheduler import SchedulerOutput, Swap
 from batchpage.engine.step_inputs import StepInputs
-from batchpage.model.causal_lm import CausalLM
+from batchpage.model.causal_lm import BindReport, CausalLM
+from batchpage.ops.select import select_model_ops
+from batchpage.parallel.collective import Collective
+
+log = logging.getLogger(__name__)
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -63,6 +75,52 @@ class StepOutput(NamedTuple):
     pooled: torch.Tensor | None = None
 
 
+class ForwardStep(NamedTuple):
+    """What a rank needs to run one step: the block moves, then the forward's tensors. It holds
+    no sequence, so it is the one message a tensor-parallel driver sends its workers a step."""
+
+    swap_out: list[Swap]
+    swap_in: list[Swap]
+    copies: list[BlockCopy]
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [N]
+    prompt_rows: torch.Tensor | None  # int64 [P]; None: no row scores its prompt
+    pool_rows: torch.Tensor | None  # int64 [R]; None: no row is pooled
+
+    @classmethod
+    def of(cls, inputs: StepInputs, decision: SchedulerOutput) -> ForwardStep:
+        return cls(
+            decision.swap_out,
+            decision.swap_in,
+            decision.copies,
+            inputs.input_ids,
+            inputs.positions,
+            inputs.meta,
+            inputs.logits_indices,
+            inputs.prompt_rows if inputs.prompt_targets else None,
+            inputs.pool_rows if inputs.pool_owners else None,
+        )
+
+
+class Peers(Protocol):
+    """The other ranks of a tensor-parallel group, driven from rank 0 (parallel/workers.py)."""
+
+    @property
+    def comm(self) -> Collective:
+        """The group's collectives, which rank 0's model is bound to."""
+
+    def send(self, step: ForwardStep) -> None:
+        """Hand every worker this step, which it runs with rank 0's."""
+
+    def failure(self, error: Exception) -> Exception:
+        """What to raise when a step's collectives failed: names the rank that died."""
+
+    def rank_threads(self) -> AbstractContextManager[None]:
+        """Rank 0's share of the host's threads, while it runs a step."""
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -71,50 +129,117 @@ class ModelRunner:
         attention: AttentionBackend,
         decode_graphs: DecodeGraphs | None = None,
         pooling: bool = False,
+        peers: Peers | None = None,
     ) -> None:
         """With decode_graphs, a step of decodes alone (each sampling, none scoring its prompt)
         of at most its largest size runs through them (decode_graphs.py). `pooling`: the model
-        is a pooling model, whose steps give hidden states rather than logits."""
+        is a pooling model, whose steps give hidden states rather than logits. `peers`: this is
+        rank 0 of a tensor-parallel group, whose other ranks run every step with it."""
         self.model = model
         self.kv = kv
         self.attention = attention
         self.decode_graphs = decode_graphs
+        self.peers = peers
         self.head = _hidden if pooling else model.compute_logits
         self.swapped: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
-    @torch.inference_mode()
     def execute(self, inputs: StepInputs, decision: SchedulerOutput) -> StepOutput:
         """The step's logits (or a pooling model's hidden states): see StepOutput."""
+        step = ForwardStep.of(inputs, decision)
+        if self.peers is None:
+            return self.run(step)
+        try:
+            with self.peers.rank_threads():
+                self.peers.send(step)
+                return self.run(step)
+        except RuntimeError as e:  # a collective whose peer is gone
+            raise self.peers.failure(e) from e
+
+    @torch.inference_mode()
+    def run(self, step: ForwardStep) -> StepOutput:
+        """One step on this rank (a tensor-parallel worker calls it with the driver's step)."""
         # Order matters: a block swapped out this step may be handed out again this step.
-        for s in decision.swap_out:
+        for s in step.swap_out:
             self.swapped[s.seq_id] = self.kv.swap_out(s.blocks)
-        for s in decision.swap_in:
+        for s in step.swap_in:
             self.kv.swap_in(s.blocks, self.swapped.pop(s.seq_id))
-        for c in decision.copies:
+        for c in step.copies:
             self.kv.copy_block(c.src, c.dst)
-        graphs, meta = self.decode_graphs, inputs.meta
+        graphs, meta = self.decode_graphs, step.meta
         if (
             graphs is not None
             and meta.is_decode_only
             and meta.num_seqs <= graphs.max_size
-            and inputs.logits_indices.numel() == meta.num_seqs
-            and not inputs.prompt_targets
+            and step.logits_indices.numel() == meta.num_seqs
+            and step.prompt_rows is None
         ):
-            return StepOutput(graphs.run(inputs.input_ids, inputs.positions, meta))
+            return StepOutput(graphs.run(step.input_ids, step.positions, meta))
         # What every layer's attention does depends only on the step's metadata: planned once.
-        attention = self.attention.plan(inputs.meta)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv, attention)
+        attention = self.attention.plan(meta)
+        hidden = self.model(step.input_ids, step.positions, meta, self.kv, attention)
         # index_select rather than advanced indexing: a plain row gather costs far less per step.
         # A step of decodes alone samples every row, in order: no gather at all.
-        rows = inputs.logits_indices
+        rows = step.logits_indices
         sampled = hidden if rows.numel() == hidden.shape[0] else hidden.index_select(0, rows)
         logits = self.head(sampled)
         prompt = None
-        if inputs.prompt_targets:
-            prompt = self.head(hidden.index_select(0, inputs.prompt_rows))
-        pooled = hidden.index_select(0, inputs.pool_rows) if inputs.pool_owners else None
+        if step.prompt_rows is not None:
+            prompt = self.head(hidden.index_select(0, step.prompt_rows))
+        pooled = None if step.pool_rows is None else hidden.index_select(0, step.pool_rows)
         return StepOutput(logits, prompt, pooled)
 
 
 def _hidden(rows: torch.Tensor) -> torch.Tensor:
     return rows
+
+
+class BuiltRunner(NamedTuple):
+    runner: ModelRunner
+    bind_report: BindReport
+    argmax: Callable[[torch.Tensor], torch.Tensor]  # the bound layer ops' greedy argmax
+
+
+def build_model_runner(
+    model: CausalLM,
+    cfg: EngineConfig,
+    plan: EnginePlan,
+    peers: Peers | None = None,
+    comm: Collective | None = None,
+) -> BuiltRunner:
+    """This rank's KV pool (its share of the K/V heads, the plan's block ids), attention
+    backend and ops, the model bound to them, and the runner: what the engine and every
+    tensor-parallel worker set up alike. CUDA graphs of decode steps where the device is CUDA,
+    enforce_eager is off and the model is on one device. `comm`: a worker's group; rank 0's is
+    its peers'."""
+    mc = model.config  # a tensor-parallel rank's share
+    # CUDA graphs of decode steps pad them onto one block beyond the pool's (decode_graphs.py).
+    graphs_on = plan.device.type == "cuda" and not cfg.enforce_eager and model.shard.world == 1
+    kv = KVCache.allocate(
+        mc.num_layers,
+        plan.num_blocks + int(graphs_on),
+        cfg.block_size,
+        mc.num_kv_heads,
+        mc.head_dim,
+        plan.dtype,
+        plan.device,
+    )
+    attention = make_attention_backend(cfg.attention_backend, plan.device)
+    if peers is not None:
+        comm = peers.comm
+    ops = select_model_ops(
+        cfg.linear_backend, uses_cpu_kernels(attention), plan.dtype, plan.device, comm
+    )
+    report = model.bind(ops)
+    graphs = None
+    if graphs_on:
+        sizes = ladder(cfg.max_num_seqs)
+        graphs = DecodeGraphs(
+            model, kv, attention, sizes, plan.max_model_len, plan.num_blocks, capture=True
+        )
+        log.info("capturing CUDA graphs of decode steps for %d batch sizes", len(sizes))
+        start = time.perf_counter()
+        graphs.capture_all()
+        log.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
+    pooling = plan.task != "generate"
+    runner = ModelRunner(model, kv, attention, graphs, pooling=pooling, peers=peers)
+    return BuiltRunner(runner, report, ops.layer.argmax)

@@ -14,6 +14,7 @@ from batchpage.engine.config import EngineConfig
 from batchpage.engine.pooling import resolve_task
 from batchpage.host_memory import available_host_memory
 from batchpage.model.loader import ModelSource, resolve_dtype
+from batchpage.model.shard import shard_config
 
 
 class PoolTooSmall(ValueError):
@@ -45,11 +46,18 @@ def plan_engine(cfg: EngineConfig, source: ModelSource) -> EnginePlan:
             "positions (max_position_embeddings, extended by its rope scaling): lower "
             "max_model_len"
         )
+    world = cfg.tensor_parallel_size
+    check_tensor_parallel(cfg, source)
+    # Each rank holds every block for its share of the K/V heads; ranks on one host (a CPU)
+    # share its memory, ranks on their own devices each have a device's.
+    rank_cfg = shard_config(model_cfg, world)
     per_block = bytes_per_block(
-        model_cfg.num_layers, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim, dtype
+        model_cfg.num_layers, cfg.block_size, rank_cfg.num_kv_heads, model_cfg.head_dim, dtype
     )
-    budget = kv_cache_bytes(cfg.kv_cache_memory, device, source.num_weights * dtype.itemsize)
-    num_blocks = budget // per_block
+    ranks_here = world if device.type == "cpu" else 1
+    weight_bytes = source.num_weights * dtype.itemsize * ranks_here // world
+    budget = kv_cache_bytes(cfg.kv_cache_memory, device, weight_bytes)
+    num_blocks = budget // (per_block * ranks_here)
     max_model_len = cfg.max_model_len or limit
     needed = -(-max_model_len // cfg.block_size)
     if num_blocks < needed and cfg.max_model_len is None and num_blocks > 0:
@@ -69,6 +77,33 @@ def plan_engine(cfg: EngineConfig, source: ModelSource) -> EnginePlan:
             "lower max_model_len"
         )
     return EnginePlan(device, dtype, max_model_len, num_blocks, budget, task)
+
+
+def check_tensor_parallel(cfg: EngineConfig, source: ModelSource) -> None:
+    """What tensor parallelism cannot run yet, refused before anything loads."""
+    world = cfg.tensor_parallel_size
+    if world == 1:
+        return
+    quant = source.config.quant
+    if quant is not None:
+        raise ValueError(
+            f"tensor_parallel_size={world} runs float checkpoints; this one is quantized "
+            f"({quant.method}), and quantized linears are not split across ranks yet: use "
+            "tensor_parallel_size=1"
+        )
+    if source.kind == "gguf" and cfg.quantized_weights:
+        raise ValueError(
+            f"tensor_parallel_size={world} runs a GGUF dequantized: pass "
+            "quantized_weights=false (engine.quantized_weights=false in a job)"
+        )
+    device = cfg.resolved_device()
+    if device.type == "cuda":
+        first = device.index or 0
+        if first + world > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size={world} needs CUDA devices {first}..{first + world - 1}; "
+                f"this machine has {torch.cuda.device_count()}: lower tensor_parallel_size"
+            )
 
 
 def _capped_length(tokens: int, block_size: int) -> int:

@@ -1,0 +1,114 @@
+"""A tensor-parallel worker: `python -m batchpage.parallel.worker`, started by the driver
+(workers.py) with its WorkerSpec pickled on stdin.
+
+It loads its rank's share of the model, tells the driver on stdout ("loaded", or one line of
+error), joins the group, sets up the same runner as the driver's engine, and then runs every
+step the driver broadcasts until the driver sends None. Its stdout carries only those lines;
+logs go to stderr, which it shares with the driver.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from batchpage.engine.config import EngineConfig
+from batchpage.engine.model_runner import ForwardStep, build_model_runner
+from batchpage.engine.plan import EnginePlan
+from batchpage.model.loader import ModelSource, load_model
+from batchpage.model.shard import TensorShard
+from batchpage.parallel.collective import GroupCollective, broadcast_object, open_group
+
+LOADED = "loaded"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    source: ModelSource
+    cfg: EngineConfig
+    plan: EnginePlan  # the driver's: its block count is every rank's
+    rank: int
+    world: int
+    store_port: int  # the driver's TCPStore, on this host
+    threads: int  # torch intra-op threads (CPU)
+
+
+def rank_device(plan: EnginePlan, rank: int) -> torch.device:
+    """Rank r runs on CUDA device (the driver's + r); on a CPU, every rank on the host."""
+    if plan.device.type != "cuda":
+        return plan.device
+    return torch.device("cuda", (plan.device.index or 0) + rank)
+
+
+def to_device(step: ForwardStep, device: torch.device) -> ForwardStep:
+    """The step with its tensors on `device` (the host, for the message)."""
+    meta = step.meta
+    meta = replace(
+        meta,
+        slot_mapping=meta.slot_mapping.to(device),
+        query_start_loc=meta.query_start_loc.to(device),
+        seq_lens=meta.seq_lens.to(device),
+        block_tables=meta.block_tables.to(device),
+    )
+    rows = [None if t is None else t.to(device) for t in (step.prompt_rows, step.pool_rows)]
+    return step._replace(
+        input_ids=step.input_ids.to(device),
+        positions=step.positions.to(device),
+        meta=meta,
+        logits_indices=step.logits_indices.to(device),
+        prompt_rows=rows[0],
+        pool_rows=rows[1],
+    )
+
+
+def serve(spec: WorkerSpec) -> None:
+    torch.set_num_threads(spec.threads)
+    device = rank_device(spec.plan, spec.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    cfg, plan = spec.cfg, replace(spec.plan, device=device)
+    try:
+        loaded = load_model(
+            spec.source,
+            plan.dtype,
+            device,
+            max_positions=plan.max_model_len,
+            quantized=cfg.quantized_weights,
+            int8_activations=cfg.int8_activations,
+            shard=TensorShard(spec.rank, spec.world),
+        )
+    except Exception as e:  # anything loading raises: one line for the driver to report
+        print(" ".join(f"{type(e).__name__}: {e}".split())[:2000], flush=True)
+        raise SystemExit(1) from None
+    print(LOADED, flush=True)
+    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world, is_master=False)
+    forward, control = open_group(store, spec.rank, spec.world, device)
+    runner = build_model_runner(
+        loaded.model, cfg, plan, comm=GroupCollective(forward, spec.world)
+    ).runner
+    while True:
+        try:
+            step = broadcast_object(control, None, spec.rank)
+        except RuntimeError:  # the driver is gone (its sockets closed): nothing left to serve
+            raise SystemExit(1) from None
+        if step is None:
+            return
+        runner.run(to_device(step, device))
+
+
+def main() -> None:
+    # Run as __main__, this file's classes are not the ones the spec was pickled with: take
+    # them from the module under its own name.
+    from batchpage.parallel import worker
+
+    spec = pickle.load(sys.stdin.buffer)
+    assert isinstance(spec, worker.WorkerSpec)
+    worker.serve(spec)
+
+
+if __name__ == "__main__":
+    main()

@@ -76,16 +76,18 @@ class BatchpageLM(TemplateLM):
         **llm_args: Any,
     ) -> None:
         super().__init__()
+        engine_device = _engine_device(device)
+        llm_args = _from_vllm_args(llm_args, engine_device)
         # `device` never lands in llm_args: lm-eval's own --device arrives by the same name.
         known = sorted(f.name for f in dataclasses.fields(EngineConfig) if f.name != "device")
         unknown = sorted(set(llm_args) - set(known))
         if unknown:
             raise TypeError(
                 f"unknown batchpage model_args {unknown}: use LLM(...) arguments {known}, "
-                "device, or the backend's own pretrained, max_gen_toks, add_bos_token, "
-                "prefix_token_id, chat_template_args, think_end_token"
+                "device, the backend's own pretrained, max_gen_toks, add_bos_token, "
+                "prefix_token_id, chat_template_args, think_end_token, or vLLM's "
+                f"{sorted([*VLLM_RENAMED, *VLLM_IGNORED, 'gpu_memory_utilization'])}"
             )
-        engine_device = _engine_device(device)
         if engine_device is not None:
             llm_args["device"] = engine_device
         self.llm = LLM(model=str(pretrained), **llm_args)
@@ -287,6 +289,44 @@ def _score_tail(out: RequestOutput, tokens: list[int], count: int) -> tuple[floa
         total += dist[token]
         greedy = greedy and dist[token] >= max(dist.values())
     return total, greedy
+
+
+# lm-eval's vLLM model_args that mean an LLM argument here, and those with no meaning here.
+VLLM_RENAMED = {"max_length": "max_model_len", "enable_prefix_caching": "prefix_caching"}
+VLLM_IGNORED = {
+    "trust_remote_code": "no checkpoint code runs here: the families are batchpage's own",
+    "swap_space": "preemption_mode=swap sizes its host copies per sequence",
+    "tokenizer_mode": "the checkpoint's own tokenizer is used",
+    "revision": "models are local folders or files",
+}
+
+
+def _from_vllm_args(args: dict[str, Any], device: str | None) -> dict[str, Any]:
+    """model_args pasted from lm-eval's vLLM backend as LLM arguments: renamed where they mean
+    one (gpu_memory_utilization: on a GPU the KV pool's share of the memory left after the
+    weights, the nearest budget batchpage has; ignored on a CPU, where that share of the host's
+    memory would be the pool), dropped with a warning where they mean nothing here."""
+    args = dict(args)
+    for theirs, ours in VLLM_RENAMED.items():
+        if theirs in args:
+            if ours in args:
+                raise TypeError(f"model_args give both {theirs} and {ours}: give {ours}")
+            args[ours] = args.pop(theirs)
+    for name, why in VLLM_IGNORED.items():
+        if name in args:
+            logger.warning("model_args %s=%r ignored: %s", name, args.pop(name), why)
+    if "gpu_memory_utilization" in args:
+        share = args.pop("gpu_memory_utilization")
+        on_gpu = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
+        if on_gpu and "kv_cache_memory" not in args:
+            args["kv_cache_memory"] = float(share)
+        else:
+            logger.warning(
+                "model_args gpu_memory_utilization=%r ignored: on a CPU (or with "
+                "kv_cache_memory) kv_cache_memory sets the KV pool",
+                share,
+            )
+    return args
 
 
 def _engine_device(device: str | None) -> str | None:

@@ -294,6 +294,28 @@ def test_registered_and_unknown_model_args_refused(tiny_folder: Path) -> None:
         get_model("batchpage").create_from_arg_string(f"pretrained={tiny_folder},blocksize=4")
 
 
+def test_vllm_model_args_are_taken_renamed_or_ignored(tiny_folder: Path, caplog) -> None:
+    """What lm-eval's vLLM users paste: the length, the prefix cache, tensor parallelism and
+    the memory share have meanings here; trust_remote_code and the like are ignored, saying
+    so; anything else is refused naming what is taken."""
+    args = (
+        f"pretrained={tiny_folder},dtype=float32,kv_cache_memory=4194304,max_length=128,"
+        "enable_prefix_caching=False,tensor_parallel_size=2,gpu_memory_utilization=0.8,"
+        "trust_remote_code=True"
+    )
+    with caplog.at_level("WARNING"):
+        lm = get_model("batchpage").create_from_arg_string(args)
+    config = lm.llm.config
+    assert (config.max_model_len, config.prefix_caching) == (128, False)
+    assert config.tensor_parallel_size == 2 and config.kv_cache_memory == 4194304
+    assert lm.llm.engine.runner.peers is not None  # a second rank, in a worker
+    warned = caplog.text
+    assert "trust_remote_code=True ignored" in warned
+    assert "gpu_memory_utilization=0.8 ignored" in warned
+    with pytest.raises(TypeError, match=r"\['lora_local_path'\].*gpu_memory_utilization"):
+        get_model("batchpage").create_from_arg_string(f"pretrained={tiny_folder},lora_local_path=x")
+
+
 def test_without_lm_eval_the_import_names_the_install_command() -> None:
     hide = "import sys; sys.modules['lm_eval'] = None; import batchpage.lm_eval"
     done = subprocess.run([sys.executable, "-c", hide], cwd=ROOT, capture_output=True, text=True)

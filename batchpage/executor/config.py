@@ -24,7 +24,8 @@ class ExecutorConfig:
     # Torch threads in each replica (and the CPUs Ray reserves for it).
     cpus_per_replica: int = 1
     # "": start a private local Ray instance sized to this machine (even where a cluster runs);
-    # "auto", "host:port" or "ray://host:port": join that cluster as it is sized.
+    # "auto" or "host:port": join that cluster as it is sized. Ray Client ("ray://") is
+    # refused: the replicas stream rows back through actor methods, which it cannot carry.
     address: str = ""
     # Rows per window handed to a replica. Cuts fall where neighbours share the least prefix.
     window_rows: int = 64
@@ -41,3 +42,9 @@ class ExecutorConfig:
                 raise ValueError(f"executor.{name}={getattr(self, name)} must be >= 1")
         if self.gpus_per_replica < 0:
             raise ValueError(f"executor.gpus_per_replica={self.gpus_per_replica} must be >= 0")
+        if self.address.startswith("ray://"):
+            raise ValueError(
+                f"executor.address={self.address} is a Ray Client address, which cannot carry "
+                "the rows replicas stream back: run the job on a node of the cluster with "
+                "executor.address=auto (or the head's host:port)"
+            )

@@ -3,8 +3,8 @@
 executor.address empty starts a private local instance sized to this machine (its CPUs, its
 GPUs), with no dashboard, even where a cluster is running on the machine (`ray start` ran here,
 or RAY_ADDRESS is set): Ray's `address="local"`. `auto` joins the cluster this node belongs to,
-`host:port` or `ray://host:port` joins that one; a cluster that is joined is used as it is
-sized (no resource arguments: Ray refuses them when connecting). A process that already called
+`host:port` joins that one (Ray Client, `ray://`, is refused by ExecutorConfig); a cluster that
+is joined is used as it is sized (no resource arguments: Ray refuses them when connecting). A process that already called
 ray.init (a script, a test) is used as it is and left connected afterwards.
 """
 
@@ -28,7 +28,7 @@ def check_installed() -> None:
 
 @dataclass(frozen=True)
 class Connection:
-    address: str  # what the job ran on: "local", "auto" or the ray:// address
+    address: str  # what the job ran on: "local", "auto" or host:port
     owned: bool  # this job called ray.init, so it shuts Ray down at the end
 
 

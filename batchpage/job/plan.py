@@ -81,6 +81,12 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         source = resolve_model_source(cfg.model.path)
         engine_cfg = EngineConfig(**asdict(cfg.engine))  # validated again: cfg may be hand-built
         engine = plan_engine(engine_cfg, source)
+        if engine_cfg.tensor_parallel_size > 1 and cfg.executor.kind != "local":
+            raise ValueError(
+                "engine.tensor_parallel_size > 1 runs with executor=local: the Ray executor "
+                "replicates whole models on one device each (data parallel); run one job "
+                "per node with tensor parallelism, or executor=ray with tensor_parallel_size=1"
+            )
         if cfg.score is not None:
             check_scorable(cfg.score, info, cfg.dataset)
         style, prompts = _prompt_plan(cfg, info, source)

@@ -12,6 +12,8 @@ other, and a user's own default group is left alone.
 from __future__ import annotations
 
 import datetime
+import io
+import math
 import pickle
 from typing import Any
 
@@ -67,20 +69,56 @@ def open_group(
 
 
 def broadcast_object(group: dist.ProcessGroup, obj: Any, rank: int) -> Any:
-    """Rank 0's `obj` on every rank (pickled; tensors must be on the CPU): its length, then
-    its bytes, in two broadcasts. Rank 0 gets the message's size in bytes back."""
+    """Rank 0's `obj` on every rank; tensors in it must be on the CPU. Pickling a tensor costs
+    far more than its bytes, so the tensors travel apart: the pickle holds a reference to each
+    (its offset, dtype and shape), and one byte buffer holds the pickle then every tensor's
+    bytes, 8-byte aligned. Two broadcasts: the buffer's sizes, then the buffer. Rank 0 gets
+    the message's size in bytes back."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    size = torch.zeros(1, dtype=torch.int64)
-    payload = b""
+    sizes = torch.zeros(2, dtype=torch.int64)  # pickle bytes, tensor bytes
     if rank == 0:
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        size[0] = len(payload)
-    group.broadcast([size], options).wait()
-    data = (
-        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        if rank == 0
-        else torch.empty(int(size[0]), dtype=torch.uint8)
-    )
-    group.broadcast([data], options).wait()
-    return len(payload) if rank == 0 else pickle.loads(data.numpy().tobytes())
+        tensors: list[torch.Tensor] = []
+        head = io.BytesIO()
+        _TensorPickler(head, tensors).dump(obj)
+        parts = [torch.frombuffer(bytearray(head.getbuffer()), dtype=torch.uint8), *tensors]
+        buffer = torch.cat(parts) if len(parts) > 1 else parts[0]
+        sizes[0], sizes[1] = head.tell(), buffer.numel() - head.tell()
+    group.broadcast([sizes], options).wait()
+    if rank != 0:
+        buffer = torch.empty(int(sizes.sum()), dtype=torch.uint8)
+    group.broadcast([buffer], options).wait()
+    if rank == 0:
+        return buffer.numel()
+    head_bytes = int(sizes[0])
+    stream = io.BytesIO(buffer[:head_bytes].numpy().tobytes())
+    return _TensorUnpickler(stream, buffer, head_bytes).load()
+
+
+class _TensorPickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors  # each as 8-byte-aligned uint8, after the pickle
+        self.offset = 0
+
+    def persistent_id(self, obj: Any) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
+        if not isinstance(obj, torch.Tensor):
+            return None
+        raw = obj.detach().contiguous().view(-1).view(torch.uint8)
+        pad = -raw.numel() % 8
+        self.tensors.append(torch.cat([raw, raw.new_zeros(pad)]) if pad else raw)
+        ref = (self.offset, obj.dtype, tuple(obj.shape))
+        self.offset += raw.numel() + pad
+        return ref
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, buffer: torch.Tensor, head_bytes: int) -> None:
+        super().__init__(file)
+        # Offsets count from the first tensor, which the pickle's length may leave unaligned.
+        self.data = buffer[head_bytes:].clone()
+
+    def persistent_load(self, pid: tuple[int, torch.dtype, tuple[int, ...]]) -> torch.Tensor:
+        offset, dtype, shape = pid
+        count = math.prod(shape) * dtype.itemsize
+        return self.data[offset : offset + count].view(dtype).view(shape)

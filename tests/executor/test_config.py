@@ -70,3 +70,8 @@ def test_a_local_instance_too_small_for_the_replicas_is_refused() -> None:
     with pytest.raises(ValueError, match="lower executor.num_replicas"):
         connect(ExecutorConfig(kind="ray", num_replicas=4096))
     assert not ray.is_initialized()
+
+
+def test_a_ray_client_address_is_refused_in_one_line() -> None:
+    with pytest.raises(ValueError, match=r"ray://head:10001 is a Ray Client address.*=auto"):
+        ExecutorConfig(kind="ray", address="ray://head:10001")

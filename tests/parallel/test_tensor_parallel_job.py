@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from batchpage.job import run_job
 from tests.job.test_loop import job, table, write_jsonl
@@ -97,3 +98,17 @@ def test_a_killed_worker_ends_the_job_and_the_rerun_has_every_row_once(
     fresh = cli([*one_rank, f"output_dir={one}"], tmp_path, stderr=subprocess.PIPE)
     assert fresh.wait(timeout=300) == 0
     assert rows == compared(one)
+
+
+def test_tensor_parallelism_under_the_ray_executor_is_refused_before_loading(
+    tmp_path: Path, tiny_folder
+) -> None:
+    from batchpage.job import JobConfigError
+    from tests.executor.jobs import job as ray_job
+    from tests.executor.jobs import job_args
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}])
+    args = job_args(data, tiny_folder, tmp_path / "out", "executor=ray")
+    with pytest.raises(JobConfigError, match="tensor_parallel_size > 1 runs with executor=local"):
+        run_job(ray_job([*args, "engine.tensor_parallel_size=2"]))
+    assert not (tmp_path / "out").exists()

@@ -82,3 +82,16 @@ def test_gpu_smoke_on_the_triton_interpreter(tmp_path) -> None:
     assert set(engine) == {"paged, CUDA graphs", "paged, eager", "contiguous, CUDA graphs"}
     assert all("error" not in r and r["generated_tokens"] == 12 for r in engine.values())
     assert "| config |" in done.stdout
+
+
+def test_tensor_parallel_against_one_rank(tmp_path) -> None:
+    """Two ranks against one on the tiny model: the same greedy tokens, one step message a
+    step of a measured size, the table BENCHMARKS.md cites."""
+    out = tmp_path / "tp.json"
+    done = run_bench("jobs.bench.tensor_parallel", "--smoke", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    one, two = json.loads(out.read_text())["results"]
+    assert (one["world"], two["world"]) == (1, 2) and one["message_bytes"] is None
+    assert two["message_bytes"] > 0 and two["step_ms"] > 0
+    (_, row) = table_with(markdown_tables(done.stdout), "message bytes")
+    assert row["ranks"] == "2" and row["same"] == "4/4"

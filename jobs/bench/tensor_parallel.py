@@ -1,0 +1,111 @@
+"""Tensor parallelism against one rank: decode steps of R running sequences, taking turns.
+
+    python -m jobs.bench.tensor_parallel --model $(python -m jobs.bench.random_models 1b) \\
+        --running 8,64 --steps 16 --runs 3
+    python -m jobs.bench.tensor_parallel --smoke
+
+Each side is an engine loaded after the last is freed, its --runs back to back: tensor_parallel_size
+1 with every torch thread of this process, and each of --worlds, whose ranks share the host's
+cores (a thread each on two cores). Per side and R: the median decode step (over every step of
+every run), and for N > 1 ranks the step message rank 0 broadcasts to the others: its bytes
+and the milliseconds the broadcast took, per step, read from the engine's workers. The same
+greedy tokens on every side are counted too (float32: the all-reduce changes only the order of
+a sum).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from batchpage.model.loader import resolve_model_source
+from jobs.bench.engine_runs import decode_steps, load_llm
+from jobs.bench.random_models import random_model_folder
+from jobs.bench.report import (
+    environment,
+    fmt,
+    ints,
+    log,
+    markdown_table,
+    parser,
+    print_header,
+    save_results,
+)
+
+
+def prompts_for(running: int, vocab: int) -> list[list[int]]:
+    return [[(7 * r + 3 * i) % (vocab - 10) + 5 for i in range(16 + r % 8)] for r in range(running)]
+
+
+def run_side(model: str, world: int, running: int, args: Any, vocab: int) -> dict[str, Any]:
+    options = dict(
+        dtype=args.dtype,
+        tensor_parallel_size=world,
+        max_num_seqs=running,
+        max_num_batched_tokens=running * 24,
+        kv_cache_memory=args.kv_cache_mib << 20,
+    )
+    llm = load_llm(model, f"TP={world}", **options)
+    prompts = prompts_for(running, vocab)
+    steps, tokens, sent = [], None, []
+    peers = llm.engine.runner.peers
+    for run in range(args.runs):
+        before = (
+            None if peers is None else (peers.sent.messages, peers.sent.bytes, peers.sent.seconds)
+        )
+        result = decode_steps(llm, prompts, args.steps)
+        steps += result["step_s"]
+        tokens = result["tokens"]
+        if peers is not None and before is not None:
+            n = peers.sent.messages - before[0]
+            sent.append(((peers.sent.bytes - before[1]) / n, (peers.sent.seconds - before[2]) / n))
+        log(f"TP={world} R={running} run {run}: {statistics.median(result['step_s']) * 1e3:.2f} ms")
+    return {
+        "world": world,
+        "running": running,
+        "step_ms": statistics.median(steps) * 1e3,
+        "message_bytes": statistics.median(b for b, _ in sent) if sent else None,
+        "message_ms": statistics.median(s for _, s in sent) * 1e3 if sent else None,
+        "tokens": tokens,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser(__doc__)
+    p.add_argument("--model", default=None, help="default: the tiny random model")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--worlds", type=ints, default=[2])
+    p.add_argument("--running", type=ints, default=[8, 64])
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--kv-cache-mib", type=int, default=512)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.running, args.steps, args.runs, args.kv_cache_mib = [4], 3, 1, 32
+    model = args.model or str(random_model_folder("tiny"))
+    vocab = resolve_model_source(model).config.vocab_size
+    env = environment()
+    results = []
+    for running in args.running:
+        for world in [1, *args.worlds]:
+            results.append(run_side(model, world, running, args, vocab))
+    rows = []
+    for r in results:
+        base = next(b for b in results if b["running"] == r["running"] and b["world"] == 1)
+        same = sum(a == b for a, b in zip(r["tokens"], base["tokens"], strict=True))
+        rows.append([
+            r["world"], r["running"], fmt(r["step_ms"], 2), fmt(base["step_ms"] / r["step_ms"], 2),
+            "-" if r["message_bytes"] is None else f"{r['message_bytes']:,.0f}",
+            "-" if r["message_ms"] is None else fmt(r["message_ms"], 3),
+            f"{same}/{len(r['tokens'])}",
+        ])  # fmt: skip
+    print_header("Tensor parallelism: decode steps against one rank", env, f"model {model}")
+    headers = ["ranks", "running", "step ms", "TP=1 / this", "message bytes", "message ms", "same"]
+    print(markdown_table(headers, rows))
+    for r in results:
+        del r["tokens"]
+    save_results(args.out, env, results, args)
+
+
+if __name__ == "__main__":
+    main()

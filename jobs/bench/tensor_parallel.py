@@ -15,8 +15,15 @@ a sum).
 
 from __future__ import annotations
 
+import datetime
+import socket
 import statistics
+import time
 from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from batchpage.model.loader import resolve_model_source
 from jobs.bench.engine_runs import decode_steps, load_llm
@@ -70,6 +77,42 @@ def run_side(model: str, world: int, running: int, args: Any, vocab: int) -> dic
     }
 
 
+def _time_all_reduce(rank: int, port: int, shapes: list[tuple[int, int]], out: Any) -> None:
+    """One rank of two: the median seconds of an all-reduce of each shape over gloo, the
+    collective a tensor-parallel forward runs twice a layer."""
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False)
+    group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=60))
+    medians = []
+    for shape in shapes:
+        x = torch.randn(shape)
+        samples = []
+        for _ in range(40):
+            start = time.perf_counter()
+            group.allreduce([x]).wait()
+            samples.append(time.perf_counter() - start)
+        medians.append(statistics.median(samples[5:]))
+    if rank == 0:
+        out.put(medians)
+
+
+def all_reduce_ms(hidden: int, running: list[int]) -> list[float]:
+    """Milliseconds of one all-reduce of [R, hidden] float32 between two processes."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    shapes = [(r, hidden) for r in running]
+    procs = [ctx.Process(target=_time_all_reduce, args=(r, port, shapes, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    medians = queue.get(timeout=300)
+    for p in procs:
+        p.join()
+    return [m * 1e3 for m in medians]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__)
     p.add_argument("--model", default=None, help="default: the tiny random model")
@@ -102,8 +145,19 @@ def main(argv: list[str] | None = None) -> None:
     print_header("Tensor parallelism: decode steps against one rank", env, f"model {model}")
     headers = ["ranks", "running", "step ms", "TP=1 / this", "message bytes", "message ms", "same"]
     print(markdown_table(headers, rows))
+    cfg = resolve_model_source(model).config
+    reduce_ms = all_reduce_ms(cfg.hidden_size, args.running)
+    per_step = 2 * cfg.num_layers + 1  # each layer's two, and the embedding's
+    print(f"\nAll-reduce of [R, {cfg.hidden_size}] float32 between two processes (gloo):\n")
+    print(markdown_table(
+        ["running", "one all-reduce ms", f"x {per_step} a step, ms"],
+        [[r, fmt(m, 3), fmt(m * per_step, 1)]
+         for r, m in zip(args.running, reduce_ms, strict=True)],
+    ))  # fmt: skip
+    for r, m in zip(args.running, reduce_ms, strict=True):
+        results.append({"running": r, "all_reduce_ms": m, "all_reduces_a_step": per_step})
     for r in results:
-        del r["tokens"]
+        r.pop("tokens", None)
     save_results(args.out, env, results, args)
 
 

@@ -230,3 +230,11 @@ def test_the_bundled_model_over_three_ranks() -> None:
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
     one = _run(LLM("smollm2", **args), prompts, params)
     _assert_same(one, _run(LLM("smollm2", tensor_parallel_size=3, **args), prompts, params))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_cuda_ranks_over_nccl_give_one_ranks_greedy_tokens(tmp_path: Path, tokenizer) -> None:
+    """The GPU path: ranks on cuda:0 and cuda:1, NCCL for the forward's collectives."""
+    folder = _folder(tmp_path, tokenizer, "qwen3_moe")
+    one = _run(_engine(folder, 1, device="cuda"), PROMPTS, GREEDY)
+    _assert_same(one, _run(_engine(folder, 2, device="cuda"), PROMPTS, GREEDY))

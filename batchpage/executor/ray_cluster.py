@@ -4,8 +4,9 @@ executor.address empty starts a private local instance sized to this machine (it
 GPUs), with no dashboard, even where a cluster is running on the machine (`ray start` ran here,
 or RAY_ADDRESS is set): Ray's `address="local"`. `auto` joins the cluster this node belongs to,
 `host:port` joins that one (Ray Client, `ray://`, is refused by ExecutorConfig); a cluster that
-is joined is used as it is sized (no resource arguments: Ray refuses them when connecting). A process that already called
-ray.init (a script, a test) is used as it is and left connected afterwards.
+is joined is used as it is sized (no resource arguments: Ray refuses them when connecting). A
+process that already called ray.init (a script, a test) is used as it is and left connected
+afterwards.
 """
 
 from __future__ import annotations

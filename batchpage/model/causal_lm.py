@@ -325,7 +325,8 @@ class CausalLM(nn.Module):
                 for v, p in zip(views, parts, strict=True)
             ]
         dest = self._shard_view(target, key)
-        return [(dest, self.shard.narrow(ckpt_name, tensor, dest.shape))]
+        vocab = target in ("embed_tokens.weight", "lm_head.weight")
+        return [(dest, self.shard.narrow(ckpt_name, tensor, dest.shape, pad=vocab))]
 
     def _fused_parts(
         self, ckpt_name: str, tensor: torch.Tensor, views: list[torch.Tensor]

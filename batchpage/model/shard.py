@@ -40,10 +40,13 @@ class TensorShard:
     def vocab_start(self, vocab_size: int) -> int:
         return self.rank * self.vocab_rows(vocab_size)
 
-    def narrow(self, name: str, tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    def narrow(
+        self, name: str, tensor: torch.Tensor, shape: torch.Size, pad: bool = False
+    ) -> torch.Tensor:
         """This rank's part of checkpoint tensor `name` for a parameter of `shape`: the whole
-        tensor when the shapes agree, else its chunk along the one dimension that differs (the
-        vocabulary's last chunk padded with zero rows). ValueError when no chunk fits."""
+        tensor when the shapes agree, else its chunk along the one dimension that differs.
+        `pad` (the vocabulary's rows only): the last chunks may run past the tensor and are
+        padded with zero rows. ValueError when no chunk fits."""
         if tensor.shape == shape or self.world == 1:
             return tensor
         dims = [d for d in range(tensor.dim()) if tensor.shape[d] != shape[d]]
@@ -57,7 +60,7 @@ class TensorShard:
         if full % local == 0 and self.world % (full // local) == 0:
             chunks = full // local
             return tensor.narrow(dim, self.rank * chunks // self.world * local, local)
-        if local == -(-full // self.world):  # the vocabulary, padded to world * local rows
+        if pad and local == -(-full // self.world):  # padded to world * local rows
             start = self.rank * local
             part = tensor.narrow(dim, start, max(0, min(local, full - start)))
             pad = list(tensor.shape)

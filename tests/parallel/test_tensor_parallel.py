@@ -79,10 +79,16 @@ def test_the_ranks_shares_reassemble_every_split_tensor(world: int) -> None:
     vocab = torch.randn(320, 6)
     share = TensorShard(0, world).vocab_rows(320)
     table = torch.cat(
-        [TensorShard(r, world).narrow("e", vocab, torch.Size([share, 6])) for r in range(world)]
+        [
+            TensorShard(r, world).narrow("e", vocab, torch.Size([share, 6]), pad=True)
+            for r in range(world)
+        ]
     )
     assert table.shape[0] == share * world >= 320
     assert torch.equal(table[:320], vocab) and not table[320:].any()
+    if 320 % world:  # only the vocabulary pads: a weight that does not split is refused
+        with pytest.raises(ValueError, match="does not split"):
+            TensorShard(0, world).narrow("w", vocab, torch.Size([share, 6]))
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 1), (8, 2), (8, 8), (16, 4), (12, 3), (6, 2)])

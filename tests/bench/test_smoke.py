@@ -90,8 +90,10 @@ def test_tensor_parallel_against_one_rank(tmp_path) -> None:
     out = tmp_path / "tp.json"
     done = run_bench("jobs.bench.tensor_parallel", "--smoke", "--out", str(out))
     assert done.returncode == 0, done.stderr
-    one, two = json.loads(out.read_text())["results"]
+    results = json.loads(out.read_text())["results"]
+    one, two, (reduce,) = results[0], results[1], results[2:]
     assert (one["world"], two["world"]) == (1, 2) and one["message_bytes"] is None
+    assert reduce["running"] == 4 and reduce["all_reduce_ms"] > 0
     assert two["message_bytes"] > 0 and two["step_ms"] > 0
     (_, row) = table_with(markdown_tables(done.stdout), "message bytes")
     assert row["ranks"] == "2" and row["same"] == "4/4"

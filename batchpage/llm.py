@@ -9,6 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from batchpage.chat_messages import normalize_messages
+from batchpage.distributed.workers import TensorParallelWorkers
 from batchpage.engine.beam_runner import worst_case_blocks
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.engine import BEAM_SEARCH_WITH_CONSTRAINT, Engine
@@ -19,7 +20,6 @@ from batchpage.metrics import RunStats, tokens_per_s
 from batchpage.model.loader import load_model, resolve_model_source
 from batchpage.model.tokenizer import check_chat_template_kwargs, resolve_chat_template
 from batchpage.outputs import CompletionOutput, RequestOutput
-from batchpage.parallel.workers import TensorParallelWorkers
 from batchpage.pooling_api import PoolingMethods
 from batchpage.prompt_list import PromptType, as_prompt_list
 from batchpage.sampling_params import SamplingParams

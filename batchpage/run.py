@@ -25,10 +25,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from batchpage.distributed.workers import WorkerDied
 from batchpage.job import JobConfigError, JobResult, run_job
 from batchpage.job.config import JobConfig, register_configs
 from batchpage.job.dry_run import dry_run
-from batchpage.parallel.workers import WorkerDied
 
 # conf/ sits next to the package in a source checkout; an installed wheel ships it inside.
 _SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"

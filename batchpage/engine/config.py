@@ -48,6 +48,8 @@ class EngineConfig:
     # Ranks the model is split over (model/shard.py): rank 0 in this process, the others in
     # worker processes, one per CUDA device from `device` on, or sharing the host's cores.
     tensor_parallel_size: int = 1
+    # Layers split into stages: only 1 (pipeline parallelism is not implemented yet).
+    pipeline_parallel_size: int = 1
     # On CUDA, decode steps replay CUDA graphs captured at a ladder of batch sizes up to
     # max_num_seqs (batchpage/engine/decode_graphs.py); True runs every step eagerly (vLLM's
     # option of the same name). Elsewhere steps always run eagerly.
@@ -104,6 +106,11 @@ class EngineConfig:
         at_least("max_model_len", 1)
         at_least("max_num_batched_tokens", 1)
         at_least("tensor_parallel_size", 1)
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size}: pipeline parallelism is "
+                "not supported yet; split the model with tensor_parallel_size instead"
+            )
         if self.tensor_parallel_size > 1 and self.classifier_from_token is not None:
             raise ValueError(
                 "classifier_from_token reads the whole lm_head, which tensor parallelism splits: "

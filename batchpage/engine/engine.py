@@ -59,7 +59,7 @@ class Engine:
         peers: Peers | None = None,
     ) -> None:
         """`peers`: the model is rank 0's share of a tensor-parallel group, whose other ranks
-        (parallel/workers.py) run every step with it."""
+        (distributed/workers.py) run every step with it."""
         self.cfg = cfg
         self.plan = plan
         self.device = plan.device

@@ -16,6 +16,7 @@ import torch
 from batchpage.attention.backend import AttentionBackend
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
+from batchpage.distributed.collective import Collective
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.decode_graphs import DecodeGraphs, ladder
 from batchpage.engine.kv_manager import BlockCopy
@@ -24,7 +25,6 @@ from batchpage.engine.scheduler import SchedulerOutput, Swap
 from batchpage.engine.step_inputs import StepInputs
 from batchpage.model.causal_lm import BindReport, CausalLM
 from batchpage.ops.select import select_model_ops
-from batchpage.parallel.collective import Collective
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class ForwardStep(NamedTuple):
 
 
 class Peers(Protocol):
-    """The other ranks of a tensor-parallel group, driven from rank 0 (parallel/workers.py)."""
+    """The other ranks of a tensor-parallel group, driven from rank 0 (distributed/workers.py)."""
 
     @property
     def comm(self) -> Collective:

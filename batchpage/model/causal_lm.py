@@ -23,6 +23,7 @@ from torch.nn.utils import skip_init
 from batchpage.attention.backend import StepAttention
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
+from batchpage.distributed.collective import Collective
 from batchpage.model.config import ModelConfig
 from batchpage.model.layers import (
     Attention,
@@ -39,7 +40,6 @@ from batchpage.model.shard import TensorShard
 from batchpage.ops.linear import Linear, LinearOp, dtype_format
 from batchpage.ops.select import ModelOps
 from batchpage.ops.workspace import Workspace
-from batchpage.parallel.collective import Collective
 from batchpage.quant.linear import QuantLinear
 
 ShardKey = Hashable | None  # None: the whole parameter

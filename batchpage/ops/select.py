@@ -8,12 +8,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from batchpage.distributed.collective import Collective
 from batchpage.ops.bf16_linear import bf16_dot_kernel, bf16_linears
 from batchpage.ops.int_linear import cpu_int_linears
 from batchpage.ops.layer_ops import LayerOps
 from batchpage.ops.linear import TORCH_LINEARS, LinearMethod
 from batchpage.ops.onednn_linear import ONEDNN_LINEARS, onednn_packs
-from batchpage.parallel.collective import Collective
 
 LINEAR_BACKENDS = ("auto", "avx512_bf16", "onednn", "torch")
 

@@ -27,13 +27,13 @@ from typing import IO
 import torch
 import torch.distributed as dist
 
+from batchpage.distributed.collective import GroupCollective, broadcast_object, open_group
+from batchpage.distributed.worker import LOADED, WorkerSpec, to_device
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.model_runner import ForwardStep
 from batchpage.engine.plan import EnginePlan
 from batchpage.model.loader import ModelSource
 from batchpage.model.shard import TensorShard
-from batchpage.parallel.collective import GroupCollective, broadcast_object, open_group
-from batchpage.parallel.worker import LOADED, WorkerSpec, to_device
 
 # Loading a share of a large checkpoint takes minutes; a worker silent for longer is stuck.
 LOAD_TIMEOUT_S = 3600.0
@@ -98,7 +98,7 @@ class TensorParallelWorkers:
         for rank in range(1, world):
             spec = WorkerSpec(source, cfg, plan, rank, world, store.port, threads)
             proc = subprocess.Popen(
-                [sys.executable, "-m", "batchpage.parallel.worker"],
+                [sys.executable, "-m", "batchpage.distributed.worker"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 env={**os.environ, "OMP_NUM_THREADS": str(threads)},

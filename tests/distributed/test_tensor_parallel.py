@@ -13,9 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from batchpage import LLM, SamplingParams
+from batchpage.distributed.workers import WorkerDied
 from batchpage.model.config import ModelConfig
 from batchpage.model.shard import TensorShard, shard_config
-from batchpage.parallel.workers import WorkerDied
 from tests.gemma_factory import build_gemma
 from tests.model_factory import (
     HAS_SMOLLM2,
@@ -128,6 +128,8 @@ def test_sizes_that_do_not_split_are_refused_before_loading(tmp_path: Path, toke
         _engine(folder, 3)
     with pytest.raises(ValueError, match="classifier_from_token.*tensor_parallel_size=1"):
         _engine(folder, 2, classifier_from_token=["no", "yes"])
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2: .*not supported yet"):
+        _engine(folder, 1, pipeline_parallel_size=2)
 
 
 # --- engines of several ranks against one -------------------------------------------------

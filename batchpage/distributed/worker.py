@@ -1,4 +1,4 @@
-"""A tensor-parallel worker: `python -m batchpage.parallel.worker`, started by the driver
+"""A tensor-parallel worker: `python -m batchpage.distributed.worker`, started by the driver
 (workers.py) with its WorkerSpec pickled on stdin.
 
 It loads its rank's share of the model, tells the driver on stdout ("loaded", or one line of
@@ -16,12 +16,12 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from batchpage.distributed.collective import GroupCollective, broadcast_object, open_group
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.model_runner import ForwardStep, build_model_runner
 from batchpage.engine.plan import EnginePlan
 from batchpage.model.loader import ModelSource, load_model
 from batchpage.model.shard import TensorShard
-from batchpage.parallel.collective import GroupCollective, broadcast_object, open_group
 
 LOADED = "loaded"
 
@@ -103,7 +103,7 @@ def serve(spec: WorkerSpec) -> None:
 def main() -> None:
     # Run as __main__, this file's classes are not the ones the spec was pickled with: take
     # them from the module under its own name.
-    from batchpage.parallel import worker
+    from batchpage.distributed import worker
 
     spec = pickle.load(sys.stdin.buffer)
     assert isinstance(spec, worker.WorkerSpec)

@@ -73,7 +73,7 @@ def test_a_killed_worker_ends_the_job_and_the_rerun_has_every_row_once(
         lines.append(proc.stdout.readline())
     assert lines[-1] == "PAUSED\n", (lines, log.read_text()[-3000:])
     found = subprocess.run(
-        ["pgrep", "-P", str(proc.pid), "-f", "batchpage.parallel.worker"],
+        ["pgrep", "-P", str(proc.pid), "-f", "batchpage.distributed.worker"],
         capture_output=True,
         text=True,
     )

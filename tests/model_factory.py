@@ -64,6 +64,10 @@ VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
         LlamaConfig,
         dict(_BASE, num_attention_heads=4, num_key_value_heads=2, attention_bias=True),
     ),
+    "llama_6h3kv": (  # 6 heads, 3 KV heads: splits over 3 ranks, not 2 or 4
+        LlamaConfig,
+        dict(_BASE, hidden_size=96, num_attention_heads=6, num_key_value_heads=3),
+    ),
     "llama_hd80_mqa": (  # head_dim 80: not a power of two; one KV head
         LlamaConfig,
         dict(_BASE, hidden_size=160, num_attention_heads=2, num_key_value_heads=1),

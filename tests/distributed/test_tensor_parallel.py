@@ -10,19 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from batchpage import LLM, SamplingParams
 from batchpage.distributed.workers import WorkerDied
 from batchpage.model.config import ModelConfig
 from batchpage.model.shard import TensorShard, shard_config
 from tests.gemma_factory import build_gemma
-from tests.model_factory import (
-    HAS_SMOLLM2,
-    build_hf_model,
-    randomize_weights,
-    save_hf_folder,
-)
+from tests.model_factory import HAS_SMOLLM2, build_hf_model, save_hf_folder
 
 # Ragged prompts, two of them behind one shared 40-token prefix.
 SHARED = [(7 * i) % 300 + 3 for i in range(40)]
@@ -162,21 +156,7 @@ def test_several_ranks_give_one_ranks_greedy_tokens(
 
 def test_three_ranks_pad_the_vocabulary(tmp_path: Path, tokenizer) -> None:
     """A 6-head, 3-K/V-head Llama over 3 ranks: 320 rows of vocabulary in shares of 107."""
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=96,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=3,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    hf = randomize_weights(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
-    six = save_hf_folder(hf, tmp_path / "six_heads", tokenizer)
+    six = _folder(tmp_path, tokenizer, "llama_6h3kv")
     _assert_same(_run(_engine(six, 1), PROMPTS, GREEDY), _run(_engine(six, 3), PROMPTS, GREEDY))
 
 

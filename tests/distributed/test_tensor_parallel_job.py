@@ -14,7 +14,14 @@ import pytest
 
 from batchpage.job import run_job
 from tests.job.test_loop import job, table, write_jsonl
-from tests.job.test_run_cli import cli, compared, hooked_cli, tiny_job_args, write_prompts
+from tests.job.test_run_cli import (
+    cli,
+    compared,
+    hooked_cli,
+    pause_after,
+    tiny_job_args,
+    write_prompts,
+)
 
 COLUMNS = ("index", "prompt", "completion", "finish_reason", "prompt_tokens", "error")
 
@@ -36,22 +43,6 @@ def test_a_two_rank_job_resumes_and_writes_one_ranks_rows(tmp_path: Path, tiny_f
     assert sum(r["error"] is not None for r in rows(out)) == 1
 
 
-# Once the writer holds 3 finished rows: say PAUSED, wait for SIGUSR1, then go on.
-PAUSE_AFTER_3 = """
-import os, signal
-from batchpage.output.writer import ShardWriter
-add = ShardWriter.add
-signal.signal(signal.SIGUSR1, lambda *_: None)
-def add_then_wait(self, row):
-    added = add(self, row)
-    if added and self.num_done == 3:
-        os.write(1, b"PAUSED\\n")
-        signal.pause()
-    return added
-ShardWriter.add = add_then_wait
-"""
-
-
 def test_a_killed_worker_ends_the_job_and_the_rerun_has_every_row_once(
     tmp_path: Path, tiny_folder
 ) -> None:
@@ -66,7 +57,9 @@ def test_a_killed_worker_ends_the_job_and_the_rerun_has_every_row_once(
     ]
     log = tmp_path / "stderr.txt"
     with open(log, "w") as err:
-        proc = hooked_cli(PAUSE_AFTER_3, args, tmp_path, stdout=subprocess.PIPE, stderr=err)
+        proc = hooked_cli(
+            pause_after(3, resume_on_usr1=True), args, tmp_path, stdout=subprocess.PIPE, stderr=err
+        )
     assert proc.stdout is not None
     lines = [proc.stdout.readline()]
     while lines[-1] not in ("PAUSED\n", ""):

@@ -207,19 +207,22 @@ def hooked_cli(hook: str, args: list[str], cwd: Path, **popen) -> subprocess.Pop
     return subprocess.Popen(cmd, cwd=cwd, env=env, text=True, **popen)
 
 
-def pause_after(rows: int) -> str:
+def pause_after(rows: int, resume_on_usr1: bool = False) -> str:
     """A hook for hooked_cli: once the job's writer holds `rows` finished rows, say PAUSED on
-    stdout and wait for a signal (the driver writes every row, so the job stops there)."""
+    stdout and wait for a signal (the driver writes every row, so the job stops there); with
+    resume_on_usr1, SIGUSR1 lets the job go on."""
+    wait = "signal.pause()" if resume_on_usr1 else "while True:\n                signal.pause()"
     return f"""
     import os, signal
     from batchpage.output.writer import ShardWriter
     add = ShardWriter.add
+    if {resume_on_usr1}:
+        signal.signal(signal.SIGUSR1, lambda *_: None)
     def add_then_pause(self, row):
         added = add(self, row)
         if added and self.num_done == {rows}:
             os.write(1, b"PAUSED\\n")
-            while True:
-                signal.pause()
+            {wait}
         return added
     ShardWriter.add = add_then_pause
     """

@@ -111,11 +111,14 @@ class PoolingMethods:
         data_2: str | Seq[str],
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
+        on_output: Callable[[PoolingRequestOutput, int], None] | None = None,
+        on_step: Callable[[RunStats], None] | None = None,
     ) -> list[PoolingRequestOutput]:
         """Relevance of each (data_1, data_2) pair (task=score): one text against many, or
         pairwise. A cross-encoder (a classifier with one label) reads the pair as one prompt
         (the tokenizer's pair encoding) and gives the sigmoid of its output; an embedding
-        model gives the cosine of the two embeddings."""
+        model gives the cosine of the two embeddings. on_output(output, pair index) as each
+        pair is ready."""
         params = pooling_params or PoolingParams()
         self._require_task("score", ("score",))
         firsts = [data_1] if isinstance(data_1, str) else list(data_1)
@@ -127,40 +130,57 @@ class PoolingMethods:
                 f"score takes one data_1 or as many as data_2; got {len(firsts)} and {len(seconds)}"
             )
         score_head = self.engine.model.score
-        if score_head is not None:
-            labels = num_labels(score_head)
-            if labels != 1:
-                raise ValueError(
-                    f"score needs a cross-encoder (one label); this classifier has {labels}: "
-                    "use classify"
-                )
-            hf = self.tokenizer.hf
-            pairs = [hf(a, b)["input_ids"] for a, b in zip(firsts, seconds, strict=True)]
-            activate = params.use_activation is not False
+        if score_head is None:
+            return self._score_by_cosine(firsts, seconds, params, use_tqdm, on_output, on_step)
+        labels = num_labels(score_head)
+        if labels != 1:
+            raise ValueError(
+                f"score needs a cross-encoder (one label); this classifier has {labels}: "
+                "use classify"
+            )
+        hf = self.tokenizer.hf
+        pairs = [hf(a, b)["input_ids"] for a, b in zip(firsts, seconds, strict=True)]
+        activate = params.use_activation is not False
 
-            def output(v: torch.Tensor) -> Output:
-                return ScoringOutput(float(torch.sigmoid(v[0]) if activate else v[0]))
+        def output(v: torch.Tensor) -> Output:
+            return ScoringOutput(float(torch.sigmoid(v[0]) if activate else v[0]))
 
-            return self._pool_prompts(pairs, params, use_tqdm, output)
+        return self._pool_prompts(pairs, params, use_tqdm, output, on_output, on_step)
+
+    def _score_by_cosine(
+        self,
+        firsts: list[str],
+        seconds: list[str],
+        params: PoolingParams,
+        use_tqdm: bool,
+        on_output: Callable[[PoolingRequestOutput, int], None] | None,
+        on_step: Callable[[RunStats], None] | None,
+    ) -> list[PoolingRequestOutput]:
+        """score with an embedding model: each distinct text embedded once (unit length), and
+        a pair's output made as soon as both its texts are."""
         unit = PoolingParams(normalize=True, dimensions=params.dimensions)
-        texts = list(dict.fromkeys([*firsts, *seconds]))  # each distinct text embedded once
-        embedded = self._pool_prompts(texts, unit, use_tqdm, lambda v: _embedding(v, unit))
-        by_text = dict(zip(texts, embedded, strict=True))
-        outs = []
-        for i, (a, b) in enumerate(zip(firsts, seconds, strict=True)):
-            ea, eb = by_text[a], by_text[b]
-            error = ea.error or eb.error
-            out = None
-            if error is None:
-                assert isinstance(ea.outputs, EmbeddingOutput)
-                assert isinstance(eb.outputs, EmbeddingOutput)
-                dot = torch.dot(
-                    torch.tensor(ea.outputs.embedding), torch.tensor(eb.outputs.embedding)
-                )
-                out = ScoringOutput(float(dot))
-            ids = ea.prompt_token_ids + eb.prompt_token_ids
-            outs.append(PoolingRequestOutput(str(i), ids, out, error=error))
-        return outs
+        texts = list(dict.fromkeys([*firsts, *seconds]))
+        position = {t: i for i, t in enumerate(texts)}
+        ends = [(position[a], position[b]) for a, b in zip(firsts, seconds, strict=True)]
+        pairs_of: dict[int, list[int]] = {}
+        for pair, (a, b) in enumerate(ends):
+            pairs_of.setdefault(a, []).append(pair)
+            pairs_of.setdefault(b, []).append(pair)
+        embedded: dict[int, PoolingRequestOutput] = {}
+        outs: list[PoolingRequestOutput | None] = [None] * len(ends)
+
+        def text_done(out: PoolingRequestOutput, text: int) -> None:
+            embedded[text] = out
+            for pair in pairs_of[text]:
+                a, b = ends[pair]
+                if outs[pair] is None and a in embedded and b in embedded:
+                    outs[pair] = _cosine_output(pair, embedded[a], embedded[b])
+                    if on_output is not None:
+                        on_output(outs[pair], pair)
+
+        self._pool_prompts(texts, unit, use_tqdm, lambda v: _embedding(v, unit), text_done, on_step)
+        assert all(out is not None for out in outs)
+        return outs  # type: ignore[return-value]
 
     def _require_task(self, method: str, tasks: tuple[str, ...]) -> None:
         task = self.engine.task
@@ -205,6 +225,20 @@ def _embedding(vector: torch.Tensor, params: PoolingParams) -> EmbeddingOutput:
     if params.normalize is not False:
         vector = torch.nn.functional.normalize(vector, dim=-1)
     return EmbeddingOutput(vector.tolist())
+
+
+def _cosine_output(
+    pair: int, a: PoolingRequestOutput, b: PoolingRequestOutput
+) -> PoolingRequestOutput:
+    """The dot product of two unit embeddings; the first error of the two, if any."""
+    error = a.error or b.error
+    out = None
+    if error is None:
+        assert isinstance(a.outputs, EmbeddingOutput) and isinstance(b.outputs, EmbeddingOutput)
+        dot = torch.dot(torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding))
+        out = ScoringOutput(float(dot))
+    ids = a.prompt_token_ids + b.prompt_token_ids
+    return PoolingRequestOutput(str(pair), ids, out, error=error)
 
 
 def _activation(values: torch.Tensor) -> torch.Tensor:

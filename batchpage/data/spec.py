@@ -69,7 +69,8 @@ class DatasetSpec:
     is an OpenAI Batch request; its body holds the prompt and sampling values, custom_id the id.
     response_column: a reply to score after each prompt (a pooling job: a reward model over a
     generated file's completion column). A chat gets it as its last, assistant turn, rendered
-    without a generation prompt; a plain prompt is followed by it as text.
+    without a generation prompt; a plain prompt is followed by it as text. A score job
+    (engine.task=score) pairs it with the prompt instead: LLM.score(prompt, response).
     max_prompt_bytes: the most UTF-8 bytes of one prompt (a chat's contents together) and of
     the text the chat template makes of it, and of one input row as stored (a JSONL line, a CSV
     record). A longer JSONL line or prompt is that row's error, found before it is tokenized

@@ -17,6 +17,7 @@ from batchpage.data.spec import DatasetSpec
 from batchpage.engine.config import EngineConfig
 from batchpage.executor.config import ExecutorConfig
 from batchpage.json_depth import schema_depth_error
+from batchpage.pooling_params import PoolingParams
 from batchpage.sampling_params import SamplingParams, StructuredOutputsParams
 
 # SamplingParams fields that the job does not expose: logprobs are not written to the output,
@@ -93,6 +94,21 @@ class SamplingConfig:
 
 
 @dataclass
+class PoolingConfig:
+    """PoolingParams for every row of a pooling job (engine.task embed, classify, reward or
+    score), same names and defaults: dimensions (Matryoshka truncation, where the model has it),
+    normalize, use_activation."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+
+    def to_params(self) -> PoolingParams:
+        """The validated PoolingParams (raises ValueError naming a bad field)."""
+        return PoolingParams(**dataclasses.asdict(self))
+
+
+@dataclass
 class JobConfig:
     """One batch job: `python -m batchpage.run` composes this from conf/ and the command line."""
 
@@ -100,6 +116,7 @@ class JobConfig:
     dataset: DatasetSpec = field(default_factory=DatasetSpec)
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    pooling: PoolingConfig = field(default_factory=PoolingConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     # None: Hydra's run folder (outputs/<date>/<time>); give a fixed folder to be able to resume.
     output_dir: str | None = None

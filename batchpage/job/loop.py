@@ -27,7 +27,7 @@ from batchpage.data.spec import iter_windows
 from batchpage.job.config import JobConfig
 from batchpage.job.input_watch import InputWatch
 from batchpage.job.plan import JobConfigError, JobPlan, JobStoppedError, plan_job
-from batchpage.job.pooling_rows import check_url, pool_method, pool_result
+from batchpage.job.pooling_rows import check_url, pool_result, pool_rows
 from batchpage.job.progress import JobProgress, job_rate
 from batchpage.job.prompts import Prepared, prepare_window, to_result
 from batchpage.job.report import JobResult, ThisRun, resolved_settings, summarize, write_report
@@ -195,9 +195,7 @@ def _generate(
             writer.maybe_flush()
             progress.row_finished(unused_budget=budget(ready[index]))
 
-        pool_method(llm, task)(
-            [p.prompt_ids for p in ready], use_tqdm=False, on_output=pooled, on_step=stepped
-        )
+        pool_rows(llm, task, ready, plan.pooling, pooled, stepped)
         return llm.run_stats
     llm.generate(
         [p.prompt_ids for p in ready],

@@ -28,6 +28,7 @@ from batchpage.model.loader import ModelSource, load_tokenizer, resolve_model_so
 from batchpage.model.tokenizer import check_chat_template_kwargs, resolve_chat_template
 from batchpage.output.batch_files import batch_schema
 from batchpage.output.files import output_schema
+from batchpage.pooling_params import PoolingParams
 from batchpage.sampling_params import SamplingParams
 
 # Bump when the way prompts are built changes: old output_dirs then refuse to resume into a mix.
@@ -67,6 +68,8 @@ class JobPlan:
     # The engine's reasoning parser, resolved against the model's tokenizer; None: off (no
     # `reasoning` column, the completion holds any thinking).
     reasoning: str | None = None
+    # A pooling job's (engine.task other than generate) PoolingParams, from pooling.*.
+    pooling: PoolingParams = PoolingParams()
 
     @property
     def openai_batch(self) -> bool:
@@ -78,6 +81,7 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     try:
         info = validate(cfg.dataset)
         params = cfg.sampling.to_params()
+        pooling = cfg.pooling.to_params()
         source = resolve_model_source(cfg.model.path)
         engine_cfg = EngineConfig(**asdict(cfg.engine))  # validated again: cfg may be hand-built
         engine = plan_engine(engine_cfg, source)
@@ -96,10 +100,15 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         listed = params.n > 1 or "n" in info.override_columns or info.format == "openai_batch"
         reasoning = _reasoning(engine_cfg, source)
         if engine.task != "generate":
-            _check_pooling_job(engine.task, cfg, info)
+            _check_pooling_job(engine.task, cfg, info, pooling, source.config)
             listed, reasoning = False, None
+        elif pooling != PoolingParams():
+            raise ValueError(
+                "pooling.* is for pooling jobs (engine.task=embed, classify, reward or score); "
+                "this job generates: drop the pooling.* settings"
+            )
         extra = _extra_schema(cfg, info, style, listed, reasoning is not None, engine.task,
-                              source.config)  # fmt: skip
+                              pooling, source.config)  # fmt: skip
     except (ValueError, OSError) as e:
         raise JobConfigError(str(e)) from None
     base_seed = cfg.sampling.seed if cfg.sampling.seed is not None else engine_cfg.seed
@@ -130,6 +139,9 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         fingerprint["pooling_type"] = engine_cfg.pooling_type
         if engine_cfg.classifier_from_token is not None:  # the head is made of these tokens
             fingerprint["classifier_from_token"] = list(engine_cfg.classifier_from_token)
+        chosen = {k: v for k, v in asdict(pooling).items() if v is not None}
+        if chosen:  # only then: jobs with the defaults keep their identity
+            fingerprint["pooling"] = chosen
         del fingerprint["sampling"]  # nothing is sampled
     return JobPlan(
         info,
@@ -143,6 +155,7 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         listed,
         extra,
         reasoning,
+        pooling,
     )
 
 
@@ -185,13 +198,16 @@ def _prompt_plan(
     return style, plan
 
 
-def _check_pooling_job(task: str, cfg: JobConfig, info: DatasetInfo) -> None:
+def _check_pooling_job(
+    task: str, cfg: JobConfig, info: DatasetInfo, pooling: PoolingParams, model: ModelConfig
+) -> None:
     """What a pooling job cannot do, refused before the model loads."""
-    if task not in POOLING_JOB_TASKS:
-        raise ValueError(
-            f"engine.task={task} is not a job task (it scores pairs): use LLM.score, or a job "
-            "with task=classify on the cross-encoder (its probs) or task=reward"
-        )
+    assert task in POOLING_JOB_TASKS, task  # EngineConfig checks the name
+    bad_dims = pooling.check_dimensions(model.head, model.hidden_size)
+    if bad_dims is not None:
+        raise ValueError(f"pooling.{bad_dims}")
+    if task == "score":
+        _check_score_job(cfg, info)
     if (info.format == "openai_batch" and task != "embed") or cfg.score is not None:
         raise ValueError(
             f"engine.task={task} takes a prompt or messages dataset, without score= (an OpenAI "
@@ -201,6 +217,22 @@ def _check_pooling_job(task: str, cfg: JobConfig, info: DatasetInfo) -> None:
         raise ValueError(f"engine.task={task} runs with executor=local only")
 
 
+def _check_score_job(cfg: JobConfig, info: DatasetInfo) -> None:
+    """A score job pairs two texts of each row, as they are (the tokenizer's pair encoding, or
+    two embeddings): a prompt column and dataset.response_column, no chat."""
+    if info.response_column is None:
+        raise ValueError(
+            "engine.task=score scores each row's prompt (data_1) against a second text (data_2): "
+            "name that column with dataset.response_column=<column>"
+        )
+    chat = info.messages_column is not None or info.chat_template == "true"
+    if chat or cfg.dataset.system_prompt:
+        raise ValueError(
+            "engine.task=score pairs two plain texts: use dataset.prompt_column (not "
+            "messages_column), without dataset.system_prompt or dataset.chat_template=true"
+        )
+
+
 def _extra_schema(
     cfg: JobConfig,
     info: DatasetInfo,
@@ -208,6 +240,7 @@ def _extra_schema(
     listed: bool,
     reasoning: bool,
     task: str,
+    pooling: PoolingParams,
     model: ModelConfig,
 ) -> pa.Schema | None:
     """Derived columns, then the carried ones; a carried column named like one of batchpage's
@@ -215,7 +248,7 @@ def _extra_schema(
     text = pa.list_(pa.string()) if listed else pa.string()
     derived = pa.schema([("reasoning", text)] if reasoning else [])
     if task != "generate":
-        derived = pool_schema(task, model)
+        derived = pool_schema(task, model, pooling)
     if style is not None:
         derived = pa.schema([*derived, *code_schema(2 if listed else 1)])  # lists for n > 1
     if info.format == "openai_batch":

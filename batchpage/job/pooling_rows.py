@@ -1,10 +1,13 @@
-"""A pooling job's output (engine.task embed, classify or reward): its columns, each row's
-values, and the LLM method that makes them.
+"""A pooling job's output (engine.task embed, classify, reward or score): its columns, each
+row's values, and the LLM method that makes them, with the job's PoolingParams (pooling.*).
 
-embed: `embedding`, the normalized pooled hidden state (a fixed-size list of float32), and for
-an OpenAI Batch file its /v1/embeddings answers;
+embed: `embedding`, the pooled hidden state (a fixed-size list of float32: pooling.dimensions
+long for a Matryoshka model, else the hidden size; normalized unless pooling.normalize=false),
+and for an OpenAI Batch file its /v1/embeddings answers;
 classify: `label` (id2label's name of the likeliest label, else its id) and `probs`;
-reward: `score`, the reward head's first output. The completion columns stay empty.
+reward: `score`, the reward head's first output;
+score: `score`, the relevance of the row's prompt (data_1) and its dataset.response_column
+(data_2), as LLM.score gives it. The completion columns stay empty.
 """
 
 from __future__ import annotations
@@ -19,15 +22,23 @@ from batchpage.data.rows import Row
 from batchpage.job.prompts import Prepared
 from batchpage.model.config import ModelConfig
 from batchpage.output.files import ResultRow
-from batchpage.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput
+from batchpage.outputs import (
+    ClassificationOutput,
+    EmbeddingOutput,
+    PoolingRequestOutput,
+    ScoringOutput,
+)
+from batchpage.pooling_params import PoolingParams
 
-POOLING_JOB_TASKS = ("embed", "classify", "reward")
+POOLING_JOB_TASKS = ("embed", "classify", "reward", "score")
+OnOutput = Callable[[PoolingRequestOutput, int], None]
 
 
-def pool_schema(task: str, model: ModelConfig) -> pa.Schema:
+def pool_schema(task: str, model: ModelConfig, params: PoolingParams) -> pa.Schema:
     """The derived columns of a pooling job's output."""
     if task == "embed":
-        return pa.schema([("embedding", pa.list_(pa.float32(), model.hidden_size))])
+        size = params.dimensions or model.hidden_size
+        return pa.schema([("embedding", pa.list_(pa.float32(), size))])
     if task == "classify":
         return pa.schema([("label", pa.string()), ("probs", pa.list_(pa.float32()))])
     return pa.schema([("score", pa.float64())])
@@ -50,8 +61,23 @@ def check_url(row: Row, task: str) -> Row:
     return row
 
 
-def pool_method(llm: Any, task: str) -> Callable[..., list[PoolingRequestOutput]]:
-    return {"embed": llm.embed, "classify": llm.classify, "reward": llm.reward}[task]
+def pool_rows(
+    llm: Any,
+    task: str,
+    ready: list[Prepared],
+    params: PoolingParams,
+    on_output: OnOutput,
+    on_step: Callable[..., None],
+) -> None:
+    """The window's rows through the task's LLM method; on_output(output, index in ready)."""
+    if task == "score":
+        firsts = [p.row.prompt or "" for p in ready]
+        seconds = [p.row.response or "" for p in ready]
+        llm.score(firsts, seconds, params, use_tqdm=False, on_output=on_output, on_step=on_step)
+        return
+    method = {"embed": llm.embed, "classify": llm.classify, "reward": llm.reward}[task]
+    prompts = [p.prompt_ids for p in ready]
+    method(prompts, params, use_tqdm=False, on_output=on_output, on_step=on_step)
 
 
 def pool_result(
@@ -78,6 +104,9 @@ def pool_result(
         best = max(range(len(result.probs)), key=result.probs.__getitem__)
         row.extra["label"] = labels[best] if labels else str(best)
         row.extra["probs"] = result.probs
+    elif task == "score":
+        assert isinstance(result, ScoringOutput)
+        row.extra["score"] = result.score
     else:
         row.extra["score"] = float(result.data[0])  # type: ignore[union-attr]
     return row

@@ -22,9 +22,11 @@ from batchpage.job.config import (
     SAMPLING_FIELDS_NOT_IN_JOB,
     JobConfig,
     ModelSpec,
+    PoolingConfig,
     SamplingConfig,
 )
 from batchpage.job.dry_run import dry_run, pack_tokens, shared_prefix_stats
+from batchpage.pooling_params import PoolingParams
 from batchpage.sampling_params import SamplingParams
 
 # What a clean rerun may legitimately change: cached_tokens depends on what ran alongside.
@@ -278,6 +280,14 @@ def test_sampling_config_mirrors_sampling_params() -> None:
     assert theirs.pop("structured_outputs") is None
     assert SamplingConfig().to_params().structured_outputs is None
     assert {k: theirs[k] for k in ours} == ours
+
+
+def test_pooling_config_mirrors_pooling_params() -> None:
+    ours = {f.name: f.default for f in dataclasses.fields(PoolingConfig)}
+    assert ours == {f.name: f.default for f in dataclasses.fields(PoolingParams)}
+    assert PoolingConfig(dimensions=8).to_params() == PoolingParams(dimensions=8)
+    with pytest.raises(ValueError, match="dimensions must be an integer >= 1"):
+        PoolingConfig(dimensions=0).to_params()
     assert SamplingConfig(temperature=0.5, stop=["\n"]).to_params().stop == ["\n"]
 
 

@@ -1,7 +1,9 @@
 """Pooling models through the job: engine.task=embed writes `embedding`, classify `label` and
-`probs`, reward `score`; resume, carried columns and row errors as for generation; and a reward
-job over a generated file (its messages and completions). The reference is LLM.embed /
-classify / reward on the same prompts."""
+`probs`, reward and score `score`; resume, carried columns and row errors as for generation; a
+reward job over a generated file (its messages and completions); pooling.* as the job's
+PoolingParams. The reference is LLM.embed / classify / reward on the same prompts (themselves
+checked against HF in tests/engine/test_pooling.py), and HF transformers for score and
+Matryoshka dimensions."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from transformers import AutoModel, AutoModelForSequenceClassification
 
 from batchpage import LLM
 from batchpage.job import JobConfigError, run_job
+from batchpage.job.config import PoolingConfig
 from tests.engine.test_pooling import (
     pooling_config,
     randomize,
@@ -37,10 +40,16 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     config = pooling_config("llama_gqa_tied", id2label=labels, label2id={})
     cls = randomize(AutoModelForSequenceClassification.from_config(config), 1)
     reward, _ = reward_model_folder(root / "reward")
+    cross = AutoModelForSequenceClassification.from_config(
+        pooling_config("qwen3_tied", num_labels=1)
+    )
+    matryoshka = AutoModel.from_config(pooling_config("qwen3_tied", is_matryoshka=True))
     return {
         "embed": save_with_tokenizer(embed, root / "embed"),
         "classify": save_with_tokenizer(cls, root / "classify"),
         "reward": reward,
+        "cross": save_with_tokenizer(randomize(cross, 5), root / "cross"),
+        "matryoshka": save_with_tokenizer(randomize(matryoshka, 6), root / "matryoshka"),
     }
 
 
@@ -111,12 +120,97 @@ def test_a_reward_job_over_a_generated_file(tmp_path: Path, folders, tiny_folder
         assert abs(row["score"] - float(ref.outputs.data[0])) < 1e-6
 
 
-def test_pooling_jobs_refuse_what_they_cannot_do(tmp_path: Path, folders) -> None:
+def pairs() -> list[dict]:
+    docs = ["Blocks of keys and values.", "A tree of prefixes.", "Fox.", "Attention.", "Pages."]
+    pairs = enumerate(zip(TEXTS, docs, strict=True))
+    rows = [{"query": q, "doc": d, "k": i} for i, (q, d) in pairs]
+    rows.insert(1, {"query": "No document here", "doc": None, "k": -1})  # its error only
+    return rows
+
+
+@torch.no_grad()
+def test_a_score_job_pairs_each_prompt_with_its_response_column(tmp_path: Path, folders) -> None:
+    """A cross-encoder reads the pair as the tokenizer's pair encoding (sigmoid of its one
+    logit); an embedder gives the cosine of the two texts' last-token states: both against HF.
+    Stopped after 3 rows and resumed, the file equals a clean run's."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs())
+    dataset = {"prompt_column": "query", "response_column": "doc"}
+    out, clean = tmp_path / "out", tmp_path / "clean"
+    score = {"task": "score"}
+    run_job(job(data, folders["cross"], out, engine=score, dataset={**dataset, "limit": 3}))
+    run_job(job(data, folders["cross"], out, engine=score, dataset=dataset))
+    run_job(job(data, folders["cross"], clean, engine=score, dataset=dataset))
+    rows = table(out)
+    assert [r["score"] for r in rows] == [r["score"] for r in table(clean)]
+    assert [r["k"] for r in rows] == [r["k"] for r in pairs()]  # every row, in order, carried
+    assert "response is null" in rows[1]["error"] and rows[1]["score"] is None
+    hf = AutoModelForSequenceClassification.from_pretrained(folders["cross"]).eval()
+    llm = LLM(str(folders["cross"]), task="score", **ENGINE)
+    good = [(r, p) for r, p in zip(rows, pairs(), strict=True) if p["doc"] is not None]
+    for row, p in good:
+        ids = llm.tokenizer.hf(p["query"], p["doc"])["input_ids"]
+        ref = torch.sigmoid(hf(torch.tensor([ids])).logits[0, 0])
+        assert row["prompt_tokens"] == len(ids) and abs(row["score"] - float(ref)) < 1e-5
+    embedder = AutoModel.from_pretrained(folders["embed"]).eval()
+    run_job(job(data, folders["embed"], tmp_path / "cos", engine=score, dataset=dataset))
+
+    def last_state(text: str) -> torch.Tensor:
+        ids = llm.tokenizer.encode(text)  # the same tokenizer in both folders
+        return embedder(torch.tensor([ids])).last_hidden_state[0, -1]
+
+    for row, p in zip(table(tmp_path / "cos"), pairs(), strict=True):
+        if p["doc"] is None:
+            assert row["score"] is None and row["error"] is not None
+            continue
+        ref = torch.cosine_similarity(last_state(p["query"]), last_state(p["doc"]), dim=0)
+        assert abs(row["score"] - float(ref)) < 1e-5
+
+
+@torch.no_grad()
+def test_pooling_dimensions_in_a_job_truncate_a_matryoshka_embedding(
+    tmp_path: Path, folders
+) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", records())
-    with pytest.raises(JobConfigError, match="task=score is not a job task"):
-        run_job(job(data, folders["embed"], tmp_path / "o", engine={"task": "score"}))
+    out = tmp_path / "out"
+    eight = PoolingConfig(dimensions=8)
+    run_job(job(data, folders["matryoshka"], out, engine={"task": "embed"}, pooling=eight))
+    kind = pq.read_schema(out / "completions.parquet").field("embedding").type
+    assert kind.list_size == 8
+    hf = AutoModel.from_pretrained(folders["matryoshka"]).eval()
+    llm = LLM(str(folders["matryoshka"]), **ENGINE)
+    for row in table(out):
+        if row["error"] is not None:
+            continue
+        ids = llm.tokenizer.encode(row["prompt"])
+        state = hf(torch.tensor([ids])).last_hidden_state[0, -1, :8]
+        ref = torch.nn.functional.normalize(state, dim=-1)
+        torch.testing.assert_close(torch.tensor(row["embedding"]), ref, atol=1e-5, rtol=0)
+    raw = PoolingConfig(dimensions=8, normalize=False)  # another job: refused, not mixed in
+    with pytest.raises(JobConfigError, match="changed: pooling.normalize: None -> False"):
+        run_job(job(data, folders["matryoshka"], out, engine={"task": "embed"}, pooling=raw))
+
+
+def test_pooling_jobs_refuse_what_they_cannot_do(tmp_path: Path, folders, tiny_folder) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", records())
+    o = tmp_path / "o"
     with pytest.raises(JobConfigError, match="task=classify needs a score head"):
-        run_job(job(data, folders["embed"], tmp_path / "o", engine={"task": "classify"}))
+        run_job(job(data, folders["embed"], o, engine={"task": "classify"}))
+    with pytest.raises(JobConfigError, match="dataset.response_column=<column>"):
+        run_job(job(data, folders["cross"], o, engine={"task": "score"}))
+    chats = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "a"}],
+                                               "doc": "b"}])  # fmt: skip
+    with pytest.raises(JobConfigError, match="pairs two plain texts"):
+        run_job(job(chats, folders["cross"], o, engine={"task": "score"},
+                    dataset={"messages_column": "messages", "response_column": "doc"}))  # fmt: skip
+    with pytest.raises(JobConfigError, match="pooling.dimensions=8: this model was not trained"):
+        run_job(job(data, folders["embed"], o, engine={"task": "embed"},
+                    pooling=PoolingConfig(dimensions=8)))  # fmt: skip
+    with pytest.raises(JobConfigError, match="pooling.dimensions=999 is not one the model"):
+        run_job(job(data, folders["matryoshka"], o, engine={"task": "embed"},
+                    pooling=PoolingConfig(dimensions=999)))  # fmt: skip
+    with pytest.raises(JobConfigError, match="this job generates: drop the pooling"):
+        run_job(job(data, tiny_folder, o, pooling=PoolingConfig(normalize=False)))
+    assert not o.exists()  # every refusal before anything was written
 
 
 def test_openai_batch_embeddings_lines_are_answered_in_openais_format(

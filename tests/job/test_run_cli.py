@@ -76,6 +76,8 @@ def test_every_preset_composes_into_a_typed_job(dataset: str, sampling: str) -> 
     # Every preset shares one schema: pointing it at the user's own file works the same way.
     own = compose_job([f"dataset={dataset}", "dataset.path=my.parquet", "dataset.prompt_column=q"])
     assert (own.dataset.path, own.dataset.prompt_column) == ("my.parquet", "q")
+    pooled = compose_job([f"dataset={dataset}", "engine.task=embed", "pooling.dimensions=8"])
+    assert pooled.pooling.to_params().dimensions == 8 and pooled.engine.task == "embed"
 
 
 def test_defaults_and_the_compose_api() -> None:
@@ -93,6 +95,7 @@ def test_defaults_and_the_compose_api() -> None:
         ("sampling.temprature=0.5", "Key 'temprature' not in 'SamplingConfig'"),
         ("dataset=nope", "Available options"),
         ("engine.block_size=big", "could not be converted to Integer"),
+        ("pooling.dimensions=many", "could not be converted to Integer"),
         ("outputdir=x", "Key 'outputdir' not in 'JobConfig'"),
     ],
 )

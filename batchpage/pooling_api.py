@@ -121,14 +121,7 @@ class PoolingMethods:
         pair is ready."""
         params = pooling_params or PoolingParams()
         self._require_task("score", ("score",))
-        firsts = [data_1] if isinstance(data_1, str) else list(data_1)
-        seconds = [data_2] if isinstance(data_2, str) else list(data_2)
-        if len(firsts) == 1:
-            firsts = firsts * len(seconds)
-        if len(firsts) != len(seconds):
-            raise ValueError(
-                f"score takes one data_1 or as many as data_2; got {len(firsts)} and {len(seconds)}"
-            )
+        firsts, seconds = score_pairs(data_1, data_2)
         score_head = self.engine.model.score
         if score_head is None:
             return self._score_by_cosine(firsts, seconds, params, use_tqdm, on_output, on_step)
@@ -217,6 +210,19 @@ class PoolingMethods:
             return out
 
         return self._run(requests, use_tqdm, on_output, on_step, make_output=make)
+
+
+def score_pairs(data_1: str | Seq[str], data_2: str | Seq[str]) -> tuple[list[str], list[str]]:
+    """score's pairs: one data_1 against every data_2, or data_1[i] with data_2[i]."""
+    firsts = [data_1] if isinstance(data_1, str) else list(data_1)
+    seconds = [data_2] if isinstance(data_2, str) else list(data_2)
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if len(firsts) != len(seconds):
+        raise ValueError(
+            f"score takes one data_1 or as many as data_2; got {len(firsts)} and {len(seconds)}"
+        )
+    return firsts, seconds
 
 
 def _embedding(vector: torch.Tensor, params: PoolingParams) -> EmbeddingOutput:

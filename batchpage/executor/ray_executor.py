@@ -1,9 +1,11 @@
-"""ReplicaPool: N engine replicas on Ray behind LLM's generate() contract, so the job loop (and
-with it the output writer, resume and run.json) is the same under both executors.
+"""ReplicaPool: N engine replicas on Ray behind LLM's generate() and pooling (embed, classify,
+reward, score) contracts, so the job loop (and with it the output writer, resume and run.json)
+is the same under both executors.
 
-generate(prompts, params, on_output=..., on_step=...) puts the call's rows in the engine's prefix
-order, cuts that order into contiguous windows (windows.py) and hands them out through a work
-queue (work_queue.py): each replica holds at most `windows_per_replica` windows, so memory is
+Each call (generate(prompts, params, on_output=..., on_step=...), or a pooling method with its
+PoolingParams) puts the call's rows in the engine's prefix order, cuts that order into
+contiguous windows (windows.py) and hands them out through a work queue (work_queue.py): each
+replica holds at most `windows_per_replica` windows, so memory is
 bounded by the windows in flight. Replicas stream finished rows back (replica.py); each row
 reaches on_output exactly once, in the driver, which writes it as the local job does. A replica
 that dies (its process killed, its node lost) puts its undelivered rows back at the front of the
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from batchpage.executor.config import ExecutorConfig
 from batchpage.executor.figures import CallStats, ReplicaFigures
@@ -24,10 +26,13 @@ from batchpage.executor.windows import cut_windows, prefix_order
 from batchpage.executor.work_queue import Window, WorkQueue
 from batchpage.metrics import RunStats
 from batchpage.model.loader import load_tokenizer, resolve_model_source
-from batchpage.outputs import RequestOutput
+from batchpage.outputs import PoolingRequestOutput, RequestOutput
+from batchpage.pooling_api import score_pairs
+from batchpage.pooling_params import PoolingParams
 from batchpage.sampling_params import SamplingParams
 
-OnOutput = Callable[[RequestOutput, int], None]
+Output = RequestOutput | PoolingRequestOutput
+OnOutput = Callable[[Any, int], None]
 OnStep = Callable[[RunStats], None]
 _WAIT_S = 1.0  # the longest the driver waits without reporting progress
 
@@ -61,6 +66,7 @@ class ReplicaPool:
         self.replicas = [ReplicaFigures(i, info) for i, info in enumerate(infos)]
         self.info = infos[0]
         self.plan = self.info["plan"]  # what `auto` became on the first replica
+        self.model_config = self.info["model_config"]
         self.run_stats = RunStats(self.info["kv_blocks"], self.info["block_size"])
         self.requeued_rows = 0
 
@@ -76,17 +82,89 @@ class ReplicaPool:
     ) -> list[RequestOutput]:
         """As LLM.generate: one output per prompt, in input order; on_output(output, index) as
         each row finishes (on any replica), on_step(stats) with the call's figures so far."""
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids = self._ids(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(ids)
         else:
             params = list(sampling_params)
         if len(params) != len(ids):
             raise ValueError(f"got {len(params)} SamplingParams for {len(ids)} prompts")
-        order = prefix_order(ids, self.schedule)
-        windows = cut_windows([ids[p] for p in order], self.cfg.window_rows)
+        return self._call("generate", ids, [ids, params], {}, on_output, on_step)
+
+    def embed(
+        self,
+        prompts: Sequence[list[int] | str],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = False,
+        on_output: OnOutput | None = None,
+        on_step: OnStep | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """As LLM.embed, the rows spread over the replicas as generate's are."""
+        ids = self._ids(prompts)
+        return self._call(
+            "embed", ids, [ids], {"pooling_params": pooling_params}, on_output, on_step
+        )
+
+    def classify(
+        self,
+        prompts: Sequence[list[int] | str],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = False,
+        on_output: OnOutput | None = None,
+        on_step: OnStep | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """As LLM.classify."""
+        ids = self._ids(prompts)
+        kwargs = {"pooling_params": pooling_params}
+        return self._call("classify", ids, [ids], kwargs, on_output, on_step)
+
+    def reward(
+        self,
+        prompts: Sequence[list[int] | str],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = False,
+        on_output: OnOutput | None = None,
+        on_step: OnStep | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """As LLM.reward."""
+        ids = self._ids(prompts)
+        kwargs = {"pooling_params": pooling_params}
+        return self._call("reward", ids, [ids], kwargs, on_output, on_step)
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = False,
+        on_output: OnOutput | None = None,
+        on_step: OnStep | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """As LLM.score; pairs are ordered by their first text's tokens, so pairs that share a
+        query run on one replica, next to each other."""
+        firsts, seconds = score_pairs(data_1, data_2)
+        keys = self._ids(firsts)
+        kwargs = {"pooling_params": pooling_params}
+        return self._call("score", keys, [firsts, seconds], kwargs, on_output, on_step)
+
+    def _ids(self, prompts: Sequence[list[int] | str]) -> list[list[int]]:
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+    def _call(
+        self,
+        method: str,
+        keys: list[list[int]],
+        columns: list[list[Any]],
+        kwargs: dict[str, Any],
+        on_output: OnOutput | None,
+        on_step: OnStep | None,
+    ) -> list[Any]:
+        """Run LLM.<method>(*columns, **kwargs) over the replicas, window by window: row i is
+        (column[i] for each column), placed in the prefix order of keys[i]."""
+        order = prefix_order(keys, self.schedule)
+        windows = cut_windows([keys[p] for p in order], self.cfg.window_rows)
         work = WorkQueue([order[i] for i in r] for r in windows)
-        run = _Run(self, work, ids, params, on_output, on_step)
+        run = _Run(self, work, _Call(method, columns, kwargs), on_output, on_step)
         outputs = run.until_done()
         self.run_stats = run.stats.finish()
         self.requeued_rows += work.requeued_rows
@@ -129,25 +207,33 @@ class ReplicaPool:
             ray.shutdown()
 
 
+class _Call(NamedTuple):
+    method: str  # an LLM method: generate, embed, classify, reward, score
+    columns: list[list[Any]]  # its per-row arguments, one list each, as long as the call
+    kwargs: dict[str, Any]  # its arguments shared by every row
+
+    def window(self, positions: Sequence[int]) -> list[list[Any]]:
+        return [[column[p] for p in positions] for column in self.columns]
+
+
 class _Run:
-    """One generate call: dispatch windows, collect rows, handle dead replicas."""
+    """One call: dispatch windows, collect rows, handle dead replicas."""
 
     def __init__(
         self,
         pool: ReplicaPool,
         work: WorkQueue,
-        ids: list[list[int]],
-        params: list[SamplingParams],
+        call: _Call,
         on_output: OnOutput | None,
         on_step: OnStep | None,
     ) -> None:
-        self.pool, self.work, self.ids, self.params = pool, work, ids, params
+        self.pool, self.work, self.call = pool, work, call
         self.on_output, self.on_step = on_output, on_step
-        self.outputs: list[RequestOutput | None] = [None] * len(ids)
+        self.outputs: list[Output | None] = [None] * len(call.columns[0])
         self.stats = CallStats(pool.info["kv_blocks"], pool.info["block_size"])
         self.tasks: dict[Any, tuple[int, Window]] = {}  # generator -> (replica, window)
 
-    def until_done(self) -> list[RequestOutput]:
+    def until_done(self) -> list[Output]:
         import ray
 
         while not self.work.finished:
@@ -174,8 +260,7 @@ class _Run:
                 if window is None:
                     return
                 task = actor.run.options(num_returns="streaming").remote(
-                    [self.ids[p] for p in window.positions],
-                    [self.params[p] for p in window.positions],
+                    self.call.method, self.call.window(window.positions), self.call.kwargs
                 )
                 self.tasks[task] = (figures.index, window)
                 busy.append(figures.index)

@@ -1,4 +1,5 @@
-"""One engine replica: the body of a Ray actor that holds one LLM and runs windows of rows.
+"""One engine replica: the body of a Ray actor that holds one LLM and runs windows of rows
+through one of its methods (generate, or a pooling method).
 
 `run` is a streaming generator: the engine runs in a thread of the actor and each finished row
 is yielded to the driver as soon as it is there (batched with whatever else finished meanwhile,
@@ -19,8 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchpage.metrics import RunStats
-from batchpage.outputs import RequestOutput
-from batchpage.sampling_params import SamplingParams
+from batchpage.outputs import PoolingRequestOutput, RequestOutput
 
 # Figures go to the driver at least this often while rows are slow, for its progress bar.
 _STATS_EVERY_S = 0.5
@@ -28,7 +28,8 @@ _STATS_EVERY_S = 0.5
 
 @dataclass
 class ReplicaUpdate:
-    outputs: list[tuple[int, RequestOutput]]  # (row position in the window, its output)
+    # (row position in the window, its output)
+    outputs: list[tuple[int, RequestOutput | PoolingRequestOutput]]
     stats: dict[str, float | int]  # RunStats.to_record() of the window so far
     done: bool = False
     first_token_s: list[float] = field(default_factory=list)  # with done: the window's TTFTs
@@ -59,12 +60,16 @@ class Replica:
             "block_size": self.llm.config.block_size,
             "attention_backend": type(self.llm.engine.runner.attention).__name__,
             "threads": self.threads,
+            "model_config": self.llm.model_config,
         }
 
     def run(
-        self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
+        self, method: str, columns: Sequence[Sequence[Any]], kwargs: dict[str, Any]
     ) -> Iterator[ReplicaUpdate]:
-        """Generate one window; yields ReplicaUpdates as rows finish, the last with done=True."""
+        """One window through LLM.<method>(*columns, **kwargs) (generate: prompts and their
+        SamplingParams; a pooling method: prompts, or score's two texts, and PoolingParams);
+        yields ReplicaUpdates as rows finish, the last with done=True."""
+        call = getattr(self.llm, method)
         events: queue.Queue[tuple[str, Any]] = queue.Queue()
         latest: dict[str, RunStats] = {}  # the window's RunStats, which the engine keeps filling
 
@@ -73,9 +78,9 @@ class Replica:
 
         def work() -> None:
             try:
-                self.llm.generate(
-                    list(prompts),
-                    list(params),
+                call(
+                    *map(list, columns),
+                    **kwargs,
                     use_tqdm=False,
                     on_output=lambda out, i: events.put(("row", (i, out))),
                     on_step=stepped,
@@ -89,7 +94,7 @@ class Replica:
         last_sent = time.monotonic()
         finished = False
         while not finished:
-            rows: list[tuple[int, RequestOutput]] = []
+            rows: list[tuple[int, RequestOutput | PoolingRequestOutput]] = []
             try:
                 kind, payload = events.get(timeout=_STATS_EVERY_S)
             except queue.Empty:

@@ -213,8 +213,6 @@ def _check_pooling_job(
             f"engine.task={task} takes a prompt or messages dataset, without score= (an OpenAI "
             "Batch file is for generation or /v1/embeddings, HumanEval scoring for generation)"
         )
-    if cfg.executor.kind != "local":
-        raise ValueError(f"engine.task={task} runs with executor=local only")
 
 
 def _check_score_job(cfg: JobConfig, info: DatasetInfo) -> None:

@@ -23,6 +23,8 @@ from batchpage.sampling_params import StructuredOutputsParams
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 EMBEDDINGS_URL = "/v1/embeddings"  # answered by a job with engine.task=embed
+# OpenAI's own bound on one embeddings request's inputs.
+MAX_EMBEDDING_INPUTS = 2048
 URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
 ID_FIELD = "custom_id"
 # The request's own fields: consumed, never carried into the output as input columns.
@@ -76,6 +78,7 @@ def make_batch_row(
     try:
         _check_line(rec, custom_id, url)
         _read_body(row, rec["body"], url)
+        # An embeddings line's inputs are bounded by the line's own size (max_prompt_bytes).
         size_problem = prompt_size_error(row.prompt, max_prompt_bytes) or messages_size_error(
             row.messages, max_prompt_bytes
         )
@@ -149,16 +152,53 @@ def _read_embeddings_body(row: Row, body: dict[str, Any]) -> None:
         raise ValueError(
             f"encoding_format {body['encoding_format']!r:.30} is not supported: use float"
         )
-    row.prompt = _prompt(body.get("input"), EMBEDDINGS_URL, "input")
+    inputs = _embedding_inputs(body.get("input"))
+    if len(inputs) == 1 and isinstance(inputs[0], str):
+        row.prompt = inputs[0]
+    else:
+        row.inputs = inputs
 
 
-def _prompt(value: Any, url: str = COMPLETIONS_URL, name: str = "prompt") -> str:
+def _embedding_inputs(value: Any) -> list[str | list[int]]:
+    """OpenAI's `input`: a text, an array of texts, an array of token ids, or an array of
+    token-id arrays; as a list of texts or token-id lists, each checked."""
+    shapes = (
+        "input must be a string, an array of strings, an array of token ids or an array of "
+        "token-id arrays"
+    )
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ValueError(
+            f"{shapes}; got {type(value).__name__ if value != [] else 'an empty array'}"
+        )
+    if all(_is_token(t) for t in value):
+        value = [value]  # one input, as token ids
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise ValueError(
+            f"input has {len(value)} items, at most {MAX_EMBEDDING_INPUTS} a request (as OpenAI "
+            "allows): split it over several lines"
+        )
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            if not item.strip():
+                raise ValueError(f"input[{i}] is empty")
+        elif not isinstance(item, list) or not item or not all(_is_token(t) for t in item):
+            raise ValueError(f"{shapes}; input[{i}] is neither a text nor token ids")
+    return value
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _prompt(value: Any) -> str:
     if isinstance(value, list) and len(value) == 1:
         value = value[0]
     if not isinstance(value, str):
         raise ValueError(
-            f"a {url} body needs {name} as one string (got {type(value).__name__}); "
-            f"send one line per {name}"
+            f"a {COMPLETIONS_URL} body needs prompt as one string (got {type(value).__name__}); "
+            "send one line per prompt"
         )
     if not value.strip():
         raise ValueError("prompt is empty")

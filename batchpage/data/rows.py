@@ -72,6 +72,9 @@ class Row:
     messages: list[dict[str, str]] | None = None  # system_prompt already prepended
     system_prompt: str | None = None  # set for plain prompts only (chats carry it inside)
     response: str | None = None  # dataset.response_column's reply to score after the prompt
+    # An /v1/embeddings line's inputs when they are not one text: several texts, or token ids
+    # (one list, or a list of lists); each is embedded, and the row's answer holds them all.
+    inputs: list[str | list[int]] | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # non-null per-row sampling values
     error: str | None = None
     # Values of the output's extra columns that come from the input: the carried columns (and an

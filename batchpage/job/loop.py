@@ -190,10 +190,11 @@ def _generate(
     task = plan.engine.task
     if task != "generate":
 
-        def pooled(out: PoolingRequestOutput, index: int) -> None:
-            writer.add(pool_result(ready[index], out, task, llm.model_config.head.labels))
+        def pooled(p: Prepared, outs: list[PoolingRequestOutput]) -> None:
+            labels = llm.model_config.head.labels
+            writer.add(pool_result(p, outs, task, labels, plan.listed))
             writer.maybe_flush()
-            progress.row_finished(unused_budget=budget(ready[index]))
+            progress.row_finished(unused_budget=budget(p))
 
         pool_rows(llm, task, ready, plan.pooling, pooled, stepped)
         return llm.run_stats

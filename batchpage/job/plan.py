@@ -60,7 +60,8 @@ class JobPlan:
     style: str | None  # instruct | completion for a code-completion prompt set, else None
     fingerprint: dict[str, Any]
     # completion and finish_reason are lists (one per sample) in every row: the job's n > 1, an
-    # `n` column, or an OpenAI Batch file (whose bodies may set n).
+    # `n` column, or an OpenAI Batch file (whose bodies may set n); in an embedding job, the
+    # embedding column (one per input of an OpenAI Batch line).
     listed: bool = False
     # The output's columns after batchpage's own: derived (code; url and logprobs of an OpenAI
     # Batch file), then the carried input columns.
@@ -101,7 +102,8 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         reasoning = _reasoning(engine_cfg, source)
         if engine.task != "generate":
             _check_pooling_job(engine.task, cfg, info, pooling, source.config)
-            listed, reasoning = False, None
+            # An OpenAI Batch embeddings line may have several inputs: a list of embeddings.
+            listed, reasoning = info.format == "openai_batch", None
         elif pooling != PoolingParams():
             raise ValueError(
                 "pooling.* is for pooling jobs (engine.task=embed, classify, reward or score); "
@@ -246,7 +248,7 @@ def _extra_schema(
     text = pa.list_(pa.string()) if listed else pa.string()
     derived = pa.schema([("reasoning", text)] if reasoning else [])
     if task != "generate":
-        derived = pool_schema(task, model, pooling)
+        derived = pool_schema(task, model, pooling, listed)
     if style is not None:
         derived = pa.schema([*derived, *code_schema(2 if listed else 1)])  # lists for n > 1
     if info.format == "openai_batch":

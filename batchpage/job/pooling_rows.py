@@ -3,7 +3,8 @@ row's values, and the LLM method that makes them, with the job's PoolingParams (
 
 embed: `embedding`, the pooled hidden state (a fixed-size list of float32: pooling.dimensions
 long for a Matryoshka model, else the hidden size; normalized unless pooling.normalize=false),
-and for an OpenAI Batch file its /v1/embeddings answers;
+and for an OpenAI Batch file a list of them, one per input of the line, and its /v1/embeddings
+answers;
 classify: `label` (id2label's name of the likeliest label, else its id) and `probs`;
 reward: `score`, the reward head's first output;
 score: `score`, the relevance of the row's prompt (data_1) and its dataset.response_column
@@ -31,14 +32,16 @@ from batchpage.outputs import (
 from batchpage.pooling_params import PoolingParams
 
 POOLING_JOB_TASKS = ("embed", "classify", "reward", "score")
-OnOutput = Callable[[PoolingRequestOutput, int], None]
+OnRow = Callable[[Prepared, list[PoolingRequestOutput]], None]
 
 
-def pool_schema(task: str, model: ModelConfig, params: PoolingParams) -> pa.Schema:
-    """The derived columns of a pooling job's output."""
+def pool_schema(
+    task: str, model: ModelConfig, params: PoolingParams, listed: bool = False
+) -> pa.Schema:
+    """The derived columns of a pooling job's output; `listed`: a list of embeddings a row."""
     if task == "embed":
-        size = params.dimensions or model.hidden_size
-        return pa.schema([("embedding", pa.list_(pa.float32(), size))])
+        one = pa.list_(pa.float32(), params.dimensions or model.hidden_size)
+        return pa.schema([("embedding", pa.list_(one) if listed else one)])
     if task == "classify":
         return pa.schema([("label", pa.string()), ("probs", pa.list_(pa.float32()))])
     return pa.schema([("score", pa.float64())])
@@ -66,40 +69,71 @@ def pool_rows(
     task: str,
     ready: list[Prepared],
     params: PoolingParams,
-    on_output: OnOutput,
+    on_row: OnRow,
     on_step: Callable[..., None],
 ) -> None:
-    """The window's rows through the task's LLM method; on_output(output, index in ready)."""
+    """The window's rows through the task's LLM method; on_row(prepared, its outputs: one per
+    input, in order) as the last of a row's inputs is done."""
     if task == "score":
         firsts = [p.row.prompt or "" for p in ready]
         seconds = [p.row.response or "" for p in ready]
-        llm.score(firsts, seconds, params, use_tqdm=False, on_output=on_output, on_step=on_step)
+
+        def pair_done(out: PoolingRequestOutput, i: int) -> None:
+            on_row(ready[i], [out])
+
+        llm.score(firsts, seconds, params, use_tqdm=False, on_output=pair_done, on_step=on_step)
         return
+    owner = [(i, j) for i, p in enumerate(ready) for j in range(len(p.prompts))]
+    got: dict[int, dict[int, PoolingRequestOutput]] = {}
+
+    def input_done(out: PoolingRequestOutput, k: int) -> None:
+        i, j = owner[k]
+        outs = got.setdefault(i, {})
+        outs[j] = out
+        if len(outs) == len(ready[i].prompts):
+            on_row(ready[i], [outs[n] for n in range(len(outs))])
+            del got[i]
+
     method = {"embed": llm.embed, "classify": llm.classify, "reward": llm.reward}[task]
-    prompts = [p.prompt_ids for p in ready]
-    method(prompts, params, use_tqdm=False, on_output=on_output, on_step=on_step)
+    prompts = [ids for p in ready for ids in p.prompts]
+    method(prompts, params, use_tqdm=False, on_output=input_done, on_step=on_step)
 
 
 def pool_result(
-    p: Prepared, out: PoolingRequestOutput, task: str, labels: tuple[str, ...]
+    p: Prepared,
+    outs: list[PoolingRequestOutput],
+    task: str,
+    labels: tuple[str, ...],
+    listed: bool = False,
 ) -> ResultRow:
+    """The output row of a pooled row (outs: one per input); `listed`: the embedding column
+    holds a list of embeddings (an OpenAI Batch embeddings job)."""
+    errors = [(j, o.error) for j, o in enumerate(outs) if o.error is not None]
+    error = None
+    if errors:
+        j, error = errors[0]
+        error = f"input[{j}]: {error}" if len(outs) > 1 else error
     row = ResultRow(
         p.row.index,
         p.row.id,
         p.text,
-        prompt_tokens=len(out.prompt_token_ids),
+        prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
         completion_tokens=0,
-        cached_tokens=out.num_cached_tokens,
-        error=out.error,
+        cached_tokens=sum(o.num_cached_tokens for o in outs),
+        error=error,
         extra=dict(p.row.extra),
     )
-    if out.error is not None:
+    if error is not None:
         return row
-    result = out.outputs
     if task == "embed":
-        assert isinstance(result, EmbeddingOutput)
-        row.extra["embedding"] = result.embedding
-    elif task == "classify":
+        embeddings = []
+        for o in outs:
+            assert isinstance(o.outputs, EmbeddingOutput)
+            embeddings.append(o.outputs.embedding)
+        row.extra["embedding"] = embeddings if listed else embeddings[0]
+        return row
+    result = outs[0].outputs
+    if task == "classify":
         assert isinstance(result, ClassificationOutput)
         best = max(range(len(result.probs)), key=result.probs.__getitem__)
         row.extra["label"] = labels[best] if labels else str(best)

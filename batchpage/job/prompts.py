@@ -16,6 +16,7 @@ row past a bound is that row's error.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -45,9 +46,16 @@ class PromptPlan:
 
 class Prepared(NamedTuple):
     row: Row
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # with `inputs`: theirs end to end (what the row costs)
     text: str  # what the output's prompt column holds (the rendered chat for chats)
     params: SamplingParams
+    # An embeddings line's inputs (Row.inputs), each as token ids; None: one prompt.
+    inputs: list[list[int]] | None = None
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        """What the engine runs for this row: its inputs, or its one prompt."""
+        return self.inputs if self.inputs is not None else [self.prompt_ids]
 
 
 def row_seed(base_seed: int, index: int) -> int:
@@ -106,6 +114,11 @@ def prepare_window(
             continue
         if tokenizer is None:
             raise ValueError("prepare_window needs the tokenizer for rows left to generate")
+        if row.inputs is not None:  # bounded when the line was read
+            ids = [tokenizer.encode(x) if isinstance(x, str) else x for x in row.inputs]
+            flat = [t for one in ids for t in one]
+            ready.append(Prepared(row, flat, json.dumps(row.inputs), params, ids))
+            continue
         chat = chat_of(row, plan)
         if chat is None:
             text = (row.prompt or "") + (row.response or "")

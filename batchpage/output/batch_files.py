@@ -143,11 +143,14 @@ def _answer(rec: dict[str, Any], key: str, model: str, created: int) -> dict[str
 
 
 def _embedding_body(rec: dict[str, Any], model: str) -> dict[str, Any]:
-    """OpenAI's embeddings response: one float embedding, the prompt's tokens as usage."""
+    """OpenAI's embeddings response: a float embedding per input, their tokens as usage."""
     tokens = rec["prompt_tokens"] or 0
+    data = [
+        {"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(rec["embedding"])
+    ]
     return {
         "object": "list",
-        "data": [{"object": "embedding", "index": 0, "embedding": rec["embedding"]}],
+        "data": data,
         "model": model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }

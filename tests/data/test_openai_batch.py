@@ -87,6 +87,10 @@ def test_detected_by_its_first_record_and_read_as_requests(tmp_path: Path) -> No
     assert (params.n, params.max_tokens, params.logprobs, params.seed) == (2, 7, 2, 3)
 
 
+def embeddings(value: Any, custom_id: str = "e") -> dict[str, Any]:
+    return {**line(custom_id), "url": "/v1/embeddings", "body": {"input": value}}
+
+
 @pytest.mark.parametrize(
     ("record", "message"),
     [
@@ -94,10 +98,13 @@ def test_detected_by_its_first_record_and_read_as_requests(tmp_path: Path) -> No
         ([1, 2], "is not an object"),
         ({**line("a"), "url": "/v1/moderations"}, "url '/v1/moderations' is not supported"),
         ({**line("a"), "url": "/v1/embeddings"}, "not supported for /v1/embeddings"),  # messages
-        (
-            {**line("a"), "url": "/v1/embeddings", "body": {"input": ["a", "b"]}},
-            "needs input as one string",
-        ),
+        (embeddings([]), "input must be a string, an array of strings, an array of token ids"),
+        (embeddings(["a", 3]), "input[1] is neither a text nor token ids"),
+        (embeddings([[1, 2], [True]]), "input[1] is neither a text nor token ids"),
+        (embeddings([[1, -2]]), "input[0] is neither a text nor token ids"),
+        (embeddings({"text": "a"}), "got dict"),
+        (embeddings(["a", " "]), "input[1] is empty"),
+        (embeddings(["a"] * 2049), "input has 2049 items, at most 2048"),
         ({**line("a"), "method": "GET"}, "method must be POST"),
         ({**line("a"), "custom_id": 5}, "custom_id must be a non-empty string"),
         ({**line("a"), "body": "x"}, "body must be an object"),
@@ -123,6 +130,20 @@ def test_each_bad_line_is_its_own_error(tmp_path: Path, record: Any, message: st
     assert rows[1].error is not None and message in rows[1].error, rows[1].error
     custom_id = record.get("custom_id") if isinstance(record, dict) else None
     assert rows[1].id == (custom_id if isinstance(custom_id, str) else None)
+
+
+def test_embeddings_inputs_in_each_of_openais_shapes(tmp_path: Path) -> None:
+    """One text is the row's prompt; several texts, token ids or token-id lists its inputs."""
+    shapes = ["one", ["one"], ["a", "b"], [5, 6, 7], [[5, 6], [7]]]
+    f = write(tmp_path / "e.jsonl", [embeddings(v, f"e{i}") for i, v in enumerate(shapes)])
+    rows = list(iter_rows(DatasetSpec(path=str(f))))
+    assert [(r.prompt, r.inputs) for r in rows] == [
+        ("one", None),
+        ("one", None),
+        (None, ["a", "b"]),
+        (None, [[5, 6, 7]]),
+        (None, [[5, 6], [7]]),
+    ]
 
 
 def test_bad_values_fail_when_the_row_gets_its_params(tmp_path: Path) -> None:

@@ -216,29 +216,49 @@ def test_pooling_jobs_refuse_what_they_cannot_do(tmp_path: Path, folders, tiny_f
 def test_openai_batch_embeddings_lines_are_answered_in_openais_format(
     tmp_path: Path, folders
 ) -> None:
+    """One text, several, token ids and lists of them: each input's embedding in `data`, in
+    order, usage the inputs' tokens together; a line with one bad input fails as a whole."""
+    llm = LLM(str(folders["embed"]), **ENGINE)
+    ids = llm.tokenizer.encode("Paged attention")
     lines = [
         request("e1", "/v1/embeddings", input="Hello world"),
         request("c1", messages=ask("Hi"), max_tokens=3),  # a chat line: not for an embedder
-        request("e2", "/v1/embeddings", input=["A radix tree"], encoding_format="float"),
+        request(
+            "e2", "/v1/embeddings", input=["A radix tree", "def f():"], encoding_format="float"
+        ),
         request("e3", "/v1/embeddings", input="x", encoding_format="base64"),
+        request("e4", "/v1/embeddings", input=ids),
+        request("e5", "/v1/embeddings", input=[ids, ids[:2], ids]),
+        request("e6", "/v1/embeddings", input=["fine", "word " * 300]),  # over max_model_len
     ]
     data = write_jsonl(tmp_path / "b.jsonl", lines)
     out = tmp_path / "out"
     run_job(job(data, folders["embed"], out, engine={"task": "embed"}))
     answers = [json.loads(x) for x in (out / "batch_output.jsonl").read_text().splitlines()]
     errors = [json.loads(x) for x in (out / "batch_errors.jsonl").read_text().splitlines()]
-    refs = LLM(str(folders["embed"]), **ENGINE).embed(["Hello world", "A radix tree"])
-    assert [a["custom_id"] for a in answers] == ["e1", "e2"]
-    for answer, ref in zip(answers, refs, strict=True):
+    expected = {
+        "e1": ["Hello world"],
+        "e2": ["A radix tree", "def f():"],
+        "e4": [ids],
+        "e5": [ids, ids[:2], ids],
+    }
+    assert [a["custom_id"] for a in answers] == list(expected)
+    for answer, inputs in zip(answers, expected.values(), strict=True):
+        refs = llm.embed(inputs, use_tqdm=False)
         body = answer["response"]["body"]
-        assert body["object"] == "list" and body["data"][0]["object"] == "embedding"
-        torch.testing.assert_close(
-            torch.tensor(body["data"][0]["embedding"]),
-            torch.tensor(ref.outputs.embedding),
-            atol=1e-6,
-            rtol=0,
-        )
-        assert body["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
-    assert [e["custom_id"] for e in errors] == ["c1", "e3"]
+        assert body["object"] == "list"
+        assert [d["index"] for d in body["data"]] == list(range(len(inputs)))
+        for got, ref in zip(body["data"], refs, strict=True):
+            assert got["object"] == "embedding"
+            torch.testing.assert_close(
+                torch.tensor(got["embedding"]),
+                torch.tensor(ref.outputs.embedding),
+                atol=1e-6,
+                rtol=0,
+            )
+        tokens = sum(len(r.prompt_token_ids) for r in refs)
+        assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    assert [e["custom_id"] for e in errors] == ["c1", "e3", "e6"]
     assert "needs a job with a generation model" in errors[0]["error"]["message"]
     assert "encoding_format 'base64' is not supported" in errors[1]["error"]["message"]
+    assert "input[1]: prompt has" in errors[2]["error"]["message"]

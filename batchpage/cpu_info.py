@@ -29,6 +29,14 @@ def cpu_model() -> str:
     return _field("model name") or platform.processor() or platform.machine()
 
 
+def cpu_mhz() -> float:
+    """The first CPU's clock as /proc/cpuinfo reports it (2000 where it does not)."""
+    try:
+        return float(_field("cpu MHz") or 2000.0)
+    except ValueError:
+        return 2000.0
+
+
 def cpu_flags() -> frozenset[str]:
     """The instruction-set flags of the first CPU (empty where /proc/cpuinfo is not readable)."""
     return frozenset((_field("flags") or "").split())

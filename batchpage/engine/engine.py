@@ -17,18 +17,17 @@ from collections.abc import Callable
 
 import torch
 
-from batchpage.engine.admission import GrowthEstimate
 from batchpage.engine.beam_runner import BeamSearchRunner
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.constraint import GrammarMasks, advance
 from batchpage.engine.grammar_cache import GrammarCache
-from batchpage.engine.kv_manager import KVCacheManager, StaticKVCacheManager, blocks_for
+from batchpage.engine.kv_manager import KVCacheManager, blocks_for
 from batchpage.engine.model_runner import Peers, build_model_runner
 from batchpage.engine.plan import EnginePlan
 from batchpage.engine.pooling import PoolingType, add_chunk, pooled_vector, uses_score_head
 from batchpage.engine.reasoning import allow_start_marker, force_tokens, resolve_markers
 from batchpage.engine.sampler import SamplerOutput, compute_logprobs, sample, sample_greedy
-from batchpage.engine.scheduler import ScheduledSeq, Scheduler
+from batchpage.engine.scheduler import ScheduledSeq, build_scheduler
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.engine.sequence_factory import SequenceFactory
 from batchpage.engine.step_inputs import StepBuilder, StepInputs
@@ -66,14 +65,10 @@ class Engine:
         self.max_model_len = plan.max_model_len
         if plan.device.type == "cpu":
             keep_freed_memory()  # see host_memory.py: freed pages are not faulted in again
-        if cfg.kv_allocator == "static":
-            self.kv_manager: KVCacheManager = StaticKVCacheManager(
-                plan.num_blocks, cfg.block_size, plan.max_model_len
-            )
-        else:
-            self.kv_manager = KVCacheManager(
-                plan.num_blocks, cfg.block_size, cfg.prefix_caching, cfg.eviction_policy
-            )
+        self.scheduler = build_scheduler(
+            cfg, plan.num_blocks, plan.max_model_len, cfg.batched_tokens(plan.device)
+        )
+        self.kv_manager: KVCacheManager = self.scheduler.kv
         if cfg.classifier_from_token is not None:  # before bind: the lm_head's plain rows
             model.score = token_classifier(
                 model.head_table(), _token_ids(tokenizer, cfg.classifier_from_token)
@@ -88,16 +83,6 @@ class Engine:
         self.pooling = None if plan.task == "generate" else PoolingType(cfg.pooling_type)
         self.model = model
         self.runner = built.runner
-        self.scheduler = Scheduler(
-            self.kv_manager,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.batched_tokens(plan.device),
-            enable_chunked_prefill=cfg.enable_chunked_prefill,
-            preemption_mode=cfg.preemption_mode,
-            schedule=cfg.schedule,
-            max_model_len=plan.max_model_len,
-            growth=GrowthEstimate(),
-        )
         self.eos_ids = tokenizer.eos_token_ids
         self.grammars = GrammarCache(tokenizer.hf, model_cfg.vocab_size, self.eos_ids)
         self.masks = GrammarMasks(model_cfg.vocab_size)

@@ -28,7 +28,13 @@ from typing import NamedTuple
 
 from batchpage.cache.block_pool import OutOfBlocks
 from batchpage.engine.admission import Demand, GrowthEstimate
-from batchpage.engine.kv_manager import BlockCopy, KVCacheManager, blocks_for
+from batchpage.engine.config import EngineConfig
+from batchpage.engine.kv_manager import (
+    BlockCopy,
+    KVCacheManager,
+    StaticKVCacheManager,
+    blocks_for,
+)
 from batchpage.engine.sequence import SeqStatus, Sequence
 
 
@@ -294,3 +300,24 @@ class Scheduler:
         assert all(s.status is SeqStatus.RUNNING for s in self.running)
         assert all(s.status is SeqStatus.WAITING and not s.block_table for s in self.waiting)
         self.kv.check_integrity(self.running)
+
+
+def build_scheduler(
+    cfg: EngineConfig, num_blocks: int, max_model_len: int, max_num_batched_tokens: int
+) -> Scheduler:
+    """The engine's scheduler over a KV manager of num_blocks (paged or static, as cfg says),
+    admitting by expected growth: what Engine runs, and what the simulator drives."""
+    if cfg.kv_allocator == "static":
+        kv: KVCacheManager = StaticKVCacheManager(num_blocks, cfg.block_size, max_model_len)
+    else:
+        kv = KVCacheManager(num_blocks, cfg.block_size, cfg.prefix_caching, cfg.eviction_policy)
+    return Scheduler(
+        kv,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=cfg.enable_chunked_prefill,
+        preemption_mode=cfg.preemption_mode,
+        schedule=cfg.schedule,
+        max_model_len=max_model_len,
+        growth=GrowthEstimate(),
+    )

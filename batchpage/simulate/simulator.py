@@ -1,0 +1,164 @@
+"""The engine's scheduling without a model: the real Scheduler, KV manager and radix cache (one
+`build_scheduler`, as Engine builds them) driven step by step, each step's time from a
+`StepCost` instead of a forward.
+
+Each request is a prompt's token ids and the number of tokens it will generate: exactly
+max_tokens with ignore_eos, else `output_len` (then the engine only knows max_tokens, and the
+simulated end is an EOS at output_len, as the model's would be). A step goes as Engine.step
+goes: schedule (admission, preemption, swaps), the scheduled tokens computed, their full blocks
+published to the cache, one token appended to each sequence that completes its prompt, and the
+stop checks (the engine's StopChecker) finish what ends. Swaps cost their K/V bytes over the
+host link. What comes out is the job's simulated time and what the engine would report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from batchpage.engine.config import EngineConfig
+from batchpage.engine.scheduler import SchedulerOutput, build_scheduler
+from batchpage.engine.sequence import Request, Sequence
+from batchpage.engine.stop_checker import StopChecker
+from batchpage.sampling_params import SamplingParams
+from batchpage.simulate.step_cost import StepCost
+
+# Token ids of the simulated outputs: above any vocabulary, so that they never match a prompt's
+# tokens in the radix cache; each sequence's its own (outputs of different requests differ).
+_EOS = 2**40
+_FIRST_OUTPUT_ID = 2**40 + 1
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    output_len: int  # tokens it generates; with ignore_eos, max_tokens
+    ignore_eos: bool = True
+
+
+@dataclass
+class SimResult:
+    seconds: float = 0.0
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    peak_running: int = 0
+    preemptions: int = 0
+    swaps: int = 0
+    recomputed_tokens: int = 0  # prompt and output tokens computed again after a preemption
+    cached_prompt_tokens: int = 0
+    used_slot_steps: int = 0
+    reserved_slot_steps: int = 0
+    running_steps: int = 0  # running sequences summed over steps
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def kv_waste(self) -> float:
+        """1 - used slots / reserved slots, time-averaged over steps (RunStats' kv_waste)."""
+        if not self.reserved_slot_steps:
+            return 0.0
+        return 1.0 - self.used_slot_steps / self.reserved_slot_steps
+
+    @property
+    def mean_running(self) -> float:
+        return self.running_steps / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "seconds": self.seconds,
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "requests": self.requests,
+            "generated_tokens": self.generated_tokens,
+            "steps": self.steps,
+            "peak_running": self.peak_running,
+            "mean_running": self.mean_running,
+            "preemptions": self.preemptions,
+            "swaps": self.swaps,
+            "recomputed_tokens": self.recomputed_tokens,
+            "kv_waste": self.kv_waste,
+        }
+
+
+def simulate(
+    requests: Seq[SimRequest],
+    cfg: EngineConfig,
+    num_blocks: int,
+    max_model_len: int,
+    cost: StepCost,
+    max_num_batched_tokens: int,
+) -> SimResult:
+    """Run the requests through the engine's scheduling with simulated steps."""
+    scheduler = build_scheduler(cfg, num_blocks, max_model_len, max_num_batched_tokens)
+    kv = scheduler.kv
+    seqs = [_sequence(i, r, max_model_len) for i, r in enumerate(requests)]
+    targets = {s.seq_id: r.output_len for s, r in zip(seqs, requests, strict=True)}
+    first_prefill: dict[int, int] = {}  # seq_id -> prompt tokens its first admission computed
+    result = SimResult(requests=len(seqs), prompt_tokens=sum(s.num_tokens for s in seqs))
+    scheduler.add_batch(seqs)
+    computed_prefill = 0
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        if not out.scheduled:
+            raise RuntimeError("the scheduler could not run any sequence: this is a bug")
+        result.preemptions += len(out.preempted)
+        result.swaps += len(out.swap_out)
+        work = cost.work(
+            (s.num_new_tokens, s.seq.num_computed_tokens, s.completes_prefill)
+            for s in out.scheduled
+        )
+        result.seconds += cost.seconds(work) + _swap_seconds(out, cost, cfg.block_size)
+        finishing = []
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.seq_id not in first_prefill:
+                result.cached_prompt_tokens += seq.num_cached_tokens
+                first_prefill[seq.seq_id] = seq.num_prompt_tokens - seq.num_cached_tokens
+            if s.num_new_tokens > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+                computed_prefill += s.num_new_tokens
+            if s.completes_prefill:
+                finishing.append(seq)
+            seq.num_computed_tokens += s.num_new_tokens
+            if s.num_new_tokens > 1:
+                kv.cache_progress(seq)
+        for seq in finishing:
+            done = seq.num_output_tokens + 1 >= targets[seq.seq_id]
+            token = _EOS if done else _FIRST_OUTPUT_ID + seq.seq_id
+            seq.token_ids.append(token)
+            result.generated_tokens += 1
+            if seq.stop.append(token) is not None:
+                scheduler.finish(seq)
+        running = scheduler.running
+        result.steps += 1
+        result.running_steps += len(running)
+        result.peak_running = max(result.peak_running, len(running))
+        result.used_slot_steps += sum(s.num_computed_tokens for s in running)
+        result.reserved_slot_steps += sum(len(s.block_table) for s in running) * cfg.block_size
+    result.recomputed_tokens = computed_prefill - sum(first_prefill.values())
+    return result
+
+
+def _sequence(index: int, r: SimRequest, max_model_len: int) -> Sequence:
+    if r.ignore_eos and r.output_len != r.max_tokens:
+        raise ValueError(f"request {index}: with ignore_eos it generates max_tokens tokens")
+    if not 1 <= r.output_len <= r.max_tokens:
+        raise ValueError(f"request {index}: output_len must be in [1, max_tokens]")
+    params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos)
+    ids = list(r.prompt_token_ids)
+    request = Request(index, None, ids, params)
+    stop = StopChecker(lambda _: "", params, (_EOS,), len(ids), max_model_len)
+    return Sequence(index, request, 0, list(ids), None, stop)
+
+
+def _swap_seconds(out: SchedulerOutput, cost: StepCost, block_size: int) -> float:
+    """The step's swap-outs and swap-ins: each block's K/V over the host link."""
+    blocks = sum(len(s.blocks) for s in (*out.swap_out, *out.swap_in))
+    if not blocks:
+        return 0.0
+    block_bytes = cost.shape.kv_bytes_per_token * block_size / cost.tp
+    device = cost.device
+    return blocks * block_bytes / (device.host_bandwidth or device.bandwidth)

@@ -1,0 +1,153 @@
+"""What one engine step costs: its work (FLOPs, bytes moved, bytes all-reduced) from the model's
+shape and the step's sequences, and its time on a device (a roofline with efficiency factors).
+
+Work of a step whose sequences compute `new` tokens each after `context` cached ones:
+- linears: 2 FLOPs per weight per token (q, k, v, o and the MLP of every layer; a MoE layer's
+  active experts only), and the lm_head for each row that samples (the last of a prompt's
+  tokens, every decode token);
+- attention: per layer and query token, q.k and p.v over the keys before it: 4 * heads *
+  head_dim FLOPs per key; a chunk of `new` tokens after `context` sees context + (new + 1) / 2
+  keys on average (causal);
+- bytes: every weight once (the step's matmuls stream them), each sequence's K/V read
+  (context + new tokens) and written (new tokens);
+- under tensor parallelism each rank holds 1/tp of the weights, heads and K/V, and each layer
+  all-reduces its attention and MLP outputs: 2 all-reduces of [tokens, hidden] a layer.
+
+Time = overhead + per_seq * sequences + max(FLOPs / (peak FLOP/s * compute_eff),
+bytes / (peak bandwidth * memory_eff)) + all-reduce bytes * 2 (tp - 1) / tp / link bandwidth
+(a ring all-reduce moves that much through each link) + link latency per all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from batchpage.model.config import ModelConfig
+from batchpage.simulate.devices import DeviceSpec
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes a step's cost depends on, and the bytes of one weight and one K/V element."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    experts: int = 1  # experts a MoE layer holds (1: a dense MLP)
+    active_experts: int = 1  # experts each token runs through
+    weight_bytes: float = 2.0  # per weight: 2 for bf16, 4 for float32, about 0.56 for int4 g128
+    kv_bytes: int = 2  # per K/V element
+    tied_embeddings: bool = False
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, weight_bytes: float, kv_bytes: int) -> ModelShape:
+        moe = cfg.moe
+        return cls(
+            layers=cfg.num_layers,
+            hidden=cfg.hidden_size,
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            intermediate=moe.intermediate_size if moe else cfg.intermediate_size,
+            vocab=cfg.vocab_size,
+            experts=moe.num_experts if moe else 1,
+            active_experts=moe.top_k if moe else 1,
+            weight_bytes=weight_bytes,
+            kv_bytes=kv_bytes,
+            tied_embeddings=cfg.tie_word_embeddings,
+        )
+
+    @property
+    def attention_weights(self) -> int:
+        q_and_o = 2 * self.hidden * self.heads * self.head_dim
+        return q_and_o + 2 * self.hidden * self.kv_heads * self.head_dim
+
+    @property
+    def token_weights(self) -> int:
+        """Weights each token multiplies, the lm_head apart."""
+        mlp = 3 * self.hidden * self.intermediate * self.active_experts
+        return self.layers * (self.attention_weights + mlp)
+
+    @property
+    def num_weights(self) -> int:
+        mlp = 3 * self.hidden * self.intermediate * self.experts
+        tables = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        norms = (2 * self.layers + 1) * self.hidden
+        return self.layers * (self.attention_weights + mlp) + tables + norms
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes
+
+
+class StepWork:
+    """The work of one step (per rank under tensor parallelism), summed as sequences join."""
+
+    def __init__(self, shape: ModelShape, tp: int = 1) -> None:
+        self.shape, self.tp = shape, tp
+        self.flops = 0.0
+        self.bytes = shape.num_weights * shape.weight_bytes / tp
+        self.tokens = 0
+        self.seqs = 0
+
+    def add(self, new: int, context: int, samples: bool) -> None:
+        """A sequence computing `new` tokens after `context` computed ones; `samples`: its
+        last row goes through the lm_head."""
+        s = self.shape
+        keys = context + (new + 1) / 2
+        attention = 4 * s.layers * s.heads * s.head_dim * new * keys
+        linear = 2 * new * s.token_weights + (2 * s.vocab * s.hidden if samples else 0)
+        self.flops += (linear + attention) / self.tp
+        self.bytes += (context + 2 * new) * s.kv_bytes_per_token / self.tp
+        self.tokens += new
+        self.seqs += 1
+
+    @property
+    def allreduce_bytes(self) -> float:
+        """Bytes each rank all-reduces this step (two [tokens, hidden] a layer, activations in
+        the weights' float width, at least 2 bytes)."""
+        if self.tp == 1:
+            return 0.0
+        width = max(2.0, min(4.0, self.shape.weight_bytes))
+        return 2 * self.shape.layers * self.tokens * self.shape.hidden * width
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """How far from its datasheet a device runs this engine, fitted to measured runs."""
+
+    compute: float = 0.5  # share of peak FLOP/s the matmuls reach
+    memory: float = 0.7  # share of peak bandwidth the weight and K/V reads reach
+    overhead_s: float = 0.0  # per step: the engine's own work, launches, the host round trip
+    per_seq_s: float = 0.0  # per running sequence per step: input building, sampling, stops
+
+
+class StepCost:
+    """Seconds of a step on `device` with `tp` ranks."""
+
+    def __init__(self, shape: ModelShape, device: DeviceSpec, eff: Efficiency, tp: int = 1):
+        if tp > device.max_tp:
+            raise ValueError(f"tp={tp}: a {device.name} node has {device.max_tp} devices")
+        self.shape, self.device, self.eff, self.tp = shape, device, eff, tp
+
+    def work(self, seqs: Iterable[tuple[int, int, bool]]) -> StepWork:
+        work = StepWork(self.shape, self.tp)
+        for new, context, samples in seqs:
+            work.add(new, context, samples)
+        return work
+
+    def seconds(self, work: StepWork) -> float:
+        d, e = self.device, self.eff
+        compute = work.flops / (d.flops * e.compute)
+        memory = work.bytes / (d.bandwidth * e.memory)
+        comm = 0.0
+        if self.tp > 1:
+            ring = 2 * (self.tp - 1) / self.tp
+            comm = work.allreduce_bytes * ring / d.link_bandwidth
+            comm += 2 * self.shape.layers * d.link_latency_s
+        return e.overhead_s + e.per_seq_s * work.seqs + max(compute, memory) + comm

@@ -1,0 +1,107 @@
+"""The simulator against what it models: its schedule against the real engine's on the same
+requests (steps, peak running, preemptions, prefill computed, KV waste: equal, since it drives
+the same scheduler), and a step's work against a FLOP count of HF transformers' forward."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from batchpage import LLM, SamplingParams
+from batchpage.engine.config import EngineConfig
+from batchpage.model.loader import resolve_model_source
+from batchpage.simulate.devices import DeviceSpec
+from batchpage.simulate.simulator import SimRequest, simulate
+from batchpage.simulate.step_cost import Efficiency, ModelShape, StepCost
+
+ENGINE = {"dtype": "float32", "max_model_len": 256, "block_size": 8}
+
+
+def requests(count: int, seed: int, ignore_eos: bool = True) -> list[SimRequest]:
+    """Prompts in groups that share a prefix (so the radix cache takes part), various lengths."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 300) for _ in range(rng.randrange(8, 40))] for _ in range(4)]
+    out = []
+    for _ in range(count):
+        prompt = rng.choice(prefixes) + [rng.randrange(3, 300) for _ in range(rng.randrange(1, 30))]
+        n = rng.randrange(1, 60)
+        out.append(SimRequest(prompt, n if ignore_eos else 64, n, ignore_eos))
+    return out
+
+
+def cost_of(folder: Path) -> StepCost:
+    cfg = resolve_model_source(str(folder)).config
+    unit = DeviceSpec("unit", 1e12, 1e11, 1e9, host_bandwidth=1e10)
+    return StepCost(ModelShape.of(cfg, 4, 4), unit, Efficiency())
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"kv_cache_memory": 2**21},  # ample: no preemption
+        {"kv_cache_memory": 40 * 8 * 2 * 2 * 2 * 32 * 4, "max_num_seqs": 16},  # 40 blocks: tight
+        {"kv_cache_memory": 40 * 8 * 2 * 2 * 2 * 32 * 4, "preemption_mode": "swap"},
+        {"kv_cache_memory": 2**20, "kv_allocator": "static"},
+        {"kv_cache_memory": 2**21, "prefix_caching": False, "max_num_batched_tokens": 64},
+    ],
+)
+def test_the_simulated_schedule_is_the_engines(tiny_folder: Path, engine: dict) -> None:
+    """The tiny model generates exactly max_tokens (ignore_eos); the simulator, told those
+    lengths, makes the same steps with the same batches."""
+    reqs = requests(40, seed=1)
+    llm = LLM(str(tiny_folder), **ENGINE, **engine)
+    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    outs = llm.generate([r.prompt_token_ids for r in reqs], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [r.output_len for r in reqs]
+    stats = llm.run_stats
+    cfg = EngineConfig(**{**ENGINE, **engine})
+    got = simulate(
+        reqs, cfg, llm.plan.num_blocks, llm.plan.max_model_len, cost_of(tiny_folder),
+        cfg.batched_tokens(torch.device("cpu")),
+    )  # fmt: skip
+    assert got.steps == stats.steps
+    assert got.peak_running == stats.peak_running
+    assert got.preemptions == stats.preemptions and got.swaps == stats.swaps
+    assert got.generated_tokens == stats.generated_tokens
+    assert got.cached_prompt_tokens == stats.cached_prompt_tokens
+    prompt_work = stats.prefill_tokens_computed - (stats.prompt_tokens - stats.cached_prompt_tokens)
+    assert got.recomputed_tokens == prompt_work
+    assert got.kv_waste == pytest.approx(llm.stats["kv_waste"], abs=1e-12)
+    if "kv_cache_memory" in engine and engine["kv_cache_memory"] < 2**20:
+        assert got.preemptions > 0  # the tight pools do preempt: the case is exercised
+
+
+def test_an_eos_the_engine_does_not_know_in_advance(tiny_folder: Path) -> None:
+    """Without ignore_eos the engine admits on max_tokens and the sequence ends early: the
+    simulator ends it at output_len, through the same StopChecker."""
+    reqs = requests(12, seed=2, ignore_eos=False)
+    cfg = EngineConfig(**ENGINE, kv_cache_memory=2**21)
+    got = simulate(reqs, cfg, 512, 256, cost_of(tiny_folder), 512)
+    assert got.generated_tokens == sum(r.output_len for r in reqs)
+    with pytest.raises(ValueError, match="output_len must be in"):
+        simulate([SimRequest([5, 6], 4, 9, False)], cfg, 512, 256, cost_of(tiny_folder), 512)
+
+
+@torch.no_grad()
+def test_a_decode_steps_flops_are_hf_transformers(tiny_folder: Path) -> None:
+    """One decode token after C cached ones, lm_head on that row only: FlopCounterMode over
+    HF's forward counts the same FLOPs as StepWork (linears, attention over C + 1 keys)."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_folder, attn_implementation="eager").eval()
+    context = 37
+    ids = torch.randint(3, 300, (1, context + 1))
+    cache = DynamicCache(config=hf.config)
+    hf(ids[:, :context], past_key_values=cache, use_cache=True)
+    with FlopCounterMode(display=False) as counter:
+        hf(ids[:, context:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cost = cost_of(tiny_folder)
+    work = cost.work([(1, context, True)])
+    assert work.flops == pytest.approx(counter.get_total_flops(), rel=1e-9)
+    shape = cost.shape
+    assert shape.num_weights == sum(p.numel() for p in hf.parameters())
+    assert asdict(shape)["kv_heads"] == hf.config.num_key_value_heads

@@ -10,6 +10,7 @@ import torch
 
 from batchpage.distributed.collective import Collective
 from batchpage.ops.bf16_linear import bf16_dot_kernel, bf16_linears
+from batchpage.ops.dequantized_linear import dequantized_linears
 from batchpage.ops.int_linear import cpu_int_linears
 from batchpage.ops.layer_ops import LayerOps
 from batchpage.ops.linear import TORCH_LINEARS, LinearMethod
@@ -34,13 +35,17 @@ def select_linears(choice: str, dtype: torch.dtype, device: torch.device) -> Lin
     "torch" keeps the dense weights and dequantizes quantized ones; "auto" takes the first that
     applies: the bf16 kernel (bf16 on AVX512-BF16), oneDNN (wherever it packs this dtype on a
     CPU), torch. Every choice but "torch" runs a quantized checkpoint's linears on the C++ int
-    kernel where it applies (bf16 on a CPU with AVX512-BF16 or AVX2)."""
+    kernel where it applies (bf16 on a CPU with AVX512-BF16 or AVX2); on a CPU where it does not
+    (float32), their weights are dequantized once, at bind (ops/dequantized_linear.py)."""
     if choice not in LINEAR_BACKENDS:
         allowed = ", ".join(LINEAR_BACKENDS)
         raise ValueError(f"linear_backend must be one of {allowed}; got {choice!r}")
     if choice == "torch":
         return TORCH_LINEARS
-    return replace(_dense_linears(choice, dtype, device), make_int=cpu_int_linears(dtype, device))
+    make_int = cpu_int_linears(dtype, device)
+    if make_int is None and device.type == "cpu":
+        make_int = dequantized_linears(dtype)
+    return replace(_dense_linears(choice, dtype, device), make_int=make_int)
 
 
 def _dense_linears(choice: str, dtype: torch.dtype, device: torch.device) -> LinearMethod:

@@ -1,0 +1,70 @@
+"""Quantized weights where no integer kernel takes the engine's activations (a CPU engine in
+float32: the C++ int kernels multiply bfloat16 rows): each weight is dequantized once, at bind,
+into a dense linear of the engine's dtype.
+
+QuantLinear's own torch path unpacks its whole weight on every call: a dense copy of the model
+allocated, faulted in and freed every step, which on a CPU costs far more than the matmuls.
+This keeps the dense copy instead (the memory of a checkpoint of that dtype) and multiplies at
+the dense kernels' speed, with the same values: W as IntWeight.dequantize gives it. A scheme
+with int8 activations keeps its rounding (the rows rounded to int8 values, multiplied, scaled
+after), as QuantLinear computes it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from batchpage.ops.linear import IntLinearMaker, LinearOp, dtype_format
+from batchpage.quant.activations import quantize_rows_int8
+from batchpage.quant.int_weight import IntWeight
+
+if TYPE_CHECKING:  # the scheme module imports batchpage.model, which imports the ops
+    from batchpage.quant.scheme import QuantScheme
+
+
+class DequantizedLinear(LinearOp):
+    """A dense weight made from an IntWeight, multiplied by torch (as the torch method's Linear
+    is); it also gives back its rows (a tied model's embedding lookups read them when the
+    checkpoint's only table was quantized). Not a `Linear`, so a dense method's `make` leaves
+    it, and the embedding that reads its rows, as they are."""
+
+    def __init__(
+        self, weight: IntWeight, bias: torch.Tensor | None, dtype: torch.dtype, rounds_rows: bool
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.weight = torch.nn.Parameter(weight.dequantize(torch.float32).to(dtype), False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.to(dtype), False)
+        self.rounds_rows = rounds_rows  # the scheme's int8 activations
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        scales = None
+        if self.rounds_rows:
+            x, scales = quantize_rows_int8(x)
+        if out is None or scales is not None:
+            y = F.linear(x, self.weight)
+            y = y if scales is None else y * scales.to(y.dtype)
+            y = y if self.bias is None else y + self.bias
+            return y if out is None else out.copy_(y)
+        if self.bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
+
+    @property
+    def weight_format(self) -> str:
+        return dtype_format(self.weight.dtype)
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids].float()
+
+
+def dequantized_linears(dtype: torch.dtype) -> IntLinearMaker:
+    """The maker bind calls for each quantized linear: its DequantizedLinear in `dtype`."""
+
+    def make(weight: IntWeight, bias: torch.Tensor | None, scheme: QuantScheme) -> LinearOp:
+        return DequantizedLinear(weight, bias, dtype, scheme.int8_activations)
+
+    return make

@@ -14,14 +14,14 @@ host link. What comes out is the job's simulated time and what the engine would 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.scheduler import SchedulerOutput, build_scheduler
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.engine.stop_checker import StopChecker
 from batchpage.sampling_params import SamplingParams
-from batchpage.simulate.step_cost import StepCost
+from batchpage.simulate.step_cost import StepCost, StepWork
 
 # Token ids of the simulated outputs: above any vocabulary, so that they never match a prompt's
 # tokens in the radix cache; each sequence's its own (outputs of different requests differ).
@@ -52,6 +52,10 @@ class SimResult:
     used_slot_steps: int = 0
     reserved_slot_steps: int = 0
     running_steps: int = 0  # running sequences summed over steps
+    swap_seconds: float = 0.0  # of `seconds`
+    # With keep_steps: each step's work, to time the same schedule under other efficiencies
+    # (the schedule does not depend on the step times).
+    works: list[StepWork] = field(default_factory=list)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -91,6 +95,7 @@ def simulate(
     max_model_len: int,
     cost: StepCost,
     max_num_batched_tokens: int,
+    keep_steps: bool = False,
 ) -> SimResult:
     """Run the requests through the engine's scheduling with simulated steps."""
     scheduler = build_scheduler(cfg, num_blocks, max_model_len, max_num_batched_tokens)
@@ -111,7 +116,11 @@ def simulate(
             (s.num_new_tokens, s.seq.num_computed_tokens, s.completes_prefill)
             for s in out.scheduled
         )
-        result.seconds += cost.seconds(work) + _swap_seconds(out, cost, cfg.block_size)
+        swap = _swap_seconds(out, cost, cfg.block_size)
+        result.seconds += cost.seconds(work) + swap
+        result.swap_seconds += swap
+        if keep_steps:
+            result.works.append(work)
         finishing = []
         for s in out.scheduled:
             seq = s.seq

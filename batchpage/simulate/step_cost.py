@@ -13,15 +13,19 @@ Work of a step whose sequences compute `new` tokens each after `context` cached 
 - under tensor parallelism each rank holds 1/tp of the weights, heads and K/V, and each layer
   all-reduces its attention and MLP outputs: 2 all-reduces of [tokens, hidden] a layer.
 
-Time = overhead + per_seq * sequences + max(FLOPs / (peak FLOP/s * compute_eff),
-bytes / (peak bandwidth * memory_eff)) + all-reduce bytes * 2 (tp - 1) / tp / link bandwidth
-(a ring all-reduce moves that much through each link) + link latency per all-reduce.
+Time = overhead + per_seq * sequences + max(linear FLOPs / (peak FLOP/s * compute_eff) +
+attention FLOPs / (peak FLOP/s * attention_eff), bytes / (peak bandwidth * memory_eff)) +
+all-reduce bytes * 2 (tp - 1) / tp / link bandwidth (a ring all-reduce moves that much through
+each link) + link latency per all-reduce.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from batchpage.model.config import ModelConfig
 from batchpage.simulate.devices import DeviceSpec
@@ -90,7 +94,8 @@ class StepWork:
 
     def __init__(self, shape: ModelShape, tp: int = 1) -> None:
         self.shape, self.tp = shape, tp
-        self.flops = 0.0
+        self.flops = 0.0  # the linears'
+        self.attention_flops = 0.0
         self.bytes = shape.num_weights * shape.weight_bytes / tp
         self.tokens = 0
         self.seqs = 0
@@ -102,7 +107,8 @@ class StepWork:
         keys = context + (new + 1) / 2
         attention = 4 * s.layers * s.heads * s.head_dim * new * keys
         linear = 2 * new * s.token_weights + (2 * s.vocab * s.hidden if samples else 0)
-        self.flops += (linear + attention) / self.tp
+        self.flops += linear / self.tp
+        self.attention_flops += attention / self.tp
         self.bytes += (context + 2 * new) * s.kv_bytes_per_token / self.tp
         self.tokens += new
         self.seqs += 1
@@ -121,7 +127,8 @@ class StepWork:
 class Efficiency:
     """How far from its datasheet a device runs this engine, fitted to measured runs."""
 
-    compute: float = 0.5  # share of peak FLOP/s the matmuls reach
+    compute: float = 0.5  # share of peak FLOP/s the linears' matmuls reach
+    attention: float = 0.3  # share of peak FLOP/s attention over the paged K/V reaches
     memory: float = 0.7  # share of peak bandwidth the weight and K/V reads reach
     overhead_s: float = 0.0  # per step: the engine's own work, launches, the host round trip
     per_seq_s: float = 0.0  # per running sequence per step: input building, sampling, stops
@@ -141,13 +148,17 @@ class StepCost:
             work.add(new, context, samples)
         return work
 
-    def seconds(self, work: StepWork) -> float:
-        d, e = self.device, self.eff
+    def seconds(self, work: StepWork, eff: Efficiency | None = None) -> Any:
+        """The step's time under self.eff, or under `eff`, whose values may be 0-d tensors
+        (a fit differentiates the time through them)."""
+        d, e = self.device, eff or self.eff
         compute = work.flops / (d.flops * e.compute)
+        compute = compute + work.attention_flops / (d.flops * e.attention)
         memory = work.bytes / (d.bandwidth * e.memory)
+        busy = torch.maximum(compute, memory) if torch.is_tensor(compute) else max(compute, memory)
         comm = 0.0
         if self.tp > 1:
             ring = 2 * (self.tp - 1) / self.tp
             comm = work.allreduce_bytes * ring / d.link_bandwidth
             comm += 2 * self.shape.layers * d.link_latency_s
-        return e.overhead_s + e.per_seq_s * work.seqs + max(compute, memory) + comm
+        return e.overhead_s + e.per_seq_s * work.seqs + busy + comm

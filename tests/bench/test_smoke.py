@@ -97,3 +97,41 @@ def test_tensor_parallel_against_one_rank(tmp_path) -> None:
     assert two["message_bytes"] > 0 and two["step_ms"] > 0
     (_, row) = table_with(markdown_tables(done.stdout), "message bytes")
     assert row["ranks"] == "2" and row["same"] == "4/4"
+
+
+@needs_smollm2
+def test_kv_sweep_then_the_simulator_fits_validates_and_predicts(tmp_path) -> None:
+    """A two-run sweep of the bundled model, the simulator fitted to it and replaying it (its
+    schedule is the engine's: peak running and preemptions equal), then a prediction at the
+    paper's scale on a datasheet device."""
+    sweep, fit, predicted = tmp_path / "sweep.json", tmp_path / "fit.json", tmp_path / "p.json"
+    done = run_bench(
+        "jobs.bench.kv_sweep", "--requests", "6", "--max-model-len", "256", "--max-prompt-tokens",
+        "128", "--max-output-tokens", "12", "--pools", "2", "--modes", "ignore_eos,eos",
+        "--out", str(sweep),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    runs = json.loads(sweep.read_text())["results"]
+    assert [r["engine"]["kv_allocator"] for r in runs] == ["paged", "static"] * 2
+    assert all(r["peak_running"] <= 2 for r in runs if r["engine"]["kv_allocator"] == "static")
+    done = run_bench("jobs.simulate", "fit", "--runs", str(sweep), "--out", str(fit))
+    assert done.returncode == 0, done.stderr
+    done = run_bench("jobs.simulate", "validate", "--runs", str(sweep), "--fit", str(fit))
+    assert done.returncode == 0, done.stderr
+    rows = table_with(markdown_tables(done.stdout), "peak (meas/sim)")
+    assert len(rows) == 4
+    for row in rows:
+        measured, simulated = row["peak (meas/sim)"].split("/")
+        assert measured == simulated
+        measured, simulated = row["preemptions (meas/sim)"].split("/")
+        assert measured == simulated
+    done = run_bench(
+        "jobs.simulate", "predict", "--model", "llama-13b", "--device", "a100-80gb",
+        "--requests", "40", "--pools", "8", "--out", str(predicted),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    results = json.loads(predicted.read_text())["results"]
+    assert {(r["pool_sequences"], r["ignore_eos"]) for r in results} >= {(8, True), (8, False)}
+    for r in results:
+        assert r["paged"]["generated_tokens"] == r["static"]["generated_tokens"]
+        assert r["static"]["peak_running"] <= r["pool_sequences"]

@@ -14,6 +14,7 @@ queue for the others; the job fails only when every replica is gone.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -91,45 +92,24 @@ class ReplicaPool:
             raise ValueError(f"got {len(params)} SamplingParams for {len(ids)} prompts")
         return self._call("generate", ids, [ids, params], {}, on_output, on_step)
 
-    def embed(
+    def _pool(
         self,
+        method: str,
         prompts: Sequence[list[int] | str],
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = False,
         on_output: OnOutput | None = None,
         on_step: OnStep | None = None,
     ) -> list[PoolingRequestOutput]:
-        """As LLM.embed, the rows spread over the replicas as generate's are."""
-        ids = self._ids(prompts)
-        return self._call(
-            "embed", ids, [ids], {"pooling_params": pooling_params}, on_output, on_step
-        )
-
-    def classify(
-        self,
-        prompts: Sequence[list[int] | str],
-        pooling_params: PoolingParams | None = None,
-        use_tqdm: bool = False,
-        on_output: OnOutput | None = None,
-        on_step: OnStep | None = None,
-    ) -> list[PoolingRequestOutput]:
-        """As LLM.classify."""
+        """LLM.<method> (embed, classify, reward), the rows spread over the replicas as
+        generate's are."""
         ids = self._ids(prompts)
         kwargs = {"pooling_params": pooling_params}
-        return self._call("classify", ids, [ids], kwargs, on_output, on_step)
+        return self._call(method, ids, [ids], kwargs, on_output, on_step)
 
-    def reward(
-        self,
-        prompts: Sequence[list[int] | str],
-        pooling_params: PoolingParams | None = None,
-        use_tqdm: bool = False,
-        on_output: OnOutput | None = None,
-        on_step: OnStep | None = None,
-    ) -> list[PoolingRequestOutput]:
-        """As LLM.reward."""
-        ids = self._ids(prompts)
-        kwargs = {"pooling_params": pooling_params}
-        return self._call("reward", ids, [ids], kwargs, on_output, on_step)
+    embed = functools.partialmethod(_pool, "embed")
+    classify = functools.partialmethod(_pool, "classify")
+    reward = functools.partialmethod(_pool, "reward")
 
     def score(
         self,

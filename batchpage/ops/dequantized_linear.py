@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from batchpage.ops.linear import IntLinearMaker, LinearOp, dtype_format
+from batchpage.ops.linear import IntLinearMaker, LinearOp, dense_matmul, dtype_format
 from batchpage.quant.activations import quantize_rows_int8
 from batchpage.quant.int_weight import IntWeight
 
@@ -41,17 +41,12 @@ class DequantizedLinear(LinearOp):
         self.rounds_rows = rounds_rows  # the scheme's int8 activations
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        scales = None
-        if self.rounds_rows:
-            x, scales = quantize_rows_int8(x)
-        if out is None or scales is not None:
-            y = F.linear(x, self.weight)
-            y = y if scales is None else y * scales.to(y.dtype)
-            y = y if self.bias is None else y + self.bias
-            return y if out is None else out.copy_(y)
-        if self.bias is None:
-            return torch.mm(x, self.weight.t(), out=out)
-        return torch.addmm(self.bias, x, self.weight.t(), out=out)
+        if not self.rounds_rows:
+            return dense_matmul(x, self.weight, self.bias, out)
+        values, scales = quantize_rows_int8(x)
+        y = F.linear(values, self.weight) * scales.to(x.dtype)
+        y = y if self.bias is None else y + self.bias
+        return y if out is None else out.copy_(y)
 
     @property
     def weight_format(self) -> str:

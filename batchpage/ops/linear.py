@@ -68,17 +68,27 @@ def dtype_format(dtype: torch.dtype) -> str:
     )
 
 
+def dense_matmul(
+    x: torch.Tensor,  # [T, in]
+    weight: torch.Tensor,  # [out, in]
+    bias: torch.Tensor | None,  # [out]
+    out: torch.Tensor | None,  # [T, out] or None
+) -> torch.Tensor:
+    """x @ weight.T + bias, into `out` where given (the kernels F.linear calls for 2-d x)."""
+    if out is None:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
 class Linear(nn.Linear, LinearOp):
     """The dense linear the models are built with: checkpoint tensors load into its `weight`
     and `bias`, and torch multiplies (addmm / mm, the kernels F.linear calls for 2-d inputs),
     which is the torch method's implementation too."""
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        if out is None:
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is None:
-            return torch.mm(x, self.weight.t(), out=out)
-        return torch.addmm(self.bias, x, self.weight.t(), out=out)
+        return dense_matmul(x, self.weight, self.bias, out)
 
     @property
     def weight_format(self) -> str:

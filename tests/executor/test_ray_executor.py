@@ -77,21 +77,22 @@ def test_seeded_sampling_is_the_same_on_replicas(tmp_path, tiny_folder, ray_inst
 
 
 class KillsReplicaZero(ReplicaPool):
-    """Kills replica 0's process (SIGKILL) when the first row arrives, while it holds windows."""
+    """Kills replica 0's process (SIGKILL) when the first row of any call (generate or a
+    pooling method: they share _call) arrives, while it holds windows."""
 
     killed = False
 
-    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
-        saved = kwargs["on_output"]
+    def _call(self, method: str, keys: Any, columns: Any, kwargs: Any, on_output: Any,
+              on_step: Any) -> Any:  # fmt: skip
         pid = self.replicas[0].info["pid"]
 
-        def on_output(out: Any, index: int) -> None:
+        def killing(out: Any, index: int) -> None:
             if not self.killed:
                 os.kill(pid, signal.SIGKILL)
                 self.killed = True
-            saved(out, index)
+            on_output(out, index)
 
-        return super().generate(prompts, sampling_params, **{**kwargs, "on_output": on_output})
+        return super()._call(method, keys, columns, kwargs, killing, on_step)
 
 
 @pytest.mark.slow

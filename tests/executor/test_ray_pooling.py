@@ -3,8 +3,6 @@ score give the local job's completions.parquet, and a replica killed mid-job cos
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from batchpage.executor.ray_executor import ReplicaPool
 from batchpage.job import run_job
 from tests.engine.test_pooling import pooling_config, randomize, save_with_tokenizer
 from tests.executor.jobs import job, job_args, ray_args, run_json, shard_indices, write_rows
+from tests.executor.test_ray_executor import KillsReplicaZero
 
 # cached_tokens depends on which replica held which prefix; every other column must match.
 IGNORED = {"cached_tokens"}
@@ -95,24 +93,6 @@ def test_pooling_jobs_on_two_replicas_equal_the_local_job(
     assert executor["kind"] == "ray" and all(r["windows"] >= 1 for r in executor["replicas"])
 
 
-class KillsReplicaZeroWhileEmbedding(ReplicaPool):
-    """Kills replica 0's process (SIGKILL) when the first embedding arrives."""
-
-    killed = False
-
-    def embed(self, prompts: Any, pooling_params: Any = None, **kwargs: Any) -> Any:
-        saved = kwargs["on_output"]
-        pid = self.replicas[0].info["pid"]
-
-        def on_output(out: Any, index: int) -> None:
-            if not self.killed:
-                os.kill(pid, signal.SIGKILL)
-                self.killed = True
-            saved(out, index)
-
-        return super().embed(prompts, pooling_params, **{**kwargs, "on_output": on_output})
-
-
 @pytest.mark.slow
 def test_a_replica_killed_mid_embedding_job_costs_no_row(
     tmp_path, tiny_folder, ray_instance
@@ -120,9 +100,7 @@ def test_a_replica_killed_mid_embedding_job_costs_no_row(
     data = write_rows(tmp_path / "d.jsonl", 24, bad=False)
     args = pooling_args("embed", tiny_folder, data, tmp_path / "ray", "flush_rows=2", *ray_args())
     cfg = job(args)
-    run_job(
-        cfg, lambda model, **engine: KillsReplicaZeroWhileEmbedding(model, cfg.executor, **engine)
-    )
+    run_job(cfg, lambda model, **engine: KillsReplicaZero(model, cfg.executor, **engine))
     assert sorted(shard_indices(tmp_path / "ray")) == list(range(24)), "a row lost or doubled"
     executor = run_json(tmp_path / "ray")["runs"][-1]["settings"]["executor"]
     assert executor["replicas_lost"] == 1 and executor["rows_requeued"] >= 1

@@ -30,13 +30,13 @@ from batchpage.job import JobConfigError, JobResult, run_job
 from batchpage.job.config import JobConfig, register_configs
 from batchpage.job.dry_run import dry_run
 
-# conf/ sits next to the package in a source checkout; an installed wheel ships it inside.
-_SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"
 _MAX_NAME = 120  # file systems allow 255 bytes a name; leave room
 
 
 def config_dir() -> str:
-    return str(_SOURCE_CONF) if _SOURCE_CONF.is_dir() else "pkg://batchpage.conf"
+    """The Hydra config tree: batchpage/conf, in a wheel as in a checkout (there a link to the
+    top-level conf/ folder)."""
+    return str(Path(__file__).resolve().parent / "conf")
 
 
 def output_dir_for(output_dir: str | None) -> str:
@@ -68,17 +68,11 @@ def compose_job(overrides: Sequence[str] = ()) -> JobConfig:
 
 
 def _compose(overrides: Sequence[str]) -> DictConfig:
-    from hydra import compose, initialize_config_dir, initialize_config_module
+    from hydra import compose, initialize_config_dir
 
     register_configs()
     register_resolvers()
-    where = config_dir()
-    init = (
-        initialize_config_module("batchpage.conf", version_base="1.3")
-        if where.startswith("pkg://")
-        else initialize_config_dir(config_dir=where, version_base="1.3")
-    )
-    with init:
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
 
 

@@ -4,15 +4,28 @@ the launchers' argument checks.
 Scores are kept in base-2 units (s * scale * log2(e)) so the kernels can use exp2, which is one
 hardware instruction; the log-sum-exp values that leave a kernel (split-KV partials) are base-2
 too, and the merge kernel reads them as such.
+
+Triton decides at decoration time, when a kernel is defined, whether @triton.jit compiles for a
+GPU or runs in its numpy interpreter. Without CUDA nothing could compile, so this module, which
+every Triton kernel module imports before defining a kernel, turns the interpreter on (unless
+TRITON_INTERPRET is already set either way): the same kernels then run, slowly, on CPU tensors,
+and the import order of tests does not matter. (batchpage.kernels has no __init__.py: the
+checkout's top-level kernels/ folder must not be a regular package, or run from the checkout's
+root it would be found under the name of Hugging Face's `kernels`, which transformers imports.)
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
-import triton
-import triton.language as tl
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402  (after the interpreter switch above)
+import triton.language as tl  # noqa: E402
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 # Smallest tile edge tl.dot accepts on NVIDIA GPUs (M, N and K must each be >= 16).
@@ -43,7 +56,7 @@ def check_runnable(kernel: object, device: torch.device) -> None:
     if not interpreted:
         raise RuntimeError(
             f"Triton kernels need CUDA tensors (got {device}); on CPU they run only under the "
-            "interpreter: set TRITON_INTERPRET=1 before batchpage.kernels is first imported"
+            "interpreter: set TRITON_INTERPRET=1 before batchpage.kernels.common is first imported"
         )
 
 

@@ -127,9 +127,9 @@ def make_paged_case(
 
 
 def interpreter_skip_reason() -> str | None:
-    """Why the kernels cannot run in this process, or None. Importing batchpage.kernels turns
-    Triton's interpreter on when there is no CUDA; this only fails if TRITON_INTERPRET was set to
-    something false beforehand."""
+    """Why the kernels cannot run in this process, or None. Importing a Triton kernel module
+    turns Triton's interpreter on when there is no CUDA (common.py); this only fails if
+    TRITON_INTERPRET was set to something false beforehand."""
     if torch.cuda.is_available():
         return None
     from batchpage.kernels import paged_decode_attention
@@ -137,7 +137,7 @@ def interpreter_skip_reason() -> str | None:
     if type(paged_decode_attention._decode_single_kernel).__name__ == "InterpretedFunction":
         return None
     return (
-        "no CUDA and batchpage.kernels was imported with TRITON_INTERPRET="
+        "no CUDA and batchpage.kernels.common was imported with TRITON_INTERPRET="
         f"{os.environ.get('TRITON_INTERPRET')!r}: run with TRITON_INTERPRET=1 to test on CPU"
     )
 

@@ -8,12 +8,11 @@ import ast
 from pathlib import Path
 
 import batchpage
-import batchpage.kernels
 
-# batchpage.kernels is installed from the top-level kernels/ folder (see pyproject.toml).
+# batchpage/kernels and batchpage/conf are links to the top-level folders (see pyproject.toml).
 ROOTS = {
     "batchpage": Path(batchpage.__file__).resolve().parent,
-    "batchpage.kernels": Path(batchpage.kernels.__file__).resolve().parent,
+    "batchpage.kernels": Path(batchpage.__file__).resolve().parent.parent / "kernels",
 }
 
 
@@ -23,7 +22,12 @@ def module_name(root: str, path: Path) -> str:
 
 
 def import_graph() -> dict[str, set[str]]:
-    files = {module_name(r, f): f for r, folder in ROOTS.items() for f in folder.rglob("*.py")}
+    files = {
+        module_name(r, f): f
+        for r, folder in ROOTS.items()
+        for f in folder.rglob("*.py")
+        if r != "batchpage" or f.relative_to(folder).parts[0] not in ("kernels", "conf")
+    }
     graph: dict[str, set[str]] = {m: set() for m in files}
     for mod, path in files.items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -33,12 +37,13 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             graph[mod] |= {n for n in names if n in files and n != mod}
-    # Importing a submodule runs its package's __init__ first.
+    # Importing a submodule runs its package's __init__ first (a namespace package has none).
     for mod in list(graph):
         for dep in list(graph[mod]):
             parent = dep.rpartition(".")[0]
             while parent and parent not in (mod, "batchpage") and not mod.startswith(parent + "."):
-                graph[mod].add(parent)
+                if parent in files:
+                    graph[mod].add(parent)
                 parent = parent.rpartition(".")[0]
     return graph
 

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from batchpage.cli import COMMANDS as CLI_COMMANDS
 from batchpage.run import compose_job
 from tests.model_factory import HAS_SMOLLM2
 
@@ -40,14 +41,22 @@ def command_lines() -> list[str]:
     return [line for line in lines if line.split(" ", 1)[0] in COMMANDS]
 
 
-COMMANDS = ("python", "python3", "make", "ray")
-JOB = "python -m batchpage.run "
+COMMANDS = ("python", "python3", "make", "ray", "pip", "batchpage")
+JOBS = ("python -m batchpage.run ", "batchpage run ")  # the console script is the same command
+
+
+def job_lines() -> list[str]:
+    return [line for line in command_lines() if line.startswith(JOBS)]
 
 
 def job_commands() -> list[list[str]]:
-    """The arguments of every `python -m batchpage.run ...` line, as the shell passes them."""
+    """The arguments of every job line (`python -m batchpage.run ...`, `batchpage run ...`), as
+    the shell passes them."""
     return [
-        shlex.split(line, comments=True)[3:] for line in command_lines() if line.startswith(JOB)
+        shlex.split(line, comments=True)[len(prefix.split()) :]
+        for line in job_lines()
+        for prefix in JOBS
+        if line.startswith(prefix)
     ]
 
 
@@ -66,6 +75,8 @@ def test_every_command_line_parses_as_the_shell_reads_it(line: str) -> None:
         assert done.returncode == 0, done.stderr
     elif words[1:2] == ["-m"]:
         assert importlib.util.find_spec(words[2]) is not None, words[2]
+    elif words[0] == "batchpage":
+        assert words[1] in CLI_COMMANDS, words[1]
 
 
 @pytest.mark.parametrize("args", job_commands(), ids=lambda a: " ".join(a)[:60])
@@ -123,12 +134,16 @@ def readme_inputs(folder: Path) -> None:
 
 
 def shell(line: str, cwd: Path) -> subprocess.CompletedProcess:
-    """The line through bash exactly as written; `python` is this interpreter."""
+    """The line through bash exactly as written; `python` is this interpreter, `batchpage` its
+    console script."""
     bin_dir = cwd / ".bin"
     bin_dir.mkdir(exist_ok=True)
     for name in ("python", "python3"):
         if not (bin_dir / name).exists():
             (bin_dir / name).symlink_to(sys.executable)
+    script = bin_dir / "batchpage"
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m batchpage.cli "$@"\n')
+    script.chmod(0o755)
     env = {
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
@@ -145,7 +160,7 @@ def test_every_job_command_runs_as_a_dry_run(tmp_path: Path) -> None:
     readme_inputs(tmp_path)
     # A checkpoint the reader brings (/models/...: a reasoning or reward model, which no
     # bundled model is) cannot be planned here; its line still composes (above).
-    lines = [line for line in command_lines() if line.startswith(JOB) and "=/models/" not in line]
+    lines = [line for line in job_lines() if "=/models/" not in line]
     for line in lines:
         done = shell(f"{line.split(' #')[0]} dry_run=true", tmp_path)
         assert done.returncode == 0, (line, done.stderr[-3000:])

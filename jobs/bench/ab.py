@@ -113,14 +113,15 @@ class Worker:
 
 def stage_tree(tree: Path, stage: Path) -> None:
     """A folder on whose path `import batchpage` finds `tree`'s package as its wheel lays it out
-    (the package-dir of its pyproject: batchpage.kernels from kernels/, ...), beside a copy of
-    engine_runs.py. The editable install of this checkout would otherwise answer for the
-    subpackages that live outside batchpage/."""
+    (batchpage.kernels from kernels/, ...), beside a copy of engine_runs.py. The editable
+    install of this checkout would otherwise answer for the subpackages that live outside
+    batchpage/."""
     package = stage / "batchpage"
     package.mkdir(parents=True)
     for entry in (tree / "batchpage").iterdir():
         (package / entry.name).symlink_to(entry)
-    # package-dir = { "batchpage" = "batchpage", "batchpage.kernels" = "kernels", ... }
+    # Today batchpage/kernels and batchpage/conf are links (copied above); older revisions
+    # mapped them in pyproject: package-dir = { "batchpage.kernels" = "kernels", ... }
     for sub, folder in re.findall(r'"batchpage\.(\w+)"\s*=\s*"([^"]+)"',
                                   (tree / "pyproject.toml").read_text()):  # fmt: skip
         if not (package / sub).exists():

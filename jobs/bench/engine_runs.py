@@ -159,10 +159,10 @@ def serve() -> None:
 
 def _kernels_file() -> str | None:
     try:
-        import batchpage.kernels
+        import batchpage.kernels.common
     except ImportError:
         return None
-    return os.path.realpath(batchpage.kernels.__file__)
+    return os.path.realpath(batchpage.kernels.common.__file__)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,8 @@ each score s into c * tanh(s / c) before the mask.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+# common first: it turns Triton's interpreter on where there is no CUDA, before triton loads.
 from batchpage.kernels.common import (
     LOG2E,
     check_block_table,
@@ -33,6 +32,10 @@ from batchpage.kernels.common import (
     soft_cap,
     softmax_step,
 )
+
+# isort: split
+import triton
+import triton.language as tl
 
 
 @triton.jit

@@ -6,10 +6,13 @@ marks a padding token whose K/V is dropped.
 from __future__ import annotations
 
 import torch
+
+# common first: it turns Triton's interpreter on where there is no CUDA, before triton loads.
+from batchpage.kernels.common import check_kv_cache, check_runnable, next_pow2
+
+# isort: split
 import triton
 import triton.language as tl
-
-from batchpage.kernels.common import check_kv_cache, check_runnable, next_pow2
 
 
 @triton.jit

@@ -22,9 +22,8 @@ turns each score s into c * tanh(s / c) before the softmax.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+# common first: it turns Triton's interpreter on where there is no CUDA, before triton loads.
 from batchpage.kernels.common import (
     LOG2E,
     check_block_table,
@@ -39,6 +38,10 @@ from batchpage.kernels.common import (
     soft_cap,
     softmax_step,
 )
+
+# isort: split
+import triton
+import triton.language as tl
 
 # A partition shorter than this costs more in launch/merge overhead than its parallelism gains.
 MIN_PARTITION = 256

@@ -16,12 +16,12 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from batchpage.distributed.collective import GroupCollective, broadcast_object, open_group
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.model_runner import ForwardStep, build_model_runner
 from batchpage.engine.plan import EnginePlan
 from batchpage.model.loader import ModelSource, load_model
 from batchpage.model.shard import TensorShard
+from batchpage.ops.collective import GroupCollective, broadcast_object, open_group
 
 LOADED = "loaded"
 

@@ -27,13 +27,13 @@ from typing import IO
 import torch
 import torch.distributed as dist
 
-from batchpage.distributed.collective import GroupCollective, broadcast_object, open_group
 from batchpage.distributed.worker import LOADED, WorkerSpec, to_device
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.model_runner import ForwardStep
 from batchpage.engine.plan import EnginePlan
 from batchpage.model.loader import ModelSource
 from batchpage.model.shard import TensorShard
+from batchpage.ops.collective import GroupCollective, broadcast_object, open_group
 
 # Loading a share of a large checkpoint takes minutes; a worker silent for longer is stuck.
 LOAD_TIMEOUT_S = 3600.0

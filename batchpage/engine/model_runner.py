@@ -16,7 +16,6 @@ import torch
 from batchpage.attention.backend import AttentionBackend
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
-from batchpage.distributed.collective import Collective
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.decode_graphs import DecodeGraphs, ladder
 from batchpage.engine.kv_manager import BlockCopy
@@ -24,6 +23,7 @@ from batchpage.engine.plan import EnginePlan
 from batchpage.engine.scheduler import SchedulerOutput, Swap
 from batchpage.engine.step_inputs import StepInputs
 from batchpage.model.causal_lm import BindReport, CausalLM
+from batchpage.ops.collective import Collective
 from batchpage.ops.select import select_model_ops
 
 log = logging.getLogger(__name__)

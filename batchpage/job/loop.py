@@ -25,13 +25,13 @@ import pyarrow as pa
 
 from batchpage.data.spec import iter_windows
 from batchpage.job.config import JobConfig
+from batchpage.job.humaneval_scores import code_of, score_output
 from batchpage.job.input_watch import InputWatch
 from batchpage.job.plan import JobConfigError, JobPlan, JobStoppedError, plan_job
 from batchpage.job.pooling_rows import check_url, pool_result, pool_rows
 from batchpage.job.progress import JobProgress, job_rate
 from batchpage.job.prompts import Prepared, prepare_window, to_result
 from batchpage.job.report import JobResult, ThisRun, resolved_settings, summarize, write_report
-from batchpage.job.score import code_of, score_output
 from batchpage.metrics import RunStats
 from batchpage.output import OutputDirError, ShardWriter, finalize
 from batchpage.output.batch_files import write_batch_files

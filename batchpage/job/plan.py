@@ -20,9 +20,9 @@ from batchpage.engine.plan import EnginePlan, plan_engine
 from batchpage.engine.reasoning import resolve_markers
 from batchpage.fileio import file_digest
 from batchpage.job.config import JobConfig
+from batchpage.job.humaneval_scores import check_scorable, code_schema
 from batchpage.job.pooling_rows import POOLING_JOB_TASKS, pool_schema
 from batchpage.job.prompts import PromptPlan, check_template
-from batchpage.job.score import check_scorable, code_schema
 from batchpage.model.config import ModelConfig
 from batchpage.model.loader import ModelSource, load_tokenizer, resolve_model_source
 from batchpage.model.tokenizer import check_chat_template_kwargs, resolve_chat_template

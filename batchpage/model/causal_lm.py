@@ -23,7 +23,6 @@ from torch.nn.utils import skip_init
 from batchpage.attention.backend import StepAttention
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
-from batchpage.distributed.collective import Collective
 from batchpage.model.config import ModelConfig
 from batchpage.model.layers import (
     Attention,
@@ -37,6 +36,7 @@ from batchpage.model.layers import (
 from batchpage.model.rope import RotaryEmbedding
 from batchpage.model.score_head import make_score_head
 from batchpage.model.shard import TensorShard
+from batchpage.ops.collective import Collective
 from batchpage.ops.linear import Linear, LinearOp, dtype_format
 from batchpage.ops.select import ModelOps
 from batchpage.ops.workspace import Workspace

@@ -23,8 +23,8 @@ from torch.nn.utils import skip_init
 from batchpage.attention.backend import StepAttention
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
-from batchpage.distributed.collective import Collective
 from batchpage.model.config import ModelConfig
+from batchpage.ops.collective import Collective
 from batchpage.ops.layer_ops import LayerOps
 from batchpage.ops.linear import Linear, LinearOp
 from batchpage.ops.workspace import Workspace

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from batchpage.distributed.collective import Collective
 from batchpage.ops.bf16_linear import bf16_dot_kernel, bf16_linears
+from batchpage.ops.collective import Collective
 from batchpage.ops.dequantized_linear import dequantized_linears
 from batchpage.ops.int_linear import cpu_int_linears
 from batchpage.ops.layer_ops import LayerOps

@@ -2,7 +2,8 @@
 the link between a node's devices), and this machine's CPU from what /proc/cpuinfo says.
 
 Peaks are the vendors' published figures (dense, no sparsity): how far from them the engine runs
-is not a device constant but an `Efficiency` fitted to measured runs (jobs/simulate.py --fit).
+is not a device constant but an `Efficiency` fitted to measured runs (jobs/bench/simulated.py
+fit).
 """
 
 from __future__ import annotations

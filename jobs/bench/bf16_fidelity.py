@@ -1,7 +1,7 @@
 """Greedy fidelity in bfloat16: batchpage against HF transformers, both in bf16, on the bundled
 model (issue #15: divergences only at near-ties, and the match rate).
 
-    python -m jobs.bench.bf16_fidelity --out bench/bf16_fidelity.json
+    python -m jobs.bench.bf16_fidelity --out jobs/bench/results/bf16_fidelity.json
     python -m jobs.bench.bf16_fidelity --dtype float32        # the same table in float32
 
 ShareGPT first turns through the chat template, greedy, --new-tokens each. For every request

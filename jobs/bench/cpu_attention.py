@@ -2,7 +2,7 @@
 layer of SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64, block size 16), each call
 through the AttentionBackend interface (the new tokens' K/V writes included).
 
-    python -m jobs.bench.cpu_attention --out bench/cpu_attention.json
+    python -m jobs.bench.cpu_attention --out jobs/bench/results/cpu_attention.json
     python -m jobs.bench.cpu_attention --parts prefill --dtype bfloat16
     python -m jobs.bench.cpu_attention --smoke         # seconds: does it run?
 

@@ -1,7 +1,8 @@
 """The Triton paged-attention kernels and the engine on a CUDA device.
 
     python -m jobs.bench.gpu                          # (b) + (c) on the CUDA device
-    python -m jobs.bench.gpu --parts b --dtype bfloat16 --out bench/gpu_h200_kernels.json
+    python -m jobs.bench.gpu --parts b --dtype bfloat16 \
+        --out jobs/bench/results/gpu_h200_kernels.json
     python -m jobs.bench.gpu --smoke                  # CPU: tiny shapes, Triton interpreter
 
 The kernels' correctness on CUDA is the test suite's (tests/kernels, tests/attention).

@@ -4,7 +4,8 @@ with int8 ones (kernels/cpu_a8_linear.cpp, "a8"), against the bf16 kernel
 row counts a step has.
 
     python -m jobs.bench.int_linears
-    python -m jobs.bench.int_linears --rows 1,64 --repeats 50 --out bench/int_linears.json
+    python -m jobs.bench.int_linears --rows 1,64 --repeats 50 \
+        --out jobs/bench/results/int_linears.json
 
 Each cell is the median of --repeats calls after a warm-up, the implementations taking turns
 (one call each per round), so that a drift of the machine's speed reaches them alike. "hot"

@@ -3,10 +3,12 @@ over pool sizes from tight to ample, on ShareGPT first turns generating their re
 lengths, both known to the engine (ignore_eos, max_tokens = the reply) and not (max_tokens = a
 cap, the model's own EOS ends the reply). Each run records what the simulator needs to replay
 it (requests, their output lengths, the engine's settings and pool) beside its figures; with
---calibrate, fixed-batch runs on random prompts that jobs/simulate.py fits a step-cost model to.
+--calibrate, fixed-batch runs on random prompts that jobs/bench/simulated.py fits a step-cost
+model to.
 
-    python -m jobs.bench.kv_sweep --requests 96 --pools 8,16,32 --out bench/kv_sweep.json
-    python -m jobs.bench.kv_sweep --calibrate --out bench/sim_calibration.json
+    python -m jobs.bench.kv_sweep --requests 96 --pools 8,16,32 \
+        --out jobs/bench/results/kv_sweep.json
+    python -m jobs.bench.kv_sweep --calibrate --out jobs/bench/results/sim_calibration.json
 
 A pool of k holds k static sequences: k * max_model_len token slots of K/V.
 """

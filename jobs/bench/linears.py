@@ -3,7 +3,8 @@ bfloat16 on a CPU with AVX512-BF16, batchpage's bf16 kernel (Bf16DotLinear; both
 paths, batchpage/ops), at the row counts a step has.
 
     python -m jobs.bench.linears                       # SmolLM2's shapes, float32
-    python -m jobs.bench.linears --dtype bfloat16 --rows 64,256 --out bench/linears.json
+    python -m jobs.bench.linears --dtype bfloat16 --rows 64,256 \
+        --out jobs/bench/results/linears.json
 
 Each cell is the median of --repeats calls after a warm-up; a layer's time sums its linears (k
 and v, gate and up counted as the engine runs them: one merged matmul each). Prints Markdown

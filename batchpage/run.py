@@ -124,17 +124,35 @@ def _app(cfg: DictConfig) -> None:
         sys.exit(1)
 
 
+# What a pooling job did to a row, for its summary.
+POOLED = {"embed": "embedded", "classify": "classified", "reward": "scored", "score": "scored"}
+
+
 def summary(result: JobResult) -> str:
-    """The lines the job prints when it ends."""
+    """The lines the job prints when it ends: for a generation job its finish reasons and
+    generated tokens, for a pooling job the prompt tokens it read."""
     m = result.metrics
-    reasons = ", ".join(f"{k} {v}" for k, v in sorted(result.finish_reasons.items()))
+    done = "generated" if result.task == "generate" else POOLED[result.task]
     lines = [
-        f"{result.rows} rows ({result.rows_generated} generated, {result.rows_resumed} resumed, "
+        f"{result.rows} rows ({result.rows_generated} {done}, {result.rows_resumed} resumed, "
         f"{result.errors} with errors) -> {result.output_dir / 'completions.parquet'}",
-        f"finish reasons: {reasons or 'none'}",
-        f"{m['generated_tokens']} tokens generated at {m['output_tokens_per_s']:.1f} tok/s, "
-        f"prefix hit rate {m['prefix_hit_rate']:.0%}, wall time {m['wall_s']:.1f} s",
     ]
+    tail = f"prefix hit rate {m['prefix_hit_rate']:.0%}, wall time {m['wall_s']:.1f} s"
+    if result.task == "generate":
+        counts = sorted(result.finish_reasons.items())
+        reasons = ", ".join(f"{k} {v}" for k, v in counts)
+        if result.errors:
+            reasons += f"{', ' if reasons else ''}error {result.errors}"
+        lines += [
+            f"finish reasons: {reasons or 'none'}",
+            f"{m['generated_tokens']} tokens generated at {m['output_tokens_per_s']:.1f} tok/s, "
+            + tail,
+        ]
+    else:
+        lines.append(
+            f"{m['prompt_tokens']} prompt tokens read at {m['total_tokens_per_s']:.1f} tok/s, "
+            + tail
+        )
     if result.first_error:
         lines.append(f"first error: {result.first_error}")
     for sample in result.samples:

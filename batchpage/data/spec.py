@@ -330,6 +330,21 @@ def _check_ids(fmt: str, files: list[Path], spec: DatasetSpec, column: str) -> N
         )
 
 
+def input_root(path: str) -> tuple[Path, bool] | None:
+    """Where dataset.path reads from, resolved: (the file, False), or (the folder it reads, or
+    a glob's folder before its first wildcard, True); None for a bundled name or a path that
+    does not exist (validate says what is wrong with it)."""
+    if not path or presets.is_preset(path):
+        return None
+    expanded = os.path.expanduser(path)
+    if any(ch in expanded for ch in "*?["):
+        parts = Path(expanded).parts
+        fixed = next(i for i, part in enumerate(parts) if any(ch in part for ch in "*?["))
+        return Path(*parts[:fixed]).resolve() if fixed else Path.cwd(), True
+    p = Path(expanded)
+    return (p.resolve(), p.is_dir()) if p.exists() else None
+
+
 def _resolve_files(path: str) -> tuple[list[Path], presets.ResolvedPreset | None]:
     if not path:
         raise DatasetError(

@@ -10,6 +10,7 @@ carry values only.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +132,16 @@ class JobConfig:
     # "humaneval": after generating, run each completion's tests in the sandbox and report
     # pass@1 (scores.parquet, run.json). Opt-in: it executes model-written code.
     score: str | None = None
+
+    def __post_init__(self) -> None:
+        """Ranges of the job's own numbers (each group checks its own), so that a bad value is
+        one line while composing, before anything loads."""
+        if self.flush_rows < 1:
+            raise ValueError(
+                f"flush_rows={self.flush_rows} must be >= 1 (finished rows a shard holds)"
+            )
+        if not math.isfinite(self.flush_seconds) or self.flush_seconds <= 0:
+            raise ValueError(f"flush_seconds={self.flush_seconds} must be a number of seconds > 0")
 
 
 def register_configs() -> None:

@@ -146,6 +146,7 @@ def _run(
         final.errors,
         first_error or None,
         metrics,
+        plan.engine.task,
         reasons,
         samples,
         score,

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from batchpage.data.spec import DatasetInfo, validate
+from batchpage.data.spec import DatasetInfo, input_root, validate
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.plan import EnginePlan, plan_engine
 from batchpage.engine.reasoning import resolve_markers
@@ -80,6 +81,8 @@ class JobPlan:
 def plan_job(cfg: JobConfig) -> JobPlan:
     """Validate dataset, sampling, model and KV pool; raise JobConfigError with the fix."""
     try:
+        if cfg.output_dir:
+            _check_apart(Path(cfg.output_dir), cfg.dataset.path)
         info = validate(cfg.dataset)
         params = cfg.sampling.to_params()
         pooling = cfg.pooling.to_params()
@@ -274,3 +277,25 @@ def model_identity(source: ModelSource) -> list[Any]:
     path = source.path
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
     return [file_digest(f, sample_bytes=_WEIGHT_SAMPLE_BYTES) for f in files]
+
+
+def _check_apart(output_dir: Path, dataset_path: str) -> None:
+    """The job's folder and what it reads must not overlap: an output_dir that is, holds or lies
+    in the input folder would read the job's own files as input (and see its input change as it
+    writes), and one that holds the input file may write over it."""
+    root = input_root(dataset_path)
+    if root is None:
+        return
+    where, is_folder = root
+    out = output_dir.expanduser().resolve()
+    if is_folder:
+        overlap = out == where or where in out.parents or out in where.parents
+    else:
+        overlap = out in where.parents
+    if overlap:
+        what = "folder" if is_folder else "file"
+        raise ValueError(
+            f"output_dir={output_dir} overlaps the input {what} of dataset.path={dataset_path} "
+            f"({where}): the job would read its own files or write over its input; give an "
+            "output_dir outside the input (e.g. a sibling folder)"
+        )

@@ -27,7 +27,8 @@ class JobResult:
     errors: int
     first_error: str | None
     metrics: dict[str, Any]  # totals over every run into output_dir, as in run.json
-    finish_reasons: dict[str, int] = field(default_factory=dict)
+    task: str = "generate"  # the engine's task as resolved: generate, or a pooling task
+    finish_reasons: dict[str, int] = field(default_factory=dict)  # generation rows without error
     samples: list[dict[str, Any]] = field(default_factory=list)  # a few finished rows
     score: dict[str, Any] | None = None  # with cfg.score: the scorer's summary
 
@@ -128,7 +129,8 @@ def _previous_runs(out: Path) -> list[dict[str, Any]]:
 
 
 def summarize(path: Path, n_samples: int = 2) -> tuple[dict[str, int], list[dict[str, Any]], str]:
-    """Finish reasons counted, a few finished rows and the first error of completions.parquet."""
+    """The finish reasons of the rows without an error, counted (none for a pooling job's rows),
+    a few finished rows and the first error of completions.parquet."""
     table = pq.read_table(path, columns=["id", "completion", "finish_reason", "error"])
     reasons: Counter[str] = Counter()
     samples: list[dict[str, Any]] = []
@@ -136,10 +138,9 @@ def summarize(path: Path, n_samples: int = 2) -> tuple[dict[str, int], list[dict
     for rec in table.to_pylist():
         if rec["error"] is not None:
             first_error = first_error or rec["error"]
-            reasons["error"] += 1
             continue
         found = rec["finish_reason"]
-        reasons.update(found if isinstance(found, list) else [found])
+        reasons.update(r for r in (found if isinstance(found, list) else [found]) if r)
         if len(samples) < n_samples and rec["completion"]:
             samples.append({"id": rec["id"], "completion": rec["completion"]})
     return dict(reasons), samples, first_error

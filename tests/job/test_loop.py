@@ -311,3 +311,29 @@ def test_dry_run_block_sharing_equals_a_radix_tree() -> None:
         total_full = sum(len(x) // bs for x in lists)
         got = shared_prefix_stats([pack_tokens(x) for x in lists], block_size=bs)
         assert got.shared_blocks == total_full - tree.cached_blocks
+
+
+@pytest.mark.parametrize(
+    ("data", "out", "what"),
+    [
+        ("D", "D", "folder"),  # would read its own job.json and shards as input
+        ("D", "D/out", "folder"),
+        ("D/sub", "D", "folder"),  # holds the input folder
+        ("D/*.jsonl", "D", "folder"),  # a glob's folder
+        ("D/a.jsonl", "D", "file"),  # could write over it
+    ],
+)
+def test_an_output_dir_that_overlaps_the_input_is_refused_before_loading(
+    tmp_path: Path, tiny_folder: Path, monkeypatch, data: str, out: str, what: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for folder in ("D", "D/sub"):
+        (tmp_path / folder).mkdir(parents=True)
+        write_jsonl(tmp_path / folder / "a.jsonl", [{"prompt": "hi"}, {"prompt": "yo"}])
+    spy = Spy()
+    with pytest.raises(JobConfigError, match=f"output_dir={out} overlaps the input {what}"):
+        run_job(job(Path(data), tiny_folder, Path(out)), llm_factory=spy)
+    assert spy.loads == 0 and not (tmp_path / out / "job.json").exists()
+    # Beside the input, the same job runs.
+    run_job(job(Path(data), tiny_folder, tmp_path / "elsewhere"), llm_factory=spy)
+    assert len(table(tmp_path / "elsewhere")) == 2 * (1 + (data == "D"))

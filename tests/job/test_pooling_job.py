@@ -262,3 +262,21 @@ def test_openai_batch_embeddings_lines_are_answered_in_openais_format(
     assert "needs a job with a generation model" in errors[0]["error"]["message"]
     assert "encoding_format 'base64' is not supported" in errors[1]["error"]["message"]
     assert "input[1]: prompt has" in errors[2]["error"]["message"]
+
+
+def test_a_pooling_job_with_a_bad_row_says_what_it_did(tmp_path: Path, folders) -> None:
+    """Its summary counts rows embedded and prompt tokens read, not generation's finish reasons
+    (a None reason sorted against "error" was a traceback), on the first run and on a rerun."""
+    from batchpage.run import summary
+
+    data = write_jsonl(tmp_path / "d.jsonl", records())
+    out = tmp_path / "out"
+    first = summary(run_job(job(data, folders["embed"], out, engine={"task": "embed"})))
+    lines = first.splitlines()
+    assert lines[0].startswith("6 rows (5 embedded, 0 resumed, 1 with errors)"), first
+    tokens = sum(r["prompt_tokens"] for r in table(out) if r["error"] is None)
+    assert lines[1].startswith(f"{tokens} prompt tokens read at "), first
+    assert "finish reasons" not in first and "generated" not in first
+    assert "first error: " in first and "prompt is empty" in first
+    again = summary(run_job(job(data, folders["embed"], out, engine={"task": "embed"})))
+    assert again.startswith("6 rows (0 embedded, 6 resumed, 1 with errors)"), again

@@ -152,6 +152,9 @@ def test_a_user_error_exits_2_with_the_message_and_no_traceback(tmp_path, tiny_f
             '"sampling.structured_outputs.json=\'{\\"type\\": \\"object\\"}\'"',
         ),
         ("dataset.path=/tmp/a=b.jsonl", """quote it: 'dataset.path="/tmp/a=b.jsonl"'"""),
+        ("flush_rows=0", "flush_rows=0 must be >= 1"),
+        ("flush_seconds=-1", "flush_seconds=-1.0 must be a number of seconds > 0"),
+        ("flush_seconds=nan", "flush_seconds=nan must be a number of seconds > 0"),
     ],
 )
 def test_a_bad_key_or_value_exits_2_in_one_line(tmp_path, override: str, message: str) -> None:

@@ -7,9 +7,11 @@ too, and the merge kernel reads them as such.
 
 Triton decides at decoration time, when a kernel is defined, whether @triton.jit compiles for a
 GPU or runs in its numpy interpreter. Without CUDA nothing could compile, so this module, which
-every Triton kernel module imports before defining a kernel, turns the interpreter on (unless
-TRITON_INTERPRET is already set either way): the same kernels then run, slowly, on CPU tensors,
-and the import order of tests does not matter. (batchpage.kernels has no __init__.py: the
+every Triton kernel module imports before triton, turns the interpreter on (unless
+TRITON_INTERPRET is already set either way): the same kernels then run, slowly, on CPU tensors.
+Triton's own standard library is decorated when triton is first imported, so where another
+library imported it first (transformers does) TRITON_INTERPRET=1 must be in the environment
+(the tests' conftest sets it); check_runnable says so. (batchpage.kernels has no __init__.py: the
 checkout's top-level kernels/ folder must not be a regular package, or run from the checkout's
 root it would be found under the name of Hugging Face's `kernels`, which transformers imports.)
 """
@@ -52,11 +54,16 @@ def check_runnable(kernel: object, device: torch.device) -> None:
     """Fail with the fix in the message instead of an obscure driver error."""
     if device.type == "cuda":
         return
-    interpreted = type(kernel).__name__ == "InterpretedFunction"
-    if not interpreted:
+    fix = "set TRITON_INTERPRET=1 in the environment, before anything imports triton"
+    if type(kernel).__name__ != "InterpretedFunction":
         raise RuntimeError(
             f"Triton kernels need CUDA tensors (got {device}); on CPU they run only under the "
-            "interpreter: set TRITON_INTERPRET=1 before batchpage.kernels.common is first imported"
+            f"interpreter: {fix}"
+        )
+    if type(tl.standard.zeros).__name__ != "InterpretedFunction":
+        raise RuntimeError(
+            "Triton was imported (by transformers, or another library) before batchpage turned "
+            f"its interpreter on, so its standard library cannot run on a CPU: {fix}"
         )
 
 

@@ -11,6 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without CUDA the Triton kernels run in Triton's interpreter, which must be on before triton is
+# first imported (transformers imports it): else its standard library is built for a GPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# isort: split
 from batchpage.model import load_model, resolve_model_source
 from tests.model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 

@@ -183,3 +183,25 @@ def test_an_upper_bound_on_the_context_gives_the_same_result(splits: int) -> Non
     )  # fmt: skip
     ref = ref_decode_attention(case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table)
     torch.testing.assert_close(out, ref, **tolerances(torch.float32))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter's failure mode")
+def test_triton_imported_before_the_interpreter_switch_is_named_with_its_fix() -> None:
+    """Another library that imports triton first (transformers does) leaves Triton's standard
+    library built for a GPU: the launcher says so and how to fix it, not an interpreter error."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import triton, torch\n"
+        "from batchpage.kernels.testing import make_paged_case\n"
+        "from batchpage.kernels.paged_decode_attention import paged_decode_attention\n"
+        "c = make_paged_case([5], [1], 2, 1, 16, 4, torch.float32)\n"
+        "paged_decode_attention(c.q, c.k_cache, c.v_cache, c.seq_lens, c.block_table, 0.25)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 1
+    assert "before batchpage turned its interpreter on" in done.stderr, done.stderr[-2000:]
+    assert "set TRITON_INTERPRET=1 in the environment" in done.stderr

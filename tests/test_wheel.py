@@ -164,7 +164,6 @@ def test_the_installed_wheel_runs_outside_the_checkout(
             str(installed / "bin" / "batchpage"),
             "run",
             f"dataset.path={data}",
-            "dataset.id_column=id",
             "dataset.chat_template=false",
             "sampling.max_tokens=4",
             f"output_dir={tmp_path / 'out'}",

@@ -16,6 +16,7 @@ and rerunning resumes the same job.
 from __future__ import annotations
 
 import glob as globlib
+import logging
 import os
 import stat
 from collections.abc import Iterator, Mapping
@@ -44,6 +45,10 @@ from batchpage.fileio import file_digest
 FORMATS = ("auto", "parquet", "jsonl", "csv", "hf", "openai_batch")
 CHAT_TEMPLATE_MODES = ("auto", "true", "false")
 STYLES = ("auto", "instruct", "completion")
+# Without dataset.id_column, a column of this name is the row id (as users of other tools expect).
+ID_COLUMN = "id"
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -173,6 +178,9 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         id_column = spec.id_column
         if id_column is None and preset is not None:
             id_column = preset.id_column
+        elif id_column is None and ID_COLUMN in columns:
+            id_column = ID_COLUMN
+            _log.info("dataset: column %r is the row id (dataset.id_column chooses)", ID_COLUMN)
         prompt_col, messages_col = _text_columns(spec)
         overrides = _override_columns(spec, columns)
         for col in (prompt_col, messages_col, id_column, spec.response_column, *overrides):
@@ -180,6 +188,8 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
                 raise DatasetError(_missing_column_message(col, columns, spec, files))
     if id_column is not None and (spec.id_column is not None or fmt == "openai_batch"):
         _check_ids(fmt, files, spec, id_column)
+    elif id_column == ID_COLUMN and preset is None:
+        _check_ids(fmt, files, spec, id_column, auto=True)
     batch = fmt == "openai_batch"
     if batch and spec.response_column is not None:
         raise DatasetError(
@@ -297,9 +307,12 @@ def _missing_column_message(col: str, columns: list[str], spec: DatasetSpec, fil
     return msg
 
 
-def _check_ids(fmt: str, files: list[Path], spec: DatasetSpec, column: str) -> None:
+def _check_ids(
+    fmt: str, files: list[Path], spec: DatasetSpec, column: str, auto: bool = False
+) -> None:
     """Ids key the output rows: refuse duplicates, and nulls (which would fall back to the row
-    index and could collide with a real id), naming the first few. One pass over the column."""
+    index and could collide with a real id), naming the first few. One pass over the column.
+    `auto`: the column is the row id by its name, not because dataset.id_column names it."""
     seen: dict[str, int] = {}
     duplicates: list[str] = []
     nulls: list[int] = []
@@ -317,17 +330,18 @@ def _check_ids(fmt: str, files: list[Path], spec: DatasetSpec, column: str) -> N
         if key in seen and len(duplicates) < 5:
             duplicates.append(f"{key!r} (rows {seen[key]} and {index})")
         seen.setdefault(key, index)
+    what = f"dataset.id_column={column!r}"
+    fix = "drop id_column to use the row index"
+    if auto:
+        what = f"column {column!r} (the row id: dataset.id_column is not set)"
+        fix = "or set dataset.id_column to a column of unique ids"
     if duplicates:
         raise DatasetError(
-            f"dataset.id_column={column!r} has duplicate ids: {', '.join(duplicates)}; ids must "
-            "be unique (drop id_column to use the row index)"
+            f"{what} has duplicate ids: {', '.join(duplicates)}; ids must be unique ({fix})"
         )
     if nulls and fmt != "openai_batch":  # a line without custom_id is that line's error
         shown = ", ".join(map(str, nulls[:5])) + (", ..." if len(nulls) > 5 else "")
-        raise DatasetError(
-            f"dataset.id_column={column!r} is null at rows {shown}; fill those ids (or drop "
-            "id_column to use the row index)"
-        )
+        raise DatasetError(f"{what} is null at rows {shown}; fill those ids ({fix})")
 
 
 def input_root(path: str) -> tuple[Path, bool] | None:

@@ -476,4 +476,8 @@ def test_duplicate_or_null_ids_are_refused_before_anything_runs(tmp_path: Path) 
     g = write_parquet(tmp_path / "n.parquet", id=["0", None, "2"], prompt=["x", "y", "z"])
     with pytest.raises(DatasetError, match=r"null at rows 1;"):
         validate(DatasetSpec(path=str(g), id_column="id"))
-    assert validate(DatasetSpec(path=str(g))).num_rows == 3  # no id column: row indices
+    # Unnamed, a column called `id` is still the row id, held to the same rules.
+    with pytest.raises(DatasetError, match=r"column 'id' \(the row id: .*null at rows 1;"):
+        validate(DatasetSpec(path=str(g)))
+    h = write_parquet(tmp_path / "h.parquet", id=["0", "1", "2"], prompt=["x", "y", "z"])
+    assert validate(DatasetSpec(path=str(h))).id_column == "id"

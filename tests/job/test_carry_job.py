@@ -69,9 +69,7 @@ def test_carried_columns_keep_types_and_values(tmp_path: Path, tiny_folder: Path
 def test_a_name_clash_is_refused_before_the_model_loads(tmp_path: Path, tiny_folder: Path) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": "x1", "prompt": "p", "error": "none"}])
     cfg = tiny_job(data, tiny_folder, tmp_path / "out")
-    with pytest.raises(JobConfigError, match=r"id, error would be carried.*dataset.id_column=id"):
-        run_job(cfg, llm_factory=never)
-    cfg.dataset.id_column = "id"
+    # `id` is the row id by its name; `error` clashes.
     with pytest.raises(JobConfigError, match=r"column\(s\) error would be carried.*keep_columns"):
         run_job(cfg, llm_factory=never)
     cfg.dataset.keep_columns = ["prompt"]
@@ -140,3 +138,21 @@ def test_chat_template_true_with_template_variables(tmp_path: Path, tiny_folder:
     path.write_text(template.replace("<think></think>", "<think>.</think>"))
     with pytest.raises(JobConfigError, match="chat_template"):
         run_job(cfg, llm_factory=never)
+
+
+def test_a_column_named_id_is_the_row_id(tmp_path: Path, tiny_folder: Path, caplog) -> None:
+    """Without dataset.id_column, a column named `id` keys the rows (and is said in the log);
+    its ids must then be unique and present, as a named id column's are."""
+    records = [{"id": f"q{i}", "prompt": p, "topic": i} for i, p in enumerate(["a b", "c d", "e"])]
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    with caplog.at_level("INFO", logger="batchpage"):
+        run_job(tiny_job(data, tiny_folder, tmp_path / "out"))
+    assert "column 'id' is the row id" in caplog.text
+    rows = pq.read_table(tmp_path / "out" / "completions.parquet").to_pylist()
+    assert [(r["id"], r["topic"]) for r in rows] == [("q0", 0), ("q1", 1), ("q2", 2)]
+    same = write_jsonl(tmp_path / "s.jsonl", [*records, {"id": "q1", "prompt": "again"}])
+    with pytest.raises(JobConfigError, match=r"column 'id' \(the row id: dataset.id_column is not"):
+        run_job(tiny_job(same, tiny_folder, tmp_path / "dup"), llm_factory=never)
+    holes = write_jsonl(tmp_path / "h.jsonl", [*records, {"id": None, "prompt": "none"}])
+    with pytest.raises(JobConfigError, match=r"column 'id' .* is null at rows 3; fill those ids"):
+        run_job(tiny_job(holes, tiny_folder, tmp_path / "nul"), llm_factory=never)

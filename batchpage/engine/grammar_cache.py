@@ -100,6 +100,27 @@ class GrammarCache:
         return self._compiler
 
 
+def check_constraint(constraint: StructuredOutputsParams) -> None:
+    """Raise ValueError (as GrammarCache.compile would) when xgrammar cannot parse the
+    constraint: parsing needs no tokenizer, so a job checks its own before the model loads."""
+    if constraint.json is not None:
+        too_deep = schema_depth_error(constraint.json, "structured_outputs.json")
+        if too_deep:
+            raise ValueError(too_deep)
+    kind = constraint.kind
+    try:
+        if kind == "json":
+            xgr.Grammar.from_json_schema(constraint.key[1], any_whitespace=False)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(constraint.regex)
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(constraint.grammar)
+        elif kind == "choice":
+            xgr.Grammar.from_ebnf(choice_grammar(constraint.choice or []))
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"structured_outputs.{kind} is invalid: {xgrammar_message(e)}") from None
+
+
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar whose sentences are exactly the given strings. JSON string escapes are
     also EBNF's, so json.dumps quotes each string safely (quotes, backslashes, newlines)."""

@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from batchpage.data.spec import DatasetInfo, input_root, validate
 from batchpage.engine.config import EngineConfig
+from batchpage.engine.grammar_cache import check_constraint
 from batchpage.engine.plan import EnginePlan, plan_engine
 from batchpage.engine.reasoning import resolve_markers
 from batchpage.fileio import file_digest
@@ -105,6 +106,11 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         reasoning = _reasoning(engine_cfg, source)
         if engine.task != "generate":
             _check_pooling_job(engine.task, cfg, info, pooling, source.config)
+            if params.structured_outputs is not None:
+                raise ValueError(
+                    f"sampling.structured_outputs constrains generated text; engine.task="
+                    f"{engine.task} generates none: drop sampling.structured_outputs"
+                )
             # An OpenAI Batch embeddings line may have several inputs: a list of embeddings.
             listed, reasoning = info.format == "openai_batch", None
         elif pooling != PoolingParams():
@@ -112,6 +118,8 @@ def plan_job(cfg: JobConfig) -> JobPlan:
                 "pooling.* is for pooling jobs (engine.task=embed, classify, reward or score); "
                 "this job generates: drop the pooling.* settings"
             )
+        else:
+            _check_sampling(params, engine_cfg.reasoning_parser, reasoning, source.config)
         extra = _extra_schema(cfg, info, style, listed, reasoning is not None, engine.task,
                               pooling, source.config)  # fmt: skip
     except (ValueError, OSError) as e:
@@ -164,6 +172,32 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     )
 
 
+def _check_sampling(
+    params: SamplingParams, parser: str | None, reasoning: str | None, model: ModelConfig
+) -> None:
+    """What in the job's own sampling settings would fail every row once the model is loaded:
+    token ids outside the vocabulary, a constraint xgrammar cannot parse, a thinking budget
+    without thinking markers (`parser`: engine.reasoning_parser; `reasoning`: what it found)."""
+    try:
+        params.verify_vocab(model.vocab_size)
+        if params.structured_outputs is not None:
+            check_constraint(params.structured_outputs)
+    except ValueError as e:
+        raise ValueError(f"sampling.{e}") from None
+    if params.thinking_token_budget is not None and reasoning is None:
+        why = (
+            "engine.reasoning_parser is not set"
+            if parser in (None, "none")
+            else f"engine.reasoning_parser={parser} found no thinking markers in this model's "
+            "vocabulary"
+        )
+        raise ValueError(
+            "sampling.thinking_token_budget needs a reasoning model's thinking markers, and "
+            f"{why}: set engine.reasoning_parser (auto, qwen3, deepseek_r1, mistral) for a "
+            "reasoning model, or drop sampling.thinking_token_budget"
+        )
+
+
 def _reasoning(engine_cfg: EngineConfig, source: ModelSource) -> str | None:
     """The reasoning parser's name for this model's tokenizer (ValueError for a named parser
     whose markers it lacks), or None."""
@@ -199,7 +233,8 @@ def _prompt_plan(
         instruct = info.styles.instruct if style == "instruct" else None
     plan = PromptPlan(info.chat_template, instruct, template, kwargs, bound)
     if chats or instruct is not None or info.chat_template == "true" or cfg.dataset.system_prompt:
-        check_template(load_tokenizer(source), plan)  # a template that fails every row
+        system = cfg.dataset.system_prompt
+        check_template(load_tokenizer(source), plan, system, chats)  # one that fails every row
     return style, plan
 
 

@@ -150,13 +150,20 @@ def prepare_window(
     return ready, failed
 
 
-def check_template(tokenizer: Tokenizer, plan: PromptPlan) -> None:
-    """Render a one-turn chat with the job's template before the model loads: a template that
-    cannot compile, or that goes past its bounds even on that, would fail every row, so it is
-    the job's error (ValueError). Any other failure is left to the rows it concerns."""
+def check_template(
+    tokenizer: Tokenizer, plan: PromptPlan, system_prompt: str | None, chats: bool
+) -> None:
+    """Render a one-turn chat (after the job's system prompt, if any) with the job's template
+    before the model loads. Where rows are prompts, every row is such a chat, so any failure is
+    the job's error (ValueError); where rows bring their own turns (`chats`), only a failure
+    that no data can avoid is: a template that does not compile, goes past its bounds, or
+    breaks the sandbox's rules (its `range` limit included). Others are left to the rows."""
     from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import SecurityError
 
     probe = [{"role": "user", "content": "Hello"}]
+    if system_prompt:
+        probe.insert(0, {"role": "system", "content": system_prompt})
     try:
         tokenizer.render_chat_template(
             probe,
@@ -164,14 +171,16 @@ def check_template(tokenizer: Tokenizer, plan: PromptPlan) -> None:
             chat_template_kwargs=plan.template_kwargs,
             limits=plan.limits,
         )
-    except (TemplateLimitError, TemplateSyntaxError) as e:
+    except Exception as e:  # noqa: BLE001 (a template can raise anything; the message says what)
+        template_bug = (TemplateLimitError, TemplateSyntaxError, SecurityError, OverflowError)
+        if chats and not isinstance(e, template_bug):
+            return  # it may refuse this chat and accept the data's
         which = "engine.chat_template" if plan.template is not None else "the model's chat template"
+        why = str(e) if isinstance(e, TemplateLimitError) else f"{type(e).__name__}: {e}"
         raise ValueError(
-            f"{which} fails on a one-line chat: {e}; fix the template, or give another with "
+            f"{which} fails on a one-line chat: {why}; fix the template, or give another with "
             "engine.chat_template=<file.jinja>"
         ) from None
-    except Exception:  # noqa: BLE001 (a template may refuse this chat and accept the data's)
-        return
 
 
 def to_result(

@@ -21,7 +21,7 @@ from batchpage.model.loader import load_model, resolve_model_source
 from batchpage.model.tokenizer import check_chat_template_kwargs, resolve_chat_template
 from batchpage.outputs import CompletionOutput, RequestOutput
 from batchpage.pooling_api import PoolingMethods
-from batchpage.prompt_list import PromptType, as_prompt_list
+from batchpage.prompt_list import PromptType, as_prompt_list, is_token_id
 from batchpage.sampling_params import SamplingParams
 
 OnOutput = Callable[[RequestOutput, int], None]  # (a finished request's output, its index)
@@ -149,8 +149,13 @@ class LLM(PoolingMethods):
         text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt) if prompt else []
-        elif isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
+        elif isinstance(prompt, list | tuple) and all(is_token_id(t) for t in prompt):
             ids = list(prompt)
+        elif isinstance(prompt, list | tuple):
+            kind = next(type(t).__name__ for t in prompt if not is_token_id(t))
+            return Request(
+                index, None, [], params, error=f"prompt token ids must be ints, got a {kind}"
+            )
         else:
             kind = type(prompt).__name__
             return Request(

@@ -9,10 +9,15 @@ from typing import Any
 PromptType = str | list[int] | dict[str, Any]
 
 
+def is_token_id(value: Any) -> bool:
+    """An int that is not a bool (True is an int to Python, never a token to a user)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[Any]:
     if isinstance(prompts, str):
         return [prompts]
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
+    if prompts and all(is_token_id(t) for t in prompts):
         return [prompts]  # one prompt given as token ids
     return prompts

@@ -149,8 +149,11 @@ def make_row(
     for name in override_columns:
         value = rec.get(name)
         blank = from_text and isinstance(value, str) and not value.strip()
-        if value is None or blank or (isinstance(value, float) and math.isnan(value)):
+        if value is None or blank:
             continue  # no override for this row: the job's sampling applies
+        if isinstance(value, float) and math.isnan(value):
+            errors.append(f"bad {name}: NaN is not a value; leave it null for the job's setting")
+            continue
         field_name = _FIELD_OF_COLUMN.get(name, name)
         try:
             row.overrides[field_name] = coerce_override(name, value, from_text)

@@ -35,6 +35,9 @@ POOLING_JOB_TASKS = ("embed", "classify", "reward", "score")
 OnRow = Callable[[Prepared, list[PoolingRequestOutput]], None]
 
 
+BLANK_RESPONSE = "response is empty: a score job needs a second text to score the prompt against"
+
+
 def pool_schema(
     task: str, model: ModelConfig, params: PoolingParams, listed: bool = False
 ) -> pa.Schema:
@@ -75,13 +78,19 @@ def pool_rows(
     """The window's rows through the task's LLM method; on_row(prepared, its outputs: one per
     input, in order) as the last of a row's inputs is done."""
     if task == "score":
+        # A blank response scores nothing (a cross-encoder would score the prompt alone).
+        blank = [p for p in ready if not (p.row.response or "").strip()]
+        for p in blank:
+            on_row(p, [PoolingRequestOutput(str(p.row.index), [], None, error=BLANK_RESPONSE)])
+        ready = [p for p in ready if (p.row.response or "").strip()]
         firsts = [p.row.prompt or "" for p in ready]
         seconds = [p.row.response or "" for p in ready]
 
         def pair_done(out: PoolingRequestOutput, i: int) -> None:
             on_row(ready[i], [out])
 
-        llm.score(firsts, seconds, params, use_tqdm=False, on_output=pair_done, on_step=on_step)
+        if ready:
+            llm.score(firsts, seconds, params, use_tqdm=False, on_output=pair_done, on_step=on_step)
         return
     owner = [(i, j) for i, p in enumerate(ready) for j in range(len(p.prompts))]
     got: dict[int, dict[int, PoolingRequestOutput]] = {}

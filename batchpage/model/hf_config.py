@@ -18,7 +18,7 @@ from batchpage.model.config import (
     family_for,
 )
 from batchpage.model.gemma_config import gemma_config_from_hf
-from batchpage.model.hf_fields import id_tuple, int_field, require_keys, rope_fields
+from batchpage.model.hf_fields import float_field, id_tuple, int_field, require_keys, rope_fields
 from batchpage.model.hf_head import read_head
 from batchpage.quant.scheme import read_quant_scheme
 
@@ -72,7 +72,7 @@ def model_config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
         else heads,
         head_dim=head_dim,
         family=family,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float_field(cfg, "rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
         rotary_dim=int(head_dim * partial),  # as HF rounds it

@@ -39,6 +39,21 @@ def int_field(cfg: Mapping[str, Any], key: str, high: int = MAX_SIZE) -> int:
     return value
 
 
+def float_field(cfg: Mapping[str, Any], key: str, default: float) -> float:
+    """cfg[key] as a finite number > 0 (rope_theta, rms_norm_eps, partial_rotary_factor), the
+    default when absent or null; ValueError naming the key otherwise."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+        raise ValueError(
+            f"config.json: {key} must be a number > 0, got {shown}: use the config.json that "
+            "came with the model"
+        )
+    return float(value)
+
+
 def id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -55,8 +70,11 @@ def rope_fields(
     params: Mapping[str, Any] = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if any(isinstance(v, Mapping) for v in params.values()):
         raise UnsupportedModelError("per-layer rope parameters are not implemented")
-    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
-    partial = float(params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+    # rope_parameters (transformers 5) first, then the top-level fields of older configs.
+    theta = float_field(params, "rope_theta", float_field(cfg, "rope_theta", 10000.0))
+    partial = float_field(
+        params, "partial_rotary_factor", float_field(cfg, "partial_rotary_factor", 1.0)
+    )
     kind = params.get("rope_type") or params.get("type") or "default"
     if model_type == "phi3" and kind in ("su", "yarn"):
         kind = "longrope"  # Phi-3's own names for it

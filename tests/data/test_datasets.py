@@ -269,9 +269,16 @@ def test_override_rejects(name: str, value: object) -> None:
     assert not ready and name in failed[0].error
 
 
-def test_nan_override_means_no_override(tmp_path: Path) -> None:
-    f = write_parquet(tmp_path / "a.parquet", prompt=["a"], temperature=[float("nan")])
-    assert rows(DatasetSpec(path=str(f)))[0].overrides == {}
+def test_a_nan_override_is_the_rows_error_and_a_null_is_none(tmp_path: Path) -> None:
+    """NaN is no value (a null is the job's setting): in Parquet, and as JSONL's NaN literal."""
+    f = write_parquet(tmp_path / "a.parquet", prompt=["a", "b"], temperature=[float("nan"), None])
+    nan, null = rows(DatasetSpec(path=str(f)))
+    assert "bad temperature: NaN is not a value" in nan.error and nan.overrides == {}
+    assert null.error is None and null.overrides == {}
+    g = tmp_path / "a.jsonl"
+    g.write_text('{"prompt": "a", "temperature": NaN}\n{"prompt": "b", "temperature": 0.5}\n')
+    nan, half = rows(DatasetSpec(path=str(g)))
+    assert "bad temperature: NaN" in nan.error and half.overrides == {"temperature": 0.5}
 
 
 # --- fatal problems: clear errors before the model loads ---------------------------------------

@@ -152,6 +152,9 @@ def test_bad_requests_do_not_lose_the_others(tmp_path: Path, tokenizer) -> None:
     dict_outs = llm.generate(as_dicts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in dict_outs[:2]] == [alone[0].outputs[0].token_ids] * 2
     assert dict_outs[2].error is not None and "prompt_token_ids" in dict_outs[2].error
+    # A bool is an int to Python, never a token id to a user.
+    bools = llm.generate([[True, False], {"prompt_token_ids": [5, True]}], params, use_tqdm=False)
+    assert all(o.error == "prompt token ids must be ints, got a bool" for o in bools), bools
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)
     with pytest.raises(TypeError, match="unknown LLM argument"):

@@ -280,3 +280,17 @@ def test_a_pooling_job_with_a_bad_row_says_what_it_did(tmp_path: Path, folders) 
     assert "first error: " in first and "prompt is empty" in first
     again = summary(run_job(job(data, folders["embed"], out, engine={"task": "embed"})))
     assert again.startswith("6 rows (0 embedded, 6 resumed, 1 with errors)"), again
+
+
+def test_a_score_rows_empty_response_is_named_as_such(tmp_path: Path, folders) -> None:
+    """Not "prompt is empty" (an embedder's second text), nor a cross-encoder scoring the prompt
+    alone: the row's error says its response is empty; the other rows are scored."""
+    rows = [{"query": "q one", "doc": "a doc"}, {"query": "q two", "doc": " "}]
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    dataset = {"prompt_column": "query", "response_column": "doc"}
+    for model in ("cross", "embed"):
+        out = tmp_path / model
+        run_job(job(data, folders[model], out, engine={"task": "score"}, dataset=dataset))
+        first, second = table(out)
+        assert first["error"] is None and first["score"] is not None
+        assert second["error"].startswith("response is empty") and second["score"] is None

@@ -14,11 +14,12 @@ if TYPE_CHECKING:
     from batchpage.llm import LLM
     from batchpage.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
     from batchpage.pooling_params import PoolingParams
-    from batchpage.sampling_params import SamplingParams, StructuredOutputsParams
+    from batchpage.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "BeamSearchParams",
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
@@ -34,6 +35,7 @@ configure_package_logging()
 _HOMES = {
     "LLM": "batchpage.llm",
     "SamplingParams": "batchpage.sampling_params",
+    "BeamSearchParams": "batchpage.sampling_params",
     "StructuredOutputsParams": "batchpage.sampling_params",
     "RequestOutput": "batchpage.outputs",
     "CompletionOutput": "batchpage.outputs",

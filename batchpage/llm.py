@@ -19,10 +19,15 @@ from batchpage.engine.sequence import Request, Sequence
 from batchpage.metrics import RunStats, tokens_per_s
 from batchpage.model.loader import load_model, resolve_model_source
 from batchpage.model.tokenizer import check_chat_template_kwargs, resolve_chat_template
-from batchpage.outputs import CompletionOutput, RequestOutput
+from batchpage.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    RequestOutput,
+)
 from batchpage.pooling_api import PoolingMethods
 from batchpage.prompt_list import PromptType, as_prompt_list, is_token_id
-from batchpage.sampling_params import SamplingParams
+from batchpage.sampling_params import BeamSearchParams, SamplingParams
 
 OnOutput = Callable[[RequestOutput, int], None]  # (a finished request's output, its index)
 OnStep = Callable[[RunStats], None]  # after each engine step: the call's figures so far
@@ -91,6 +96,31 @@ class LLM(PoolingMethods):
         pairs = enumerate(zip(items, params, strict=True))
         requests = [self._make_request(i, p, sp) for i, (p, sp) in pairs]
         return self._run(requests, use_tqdm, on_output, on_step)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam-search call: for each prompt its params.beam_width beams, best first,
+        each the prompt's tokens then the beam's. The same search as generate() with
+        SamplingParams(use_beam_search=True); a bad prompt's output has `error` and no beams."""
+        outs = self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
+        decode = self.tokenizer.decoder(skip_special_tokens=False)
+        results = []
+        for out in outs:
+            beams = []
+            for c in sorted(out.outputs, key=lambda c: c.index):  # index 0 is the best
+                tokens = [*out.prompt_token_ids, *c.token_ids]
+                assert c.cumulative_logprob is not None
+                beams.append(
+                    BeamSearchSequence(
+                        tokens, decode(tokens), c.cumulative_logprob, c.finish_reason
+                    )
+                )
+            results.append(BeamSearchOutput(beams, out.error))
+        return results
 
     def chat(
         self,
@@ -305,6 +335,7 @@ def _request_output(req: Request, seqs: list[Sequence]) -> RequestOutput:
                 stop_reason=seq.stop_reason,
                 logprobs=[_logprob_dict(lp) for lp in seq.logprobs] if seq.logprobs else None,
                 reasoning=seq.reasoning,
+                cumulative_logprob=seq.cumulative_logprob,
             )
         )
     return out

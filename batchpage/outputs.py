@@ -18,6 +18,26 @@ class CompletionOutput:
     # With a reasoning parser: the thinking, apart from `text` (then the answer only); None when
     # the output did not think.
     reasoning: str | None = None
+    cumulative_logprob: float | None = None  # beam search: the output's logprobs summed
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam of LLM.beam_search, vLLM's shape: the prompt's tokens then the beam's, and their
+    text (special tokens kept, as vLLM decodes it)."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: str | None  # "stop" (EOS) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    """LLM.beam_search's answer for one prompt: its beams, best first; empty with `error`."""
+
+    sequences: list[BeamSearchSequence] = field(default_factory=list)
+    error: str | None = None
 
 
 @dataclass

@@ -426,3 +426,35 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown SamplingParams field(s) {unknown}; known: {sorted(names)}")
         return dataclasses.replace(self, **overrides)
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's beam-search parameters (LLM.beam_search): beam_width beams kept a step, each up
+    to max_tokens. Beams are ranked by their summed logprobs over their length **
+    length_penalty, as HF ranks them; temperature must be 0 (the model's own logprobs)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The same search as SamplingParams(use_beam_search=True, ...): every beam returned."""
+        if self.temperature != 0.0:
+            raise ValueError(
+                f"BeamSearchParams.temperature={self.temperature}: beams are ranked by the "
+                "model's logprobs; set temperature=0"
+            )
+        return SamplingParams(
+            n=self.beam_width,
+            use_beam_search=True,
+            beam_width=self.beam_width,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            temperature=0.0,
+        )

@@ -8,8 +8,9 @@ temperature 0.8, a fixed seed) with the Hydra overrides given here, run into <ou
 output_dir= says otherwise: kill it at any moment and run the same command again to resume.
 Then every completion is normalised (whitespace collapsed) and kept only the first time it is
 seen, over the whole output; empty completions and failed rows are dropped. The result has one
-row per kept completion: (seed_id, prompt, completion). Both passes stream: memory holds one
-record batch and a 16-byte digest per kept completion.
+row per kept completion: (seed_id, prompt, completion, finish_reason: "length" where max_tokens
+cut it). Both passes stream: memory holds one record batch and a 16-byte digest per kept
+completion.
 """
 
 from __future__ import annotations
@@ -30,8 +31,15 @@ if TYPE_CHECKING:
     from batchpage.job.config import JobConfig
 
 EXPERIMENT = "+experiment=synthetic_data"
+# finish_reason: "stop" (the model ended it) or "length" (cut at max_tokens), so a consumer can
+# keep only whole completions.
 OUT_SCHEMA = pa.schema(
-    [("seed_id", pa.string()), ("prompt", pa.string()), ("completion", pa.string())]
+    [
+        ("seed_id", pa.string()),
+        ("prompt", pa.string()),
+        ("completion", pa.string()),
+        ("finish_reason", pa.string()),
+    ]
 )
 
 
@@ -42,6 +50,7 @@ class DedupStats:
     duplicates: int = 0
     empty: int = 0
     failed_rows: int = 0
+    truncated: int = 0  # kept completions cut at max_tokens (finish_reason "length")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -94,7 +103,7 @@ def dedup(completions: Path, prompts: Iterator[str | None], out: Path) -> DedupS
     out.parent.mkdir(parents=True, exist_ok=True)
     with pq.ParquetWriter(tmp, OUT_SCHEMA) as writer:
         source = pq.ParquetFile(completions)
-        for batch in source.iter_batches(columns=["id", "completion", "error"]):
+        for batch in source.iter_batches(columns=["id", "completion", "finish_reason", "error"]):
             kept: list[dict[str, str | None]] = []
             for rec in batch.to_pylist():
                 prompt = next(prompts)  # completions.parquet is in input order, one row each
@@ -102,7 +111,10 @@ def dedup(completions: Path, prompts: Iterator[str | None], out: Path) -> DedupS
                 if rec["error"] is not None or texts is None:
                     stats.failed_rows += 1
                     continue
-                for text in [texts] if isinstance(texts, str) else texts:
+                reasons = rec["finish_reason"]
+                if isinstance(texts, str):
+                    texts, reasons = [texts], [reasons]
+                for text, reason in zip(texts, reasons, strict=True):
                     stats.completions += 1
                     key = normalise(text)
                     digest = hashlib.blake2b(key.encode(), digest_size=16).digest()
@@ -112,7 +124,15 @@ def dedup(completions: Path, prompts: Iterator[str | None], out: Path) -> DedupS
                         stats.duplicates += 1
                     else:
                         seen.add(digest)
-                        kept.append({"seed_id": rec["id"], "prompt": prompt, "completion": text})
+                        stats.truncated += reason == "length"
+                        kept.append(
+                            {
+                                "seed_id": rec["id"],
+                                "prompt": prompt,
+                                "completion": text,
+                                "finish_reason": reason,
+                            }
+                        )
             if kept:
                 writer.write_table(pa.Table.from_pylist(kept, schema=OUT_SCHEMA))
     stats.kept = len(seen)
@@ -131,7 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats = dedup(result.output_dir / "completions.parquet", seed_prompts(cfg.dataset), args.out)
     print(
         f"{stats.kept} unique completions from {result.rows} seeds -> {args.out} "
-        f"({stats.duplicates} duplicates, {stats.empty} empty, {stats.failed_rows} failed seeds)"
+        f"({stats.duplicates} duplicates, {stats.empty} empty, {stats.failed_rows} failed seeds; "
+        f"{stats.truncated} kept cut at max_tokens: finish_reason length)"
     )
     return 0
 

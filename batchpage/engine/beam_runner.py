@@ -177,7 +177,7 @@ class BeamSearchRunner:
                 answer = hyp.tokens[start:] if start is not None else []
             skip = g.req.params.skip_special_tokens
             seq.text = self.factory.tokenizer.decode(answer, skip_special_tokens=skip)
-            seq.beam_score = hyp.score
+            seq.cumulative_logprob = hyp.cum_logprob
             stats.generated_tokens += len(hyp.tokens)
             results.append(seq)
         return results

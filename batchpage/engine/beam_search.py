@@ -28,6 +28,7 @@ NEG = -1.0e9  # HF's "impossible" score, kept so that ties and sums behave as th
 class Hypothesis:
     tokens: list[int]  # generated tokens (EOS included when it ended the beam)
     score: float  # sum of logprobs / generated_len ** length_penalty
+    cum_logprob: float  # the sum of its tokens' logprobs
 
 
 @dataclass
@@ -86,7 +87,7 @@ class BeamGroup:
         )
         gen_len = self.cur_len + 1 - self.prompt_len
         new_hyps = [
-            Hypothesis(self.outputs[beam] + [tok], score / gen_len**self.length_penalty)
+            Hypothesis(self.outputs[beam] + [tok], score / gen_len**self.length_penalty, score)
             for (score, beam, tok), hit in zip(cands[:width], hits[:width], strict=True)
             if hit and not closed  # only the top W continuations may finish
         ]

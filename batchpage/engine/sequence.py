@@ -63,7 +63,7 @@ class Sequence:
     logprobs: list[TopLogprobs] | None = None
     # With params.prompt_logprobs: None for the first prompt token, then one entry per token.
     prompt_logprobs: list[TopLogprobs | None] | None = None
-    beam_score: float | None = None  # a beam-search result's length-penalised score
+    cumulative_logprob: float | None = None  # a beam-search result's: its tokens' logprobs summed
     # Tokens whose K/V waits in host memory after a swap-out preemption (0: none).
     swapped_tokens: int = 0
     # Sample indices still to fork from this sequence once its prompt is computed (n > 1).

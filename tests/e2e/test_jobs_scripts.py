@@ -145,10 +145,14 @@ def test_synthetic_data_keeps_each_completion_once(tiny_folder, tmp_path) -> Non
         f"--out={out}", f"dataset.path={seeds}", "dataset.limit=null", *tiny(tiny_folder),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    said = f"1 unique completions from 3 seeds -> {out} (3 duplicates, 0 empty, 1 failed seeds)"
+    said = f"1 unique completions from 3 seeds -> {out} (3 duplicates, 0 empty, 1 failed seeds"
     assert said in done.stdout
     (row,) = pq.read_table(out).to_pylist()
     assert (row["seed_id"], row["prompt"]) == ("0", "Hello world")
+    # Cut at max_tokens=3 (the tiny model does not stop so soon), and marked so.
+    job = pq.read_table(tmp_path / "synthetic.parquet.job" / "completions.parquet").to_pylist()
+    assert row["finish_reason"] == job[0]["finish_reason"][0] == "length"
+    assert "1 kept cut at max_tokens: finish_reason length" in done.stdout
 
 
 def test_synthetic_data_samples_n_per_seed(tiny_folder, tmp_path) -> None:
@@ -159,7 +163,7 @@ def test_synthetic_data_samples_n_per_seed(tiny_folder, tmp_path) -> None:
     done = run_bench("jobs.synthetic_data", *args, "dataset.limit=null", *tiny(tiny_folder))
     assert done.returncode == 0, done.stderr
     rows = pq.read_table(out).to_pylist()
-    assert 0 < len(rows) <= 9 and set(rows[0]) == {"seed_id", "prompt", "completion"}
+    assert 0 < len(rows) <= 9 and set(rows[0]) == {"seed_id", "prompt", "completion", "finish_reason"}
     assert {r["prompt"] for r in rows} <= {"Hello world", "The quick brown fox", "Paged"}
     assert len({" ".join(r["completion"].split()) for r in rows}) == len(rows)
     assert "unique completions from 3 seeds" in done.stdout

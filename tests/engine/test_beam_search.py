@@ -85,3 +85,29 @@ def test_bundled_model_beam_search_matches_hf(smollm2_hf) -> None:
     for out in llm.chat(convs, params, use_tqdm=False):
         want = hf_beams(hf, out.prompt_token_ids, 4, 2, 16, 1.0, False, eos=2)
         assert [c.token_ids for c in out.outputs] == want
+
+
+@torch.no_grad()
+def test_llm_beam_search_gives_vllms_shape(tiny) -> None:
+    """LLM.beam_search(prompts, BeamSearchParams(...)): each prompt's beam_width beams, best
+    first, as HF ranks them; each beam's tokens are the prompt's then its own, its cum_logprob
+    the sum of its tokens' logprobs under HF's forward (teacher-forced)."""
+    from batchpage import BeamSearchParams
+
+    hf, folder = tiny
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(3, 12))] for _ in range(3)]
+    llm = LLM(model=folder, dtype="float32", block_size=4, max_model_len=64, kv_cache_memory=2**22)
+    outs = llm.beam_search([*prompts, []], BeamSearchParams(beam_width=3, max_tokens=8))
+    assert outs[-1].error is not None and outs[-1].sequences == []  # an empty prompt: its error
+    for prompt, out in zip(prompts, outs[:-1], strict=True):
+        want = hf_beams(hf, prompt, 3, 3, 8, 1.0, False, eos=2)
+        assert [s.tokens for s in out.sequences] == [prompt + w for w in want]
+        for beam, gen in zip(out.sequences, want, strict=True):
+            logprobs = torch.log_softmax(hf(torch.tensor([beam.tokens])).logits[0].float(), -1)
+            picked = logprobs[len(prompt) - 1 : -1].gather(1, torch.tensor(gen)[:, None])
+            assert abs(beam.cum_logprob - float(picked.sum())) < 1e-3
+            assert beam.finish_reason == ("stop" if gen[-1] == 2 else "length")
+            assert beam.text == llm.tokenizer.decode(beam.tokens, skip_special_tokens=False)
+    with pytest.raises(ValueError, match="set temperature=0"):
+        llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7))

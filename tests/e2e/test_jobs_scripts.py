@@ -163,7 +163,8 @@ def test_synthetic_data_samples_n_per_seed(tiny_folder, tmp_path) -> None:
     done = run_bench("jobs.synthetic_data", *args, "dataset.limit=null", *tiny(tiny_folder))
     assert done.returncode == 0, done.stderr
     rows = pq.read_table(out).to_pylist()
-    assert 0 < len(rows) <= 9 and set(rows[0]) == {"seed_id", "prompt", "completion", "finish_reason"}
+    assert 0 < len(rows) <= 9
+    assert set(rows[0]) == {"seed_id", "prompt", "completion", "finish_reason"}
     assert {r["prompt"] for r in rows} <= {"Hello world", "The quick brown fox", "Paged"}
     assert len({" ".join(r["completion"].split()) for r in rows}) == len(rows)
     assert "unique completions from 3 seeds" in done.stdout

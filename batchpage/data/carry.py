@@ -6,31 +6,24 @@ names them instead ([] for none). Their types are decided before the first row i
 they become part of the output's schema and of the job's identity:
 - Parquet and HF datasets store them: nested structs, lists, maps and timestamps keep theirs;
 - CSV has none: every cell is text;
-- JSON lines are inferred from the first records (`_SAMPLE_RECORDS`). A later value that does
-  not fit its column's type losslessly makes that row an error (`check_window`) rather than
-  being silently cut (pyarrow would turn 1.5 into 1, or drop a struct's unknown key).
+- JSON lines have none: their columns are those of every line, found by one pass over the
+  whole input, and each one's type is inferred from the first records that hold it
+  (`jsonl_scan`). A later value that does not fit its column's type losslessly makes that row
+  an error (`check_window`) rather than being silently cut (pyarrow would turn 1.5 into 1, or
+  drop a struct's unknown key).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from batchpage.data.readers import (
-    DEFAULT_MAX_PROMPT_BYTES,
-    JSON_LINES,
-    DatasetError,
-    file_schema,
-    open_records,
-)
+from batchpage.data.jsonl_scan import ScannedColumn
+from batchpage.data.readers import JSON_LINES, DatasetError, file_schema
 from batchpage.data.rows import Row
-from batchpage.data.text_checks import unencodable
-
-_SAMPLE_RECORDS = 1000
 
 
 def carried_columns(
@@ -54,9 +47,11 @@ def carried_schema(
     files: list[Path],
     split: str,
     names: Sequence[str],
-    max_row_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+    scanned: Mapping[str, ScannedColumn] | None = None,
 ) -> pa.Schema:
-    """The Arrow schema of the carried columns (see the module docstring)."""
+    """The Arrow schema of the carried columns (see the module docstring). `scanned`: for JSON
+    lines, the columns `jsonl_scan.scan_json_lines` found (required for them); a carried one
+    whose first values fit no one type is refused, with the scan's message."""
     if not names:
         return pa.schema([])
     stored = file_schema(fmt, files, split, names)
@@ -64,22 +59,15 @@ def carried_schema(
         return stored
     if fmt not in JSON_LINES:  # CSV
         return pa.schema([(n, pa.string()) for n in names])
-    sample = open_records(fmt, files, split, [], 1, max_row_bytes)
-    records = [r for r in itertools.islice(sample, _SAMPLE_RECORDS) if isinstance(r, dict)]
+    if scanned is None:
+        raise ValueError("carried_schema needs the scan of a JSON-lines input")
     fields = []
     for name in names:
-        # Values that cannot be written are those rows' errors (rows.make_row), not the type's.
-        values = [None if unencodable(r.get(name)) else r.get(name) for r in records]
-        try:
-            kind = pa.array(values).type
-        except (pa.ArrowException, OverflowError) as e:
-            raise DatasetError(
-                f"column {name!r} of {files[0]} holds values of different types in its first "
-                f"{len(records)} records ({e}); give it one type, or leave it out of the output "
-                "with dataset.keep_columns=[...]"
-            ) from e
-        # A column null in every sampled record: text, the most common kind of metadata.
-        fields.append((name, pa.string() if pa.types.is_null(kind) else kind))
+        column = scanned[name]
+        if column.conflict is not None:
+            raise DatasetError(column.conflict)
+        # A column null in all its first records: text, the most common kind of metadata.
+        fields.append((name, pa.string() if pa.types.is_null(column.type) else column.type))
     return pa.schema(fields)
 
 

@@ -39,7 +39,6 @@ _EXTENSIONS = {
 }
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _HF_BUILDERS = {"parquet": "parquet", "jsonl": "json", "csv": "csv"}
-_JSONL_PEEK_LINES = 100
 # dataset.max_prompt_bytes' default: the most bytes one input row (a JSONL line, a CSV record)
 # or one prompt may take. A prompt this long is ~1M tokens, past any model's context, and the
 # bound keeps one row's memory (reading, rendering, tokenizing) far below the machine's.
@@ -94,14 +93,15 @@ def resolve_format(fmt: str, paths: list[Path]) -> tuple[str, list[Path]]:
 def peek_columns(
     fmt: str, files: list[Path], split: str, max_row_bytes: int = DEFAULT_MAX_PROMPT_BYTES
 ) -> tuple[list[str], int | None]:
-    """Column names (those every file has) and the row count where it is free to know."""
+    """Column names (those every file has) and the row count where it is free to know. Not
+    for JSON lines, which have no header: `jsonl_scan.scan_json_lines` reads their columns."""
+    if fmt in JSON_LINES:
+        raise ValueError("the columns of JSON lines come from jsonl_scan.scan_json_lines")
     try:
         if fmt == "parquet":
             metas = [pq.ParquetFile(f) for f in files]
             names = _common_names(files, [m.schema_arrow.names for m in metas])
             return names, sum(m.metadata.num_rows for m in metas)
-        if fmt in JSON_LINES:
-            return _peek_jsonl(files[0], max_row_bytes), None
         if fmt == "csv":
             headers = [_csv_header(f, max_row_bytes) for f in files]
             return _common_names(files, headers), None
@@ -152,7 +152,7 @@ def file_schema(fmt: str, files: list[Path], split: str, names: Sequence[str]) -
 
 def is_openai_batch(path: Path, max_row_bytes: int = DEFAULT_MAX_PROMPT_BYTES) -> bool:
     """Whether the first JSON object of a JSON-lines file is an OpenAI Batch request line."""
-    for _, line in _jsonl_lines(path, max_row_bytes):
+    for _, line in jsonl_lines(path, max_row_bytes):
         try:
             obj = json.loads(line) if isinstance(line, str) else None
         except (json.JSONDecodeError, RecursionError):  # that line's error when it is read
@@ -232,7 +232,7 @@ def _open_binary(path: Path) -> BinaryIO:
     return open(path, "rb")
 
 
-def _jsonl_lines(path: Path, max_bytes: int) -> Iterator[tuple[int, str | int | None]]:
+def jsonl_lines(path: Path, max_bytes: int) -> Iterator[tuple[int, str | int | None]]:
     """(line number, text) of each non-blank line; text is None for a line that is not UTF-8,
     and the line's length for one longer than max_bytes (never held in memory whole)."""
     with _open_binary(path) as fp:
@@ -262,29 +262,8 @@ def bounded_lines(fp: BinaryIO, max_bytes: int) -> Iterator[bytes | int]:
         yield length - line.endswith(b"\n")
 
 
-def _peek_jsonl(path: Path, max_bytes: int) -> list[str]:
-    """The union of the keys of the first records, in order of appearance: a column that is
-    absent from early records (an optional per-row override) still counts."""
-    keys: dict[str, None] = {}
-    for i, (_, line) in enumerate(_jsonl_lines(path, max_bytes)):
-        if i >= _JSONL_PEEK_LINES:
-            break
-        try:
-            obj = json.loads(line) if isinstance(line, str) else None
-        except (json.JSONDecodeError, RecursionError):  # that line's error when it is read
-            continue
-        if isinstance(obj, dict):
-            keys.update(dict.fromkeys(obj))
-    if keys:
-        return list(keys)
-    raise DatasetError(
-        f"no JSON object in the first {_JSONL_PEEK_LINES} lines of {path}; "
-        "expected JSON lines (one object per line)"
-    )
-
-
 def _jsonl_records(path: Path, max_bytes: int) -> Iterator[dict[str, Any] | str]:
-    for lineno, line in _jsonl_lines(path, max_bytes):
+    for lineno, line in jsonl_lines(path, max_bytes):
         if line is None:
             yield f"{path.name} line {lineno} is not valid UTF-8: fix or re-encode that line"
             continue

@@ -1,8 +1,9 @@
 """Reading prompts: Parquet (file, folder, glob), JSONL, CSV, HF datasets and bundled presets.
 
-Two entry points. `validate(spec)` is cheap (schemas, headers, first records; never a full read)
-and raises `DatasetError` for everything that would make the whole job fail, before the model
-loads. `iter_windows(spec)` streams `Row`s in windows of `window_rows`, never holding the whole
+Two entry points. `validate(spec)` reads schemas and headers, and streams through inputs that
+have neither (JSON lines: their columns, types and rows; CSV: its rows) in bounded memory; it
+raises `DatasetError` for everything that would make the whole job fail, before the model loads.
+`iter_windows(spec)` streams `Row`s in windows of `window_rows`, never holding the whole
 dataset. A problem with one row (null, empty or non-text prompt, malformed messages, a bad
 override value, an unparsable JSONL line) does not raise: the row is yielded with `error` set, so
 that it still gets its output row.
@@ -28,6 +29,7 @@ import pyarrow as pa
 
 import batchpage.data.presets as presets
 from batchpage.data.carry import carried_columns, carried_schema, check_window
+from batchpage.data.jsonl_scan import scan_json_lines
 from batchpage.data.openai_batch import ID_FIELD, REQUEST_FIELDS, make_batch_row
 from batchpage.data.readers import (
     DEFAULT_MAX_PROMPT_BYTES,
@@ -131,7 +133,9 @@ class DatasetInfo:
 
 
 def validate(spec: DatasetSpec) -> DatasetInfo:
-    """Resolve and check the spec without reading the data; raise DatasetError on a fatal issue."""
+    """Resolve and check the spec; raise DatasetError on a fatal issue. A JSON-lines input is
+    read through once whatever the limit (its columns and types are the output's schema,
+    which raising the limit must not change); see `jsonl_scan`."""
     if spec.format not in FORMATS:
         raise DatasetError(f"dataset.format={spec.format!r} is unknown; use one of {FORMATS}")
     if spec.limit is not None and spec.limit < 0:
@@ -171,7 +175,12 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
     fmt, files = resolve_format(spec.format, paths)
     if fmt == "jsonl" and spec.format == "auto" and is_openai_batch(files[0], bound):
         fmt = "openai_batch"
-    columns, num_rows = peek_columns(fmt, files, spec.split, bound)
+    # JSON lines have no header: one pass finds their columns, types and rows together.
+    scan = scan_json_lines(files, bound) if fmt in JSON_LINES else None
+    if scan is not None:
+        columns, num_rows = list(scan.columns), scan.records
+    else:
+        columns, num_rows = peek_columns(fmt, files, spec.split, bound)
     if fmt == "openai_batch":
         prompt_col, messages_col, id_column, overrides = _batch_columns(spec, columns, files)
     else:
@@ -201,7 +210,7 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
     )
     carried = carried_columns(columns, consumed, spec.keep_columns, files[0])
 
-    if num_rows is None and fmt in (*JSON_LINES, "csv"):
+    if num_rows is None and fmt == "csv":
         num_rows = count_records(fmt, files, spec.limit, bound)
     if num_rows is not None and spec.limit is not None:
         num_rows = min(num_rows, spec.limit)
@@ -235,7 +244,9 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         chat_template=chat_template,
         response_column=response,
         carried=carried,
-        carried_schema=carried_schema(fmt, files, spec.split, carried, bound),
+        carried_schema=carried_schema(
+            fmt, files, spec.split, carried, scan.columns if scan else None
+        ),
     )
 
 
@@ -438,10 +449,11 @@ def iter_rows(spec: DatasetSpec, info: DatasetInfo | None = None) -> Iterator[Ro
             return
 
 
-def iter_windows(spec: DatasetSpec) -> Iterator[list[Row]]:
+def iter_windows(spec: DatasetSpec, info: DatasetInfo | None = None) -> Iterator[list[Row]]:
     """Rows in windows of spec.window_rows (the last may be shorter), streamed. Carried values
-    of JSON lines, whose types were inferred from the first records, are checked per window."""
-    info = validate(spec)
+    of JSON lines, whose types were inferred from each column's first records, are checked per
+    window. `info`: what validate(spec) found, if the caller has it (it reads JSON lines whole)."""
+    info = info or validate(spec)
     inferred = info.format in JSON_LINES and len(info.carried_schema) > 0
     window: list[Row] = []
     for row in iter_rows(spec, info):

@@ -69,7 +69,7 @@ def dry_run(cfg: JobConfig) -> dict[str, Any]:
     packed: list[bytes] = []
     rows = bad = too_long = 0
     blocks_max = blocks_all = blocks_prompt_full = 0
-    for window in iter_windows(cfg.dataset):
+    for window in iter_windows(cfg.dataset, plan.info):
         rows += len(window)
         ready, failed = prepare_window(window, tokenizer, plan.params, plan.base_seed, plan.prompts)
         bad += len(failed)

@@ -97,7 +97,7 @@ def _run(
     try:
         if writer.num_done:
             progress.note(f"resuming into {out}: {writer.num_done} rows already done")
-        for window in iter_windows(cfg.dataset):
+        for window in iter_windows(cfg.dataset, plan.info):
             # Read before the check: if the file changed, this window may hold new rows.
             watch.check()
             rows += len(window)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -91,7 +92,7 @@ def test_csv_columns_are_text(tmp_path: Path) -> None:
 def test_jsonl_types_are_inferred_and_a_misfit_value_is_its_rows_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("batchpage.data.carry._SAMPLE_RECORDS", 3)  # rows 3.. are not sampled
+    monkeypatch.setattr("batchpage.data.jsonl_scan._SAMPLE_RECORDS", 3)  # rows 3.. are not sampled
     records = [
         {"prompt": "p0", "ref": {"a": 1, "b": [1, 2]}, "k": 1, "note": None},
         {"prompt": "p1", "ref": {"a": 2}, "k": 2, "note": None},
@@ -126,3 +127,97 @@ def test_jsonl_mixed_types_in_the_first_records_refuse_the_column(tmp_path: Path
     with pytest.raises(DatasetError, match="column 'x' .* different types.*keep_columns"):
         validate(DatasetSpec(path=str(f)))
     assert validate(DatasetSpec(path=str(f), keep_columns=[])).carried == ()
+
+
+def test_jsonl_columns_that_first_appear_late_are_carried_whatever_the_limit(
+    tmp_path: Path,
+) -> None:
+    """JSON lines have no header: a key first seen on line 1,500, or only on the last line, is
+    a column too (typed by its own first values), found by a pass over the whole file even
+    when the limit stops reading far earlier, and rows without it hold null."""
+    records: list[dict] = [{"prompt": f"p{i}"} for i in range(1600)]
+    records[1499]["late"] = 2
+    records[1550]["late"] = 2.5
+    records[-1]["last"] = {"a": [1], "b": None}
+    f = tmp_path / "t.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in records))
+    schema = pa.schema(
+        [
+            ("late", pa.float64()),
+            ("last", pa.struct([("a", pa.list_(pa.int64())), ("b", pa.null())])),
+        ]
+    )
+    for limit in (None, 10):
+        info = validate(DatasetSpec(path=str(f), limit=limit))
+        assert info.carried == ("late", "last") and info.carried_schema == schema
+        assert info.num_rows == (limit or 1600)
+    got = carried(DatasetSpec(path=str(f), window_rows=512))
+    assert [r["late"] for r in got] == [r.get("late") for r in records]
+    assert [r["last"] for r in got] == [None] * 1599 + [{"a": [1], "b": None}]
+
+
+def test_a_late_columns_type_comes_from_its_own_first_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A column first seen late is typed by its first records that hold it (not by the input's
+    first records, where it is absent); a later misfit is still only that row's error."""
+    monkeypatch.setattr("batchpage.data.jsonl_scan._SAMPLE_RECORDS", 2)
+    records: list[dict] = [{"prompt": f"p{i}"} for i in range(8)]
+    records[4]["tag"], records[5]["tag"], records[7]["tag"] = 1, None, 3
+    records[6]["tag"] = "x"  # its third value: past the two that type it
+    f = tmp_path / "t.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in records))
+    spec = DatasetSpec(path=str(f), window_rows=3)
+    assert validate(spec).carried_schema == pa.schema([("tag", pa.int64())])
+    rows = [r for w in iter_windows(spec) for r in w]
+    assert [r.extra["tag"] for r in rows] == [None, None, None, None, 1, None, None, 3]
+    assert [r.index for r in rows if r.error] == [6]
+    assert "column 'tag' holds 'x'" in str(rows[6].error)
+
+
+@pytest.mark.parametrize("piece_bytes", [1, 1 << 20])
+def test_jsonl_types_widen_alike_in_any_pieces_and_a_conflict_names_its_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, piece_bytes: int
+) -> None:
+    """Values are typed a bounded piece of lines at a time; the types come out as if typed in
+    one list, and values of no one type refuse the column (if carried) naming the line."""
+    monkeypatch.setattr("batchpage.data.jsonl_scan._PIECE_BYTES", piece_bytes)
+    records = [
+        {"prompt": "a", "k": 1, "s": {"a": 1}, "n": None, "x": 1},
+        {"prompt": "b", "k": 2.5, "s": {"b": "t"}, "x": 2},
+        {"prompt": "c", "s": None, "n": "text", "x": "three"},  # x: line 3
+        {"prompt": "d", "k": None, "x": 4},
+    ]
+    f = tmp_path / "t.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(
+        DatasetError, match=rf"column 'x' .*different types.*{re.escape(str(f))} line 3 has "
+    ):
+        validate(DatasetSpec(path=str(f)))
+    info = validate(DatasetSpec(path=str(f), keep_columns=["k", "s", "n"]))
+    s = pa.struct([("a", pa.int64()), ("b", pa.string())])
+    assert info.carried_schema == pa.schema([("k", pa.float64()), ("s", s), ("n", pa.string())])
+
+
+def test_jsonl_columns_are_bounded_naming_the_file_and_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("batchpage.data.jsonl_scan._MAX_COLUMNS", 3)
+    f = tmp_path / "t.jsonl"
+    f.write_text("".join(json.dumps({"prompt": "p", f"k{i}": i}) + "\n" for i in range(4)))
+    with pytest.raises(
+        DatasetError, match=rf"^{re.escape(str(f))} line 3 brings .* past 3, .*'k2' is the first"
+    ):
+        validate(DatasetSpec(path=str(f), keep_columns=[]))
+
+
+def test_input_with_no_json_object_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "t.jsonl"
+    f.write_text("[1]\n" * 150 + '{"prompt": "late"}\n')
+    with pytest.raises(
+        DatasetError, match=rf"no JSON object in the first 100 lines of {re.escape(str(f))}"
+    ):
+        validate(DatasetSpec(path=str(f)))
+    f.write_text("")
+    with pytest.raises(DatasetError, match=rf"no JSON object in {re.escape(str(f))}; expected"):
+        validate(DatasetSpec(path=str(f)))

@@ -1,7 +1,7 @@
 """The job's output columns: carried input columns with their Arrow types after batchpage's own,
 name clashes refused before the model loads, per-row top_p/top_k/seed/stop/n columns applied
-as LLM.generate applies the same SamplingParams, and chat_template=true with template
-variables on a plain question column."""
+as LLM.generate applies the same SamplingParams, chat_template=true with template variables
+on a plain question column, and JSON-lines columns that first appear late in the file."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from batchpage import LLM, SamplingParams
 from batchpage.job import JobConfigError, run_job
 from batchpage.job.prompts import row_seed
 from batchpage.output import output_schema
+from tests.job.test_loop import Spy, never, table, write_jsonl
 from tests.job.test_loop import job as tiny_job
-from tests.job.test_loop import never, table, write_jsonl
 
 UTC = dt.timezone.utc
 ENGINE = {"dtype": "float32", "kv_cache_memory": 2**22, "max_model_len": 256}
@@ -156,3 +156,27 @@ def test_a_column_named_id_is_the_row_id(tmp_path: Path, tiny_folder: Path, capl
     holes = write_jsonl(tmp_path / "h.jsonl", [*records, {"id": None, "prompt": "none"}])
     with pytest.raises(JobConfigError, match=r"column 'id' .* is null at rows 3; fill those ids"):
         run_job(tiny_job(holes, tiny_folder, tmp_path / "nul"), llm_factory=never)
+
+
+def test_a_jsonl_column_first_seen_late_is_carried(tmp_path: Path, tiny_folder: Path) -> None:
+    """A key first on line 1,500, and one only on the last line, are output columns with their
+    values (null in rows without them). A limited run already has them, null: the columns come
+    from the whole file, so raising the limit resumes the same job."""
+    records: list[dict] = [{"prompt": f"Hello world {i}"} for i in range(1600)]
+    for i in range(1499, 1600, 20):
+        records[i]["late"] = f"r{i}"
+    records[-1]["last"] = {"score": 0.5}
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    out = tmp_path / "out"
+    fast = {"sampling": {"max_tokens": 1}, "flush_rows": 1024}
+    run_job(tiny_job(data, tiny_folder, out, dataset={"window_rows": 512, "limit": 3}, **fast))
+    schema = pa.schema([("late", pa.string()), ("last", pa.struct([("score", pa.float64())]))])
+    assert pq.read_schema(out / "completions.parquet") == pa.schema([*output_schema(), *schema])
+    assert [(r["late"], r["last"]) for r in table(out)] == [(None, None)] * 3
+    spy = Spy()
+    result = run_job(tiny_job(data, tiny_folder, out, dataset={"window_rows": 512}, **fast), spy)
+    assert (result.rows_resumed, spy.prompts) == (3, 1597)
+    rows = table(out)
+    assert [r["late"] for r in rows] == [r.get("late") for r in records]
+    assert [r["last"] for r in rows] == [None] * 1599 + [{"score": 0.5}]
+    assert all(r["error"] is None for r in rows)

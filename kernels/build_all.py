@@ -1,10 +1,10 @@
 """python -m batchpage.kernels.build_all: build the six C++ CPU kernels now (`make setup` runs
 it), so that the first job starts generating at once instead of compiling for minutes.
 
-Each kernel is built through its own builder (cpu_build.py caches the library by its sources and build inputs), and
-one line says what is built and how long it took; a kernel already built is only loaded. Exit
-code 0 when every kernel built, 1 when one could not (the line says why; the engine then runs
-torch's path for it, with a warning).
+Each kernel is built through its own builder (cpu_build.py caches the library by its sources
+and build inputs), and one line says what is built and how long it took; a kernel already
+built is only loaded. Exit code 0 when every kernel built, 1 when one could not (the line says
+why; the engine then runs torch's path for it, with a warning).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from batchpage.output.files import (
     job_fingerprint,
     output_schema,
     read_job,
+    work_dir,
 )
 from batchpage.output.finalize import FinalizeResult, finalize, package_versions, write_run_json
 from batchpage.output.writer import ShardWriter
@@ -29,5 +30,6 @@ __all__ = [
     "output_schema",
     "package_versions",
     "read_job",
+    "work_dir",
     "write_run_json",
 ]

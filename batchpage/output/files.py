@@ -1,14 +1,19 @@
 """Files of an output_dir: names, the typed schema, atomic writes, shard listing, the dir lock.
 
-Layout of an output_dir:
-    job.json                   what the results depend on (model, sampling, dataset) + its hash
-    shard-00000.parquet ...    finished rows, in finishing order; each file is complete or absent
+Layout of an output_dir (its top level holds only what users read; the job's working files
+are in a hidden subfolder, which Parquet dataset readers skip):
+    .batchpage/job.json        what the results depend on (model, sampling, dataset) + its hash
+    .batchpage/shard-00000.parquet ...   finished rows, in finishing order; each file is
+                               complete or absent
+    .batchpage/job.lock        held by the writer while the job runs
     completions.parquet        one row per input row, sorted by index
     run.json                   resolved config, versions, metrics
     batch_output.jsonl, batch_errors.jsonl   for an OpenAI Batch input (batch_files.py)
     scores.parquet             with score=humaneval: one verdict per sample
     .<name>.*.tmp, .finalize.*.tmp   a file (or the merge's buckets) being written: a leftover
                                one is a crash, deleted by the next writer of the folder
+Folders written before the subfolder existed (job.json and shards at the top) are moved into it
+by the next writer (`adopt_old_layout`), so they resume.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import pyarrow.parquet as pq
 
 from batchpage.fileio import atomic_path
 
+WORK_DIR = ".batchpage"
 JOB_FILE = "job.json"
 FINAL_FILE = "completions.parquet"
 RUN_FILE = "run.json"
@@ -36,7 +42,7 @@ BATCH_OUTPUT_FILE = "batch_output.jsonl"
 BATCH_ERRORS_FILE = "batch_errors.jsonl"
 SCORES_FILE = "scores.parquet"
 SHARD_PREFIX = "shard-"
-LOCK_FILE = ".batchpage.lock"
+LOCK_FILE = "job.lock"
 # What a job writes beside its shards, all rewritten from them: overwrite=true deletes them.
 DERIVED_FILES = (FINAL_FILE, BATCH_OUTPUT_FILE, BATCH_ERRORS_FILE, SCORES_FILE)
 # Temporary names of what is written in an output_dir (fileio.atomic_path: ".<name>.*.tmp";
@@ -151,10 +157,27 @@ def scan_shards(output_dir: Path) -> tuple[set[int], int]:
     return done, last
 
 
+def work_dir(output_dir: str | os.PathLike) -> Path:
+    """The subfolder of output_dir that holds the job's working files (job.json, shards, lock)."""
+    return Path(output_dir) / WORK_DIR
+
+
+def adopt_old_layout(output_dir: Path) -> list[Path]:
+    """Move the job.json and shards of a folder written before the working subfolder existed
+    into it (call it holding the lock); returns their new paths."""
+    moved = []
+    for p in [output_dir / JOB_FILE, *output_dir.glob(f"{SHARD_PREFIX}*.parquet")]:
+        if p.is_file():
+            target = work_dir(output_dir) / p.name
+            os.replace(p, target)
+            moved.append(target)
+    return moved
+
+
 def list_shards(output_dir: Path) -> list[tuple[int, Path]]:
     """(number, path) of each shard, by number: that is the order they were written in."""
     shards = []
-    for p in output_dir.glob(f"{SHARD_PREFIX}*.parquet"):
+    for p in work_dir(output_dir).glob(f"{SHARD_PREFIX}*.parquet"):
         number = p.name[len(SHARD_PREFIX) : -len(".parquet")]
         if number.isdigit():
             shards.append((int(number), p))
@@ -164,7 +187,7 @@ def list_shards(output_dir: Path) -> list[tuple[int, Path]]:
 def read_job(output_dir: str | os.PathLike) -> dict[str, Any]:
     """job.json as a dict. Raises OutputDirError when it is missing or damaged (not JSON, not
     an object), naming the file and the fix."""
-    path = Path(output_dir) / JOB_FILE
+    path = work_dir(output_dir) / JOB_FILE
     if not path.exists():
         raise OutputDirError(f"{path} is missing: this output_dir was not made by a ShardWriter")
     try:
@@ -190,7 +213,7 @@ def remove_leftovers(output_dir: Path) -> list[Path]:
     writer's temporary files match too."""
     removed = []
     for pattern in _TEMP_GLOBS:
-        for p in output_dir.glob(pattern):
+        for p in [*output_dir.glob(pattern), *work_dir(output_dir).glob(pattern)]:
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
             else:
@@ -205,14 +228,15 @@ def atomic_write_table(table: pa.Table, path: Path) -> None:
 
 
 def lock_dir(folder: Path) -> int | None:
-    """Hold an exclusive flock on the folder for the writer's life: two jobs writing into one
+    """Hold an exclusive flock on the folder (its working subfolder's lock file, which must
+    exist) for the writer's life: two jobs writing into one
     output_dir would each resume from the same shards and duplicate rows. The OS drops the lock
     when the process dies, so a kill -9 never leaves a stale lock."""
     try:
         import fcntl
     except ImportError:  # not POSIX: run without the guard
         return None
-    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(work_dir(folder) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

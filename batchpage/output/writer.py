@@ -27,6 +27,7 @@ from batchpage.output.files import (
     SHARD_PREFIX,
     OutputDirError,
     ResultRow,
+    adopt_old_layout,
     atomic_write_table,
     job_fingerprint,
     lock_dir,
@@ -35,6 +36,7 @@ from batchpage.output.files import (
     remove_leftovers,
     scan_shards,
     schema_to_text,
+    work_dir,
 )
 
 
@@ -73,12 +75,14 @@ class ShardWriter:
         self.flush_seconds = flush_seconds
         self._buffer: list[dict[str, Any]] = []
         self._last_flush = time.monotonic()
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.work = work_dir(self.output_dir)
+        self.work.mkdir(parents=True, exist_ok=True)
         self._lock = lock_dir(self.output_dir)
         try:
             # A flush, merge or rewrite that a crash cut short: its rows were never "done",
             # and every file it was writing is rewritten from the shards.
             remove_leftovers(self.output_dir)
+            adopt_old_layout(self.output_dir)
             self._claim(config_fingerprint, overwrite)
             self._done, last = scan_shards(self.output_dir)
             self._next_shard = last + 1
@@ -140,7 +144,7 @@ class ShardWriter:
             return
         table = pa.Table.from_pylist(self._buffer, schema=self.schema)
         name = f"{SHARD_PREFIX}{self._next_shard:05d}.parquet"
-        atomic_write_table(table, self.output_dir / name)
+        atomic_write_table(table, self.work / name)
         self._next_shard += 1
         self._buffer = []
         self._last_flush = time.monotonic()
@@ -177,9 +181,9 @@ class ShardWriter:
         if job is not None and self.listed != (self.n > 1):  # only then: old jobs keep their id
             job["listed"] = self.listed
         fp = config if isinstance(config, str) else job_fingerprint(job)
-        job_path = self.output_dir / JOB_FILE
+        job_path = self.work / JOB_FILE
         ours = [
-            *self.output_dir.glob(f"{SHARD_PREFIX}*.parquet"),
+            *self.work.glob(f"{SHARD_PREFIX}*.parquet"),
             *(self.output_dir / name for name in DERIVED_FILES),
         ]
         if job_path.exists():

@@ -32,6 +32,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchpage.output import work_dir
 from jobs.bench.report import command_line, cpu_model, log, markdown_table, parser
 from jobs.gguf_fuzz import load_outcome, mutate, random_mutations, tiny_gguf
 
@@ -53,7 +54,7 @@ def start_job(args: list[str], cwd: Path, log_file: Path) -> subprocess.Popen:
 
 
 def shards(out: Path) -> int:
-    return len(list(out.glob("shard-*.parquet")))
+    return len(list(work_dir(out).glob("shard-*.parquet")))
 
 
 def merging(out: Path) -> bool:
@@ -301,7 +302,7 @@ def _damaged_shard(job: list[str], clean: Path, workdir: Path) -> Outcome:
     """The clean output with garbage in its first shard, run again."""
     out = workdir / "damaged_out"
     shutil.copytree(clean, out)
-    next(iter(sorted(out.glob("shard-*.parquet")))).write_bytes(b"garbage")
+    next(iter(sorted(work_dir(out).glob("shard-*.parquet")))).write_bytes(b"garbage")
     code, _, text = _run("damaged", [*job, f"output_dir={out}"], workdir)
     said = next((line.strip() for line in text.splitlines() if "unreadable shard" in line), "")
     said = said[said.find("unreadable") :]
@@ -312,7 +313,8 @@ def _damaged_job_json(job: list[str], clean: Path, workdir: Path) -> Outcome:
     """The clean output with its job.json cut short, run again, then with overwrite=true."""
     out = workdir / "jobjson_out"
     shutil.copytree(clean, out)
-    (out / "job.json").write_text((out / "job.json").read_text()[:40])
+    job_file = work_dir(out) / "job.json"
+    job_file.write_text(job_file.read_text()[:40])
     code, said, _ = _run("jobjson", [*job, f"output_dir={out}"], workdir)
     again, _, _ = _run("jobjson2", [*job, f"output_dir={out}", "overwrite=true"], workdir)
     rows = str(compare(clean, out)) if again == 0 else f"overwrite rerun exit {again}"

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchpage.job import run_job
+from batchpage.output import work_dir
 from tests.job.test_loop import job, table, write_jsonl
 from tests.job.test_run_cli import (
     cli,
@@ -78,7 +79,11 @@ def test_a_killed_worker_ends_the_job_and_the_rerun_has_every_row_once(
     assert proc.returncode == 1, err
     assert f"rank 1 (pid {worker}, killed by signal 9) died" in err, err
     assert f"rerun with output_dir={out} to resume" in err and "Traceback" not in err
-    saved = {i for s in out.glob("shard-*.parquet") for i in pq.read_table(s)["index"].to_pylist()}
+    saved = {
+        i
+        for s in work_dir(out).glob("shard-*.parquet")
+        for i in pq.read_table(s)["index"].to_pylist()
+    }
     assert 3 <= len(saved) < 24
     rerun = cli(args, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _, rerun_err = rerun.communicate(timeout=300)

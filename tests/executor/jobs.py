@@ -9,6 +9,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from batchpage.job.config import JobConfig
+from batchpage.output import work_dir
 from batchpage.run import compose_job
 
 # cached_tokens depends on what ran alongside (and on which replica); everything else must match.
@@ -66,7 +67,11 @@ def compared(out: Path) -> list[dict[str, Any]]:
 
 
 def shard_indices(out: Path) -> list[int]:
-    return [i for s in out.glob("shard-*.parquet") for i in pq.read_table(s)["index"].to_pylist()]
+    return [
+        i
+        for s in work_dir(out).glob("shard-*.parquet")
+        for i in pq.read_table(s)["index"].to_pylist()
+    ]
 
 
 def run_json(out: Path) -> dict[str, Any]:

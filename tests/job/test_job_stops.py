@@ -18,6 +18,7 @@ import pytest
 from batchpage import LLM
 from batchpage.job import run_job
 from batchpage.job.plan import JobStoppedError
+from batchpage.output import work_dir
 from batchpage.output import writer as writer_module
 from tests.job.test_loop import COMPARED, job, never, prompts, table, write_jsonl
 
@@ -56,7 +57,7 @@ class AfterFirstWindow:
 
 
 def saved_indices(out: Path) -> list[int]:
-    shards = out.glob("shard-*.parquet")
+    shards = work_dir(out).glob("shard-*.parquet")
     return sorted(i for s in shards for i in pq.read_table(s)["index"].to_pylist())
 
 
@@ -104,7 +105,7 @@ def test_an_input_changed_mid_run_stops_the_job_naming_the_file(
         return
     # The window read after the change was never generated; the first one is kept.
     assert saved == [0, 1, 2, 3] and factory.windows == 1
-    first = pq.read_table(out / "shard-00000.parquet")["prompt"].to_pylist()
+    first = pq.read_table(work_dir(out) / "shard-00000.parquet")["prompt"].to_pylist()
     assert all("quick" in p for p in first)
     data.write_bytes(original)  # restored: the rerun resumes
     result = run_job(cfg, lambda *a, **k: tiny_llm)

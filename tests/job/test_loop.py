@@ -26,6 +26,7 @@ from batchpage.job.config import (
     SamplingConfig,
 )
 from batchpage.job.dry_run import dry_run, pack_tokens, shared_prefix_stats
+from batchpage.output import work_dir
 from batchpage.pooling_params import PoolingParams
 from batchpage.sampling_params import SamplingParams
 
@@ -333,7 +334,7 @@ def test_an_output_dir_that_overlaps_the_input_is_refused_before_loading(
     spy = Spy()
     with pytest.raises(JobConfigError, match=f"output_dir={out} overlaps the input {what}"):
         run_job(job(Path(data), tiny_folder, Path(out)), llm_factory=spy)
-    assert spy.loads == 0 and not (tmp_path / out / "job.json").exists()
+    assert spy.loads == 0 and not work_dir(tmp_path / out).exists()
     # Beside the input, the same job runs.
     run_job(job(Path(data), tiny_folder, tmp_path / "elsewhere"), llm_factory=spy)
     assert len(table(tmp_path / "elsewhere")) == 2 * (1 + (data == "D"))

@@ -16,6 +16,7 @@ import pytest
 
 from batchpage import LLM, SamplingParams, StructuredOutputsParams
 from batchpage.job import run_job
+from batchpage.output import work_dir
 from batchpage.run import compose_job
 from tests.job.test_loop import job, write_jsonl
 from tests.job.test_run_cli import cli, tiny_job_args
@@ -190,7 +191,7 @@ def test_sigkill_then_resume_writes_the_same_batch_files(tmp_path, tiny_folder) 
     with open(tmp_path / "stderr.txt", "w") as err:
         proc = cli(args, tmp_path, stderr=err)
     deadline = time.monotonic() + 300
-    while proc.poll() is None and not list(out.glob("shard-*.parquet")):
+    while proc.poll() is None and not list(work_dir(out).glob("shard-*.parquet")):
         assert time.monotonic() < deadline, "the job made no progress"
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)

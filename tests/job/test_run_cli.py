@@ -23,6 +23,7 @@ from batchpage.data import DatasetSpec
 from batchpage.engine.config import EngineConfig
 from batchpage.job import run_job
 from batchpage.job.config import JobConfig, SamplingConfig, register_configs
+from batchpage.output import work_dir
 from batchpage.run import compose_job, config_dir, quoted_override, sweep_subdir
 from tests.model_factory import HAS_SMOLLM2
 
@@ -262,7 +263,7 @@ def test_sigterm_saves_the_buffered_rows_and_exits_143(tmp_path, tiny_folder) ->
     assert proc.returncode == 143, err
     assert f"terminated: finished rows are saved; rerun with output_dir={out} to resume" in err
     assert "Traceback" not in err
-    saved = [pq.read_table(s)["index"].to_pylist() for s in out.glob("shard-*.parquet")]
+    saved = [pq.read_table(s)["index"].to_pylist() for s in work_dir(out).glob("shard-*.parquet")]
     # The three finished rows (in the engine's prefix order), in one flush.
     assert len(saved) == 1 and len(set(saved[0])) == 3
     proc = cli(job, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # it resumes
@@ -305,11 +306,13 @@ def test_a_damaged_job_json_exits_2_naming_it_and_the_fix(tmp_path, tiny_folder)
     out = tmp_path / "out"
     job = [*tiny_job_args(data, tiny_folder, out), "sampling.max_tokens=2"]
     assert cli(job, tmp_path).wait(timeout=120) == 0
-    (out / "job.json").write_text('{"fingerprint": "0123')  # cut short by a full disk, say
+    (work_dir(out) / "job.json").write_text(
+        '{"fingerprint": "0123'
+    )  # cut short by a full disk, say
     proc = cli(job, tmp_path, stderr=subprocess.PIPE)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, err
-    assert f"{out / 'job.json'} is damaged" in err and "overwrite=true" in err
+    assert f"{work_dir(out) / 'job.json'} is damaged" in err and "overwrite=true" in err
     assert "another output_dir" in err and "Traceback" not in err
     assert cli([*job, "overwrite=true"], tmp_path).wait(timeout=120) == 0
 
@@ -341,13 +344,13 @@ def test_sigkill_at_random_moments_then_resume_equals_a_clean_run(tmp_path, tiny
     ]
     killed = 0
     for _ in range(2):
-        before = len(list(out.glob("shard-*.parquet")))
+        before = len(list(work_dir(out).glob("shard-*.parquet")))
         log = tmp_path / "stderr.txt"
         with open(log, "w") as err:
             proc = cli(job, tmp_path, stderr=err)
         deadline = time.monotonic() + 300
         # Kill once this run has made progress of its own, at a random moment after that.
-        while proc.poll() is None and len(list(out.glob("shard-*.parquet"))) <= before:
+        while proc.poll() is None and len(list(work_dir(out).glob("shard-*.parquet"))) <= before:
             assert time.monotonic() < deadline, "the job made no progress"
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 0.4))
@@ -356,7 +359,9 @@ def test_sigkill_at_random_moments_then_resume_equals_a_clean_run(tmp_path, tiny
         assert proc.returncode in (-signal.SIGKILL, 0), log.read_text()
         killed += proc.returncode == -signal.SIGKILL
         indices = [
-            i for s in out.glob("shard-*.parquet") for i in pq.read_table(s)["index"].to_pylist()
+            i
+            for s in work_dir(out).glob("shard-*.parquet")
+            for i in pq.read_table(s)["index"].to_pylist()
         ]
         assert len(indices) == len(set(indices)), "a row was written twice"
     assert killed, "no kill landed while the job ran"

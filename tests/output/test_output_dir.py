@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from batchpage.fileio import atomic_dir, atomic_path, atomic_write_text
-from batchpage.output import FINAL_FILE, OutputDirError, ResultRow, ShardWriter, finalize
+from batchpage.output import FINAL_FILE, OutputDirError, ResultRow, ShardWriter, finalize, work_dir
 from batchpage.output.files import BATCH_ERRORS_FILE, BATCH_OUTPUT_FILE, SCORES_FILE
 
 JOB = {"model": "tiny", "sampling": {"temperature": 0.0}, "dataset": "fp1"}
@@ -53,8 +54,8 @@ def test_overwrite_deletes_every_file_of_the_old_job(tmp_path: Path) -> None:
     with pytest.raises(OutputDirError, match="overwrite=true"):
         ShardWriter(tmp_path, changed)
     ShardWriter(tmp_path, changed, overwrite=True).close()
-    left = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
-    assert left == ["job.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".batchpage"]
+    assert sorted(p.name for p in work_dir(tmp_path).iterdir()) == ["job.json", "job.lock"]
 
 
 def test_old_batch_or_score_files_without_job_json_are_refused(tmp_path: Path) -> None:
@@ -67,11 +68,11 @@ def test_old_batch_or_score_files_without_job_json_are_refused(tmp_path: Path) -
 def test_a_damaged_job_json_names_the_file_and_the_fix(tmp_path: Path, damage: bytes) -> None:
     with ShardWriter(tmp_path, JOB, flush_rows=1) as w:
         rows(w, 2)
-    (tmp_path / "job.json").write_bytes(damage)
+    (work_dir(tmp_path) / "job.json").write_bytes(damage)
     with pytest.raises(OutputDirError) as err:
         ShardWriter(tmp_path, JOB)
     message = str(err.value)
-    assert str(tmp_path / "job.json") in message and "damaged" in message
+    assert str(work_dir(tmp_path) / "job.json") in message and "damaged" in message
     assert "overwrite=true" in message and "another output_dir" in message
     assert "\n" not in message
     with ShardWriter(tmp_path, JOB, overwrite=True) as w:  # the fix it names works
@@ -96,9 +97,31 @@ def test_files_get_the_mode_the_umask_gives(tmp_path: Path) -> None:
         atomic_write_text(tmp_path / "private.txt", "x")
     finally:
         os.umask(old)
-    made = [*tmp_path.iterdir(), *tmp_path.glob("out/*")]
+    made = [*tmp_path.iterdir(), *tmp_path.glob("out/*"), *tmp_path.glob("out/.batchpage/*")]
     mode = {p.name: p.stat().st_mode & 0o777 for p in made}
     assert mode["a.txt"] == mode["b.bin"] == 0o644
     assert mode["folder"] == 0o755
     assert mode["job.json"] == mode[FINAL_FILE] == mode["shard-00000.parquet"] == 0o644
     assert mode["private.txt"] == 0o600
+
+
+def test_the_top_level_holds_what_users_read_and_old_folders_resume(tmp_path: Path) -> None:
+    """Shards, job.json and the lock live in .batchpage/ (which pyarrow's dataset reader skips:
+    the folder reads as completions.parquet alone); a folder written with them at the top is
+    adopted by the next writer, which resumes its rows."""
+    with ShardWriter(tmp_path, JOB, flush_rows=1) as w:
+        rows(w, 2)
+    finalize(tmp_path, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".batchpage", FINAL_FILE]
+    assert pq.read_table(tmp_path).num_rows == 2  # the folder as one Parquet dataset
+    old = tmp_path / "old"
+    with ShardWriter(old, JOB, flush_rows=1) as w:
+        rows(w, 1)
+    for p in work_dir(old).iterdir():  # as an older batchpage laid it out
+        if p.name != "job.lock":
+            p.rename(old / p.name)
+    with ShardWriter(old, JOB, flush_rows=1) as w:
+        assert w.num_done == 1
+        rows(w, 2)
+    assert finalize(old, 2).rows == 2
+    assert sorted(p.name for p in old.iterdir()) == [".batchpage", FINAL_FILE]

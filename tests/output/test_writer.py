@@ -29,6 +29,7 @@ from batchpage.output import (
     ShardWriter,
     finalize,
     output_schema,
+    work_dir,
     write_run_json,
 )
 from batchpage.output import files as output_files
@@ -43,7 +44,7 @@ def result(i: int, n: int = 1) -> ResultRow:
 
 
 def shards(d: Path) -> list[Path]:
-    return sorted(d.glob("shard-*.parquet"))
+    return sorted(work_dir(d).glob("shard-*.parquet"))
 
 
 def crash(writer: ShardWriter) -> None:
@@ -111,7 +112,7 @@ def test_crash_leftovers_are_ignored(tmp_path: Path) -> None:
     for i in range(5):
         w.add(result(i))  # 0-3 flushed, 4 buffered
     crash(w)
-    (tmp_path / ".shard-00002.parquet.tmp").write_bytes(b"PAR1 half a shard")
+    (work_dir(tmp_path) / ".shard-00002.parquet.tmp").write_bytes(b"PAR1 half a shard")
     w = ShardWriter(tmp_path, JOB, flush_rows=2)
     assert w.done_indices() == {0, 1, 2, 3}
     assert not list(tmp_path.glob(".*.tmp"))
@@ -141,7 +142,10 @@ def test_changed_job_is_refused_unless_overwrite(tmp_path: Path) -> None:
         ShardWriter(tmp_path, JOB, n=2)
     with ShardWriter(tmp_path, changed, overwrite=True) as w:
         assert w.done_indices() == set() and not shards(tmp_path)
-    assert json.loads((tmp_path / "job.json").read_text())["job"]["sampling"]["temperature"] == 0.7
+    assert (
+        json.loads((work_dir(tmp_path) / "job.json").read_text())["job"]["sampling"]["temperature"]
+        == 0.7
+    )
 
 
 def test_foreign_results_without_job_file_are_refused(tmp_path: Path) -> None:
@@ -181,7 +185,8 @@ def test_finalize_drops_rows_past_the_total_and_duplicates(tmp_path: Path) -> No
     # A duplicate shard cannot come from the writer; finalize must still keep one copy.
     dup = pq.read_table(shards(tmp_path)[0])
     pq.write_table(
-        dup.set_column(2, "prompt", pa.array(["dup"] * 2)), tmp_path / "shard-00009.parquet"
+        dup.set_column(2, "prompt", pa.array(["dup"] * 2)),
+        work_dir(tmp_path) / "shard-00009.parquet",
     )
     table = pq.read_table(finalize(tmp_path, 3).path)
     assert table.column("index").to_pylist() == [0, 1, 2]

@@ -69,10 +69,9 @@ class Engine:
             cfg, plan.num_blocks, plan.max_model_len, cfg.batched_tokens(plan.device)
         )
         self.kv_manager: KVCacheManager = self.scheduler.kv
-        if cfg.classifier_from_token is not None:  # before bind: the lm_head's plain rows
-            model.score = token_classifier(
-                model.head_table(), _token_ids(tokenizer, cfg.classifier_from_token)
-            )
+        if cfg.classifier_from_token is not None:  # before bind: the lm_head as loaded
+            rows = model.head_rows(_token_ids(tokenizer, cfg.classifier_from_token))
+            model.score = token_classifier(rows, model.embed_tokens.weight.dtype)
         built = build_model_runner(model, cfg, plan, peers)
         self.bind_report = built.bind_report
         self.weight_bytes = model.weight_bytes()  # after bind: in the layouts the ops keep

@@ -154,21 +154,19 @@ class CausalLM(nn.Module):
             return logits
         return self.comm.gather_columns(logits)[:, : self.config.vocab_size]
 
-    def head_table(self) -> torch.Tensor:  # [V, hidden]
-        """The plain lm_head weight (a tied model's embedding table), before bind; ValueError
-        for a quantized head, which has no plain rows."""
-        head = self.lm_head
-        table = self.embed_tokens.weight if head is None else getattr(head, "weight", None)
-        if table is None or self.tied_quant is not None:
-            raise ValueError("this checkpoint's lm_head is quantized: it cannot be a classifier")
-        return table
+    def head_rows(self, ids: list[int]) -> torch.Tensor:  # float32 [len(ids), hidden]
+        """Rows of the lm_head (a tied model's embedding table), dequantized where the head is
+        held quantized; before bind."""
+        index = torch.tensor(ids)
+        head = self.tied_quant if self.tied_quant is not None else self.lm_head
+        return self.embed_tokens.weight[index].float() if head is None else head.weight_rows(index)
 
     def pool_head(self, pooled: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> float32 [N, D]
         """A pooling model's output for pooled hidden states: its score head's (labels), or the
         states themselves (an embedding model, D = hidden), in float32."""
         if self.score is None:
             return pooled.float()
-        return self.score(pooled.to(self.embed_tokens.weight.dtype)).float()
+        return self.score(pooled.to(next(self.score.parameters()).dtype)).float()
 
     @torch.no_grad()
     def bind(self, ops: ModelOps) -> BindReport:

@@ -31,15 +31,13 @@ def make_score_head(
     return None
 
 
-def token_classifier(table: torch.Tensor, ids: list[int]) -> nn.Linear:
-    """A classifier from an lm_head's rows (table [V, hidden]): for two tokens one label whose
-    weight is row[ids[1]] - row[ids[0]] (its logit: the difference of the two tokens' logits,
-    so its sigmoid is the second's softmax probability over the pair); else one label a token."""
-    rows = table[ids].float()
-    weight = (rows[1] - rows[0])[None] if len(ids) == 2 else rows
-    head = nn.Linear(
-        table.shape[1], weight.shape[0], bias=False, dtype=table.dtype, device=table.device
-    )
+def token_classifier(rows: torch.Tensor, dtype: torch.dtype) -> nn.Linear:
+    """A classifier from an lm_head's rows for its tokens (float32 [T, hidden]): for two tokens
+    one label whose weight is rows[1] - rows[0] (its logit: the difference of the two tokens'
+    logits, so its sigmoid is the second's softmax probability over the pair); else one label a
+    token. Its weight in `dtype`, on the rows' device."""
+    weight = (rows[1] - rows[0])[None] if len(rows) == 2 else rows
+    head = nn.Linear(rows.shape[1], weight.shape[0], bias=False, dtype=dtype, device=rows.device)
     with torch.no_grad():
         head.weight.copy_(weight)
     return head.requires_grad_(False)

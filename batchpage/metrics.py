@@ -71,6 +71,7 @@ class RunStats:
     # What the engine's model holds (CausalLM.weight_bytes, weight_formats), fixed at setup.
     weight_bytes: int = 0
     weight_formats: dict[str, int] = field(default_factory=dict)
+    linear_methods: dict[str, str] = field(default_factory=dict)  # per linear shape
 
     @classmethod
     def merged(cls, runs: Sequence[RunStats]) -> RunStats:
@@ -92,6 +93,7 @@ class RunStats:
         if runs:  # every run of one job loads the same model
             total.weight_bytes = runs[-1].weight_bytes
             total.weight_formats = dict(runs[-1].weight_formats)
+            total.linear_methods = dict(runs[-1].linear_methods)
         return total
 
     def to_record(self) -> dict[str, Any]:
@@ -103,6 +105,7 @@ class RunStats:
             **record, **parts, "kv_blocks_total": self.kv_blocks_total,
             "elapsed_s": self.elapsed_s, "weight_bytes": self.weight_bytes,
             "weight_formats": dict(self.weight_formats),
+            "linear_methods": dict(self.linear_methods),
         }  # fmt: skip
 
     @classmethod
@@ -115,6 +118,8 @@ class RunStats:
         stats.weight_bytes = int(record.get("weight_bytes", 0))
         formats = record.get("weight_formats", {})
         stats.weight_formats = dict(formats) if isinstance(formats, dict) else {}
+        methods = record.get("linear_methods", {})
+        stats.linear_methods = dict(methods) if isinstance(methods, dict) else {}
         return stats
 
     def record_step(
@@ -175,4 +180,5 @@ class RunStats:
             "step_time_s": dict(self.step_time_s),
             "weight_bytes": self.weight_bytes,
             "weight_formats": dict(self.weight_formats),
+            "linear_methods": dict(self.linear_methods),
         }

@@ -74,6 +74,7 @@ class Engine:
             model.score = token_classifier(rows, model.embed_tokens.weight.dtype)
         built = build_model_runner(model, cfg, plan, peers)
         self.bind_report = built.bind_report
+        self.linear_methods = built.linear_methods
         self.weight_bytes = model.weight_bytes()  # after bind: in the layouts the ops keep
         # The all-greedy sampler's argmax: the bound layer ops' (the C++ one on the CPU kernels).
         self.argmax: Callable[[torch.Tensor], torch.Tensor] = built.argmax
@@ -113,6 +114,7 @@ class Engine:
         stats = RunStats(self.kv_manager.num_blocks, self.cfg.block_size)
         stats.weight_bytes = self.weight_bytes
         stats.weight_formats = dict(self.bind_report.weight_formats)
+        stats.linear_methods = dict(self.linear_methods)
         return stats
 
     def add_requests(self, requests: list[Request]) -> RunStats:

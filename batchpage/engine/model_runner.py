@@ -197,6 +197,7 @@ class BuiltRunner(NamedTuple):
     runner: ModelRunner
     bind_report: BindReport
     argmax: Callable[[torch.Tensor], torch.Tensor]  # the bound layer ops' greedy argmax
+    linear_methods: dict[str, str]  # the implementation bound per linear shape
 
 
 def build_model_runner(
@@ -226,10 +227,17 @@ def build_model_runner(
     attention = make_attention_backend(cfg.attention_backend, plan.device)
     if peers is not None:
         comm = peers.comm
+    # The row counts a linear runs at: a decode step's few rows up to a full batch.
+    rows = tuple(sorted({1, 8, 64, cfg.max_num_seqs}))
     ops = select_model_ops(
-        cfg.linear_backend, uses_cpu_kernels(attention), plan.dtype, plan.device, comm
+        cfg.linear_backend, uses_cpu_kernels(attention), plan.dtype, plan.device, comm, rows
     )
     report = model.bind(ops)
+    if ops.measured is not None and ops.measured.choices:
+        m = ops.measured
+        how = f"measured {m.measured} in {m.seconds:.1f} s" if m.measured else "all cached"
+        shapes = ", ".join(f"{shape} {name}" for shape, name in m.choices.items())
+        log.info("linears by measurement (%s; %s): %s", how, m.cache.path, shapes)
     graphs = None
     if graphs_on:
         sizes = ladder(cfg.max_num_seqs)
@@ -242,4 +250,4 @@ def build_model_runner(
         log.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
     pooling = plan.task != "generate"
     runner = ModelRunner(model, kv, attention, graphs, pooling=pooling, peers=peers)
-    return BuiltRunner(runner, report, ops.layer.argmax)
+    return BuiltRunner(runner, report, ops.layer.argmax, ops.linear_methods())

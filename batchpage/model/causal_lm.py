@@ -187,8 +187,9 @@ class CausalLM(nn.Module):
                     continue
                 gate_up = mlp.gate_up_proj
                 if isinstance(gate_up, Linear) and gate_up.bias is None:
-                    mlp.gate_up_proj = method.silu_mul(gate_up.weight)
-                    mlp.gate_up_activated = True
+                    fused = method.silu_mul(gate_up.weight)
+                    if fused is not None:  # else the plain linear, made below
+                        mlp.gate_up_proj, mlp.gate_up_activated = fused, True
         replaced, extra = 0, 0
         if method.make_int is not None:
             if self.tied_quant is not None:

@@ -99,6 +99,7 @@ def bf16_linears(kernel: CpuBf16Linear) -> LinearMethod:
         "avx512_bf16",
         functools.partial(Bf16DotLinear, kernel=kernel),
         functools.partial(Bf16SiluMulLinear, kernel=kernel),
+        version=getattr(kernel.raw, "__name__", ""),
     )
 
 

@@ -103,8 +103,9 @@ class Linear(nn.Linear, LinearOp):
 
 # weight [out, in], bias [out] or None -> the implementation's module for that linear
 LinearMaker = Callable[[torch.Tensor, torch.Tensor | None], LinearOp]
-# merged [gate | up] weight [2I, in] -> a module whose output is SiLU(x @ gate.T) * (x @ up.T)
-SiluMulMaker = Callable[[torch.Tensor], LinearOp]
+# merged [gate | up] weight [2I, in] -> a module whose output is SiLU(x @ gate.T) * (x @ up.T),
+# or None where the plain linear and the layer's activation should run instead
+SiluMulMaker = Callable[[torch.Tensor], LinearOp | None]
 # a quantized linear's IntWeight, bias [out] or None, its scheme -> the implementation's module
 IntLinearMaker = Callable[["IntWeight", torch.Tensor | None, "QuantScheme"], LinearOp]
 
@@ -122,6 +123,21 @@ class LinearMethod:
     make: LinearMaker | None = None
     silu_mul: SiluMulMaker | None = None
     make_int: IntLinearMaker | None = None
+    version: str = ""  # what else identifies it, for cached measurements: a kernel's library
 
 
 TORCH_LINEARS = LinearMethod("torch")
+
+
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    """A Linear over these very tensors (shared, not copied)."""
+    layer = Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return layer
+
+
+# torch's method as one candidate among several for measured choice (ops/measured_linear.py),
+# which makes every layer it times.
+MEASURABLE_TORCH_LINEARS = LinearMethod("torch", dense_linear)

@@ -13,7 +13,8 @@ from batchpage.ops.collective import Collective
 from batchpage.ops.dequantized_linear import dequantized_linears
 from batchpage.ops.int_linear import cpu_int_linears
 from batchpage.ops.layer_ops import LayerOps
-from batchpage.ops.linear import TORCH_LINEARS, LinearMethod
+from batchpage.ops.linear import MEASURABLE_TORCH_LINEARS, TORCH_LINEARS, LinearMethod
+from batchpage.ops.measured_linear import ChoiceCache, MeasuredLinears, setup_key
 from batchpage.ops.onednn_linear import ONEDNN_LINEARS, onednn_packs
 
 LINEAR_BACKENDS = ("auto", "avx512_bf16", "onednn", "torch")
@@ -27,40 +28,72 @@ class ModelOps:
     layer: LayerOps
     linear: LinearMethod
     comm: Collective = field(default_factory=Collective)
+    # linear_backend="auto" with several candidates: what it chose per shape, once bound.
+    measured: MeasuredLinears | None = None
+
+    def linear_methods(self) -> dict[str, str]:
+        """The implementation bound per linear shape (llm.stats' linear_methods); "*" for a
+        forced backend's every shape."""
+        if self.measured is not None and self.measured.choices:
+            return dict(self.measured.choices)
+        return {"*": self.linear.name}
 
 
-def select_linears(choice: str, dtype: torch.dtype, device: torch.device) -> LinearMethod:
+def select_linears(
+    choice: str, dtype: torch.dtype, device: torch.device, rows: tuple[int, ...] = (1, 64)
+) -> tuple[LinearMethod, MeasuredLinears | None]:
     """The engine's `linear_backend`: "avx512_bf16" is the bf16 kernel (with SiLU(gate) * up
     fused into the gate/up linear) or raises; "onednn" is oneDNN's prepacked layout or raises;
-    "torch" keeps the dense weights and dequantizes quantized ones; "auto" takes the first that
-    applies: the bf16 kernel (bf16 on AVX512-BF16), oneDNN (wherever it packs this dtype on a
-    CPU), torch. Every choice but "torch" runs a quantized checkpoint's linears on the C++ int
-    kernel where it applies (bf16 on a CPU with AVX512-BF16 or AVX2); on a CPU where it does not
-    (float32), their weights are dequantized once, at bind (ops/dequantized_linear.py)."""
+    "torch" keeps the dense weights and dequantizes quantized ones; "auto" measures, for each
+    linear shape at bind, every one of them that can run here at the row counts `rows`, and
+    binds the fastest (ops/measured_linear.py; the MeasuredLinears is returned for its report).
+    Every choice but "torch" runs a quantized checkpoint's linears on the C++ int kernel where
+    it applies (bf16 on a CPU with AVX512-BF16 or AVX2); on a CPU where it does not (float32),
+    their weights are dequantized once, at bind (ops/dequantized_linear.py)."""
     if choice not in LINEAR_BACKENDS:
         allowed = ", ".join(LINEAR_BACKENDS)
         raise ValueError(f"linear_backend must be one of {allowed}; got {choice!r}")
     if choice == "torch":
-        return TORCH_LINEARS
+        return TORCH_LINEARS, None
     make_int = cpu_int_linears(dtype, device)
     if make_int is None and device.type == "cpu":
         make_int = dequantized_linears(dtype)
-    return replace(_dense_linears(choice, dtype, device), make_int=make_int)
+    if choice != "auto":
+        return replace(_forced_linears(choice, dtype, device), make_int=make_int), None
+    candidates = _candidates(dtype, device)
+    if len(candidates) == 1:
+        return replace(TORCH_LINEARS, make_int=make_int), None
+    measured = MeasuredLinears(
+        candidates, dtype, rows, ChoiceCache(setup_key(candidates, dtype, rows))
+    )
+    return replace(measured.method(), make_int=make_int), measured
 
 
-def _dense_linears(choice: str, dtype: torch.dtype, device: torch.device) -> LinearMethod:
-    if choice in ("auto", "avx512_bf16"):
-        kernel = bf16_dot_kernel(dtype, device, required=choice == "avx512_bf16")
-        if kernel is not None:
-            return bf16_linears(kernel)
-    packs = onednn_packs(dtype, device)
-    if choice == "onednn" and not packs:
+def _forced_linears(choice: str, dtype: torch.dtype, device: torch.device) -> LinearMethod:
+    if choice == "avx512_bf16":
+        kernel = bf16_dot_kernel(dtype, device, required=True)
+        assert kernel is not None
+        return bf16_linears(kernel)
+    if not onednn_packs(dtype, device):
         raise ValueError(
             f"linear_backend='onednn' cannot pack {str(dtype).removeprefix('torch.')} weights on "
             f"{device}: it needs a CPU torch built with oneDNN, and for bfloat16 a CPU with "
             "AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; use linear_backend='auto' or 'torch'"
         )
-    return ONEDNN_LINEARS if packs else TORCH_LINEARS
+    return ONEDNN_LINEARS
+
+
+def _candidates(dtype: torch.dtype, device: torch.device) -> list[LinearMethod]:
+    """Every dense linear implementation that can run `dtype` on `device`: the one that cannot
+    is left out by trying it (building the kernel, packing a tiny weight), not by its flags
+    alone. Plain torch always can."""
+    found = []
+    kernel = bf16_dot_kernel(dtype, device, required=False)
+    if kernel is not None:
+        found.append(bf16_linears(kernel))
+    if onednn_packs(dtype, device):
+        found.append(ONEDNN_LINEARS)
+    return [*found, MEASURABLE_TORCH_LINEARS]
 
 
 def select_layer_ops(cpu_kernels: bool) -> LayerOps:
@@ -86,9 +119,8 @@ def select_model_ops(
     dtype: torch.dtype,
     device: torch.device,
     comm: Collective | None = None,
+    rows: tuple[int, ...] = (1, 64),
 ) -> ModelOps:
-    return ModelOps(
-        select_layer_ops(cpu_kernels),
-        select_linears(linear_backend, dtype, device),
-        comm or Collective(),
-    )
+    """`rows`: the row counts a linear runs at that matter, where "auto" measures."""
+    linear, measured = select_linears(linear_backend, dtype, device, rows)
+    return ModelOps(select_layer_ops(cpu_kernels), linear, comm or Collective(), measured)

@@ -201,7 +201,8 @@ def test_a_tied_gguf_holds_its_quantized_table_once(tmp_path, linears, dtype):
     ids = list(range(3, 50))
     before, held = prefill_logits(model, ids), model.weight_bytes()
     table = model.embed_tokens.weight
-    model.bind(ModelOps(LayerOps(), select_linears(linears, table.dtype, torch.device("cpu"))))
+    method, _ = select_linears(linears, table.dtype, torch.device("cpu"))
+    model.bind(ModelOps(LayerOps(), method))
     assert isinstance(model.embed_tokens, TiedEmbedding)
     assert model.embed_tokens.head is model.tied_head
     raw = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")

@@ -115,8 +115,10 @@ def test_prepacked_model_matches_transformers(tmp_path, variant):
 
 
 def test_linear_backend_choice():
-    """ "torch" never packs; "auto" packs exactly where oneDNN can; "onednn" packs or says why
-    not. oneDNN's bf16 path needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: read from the CPU flags
+    """ "torch" never packs; "auto" measures every implementation that runs here (the bf16
+    kernel where it builds and runs bf16, oneDNN exactly where it packs, torch); "onednn" packs
+    or says why not; "avx512_bf16" is the kernel or says why not. oneDNN's bf16 path needs
+    AVX-512 BW/VL/DQ or AVX-NE-CONVERT: read from the CPU flags
     here, independently of the probe that packs a tiny weight."""
     flags = cpu_flags()
     bf16_isa = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
@@ -125,20 +127,22 @@ def test_linear_backend_choice():
     assert onednn_packs(torch.bfloat16, CPU) == (cpu_onednn and bf16_isa)
     assert not onednn_packs(torch.float32, torch.device("cuda"))
     for dtype in (torch.float32, torch.bfloat16):
-        assert select_linears("torch", dtype, CPU) is TORCH_LINEARS
-        auto = select_linears("auto", dtype, CPU)
-        if dtype == torch.bfloat16 and NATIVE:  # bf16 on AVX512-BF16: the bf16 kernel
-            for method in (auto, select_linears("avx512_bf16", dtype, CPU)):
-                assert method.make.func is Bf16DotLinear
-                assert method.silu_mul.func is Bf16SiluMulLinear
-                assert method.make_int.func is make_int_linear
+        assert select_linears("torch", dtype, CPU) == (TORCH_LINEARS, None)
+        auto, measured = select_linears("auto", dtype, CPU)
+        kernel = dtype == torch.bfloat16 and NATIVE  # bf16 on AVX512-BF16: the bf16 kernel
+        want = ["avx512_bf16"] * kernel + ["onednn"] * onednn_packs(dtype, CPU) + ["torch"]
+        assert measured is not None and list(measured.candidates) == want
+        assert auto.name == "auto" and (auto.silu_mul is not None) == kernel
+        if kernel:
+            forced, none = select_linears("avx512_bf16", dtype, CPU)
+            assert none is None and forced.make.func is Bf16DotLinear
+            assert forced.silu_mul.func is Bf16SiluMulLinear
+            assert forced.make_int.func is make_int_linear is auto.make_int.func
         else:
-            dense = replace(auto, make_int=None)
-            assert dense == (ONEDNN_LINEARS if onednn_packs(dtype, CPU) else TORCH_LINEARS)
             with pytest.raises(ValueError, match="linear_backend='avx512_bf16' needs bfloat16"):
                 select_linears("avx512_bf16", dtype, CPU)
         if onednn_packs(dtype, CPU):
-            onednn = select_linears("onednn", dtype, CPU)
+            onednn, _ = select_linears("onednn", dtype, CPU)
             assert replace(onednn, make_int=None) == ONEDNN_LINEARS
             # A quantized checkpoint's linears: the int kernel for bf16 activations only; on
             # the CPU otherwise, each weight dequantized once at bind.

@@ -1,0 +1,202 @@
+"""linear_backend="auto": each distinct linear shape of the model bound to whichever
+implementation runs it fastest on this machine, measured at bind, never guessed from CPU flags.
+
+Which implementation wins depends on the CPU and on the shape: batchpage's AVX512-BF16 kernel
+beats oneDNN on some CPUs, and oneDNN's AMX path beats it several times over on others
+(BENCHMARKS.md). So at bind every candidate that can run here makes the layer, each is timed on
+random rows at the row counts that matter (a decode step's few rows up to a full batch), and
+the one with the best geometric mean of its time relative to the fastest at each row count is
+kept. A SiLU-gated MLP's merged gate/up linear is measured both ways: fused (the activation in
+the kernel) against the best plain candidate followed by the activation.
+
+The choices are cached on disk (`ChoiceCache`) under a key of everything that decides them: the
+CPU's model and flags, the torch build, the dtype, the row counts and each candidate's identity
+(a compiled kernel's library name, which changes with its source); a second bind on the same
+setup measures nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from batchpage.cpu_info import cpu_flags, cpu_model
+from batchpage.fileio import atomic_write_text
+from batchpage.ops.linear import LinearMethod, LinearOp
+from batchpage.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+# Timed calls per candidate and row count, after one warm-up call; the median is kept.
+REPEATS = 3
+UNFUSED = "plain+activation"  # a gated MLP's plain linear, then SiLU(gate) * up
+
+
+class ActivatedLinear(LinearOp):
+    """A merged [gate | up] linear followed by SiLU(gate) * up: a plain candidate's side of the
+    fused-or-not measurement for a gated MLP."""
+
+    def __init__(self, inner: LinearOp) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        gate, up = self.inner.apply(x, None).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @property
+    def weight_format(self) -> str:
+        return self.inner.weight_format
+
+
+def time_linear(module: LinearOp, rows: int, in_features: int, dtype: torch.dtype) -> float:
+    """Seconds one call of `module` takes on `rows` random rows: the median of REPEATS."""
+    x = torch.randn(rows, in_features, dtype=dtype)
+    module.apply(x, None)  # first call: allocations, oneDNN's primitive creation
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        module.apply(x, None)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def fastest(timings: dict[str, list[float]]) -> str:
+    """The candidate whose times, each relative to the fastest candidate's at that row count,
+    have the smallest geometric mean (every row count weighs the same, whatever its size)."""
+    names = list(timings)
+    counts = len(next(iter(timings.values())))
+    best = [min(timings[n][i] for n in names) for i in range(counts)]
+
+    def score(name: str) -> float:
+        return sum(math.log(t / b) for t, b in zip(timings[name], best, strict=True))
+
+    return min(names, key=score)
+
+
+class ChoiceCache:
+    """Measured choices of one setup (`key`: what decides them), one JSON file each under
+    `folder` (default: cache_dir()/linear_choices), shape key -> the chosen candidate."""
+
+    def __init__(self, key: dict[str, str], folder: Path | None = None) -> None:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        self.key = key
+        self.path = (folder or cache_dir() / "linear_choices") / f"{digest}.json"
+
+    def get(self, shape: str) -> str | None:
+        return self._read().get(shape)
+
+    def put(self, shape: str, choice: str) -> None:
+        """Record a choice; another process's choices written meanwhile are kept."""
+        choices = {**self._read(), shape: choice}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps({"key": self.key, "choices": choices}, indent=1, sort_keys=True)
+            atomic_write_text(self.path, text)
+        except OSError as exc:  # a read-only cache folder: measured again next time
+            log.warning("cannot save the measured linear choices to %s (%s)", self.path, exc)
+
+    def _read(self) -> dict[str, str]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        choices = data.get("choices") if isinstance(data, dict) else None
+        return choices if isinstance(choices, dict) else {}
+
+
+def setup_key(candidates: Sequence[LinearMethod], dtype: torch.dtype, rows: Sequence[int]) -> dict:
+    """What decides the choices, for ChoiceCache: a changed CPU, torch build or kernel measures
+    again."""
+    return {
+        "cpu": cpu_model(),
+        "flags": hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16],
+        "torch": f"{torch.__version__} {torch.version.git_version}",
+        "dtype": str(dtype),
+        "rows": ",".join(map(str, rows)),
+        "candidates": ",".join(f"{c.name}={c.version}" for c in candidates),
+    }
+
+
+class MeasuredLinears:
+    """The "auto" LinearMethod over `candidates` (each able to run here; the first with a fused
+    SiLU(gate) * up offers it): `method()` makes each layer with the candidate measured (or
+    cached) fastest for its shape. `choices` records shape -> candidate, for llm.stats."""
+
+    def __init__(
+        self,
+        candidates: Sequence[LinearMethod],
+        dtype: torch.dtype,
+        rows: Sequence[int],
+        cache: ChoiceCache,
+    ) -> None:
+        assert candidates and all(c.make is not None for c in candidates), candidates
+        self.candidates = {c.name: c for c in candidates}
+        self.dtype, self.rows, self.cache = dtype, tuple(rows), cache
+        self.choices: dict[str, str] = {}
+        self.measured = 0  # shapes timed in this process (the rest came from the cache)
+        self.seconds = 0.0  # spent timing them
+
+    def method(self, make_int: LinearMethod | None = None) -> LinearMethod:
+        fused = any(c.silu_mul is not None for c in self.candidates.values())
+        return LinearMethod(
+            "auto",
+            self.make,
+            self.silu_mul if fused else None,
+            make_int.make_int if make_int is not None else None,
+        )
+
+    def make(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearOp:
+        out_f, in_f = weight.shape
+        shape = f"{out_f}x{in_f}{'+bias' if bias is not None else ''}"
+
+        def build(name: str) -> LinearOp:
+            return self.candidates[name].make(weight, bias)  # type: ignore[misc]
+
+        return self._choose(shape, in_f, list(self.candidates), build)
+
+    def silu_mul(self, weight: torch.Tensor) -> LinearOp | None:
+        """The fused module where it wins for this gate/up shape; None where the plain linear
+        and the layer's own activation do (bind then makes the plain one)."""
+        out_f, in_f = weight.shape
+        fused = [n for n, c in self.candidates.items() if c.silu_mul is not None]
+
+        def build(name: str) -> LinearOp:
+            if name == UNFUSED:
+                return ActivatedLinear(self.make(weight, None))
+            return self.candidates[name].silu_mul(weight)  # type: ignore[misc]
+
+        chosen = self._choose(f"silu_mul:{out_f}x{in_f}", in_f, [*fused, UNFUSED], build)
+        if isinstance(chosen, ActivatedLinear):
+            return None
+        self.choices.pop(f"{out_f}x{in_f}", None)  # its plain side was only measured
+        return chosen
+
+    def _choose(
+        self, shape: str, in_f: int, names: list[str], build: Callable[[str], LinearOp]
+    ) -> LinearOp:
+        """The module of the choice for `shape`: the cached one, else each of `names` built and
+        timed, the fastest kept (and cached)."""
+        chosen = self.cache.get(shape)
+        if chosen in names:
+            self.choices[shape] = chosen
+            return build(chosen)
+        start = time.perf_counter()
+        made = {name: build(name) for name in names}
+        timings = {
+            n: [time_linear(m, r, in_f, self.dtype) for r in self.rows] for n, m in made.items()
+        }
+        chosen = fastest(timings)
+        self.seconds += time.perf_counter() - start
+        self.measured += 1
+        self.cache.put(shape, chosen)
+        self.choices[shape] = chosen
+        return made[chosen]

@@ -1,0 +1,180 @@
+"""linear_backend="auto" measures: each shape bound to the candidate with the best relative
+times (checked against a brute-force ranking), gated MLPs fused only where fusing wins, the
+choices cached on disk (a second bind times nothing; a changed torch build or kernel measures
+again), the bound layers computing what F.linear does, and the choices in llm.stats."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import batchpage.ops.measured_linear as measured_linear
+from batchpage import LLM, SamplingParams
+from batchpage.ops.linear import MEASURABLE_TORCH_LINEARS, LinearMethod, dense_linear
+from batchpage.ops.measured_linear import (
+    UNFUSED,
+    ActivatedLinear,
+    ChoiceCache,
+    MeasuredLinears,
+    fastest,
+    setup_key,
+)
+from batchpage.ops.onednn_linear import ONEDNN_LINEARS, onednn_packs
+
+CPU = torch.device("cpu")
+
+
+def brute_force_fastest(timings: dict[str, list[float]]) -> str:
+    """The candidate with the smallest product of its time ratios to the best (the geometric
+    mean's order), by plain products over every candidate."""
+    n = len(next(iter(timings.values())))
+    best = [min(t[i] for t in timings.values()) for i in range(n)]
+    products = {name: math.prod(t[i] / best[i] for i in range(n)) for name, t in timings.items()}
+    return min(timings, key=lambda name: products[name])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_fastest_is_the_best_geometric_mean_of_relative_times(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    names = ["a", "b", "c"][: 2 + seed % 2]
+    timings = {n: (torch.rand(4, generator=gen) + 0.01).tolist() for n in names}
+    assert fastest(timings) == brute_force_fastest(timings)
+    # A candidate fastest at every row count wins whatever the others' spread.
+    assert fastest({"x": [1.0, 2.0, 3.0], "y": [1.1, 200.0, 3.3]}) == "x"
+
+
+class Tagged(torch.nn.Module):
+    """A fake candidate's layer: F.linear, tagged with its candidate's name."""
+
+    def __init__(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.name, self.weight, self.bias = name, weight, bias
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def weight_format(self) -> str:
+        return "f32"
+
+
+def fake(name: str, fused: bool = False) -> LinearMethod:
+    silu = (lambda w: Tagged(f"{name}+fused", w, None)) if fused else None
+    return LinearMethod(name, lambda w, b: Tagged(name, w, b), silu, version=f"{name}-v1")
+
+
+@pytest.fixture
+def speeds(monkeypatch):
+    """Timing by the layer's tag: `speeds[tag]` seconds a row count, every call counted."""
+    table: dict[str, float] = {}
+    calls: list[str] = []
+
+    def timed(module, rows: int, in_features: int, dtype: torch.dtype) -> float:
+        tag = module.inner.name + "+act" if isinstance(module, ActivatedLinear) else module.name
+        calls.append(tag)
+        return table[tag] * rows
+
+    monkeypatch.setattr(measured_linear, "time_linear", timed)
+    return table, calls
+
+
+def test_each_shape_gets_the_fastest_and_a_second_bind_times_nothing(
+    tmp_path: Path, speeds
+) -> None:
+    table, calls = speeds
+    table.update({"a": 2.0, "b": 1.0, "a+fused": 0.5, "b+act": 3.0})
+    candidates = [fake("a", fused=True), fake("b")]
+    rows = (1, 8)
+
+    def bind() -> tuple[MeasuredLinears, LinearMethod]:
+        key = setup_key(candidates, torch.float32, rows)
+        m = MeasuredLinears(candidates, torch.float32, rows, ChoiceCache(key, tmp_path))
+        return m, m.method()
+
+    m, method = bind()
+    w, b = torch.randn(6, 4), torch.randn(6)
+    assert method.make(w, b).name == "b" and method.make(w, None).name == "b"
+    fused = method.silu_mul(torch.randn(8, 4))
+    assert fused is not None and fused.name == "a+fused"
+    assert m.choices == {"6x4+bias": "b", "6x4": "b", "silu_mul:8x4": "a"}
+    assert m.measured == 4 and calls
+    calls.clear()
+    again, method = bind()  # another engine on the same setup: every choice from the cache
+    assert method.make(w, b).name == "b" and method.silu_mul(torch.randn(8, 4)) is not None
+    assert calls == [] and again.measured == 0
+    assert again.choices == {"6x4+bias": "b", "silu_mul:8x4": "a"}
+    table["a+fused"] = 9.0  # fusing loses now; a new kernel version measures again
+    candidates[0] = LinearMethod("a", candidates[0].make, candidates[0].silu_mul, version="v2")
+    fresh, method = bind()
+    assert method.silu_mul(torch.randn(8, 4)) is None  # bind then makes the plain linear
+    assert fresh.measured == 2 and "silu_mul:8x4" in fresh.choices
+
+
+def test_a_changed_torch_build_or_cpu_measures_again(tmp_path: Path, monkeypatch) -> None:
+    candidates = [fake("a"), fake("b")]
+    base = setup_key(candidates, torch.float32, (1,))
+    ChoiceCache(base, tmp_path).put("4x4", "a")
+    assert ChoiceCache(base, tmp_path).get("4x4") == "a"
+    monkeypatch.setattr(measured_linear.torch, "__version__", "9.9.9")
+    assert ChoiceCache(setup_key(candidates, torch.float32, (1,)), tmp_path).get("4x4") is None
+    monkeypatch.undo()
+    monkeypatch.setattr(measured_linear, "cpu_model", lambda: "another CPU")
+    assert ChoiceCache(setup_key(candidates, torch.float32, (1,)), tmp_path).get("4x4") is None
+    assert ChoiceCache(setup_key(candidates, torch.bfloat16, (1,)), tmp_path).get("4x4") is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_measured_layers_compute_the_linear(tmp_path: Path, dtype: torch.dtype) -> None:
+    """Real candidates, really timed: whichever wins computes x @ W.T + b (and the gated
+    MLP's SiLU(gate) * up) as F.linear does in float64, within the dtype's rounding."""
+    candidates = [MEASURABLE_TORCH_LINEARS]
+    if onednn_packs(dtype, CPU):
+        candidates.insert(0, ONEDNN_LINEARS)
+    key = setup_key(candidates, dtype, (1, 8))
+    m = MeasuredLinears(candidates, dtype, (1, 8), ChoiceCache(key, tmp_path))
+    w, b, x = torch.randn(48, 32), torch.randn(48), torch.randn(5, 32)
+    layer = m.method().make(w.to(dtype), b.to(dtype))
+    want = F.linear(x.double(), w.to(dtype).double(), b.to(dtype).double())
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    got = layer.apply(x.to(dtype), None).double()
+    torch.testing.assert_close(got, want, atol=tol * 10, rtol=tol)
+    assert m.choices["48x32+bias"] in {c.name for c in candidates}
+    act = ActivatedLinear(dense_linear(w, None)).apply(x, None)
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    torch.testing.assert_close(act, F.silu(gate) * up)
+
+
+def test_an_engine_reports_its_choices_and_generates_as_forced_torch(tiny_folder: Path) -> None:
+    """Bound by measurement, the engine's greedy tokens are the torch backend's (float32: the
+    candidates differ by summation order only), and llm.stats names each shape's choice."""
+    args = {"dtype": "float32", "kv_cache_memory": 2**22}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
+    auto = LLM(str(tiny_folder), **args)
+    forced = LLM(str(tiny_folder), linear_backend="torch", **args)
+    outs = [o.outputs[0].token_ids for o in auto.generate(prompts, params, use_tqdm=False)]
+    refs = [o.outputs[0].token_ids for o in forced.generate(prompts, params, use_tqdm=False)]
+    assert outs == refs
+    methods = auto.stats["linear_methods"]
+    mc = auto.model_config
+    assert f"{mc.hidden_size}x{mc.hidden_size}" in "".join(methods)  # o_proj's shape
+    assert set(methods.values()) <= {"torch", "onednn", "avx512_bf16", UNFUSED}
+    assert forced.stats["linear_methods"] == {"*": "torch"}
+
+
+def test_every_combination_of_fused_and_plain_times_picks_the_faster(
+    tmp_path: Path, speeds
+) -> None:
+    table, _ = speeds
+    for fused_s, plain_s in itertools.product([0.5, 2.0], [1.0]):
+        table.update({"a": plain_s, "a+fused": fused_s, "a+act": plain_s})
+        folder = tmp_path / f"{fused_s}"
+        key = setup_key([fake("a", fused=True)], torch.float32, (1,))
+        m = MeasuredLinears([fake("a", fused=True)], torch.float32, (1,), ChoiceCache(key, folder))
+        made = m.method().silu_mul(torch.randn(8, 4))
+        assert (made is not None) == (fused_s < plain_s)

@@ -408,7 +408,11 @@ def _changing_input(
     ]
     said = next((line for line in lines if line.startswith("error:")), "(no error)")
     said = said if changed else "(the job ended before the change)"
-    kept = {i for s in out.glob("shard-*.parquet") for i in pq.read_table(s)["index"].to_pylist()}
+    kept = {
+        i
+        for s in work_dir(out).glob("shard-*.parquet")
+        for i in pq.read_table(s)["index"].to_pylist()
+    }
     return Outcome(label, proc.returncode, said, f"{len(kept)} rows kept")
 
 

@@ -57,16 +57,22 @@ class ActivatedLinear(LinearOp):
         return self.inner.weight_format
 
 
-def time_linear(module: LinearOp, rows: int, in_features: int, dtype: torch.dtype) -> float:
-    """Seconds one call of `module` takes on `rows` random rows: the median of REPEATS."""
+def time_linears(
+    modules: dict[str, LinearOp], rows: int, in_features: int, dtype: torch.dtype
+) -> dict[str, float]:
+    """Seconds one call of each module takes on the same `rows` random rows: the median of
+    REPEATS, the candidates taking turns, so that a burst of other load on a shared machine
+    falls on all of them rather than on one."""
     x = torch.randn(rows, in_features, dtype=dtype)
-    module.apply(x, None)  # first call: allocations, oneDNN's primitive creation
-    times = []
+    for module in modules.values():
+        module.apply(x, None)  # first call: allocations, oneDNN's primitive creation
+    times: dict[str, list[float]] = {name: [] for name in modules}
     for _ in range(REPEATS):
-        start = time.perf_counter()
-        module.apply(x, None)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        for name, module in modules.items():
+            start = time.perf_counter()
+            module.apply(x, None)
+            times[name].append(time.perf_counter() - start)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def fastest(timings: dict[str, list[float]]) -> str:
@@ -191,9 +197,8 @@ class MeasuredLinears:
             return build(chosen)
         start = time.perf_counter()
         made = {name: build(name) for name in names}
-        timings = {
-            n: [time_linear(m, r, in_f, self.dtype) for r in self.rows] for n, m in made.items()
-        }
+        by_rows = [time_linears(made, r, in_f, self.dtype) for r in self.rows]
+        timings = {n: [t[n] for t in by_rows] for n in made}
         chosen = fastest(timings)
         self.seconds += time.perf_counter() - start
         self.measured += 1

@@ -74,12 +74,16 @@ def speeds(monkeypatch):
     table: dict[str, float] = {}
     calls: list[str] = []
 
-    def timed(module, rows: int, in_features: int, dtype: torch.dtype) -> float:
-        tag = module.inner.name + "+act" if isinstance(module, ActivatedLinear) else module.name
-        calls.append(tag)
-        return table[tag] * rows
+    def timed(modules: dict, rows: int, in_features: int, dtype: torch.dtype) -> dict:
+        times = {}
+        for name, module in modules.items():
+            inner = isinstance(module, ActivatedLinear)
+            tag = module.inner.name + "+act" if inner else module.name
+            calls.append(tag)
+            times[name] = table[tag] * rows
+        return times
 
-    monkeypatch.setattr(measured_linear, "time_linear", timed)
+    monkeypatch.setattr(measured_linear, "time_linears", timed)
     return table, calls
 
 

@@ -28,9 +28,10 @@ class EngineConfig:
     prefix_caching: bool = True
     eviction_policy: str = "lru"
     attention_backend: str = "auto"
-    # CPU matmuls (batchpage/ops/select.py): "auto" takes batchpage's bf16 kernel for bfloat16 on
-    # AVX512-BF16, else prepacks weights for oneDNN where it can; "avx512_bf16" and "onednn"
-    # require theirs; "torch" keeps F.linear.
+    # CPU matmuls (batchpage/ops/select.py): "auto" times every implementation that runs here
+    # on each linear shape at bind and binds the fastest (cached on disk per CPU, torch and
+    # kernel); "avx512_bf16" and "onednn" force theirs; "torch" keeps F.linear. Quantized
+    # linears are measured among the int implementations under every choice but "torch".
     linear_backend: str = "auto"
     # A quantized checkpoint (AWQ, GPTQ, compressed-tensors, a GGUF file's Q4_0/Q4_1/Q8_0/K-quant
     # linears) keeps its integer weights and runs them quantized (batchpage/quant); False

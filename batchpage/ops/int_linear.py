@@ -2,8 +2,9 @@
 checkpoint's linears (QuantLinear, batchpage/quant/linear.py) for bfloat16 activations.
 A scheme with bf16 activations runs on kernels/cpu_int_linear.py (W4A16, W8A16); one with int8
 activations (W8A8, or any scheme under the engine option int8_activations) on
-kernels/cpu_a8_linear.py where the CPU has AVX512-VNNI, else on the A16 kernel fed the rows'
-int8 values (exact in bf16) and scaled after.
+kernels/cpu_a8_linear.py where the CPU has AVX512-VNNI, or on the A16 kernel fed the rows' int8
+values (exact in bf16) and scaled after, or on oneDNN (ops/onednn_int8_linear.py): the engine
+measures which is fastest for each shape (ops/measured_linear.py).
 
 Bind repacks each QuantLinear's IntWeight once into its kernel's layout and drops the loaded
 form. Shapes are checked once, when a layer is made; `apply` calls the compiled kernel
@@ -23,7 +24,8 @@ from batchpage.kernels import cpu_a8_linear, cpu_int_linear
 from batchpage.kernels.cpu_a8_linear import CpuA8Linear, pack_a8_weight
 from batchpage.kernels.cpu_build import KernelBuildError
 from batchpage.kernels.cpu_int_linear import CpuIntLinear, pack_int_weight
-from batchpage.ops.linear import IntLinearMaker, LinearOp
+from batchpage.ops.linear import IntCandidate, LinearOp
+from batchpage.ops.onednn_int8_linear import onednn_int8_candidate
 from batchpage.quant.activations import quantize_rows_int8
 from batchpage.quant.int_weight import IntWeight
 
@@ -147,43 +149,48 @@ class CpuA8LinearOp(_PackedIntLinearOp):
         return cpu_a8_linear.dequantize_rows(cpu_a8_linear.A8Packed(*self._fields()), ids)
 
 
-def make_int_linear(
-    weight: IntWeight,
-    bias: torch.Tensor | None,
-    scheme: QuantScheme,
-    a16: CpuIntLinear,
-    a8: CpuA8Linear | None,
-) -> LinearOp:
-    """The int linear for one quantized layer: the VNNI kernel where the scheme quantizes its
-    activations and `a8` was built, else the A16 kernel (which rounds the rows to int8 values
-    itself under such a scheme)."""
-    if scheme.int8_activations and a8 is not None:
-        return CpuA8LinearOp(weight, bias, scheme, a8)
-    return CpuIntLinearOp(weight, bias, scheme, a16)
+def _library(kernel: CpuIntLinear | CpuA8Linear) -> str:
+    """A compiled kernel's library name, which changes with its source (cached choices)."""
+    return getattr(kernel.raw, "__name__", "")
 
 
-def cpu_int_linears(dtype: torch.dtype, device: torch.device) -> IntLinearMaker | None:
-    """The int kernels' maker where they apply: bfloat16 activations on a CPU with AVX512-BF16
-    or AVX2 + FMA (and, for int8 activations, AVX512-VNNI), built here; None elsewhere (a
-    quantized linear then dequantizes in torch)."""
+def _int8_activations(weight: IntWeight, scheme: QuantScheme) -> bool:
+    return scheme.int8_activations
+
+
+def _any_integer(weight: IntWeight, scheme: QuantScheme) -> bool:
+    return scheme.integer
+
+
+def cpu_int_candidates(dtype: torch.dtype, device: torch.device) -> list[IntCandidate]:
+    """The implementations of a quantized checkpoint's linears that run here, for measured
+    choice (ops/measured_linear.py): the A16 int kernel for every integer scheme (bfloat16
+    activations on a CPU with AVX512-BF16 or AVX2 + FMA, built here), and for schemes with int8
+    activations the VNNI kernel (where it builds natively) and oneDNN's int8 matmul (one group
+    per row; AMX-INT8 where the CPU has it). Empty where none runs (a float32 engine: its
+    quantized linears dequantize once, at bind)."""
     flags = cpu_flags()
     if dtype != torch.bfloat16 or device.type != "cpu":
-        return None
+        return []
     if "avx512_bf16" not in flags and not {"avx2", "fma"} <= set(flags):
-        return None
+        return []  # the kernel's instructions: its portable build would run, slowly
     try:
         kernel = CpuIntLinear.build()
     except KernelBuildError as exc:
         warnings.warn(f"{exc}; quantized linears dequantize in torch", stacklevel=3)
-        return None
+        return []
     if kernel.path == "plain":  # the compiler lacks the instructions the CPU has
-        return None
-    a8: CpuA8Linear | None = None
-    if "avx512_vnni" in flags:
+        return []
+    a16 = functools.partial(CpuIntLinearOp, kernel=kernel)
+    found = [IntCandidate("int_a16", a16, _any_integer, _library(kernel))]
+    if "avx512_vnni" in flags:  # else its build is a plain loop, never the faster
         try:
             a8 = CpuA8Linear.build()
         except KernelBuildError as exc:
             warnings.warn(f"{exc}; int8 activations run on the A16 int kernel", stacklevel=3)
-        if a8 is not None and not a8.native:
-            a8 = None
-    return functools.partial(make_int_linear, a16=kernel, a8=a8)
+        else:
+            if a8.native:
+                make = functools.partial(CpuA8LinearOp, kernel=a8)
+                found.append(IntCandidate("int_a8", make, _int8_activations, _library(a8)))
+    onednn = onednn_int8_candidate(device)
+    return found if onednn is None else [*found, onednn]

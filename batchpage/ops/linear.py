@@ -138,6 +138,18 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
     return layer
 
 
+@dataclass(frozen=True)
+class IntCandidate:
+    """One implementation of a quantized checkpoint's linears, a candidate for measured choice
+    (ops/measured_linear.py): `takes(weight, scheme)` says whether it computes that layer's
+    function (a kernel may need int8 activations, or one group per row), `make` its module."""
+
+    name: str
+    make: IntLinearMaker
+    takes: Callable[[IntWeight, QuantScheme], bool]
+    version: str = ""  # what else identifies it, for cached measurements: a kernel's library
+
+
 # torch's method as one candidate among several for measured choice (ops/measured_linear.py),
 # which makes every layer it times.
 MEASURABLE_TORCH_LINEARS = LinearMethod("torch", dense_linear)

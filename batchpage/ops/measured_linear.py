@@ -7,7 +7,11 @@ beats oneDNN on some CPUs, and oneDNN's AMX path beats it several times over on 
 random rows at the row counts that matter (a decode step's few rows up to a full batch), and
 the one with the best geometric mean of its time relative to the fastest at each row count is
 kept. A SiLU-gated MLP's merged gate/up linear is measured both ways: fused (the activation in
-the kernel) against the best plain candidate followed by the activation.
+the kernel) against the best plain candidate followed by the activation. A quantized
+checkpoint's linears are measured the same way among the int implementations that take them
+(for int8 activations: batchpage's VNNI kernel and oneDNN's int8 matmul, which runs on AMX-INT8
+where the CPU has it, both exact in their int32 sums, and the A16 kernel fed the int8 rows,
+which rounds W to bf16).
 
 The choices are cached on disk (`ChoiceCache`) under a key of everything that decides them: the
 CPU's model and flags, the torch build, the dtype, the row counts and each candidate's identity
@@ -23,15 +27,21 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from batchpage.cpu_info import cpu_flags, cpu_model
 from batchpage.fileio import atomic_write_text
-from batchpage.ops.linear import LinearMethod, LinearOp
+from batchpage.ops.linear import IntCandidate, LinearMethod, LinearOp
 from batchpage.paths import cache_dir
+
+if TYPE_CHECKING:  # the scheme module imports batchpage.model, which imports the ops
+    from batchpage.quant.int_weight import IntWeight
+    from batchpage.quant.scheme import QuantScheme
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +129,9 @@ class ChoiceCache:
         return choices if isinstance(choices, dict) else {}
 
 
-def setup_key(candidates: Sequence[LinearMethod], dtype: torch.dtype, rows: Sequence[int]) -> dict:
+def setup_key(
+    candidates: Sequence[LinearMethod | IntCandidate], dtype: torch.dtype, rows: Sequence[int]
+) -> dict:
     """What decides the choices, for ChoiceCache: a changed CPU, torch build or kernel measures
     again."""
     return {
@@ -133,9 +145,11 @@ def setup_key(candidates: Sequence[LinearMethod], dtype: torch.dtype, rows: Sequ
 
 
 class MeasuredLinears:
-    """The "auto" LinearMethod over `candidates` (each able to run here; the first with a fused
-    SiLU(gate) * up offers it): `method()` makes each layer with the candidate measured (or
-    cached) fastest for its shape. `choices` records shape -> candidate, for llm.stats."""
+    """The LinearMethod over dense `candidates` (each able to run here; the first with a fused
+    SiLU(gate) * up offers it) and quantized `int_candidates`: `method()` makes each layer with
+    the candidate measured (or cached) fastest for its shape among those that take it. One
+    dense candidate is a forced backend: its own layers, unmeasured. `choices` records shape ->
+    candidate, for llm.stats."""
 
     def __init__(
         self,
@@ -143,22 +157,28 @@ class MeasuredLinears:
         dtype: torch.dtype,
         rows: Sequence[int],
         cache: ChoiceCache,
+        int_candidates: Sequence[IntCandidate] = (),
     ) -> None:
-        assert candidates and all(c.make is not None for c in candidates), candidates
+        # A candidate without `make` (torch's, keeping the loaded Linear) can only be forced.
+        assert len(candidates) == 1 or all(c.make is not None for c in candidates), candidates
         self.candidates = {c.name: c for c in candidates}
+        self.int_candidates = {c.name: c for c in int_candidates}
         self.dtype, self.rows, self.cache = dtype, tuple(rows), cache
         self.choices: dict[str, str] = {}
         self.measured = 0  # shapes timed in this process (the rest came from the cache)
         self.seconds = 0.0  # spent timing them
 
-    def method(self, make_int: LinearMethod | None = None) -> LinearMethod:
+    @property
+    def forced(self) -> bool:
+        return len(self.candidates) == 1
+
+    def method(self) -> LinearMethod:
+        make_int = self.make_int if self.int_candidates else None
+        if self.forced:
+            (only,) = self.candidates.values()
+            return replace(only, make_int=make_int)
         fused = any(c.silu_mul is not None for c in self.candidates.values())
-        return LinearMethod(
-            "auto",
-            self.make,
-            self.silu_mul if fused else None,
-            make_int.make_int if make_int is not None else None,
-        )
+        return LinearMethod("auto", self.make, self.silu_mul if fused else None, make_int)
 
     def make(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearOp:
         out_f, in_f = weight.shape
@@ -186,12 +206,26 @@ class MeasuredLinears:
         self.choices.pop(f"{out_f}x{in_f}", None)  # its plain side was only measured
         return chosen
 
+    def make_int(
+        self, weight: IntWeight, bias: torch.Tensor | None, scheme: QuantScheme
+    ) -> LinearOp:
+        """A quantized layer's module: the fastest of the int candidates that take it."""
+        names = [n for n, c in self.int_candidates.items() if c.takes(weight, scheme)]
+        assert names, f"no int candidate takes {scheme.name}"  # the A16 kernel takes all
+        n, k, group = weight.out_features, weight.in_features, weight.group_size
+        shape = f"{scheme.name}:{n}x{k}/{min(group, k)}{'+bias' if bias is not None else ''}"
+
+        def build(name: str) -> LinearOp:
+            return self.int_candidates[name].make(weight, bias, scheme)
+
+        return self._choose(shape, k, names, build)
+
     def _choose(
         self, shape: str, in_f: int, names: list[str], build: Callable[[str], LinearOp]
     ) -> LinearOp:
-        """The module of the choice for `shape`: the cached one, else each of `names` built and
-        timed, the fastest kept (and cached)."""
-        chosen = self.cache.get(shape)
+        """The module of the choice for `shape`: the only one, the cached one, else each of
+        `names` built and timed, the fastest kept (and cached)."""
+        chosen = names[0] if len(names) == 1 else self.cache.get(shape)
         if chosen in names:
             self.choices[shape] = chosen
             return build(chosen)

@@ -11,7 +11,7 @@ import torch
 from batchpage.ops.bf16_linear import bf16_dot_kernel, bf16_linears
 from batchpage.ops.collective import Collective
 from batchpage.ops.dequantized_linear import dequantized_linears
-from batchpage.ops.int_linear import cpu_int_linears
+from batchpage.ops.int_linear import cpu_int_candidates
 from batchpage.ops.layer_ops import LayerOps
 from batchpage.ops.linear import MEASURABLE_TORCH_LINEARS, TORCH_LINEARS, LinearMethod
 from batchpage.ops.measured_linear import ChoiceCache, MeasuredLinears, setup_key
@@ -28,15 +28,17 @@ class ModelOps:
     layer: LayerOps
     linear: LinearMethod
     comm: Collective = field(default_factory=Collective)
-    # linear_backend="auto" with several candidates: what it chose per shape, once bound.
+    # What was chosen per shape once bound: by measurement among several dense candidates
+    # (linear_backend="auto") and among the int ones that take a quantized layer.
     measured: MeasuredLinears | None = None
 
     def linear_methods(self) -> dict[str, str]:
         """The implementation bound per linear shape (llm.stats' linear_methods); "*" for a
-        forced backend's every shape."""
-        if self.measured is not None and self.measured.choices:
-            return dict(self.measured.choices)
-        return {"*": self.linear.name}
+        forced backend's every dense shape."""
+        measured = self.measured
+        if measured is None or measured.forced:
+            return {"*": self.linear.name, **(measured.choices if measured else {})}
+        return dict(measured.choices)
 
 
 def select_linears(
@@ -47,26 +49,28 @@ def select_linears(
     "torch" keeps the dense weights and dequantizes quantized ones; "auto" measures, for each
     linear shape at bind, every one of them that can run here at the row counts `rows`, and
     binds the fastest (ops/measured_linear.py; the MeasuredLinears is returned for its report).
-    Every choice but "torch" runs a quantized checkpoint's linears on the C++ int kernel where
-    it applies (bf16 on a CPU with AVX512-BF16 or AVX2); on a CPU where it does not (float32),
-    their weights are dequantized once, at bind (ops/dequantized_linear.py)."""
+    Every choice but "torch" runs a quantized checkpoint's linears on the int implementations
+    that run here (ops/int_linear.py), each layer on the one measured fastest for its shape;
+    on a CPU where none does (float32), their weights are dequantized once, at bind
+    (ops/dequantized_linear.py)."""
     if choice not in LINEAR_BACKENDS:
         allowed = ", ".join(LINEAR_BACKENDS)
         raise ValueError(f"linear_backend must be one of {allowed}; got {choice!r}")
     if choice == "torch":
         return TORCH_LINEARS, None
-    make_int = cpu_int_linears(dtype, device)
-    if make_int is None and device.type == "cpu":
-        make_int = dequantized_linears(dtype)
+    ints = cpu_int_candidates(dtype, device)
     if choice != "auto":
-        return replace(_forced_linears(choice, dtype, device), make_int=make_int), None
-    candidates = _candidates(dtype, device)
-    if len(candidates) == 1:
-        return replace(TORCH_LINEARS, make_int=make_int), None
-    measured = MeasuredLinears(
-        candidates, dtype, rows, ChoiceCache(setup_key(candidates, dtype, rows))
-    )
-    return replace(measured.method(), make_int=make_int), measured
+        dense = [_forced_linears(choice, dtype, device)]
+    else:
+        dense = _candidates(dtype, device)
+    if dense == [MEASURABLE_TORCH_LINEARS]:
+        dense = [TORCH_LINEARS]  # the only one: the dense Linear as loaded, not remade
+    key = setup_key([*dense, *ints], dtype, rows)
+    measured = MeasuredLinears(dense, dtype, rows, ChoiceCache(key), ints)
+    method = measured.method()
+    if not ints and device.type == "cpu":
+        method = replace(method, make_int=dequantized_linears(dtype))
+    return method, measured
 
 
 def _forced_linears(choice: str, dtype: torch.dtype, device: torch.device) -> LinearMethod:

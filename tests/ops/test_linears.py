@@ -4,7 +4,6 @@ linear_backend choice, and the same greedy tokens through the engine with each."
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 import pytest
@@ -17,7 +16,6 @@ from batchpage.cpu_info import cpu_flags
 from batchpage.model.hf_loader import load_hf_model
 from batchpage.model.layers import GatedMLP
 from batchpage.ops.bf16_linear import Bf16DotLinear, Bf16SiluMulLinear, bf16_linears
-from batchpage.ops.int_linear import make_int_linear
 from batchpage.ops.layer_ops import LayerOps
 from batchpage.ops.linear import TORCH_LINEARS, Linear
 from batchpage.ops.onednn_linear import ONEDNN_LINEARS, OneDnnLinear, onednn_packs
@@ -133,24 +131,27 @@ def test_linear_backend_choice():
         want = ["avx512_bf16"] * kernel + ["onednn"] * onednn_packs(dtype, CPU) + ["torch"]
         assert measured is not None and list(measured.candidates) == want
         assert auto.name == "auto" and (auto.silu_mul is not None) == kernel
+        # A quantized checkpoint's linears: measured among the int implementations for bf16
+        # activations; on the CPU otherwise, each weight dequantized once at bind.
+        int_isa = "avx512_bf16" in flags or {"avx2", "fma"} <= flags
+        int_kernel = dtype == torch.bfloat16 and int_isa
+        assert (auto.make_int == measured.make_int) == int_kernel
+        if int_kernel:
+            assert "int_a16" in measured.int_candidates
+            assert ("int_a8" in measured.int_candidates) == ("avx512_vnni" in flags)
+        else:
+            assert auto.make_int.__qualname__.startswith("dequantized_linears")
         if kernel:
-            forced, none = select_linears("avx512_bf16", dtype, CPU)
-            assert none is None and forced.make.func is Bf16DotLinear
+            forced, report = select_linears("avx512_bf16", dtype, CPU)
+            assert report.forced and forced.make.func is Bf16DotLinear
             assert forced.silu_mul.func is Bf16SiluMulLinear
-            assert forced.make_int.func is make_int_linear is auto.make_int.func
+            assert forced.make_int == report.make_int  # int layers measured all the same
         else:
             with pytest.raises(ValueError, match="linear_backend='avx512_bf16' needs bfloat16"):
                 select_linears("avx512_bf16", dtype, CPU)
         if onednn_packs(dtype, CPU):
-            onednn, _ = select_linears("onednn", dtype, CPU)
-            assert replace(onednn, make_int=None) == ONEDNN_LINEARS
-            # A quantized checkpoint's linears: the int kernel for bf16 activations only; on
-            # the CPU otherwise, each weight dequantized once at bind.
-            int_isa = "avx512_bf16" in flags or {"avx2", "fma"} <= flags
-            int_kernel = isinstance(onednn.make_int, functools.partial)
-            assert int_kernel == (dtype == torch.bfloat16 and int_isa)
-            if not int_kernel:
-                assert onednn.make_int.__qualname__.startswith("dequantized_linears")
+            onednn, report = select_linears("onednn", dtype, CPU)
+            assert replace(onednn, make_int=None) == ONEDNN_LINEARS and report.forced
         else:
             with pytest.raises(ValueError, match="linear_backend='onednn' cannot pack"):
                 select_linears("onednn", dtype, CPU)

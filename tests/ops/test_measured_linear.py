@@ -176,9 +176,21 @@ def test_every_combination_of_fused_and_plain_times_picks_the_faster(
 ) -> None:
     table, _ = speeds
     for fused_s, plain_s in itertools.product([0.5, 2.0], [1.0]):
-        table.update({"a": plain_s, "a+fused": fused_s, "a+act": plain_s})
+        table.update({"a": plain_s, "a+fused": fused_s, "a+act": plain_s, "b": 10.0})
         folder = tmp_path / f"{fused_s}"
-        key = setup_key([fake("a", fused=True)], torch.float32, (1,))
-        m = MeasuredLinears([fake("a", fused=True)], torch.float32, (1,), ChoiceCache(key, folder))
+        candidates = [fake("a", fused=True), fake("b")]
+        key = setup_key(candidates, torch.float32, (1,))
+        m = MeasuredLinears(candidates, torch.float32, (1,), ChoiceCache(key, folder))
         made = m.method().silu_mul(torch.randn(8, 4))
         assert (made is not None) == (fused_s < plain_s)
+
+
+def test_one_candidate_is_forced_unmeasured(tmp_path: Path, speeds) -> None:
+    """A forced backend: its own layers (fused always where it fuses), nothing timed, and its
+    name for every dense shape in the report."""
+    _, calls = speeds
+    only = fake("a", fused=True)
+    m = MeasuredLinears([only], torch.float32, (1,), ChoiceCache({}, tmp_path))
+    method = m.method()
+    assert m.forced and method.make is only.make and method.silu_mul is only.silu_mul
+    assert method.make_int is None and calls == [] and m.choices == {}

@@ -13,6 +13,7 @@ from batchpage.kernels.cpu_int_linear import CpuIntLinear
 from batchpage.ops.dequantized_linear import DequantizedLinear
 from batchpage.ops.int_linear import CpuA8LinearOp, CpuIntLinearOp
 from batchpage.ops.linear import dtype_format
+from batchpage.ops.onednn_int8_linear import OneDnnInt8Linear
 from batchpage.quant.linear import QuantLinear
 from tests.model_factory import hf_greedy
 from tests.quant import packers
@@ -22,7 +23,18 @@ needs_kernel = pytest.mark.skipif(
     "avx512_bf16" not in cpu_flags() and not {"avx2", "fma"} <= cpu_flags(),
     reason="the int kernel runs on AVX512-BF16 or AVX2 CPUs",
 )
-VNNI = "avx512_vnni" in cpu_flags()
+# Each int implementation's layer type, by the name linear_methods gives its choice.
+INT_OPS = {"int_a16": CpuIntLinearOp, "int_a8": CpuA8LinearOp, "onednn_int8": OneDnnInt8Linear}
+
+
+def int_layers_as_reported(llm: LLM) -> list[str]:
+    """The int layers' implementation names, each checked against llm.stats' choice for its
+    shape (the measured fastest: which one depends on the CPU)."""
+    model = llm.engine.runner.model
+    ints = [m for m in model.modules() if isinstance(m, tuple(INT_OPS.values()))]
+    chosen = set(llm.stats["linear_methods"].values()) & set(INT_OPS)
+    assert {type(m) for m in ints} == {INT_OPS[name] for name in chosen}
+    return [next(n for n, t in INT_OPS.items() if isinstance(m, t)) for m in ints]
 
 
 def engine(folder, **kw) -> LLM:
@@ -39,13 +51,12 @@ def test_a_bf16_cpu_engine_runs_quantized_linears_on_the_int_kernel(tmp_path, to
     tokenizer.save_pretrained(folder)
     llm = engine(folder, dtype="bfloat16")
     model = llm.engine.runner.model
-    # W8A8 on the int8-activation kernel where the CPU has VNNI, else on the A16 one
-    op = CpuA8LinearOp if case == "ct_w8a8" and VNNI else CpuIntLinearOp
-    ints = [m for m in model.modules() if isinstance(m, (CpuIntLinearOp, CpuA8LinearOp))]
-    assert len(ints) == 8 and all(isinstance(m, op) for m in ints)
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], params)
+    # Weight-only schemes on the A16 kernel; W8A8 on whichever int8-activation one is fastest.
+    names = int_layers_as_reported(llm)
+    assert len(names) == 8 and (case == "ct_w8a8" or set(names) == {"int_a16"})
     # bf16 activations against HF's float32 run of the dequantized weights: the tiny random
     # model's top logits are far enough apart that the first tokens agree.
     for out, prompt in zip(outs, PROMPTS, strict=True):
@@ -98,19 +109,54 @@ def test_int8_activations_compute_the_dequantized_model_on_int8_rounded_inputs(
     packers.quantize_linear_inputs(hf, LINEARS)
     llm = engine(folder, dtype=dtype, int8_activations=True)
     model = llm.engine.runner.model
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], params)
     if dtype == "bfloat16":
-        op = CpuA8LinearOp if VNNI else CpuIntLinearOp
-        assert sum(isinstance(m, op) for m in model.modules()) == 8
+        assert len(int_layers_as_reported(llm)) == 8
     else:
         held = [m for m in model.modules() if isinstance(m, DequantizedLinear)]
         assert len(held) == 8 and all(m.rounds_rows for m in held)
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], params)
     agree = 6 if dtype == "float32" else 2  # bf16 activations: the first tokens, as above
     for out, prompt in zip(outs, PROMPTS, strict=True):
         assert out.outputs[0].token_ids[:agree] == hf_greedy(hf, list(prompt), agree)
     fmt = {"gptq4_asym_desc_act_v2": "gptq_w4a8", "ct_int8_channel": "ct_w8a8"}[case]
     assert llm.stats["weight_formats"][fmt if dtype == "bfloat16" else "f32"] >= 8
+
+
+@needs_kernel
+def test_every_int8_activation_implementation_computes_the_same_model(
+    tmp_path, tokenizer, monkeypatch
+):
+    """W8A8 per channel bound, layer by layer, to each int implementation that takes it (the
+    measurement made to pick it, with a fresh choice cache): HF's float32 run on int8-rounded
+    inputs for the first two greedy tokens from each, and the exact ones agree in all six."""
+    import batchpage.ops.measured_linear as measured_linear
+
+    folder, hf = write_quantized(tmp_path, "ct_w8a8")
+    tokenizer.save_pretrained(folder)
+    packers.quantize_linear_inputs(hf, LINEARS)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(p)} for p in PROMPTS]
+    tokens = {}
+    for name in INT_OPS:
+        monkeypatch.setenv("BATCHPAGE_CACHE", str(tmp_path / f"cache-{name}"))
+        pick = name  # the "fastest" is this one wherever it is measured
+        monkeypatch.setattr(measured_linear, "fastest", lambda t, pick=pick: pick if pick in t
+                            else min(t))  # fmt: skip
+        llm = engine(folder, dtype="bfloat16")
+        outs = llm.generate(prompts, params)
+        names = set(int_layers_as_reported(llm))
+        if names != {name}:  # this CPU cannot run it (no VNNI, no oneDNN int8)
+            assert name != "int_a16"
+            continue
+        tokens[name] = [o.outputs[0].token_ids for o in outs]
+        for out, prompt in zip(outs, PROMPTS, strict=True):
+            assert out.outputs[0].token_ids[:2] == hf_greedy(hf, list(prompt), 2)
+    # The VNNI kernel and oneDNN sum int8 products exactly and scale in float32: the same
+    # tokens. The A16 kernel multiplies the int8 values by W rounded to bf16 (one rounding
+    # apart), which the tiny random model's close logits may show after the first tokens.
+    exact = [t for name, t in tokens.items() if name != "int_a16"]
+    assert "int_a16" in tokens and all(t == exact[0] for t in exact)
 
 
 def test_int8_activations_need_quantized_weights():

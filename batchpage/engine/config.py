@@ -34,8 +34,10 @@ class EngineConfig:
     # linears are measured among the int implementations under every choice but "torch".
     linear_backend: str = "auto"
     # A quantized checkpoint (AWQ, GPTQ, compressed-tensors, a GGUF file's Q4_0/Q4_1/Q8_0/K-quant
-    # linears) keeps its integer weights and runs them quantized (batchpage/quant); False
-    # dequantizes them once at load into the engine's dtype.
+    # linears) keeps its integer weights and runs them quantized (batchpage/quant), except that
+    # linear_backend="auto" may hold a layer dense where that is measured faster and the dense
+    # copy is small beside the memory left (engine/model_runner.py); False dequantizes them
+    # all once at load into the engine's dtype.
     quantized_weights: bool = True
     # Those integer linears quantize each input row to int8 with its own scale (W4A8; a W8A8
     # checkpoint always does): on CPUs with AVX512-VNNI twice the multiply-adds an instruction

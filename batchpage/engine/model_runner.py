@@ -19,12 +19,13 @@ from batchpage.cache.kv_cache import KVCache
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.decode_graphs import DecodeGraphs, ladder
 from batchpage.engine.kv_manager import BlockCopy
-from batchpage.engine.plan import EnginePlan
+from batchpage.engine.plan import EnginePlan, available_memory
 from batchpage.engine.scheduler import SchedulerOutput, Swap
 from batchpage.engine.step_inputs import StepInputs
 from batchpage.model.causal_lm import BindReport, CausalLM
 from batchpage.ops.collective import Collective
 from batchpage.ops.select import select_model_ops
+from batchpage.quant.linear import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,26 @@ def uses_cpu_kernels(attention: AttentionBackend) -> bool:
     from batchpage.attention.cpu_backend import CpuPagedAttention
 
     return isinstance(attention, CpuPagedAttention)
+
+
+# The share of the memory left once the KV pool is allocated that a quantized model's layers
+# may take held dense: a quantized checkpoint is often chosen to fit memory, so its dense form
+# is a candidate only when it is small beside what the machine has left.
+DENSE_COPY_SHARE = 8
+
+
+def dense_copy_fits(model: CausalLM, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the model's integer-quantized linears, every one held dense in `dtype`, take at
+    most 1 / DENSE_COPY_SHARE of the memory available now (measured choice may then hold a
+    layer dense where that is faster: ops/measured_linear.py)."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.scheme.integer]
+    if model.tied_quant is not None:
+        layers.append(model.tied_quant)
+    if not layers:
+        return False
+    size = torch.empty((), dtype=dtype).element_size()
+    dense = sum(m.out_features * m.in_features * size for m in layers)
+    return dense * DENSE_COPY_SHARE <= available_memory(device)
 
 
 class StepOutput(NamedTuple):
@@ -229,8 +250,10 @@ def build_model_runner(
         comm = peers.comm
     # The row counts a linear runs at: a decode step's few rows up to a full batch.
     rows = tuple(sorted({1, 8, 64, cfg.max_num_seqs}))
+    dense_ints = dense_copy_fits(model, plan.dtype, plan.device)
+    cpu_kernels = uses_cpu_kernels(attention)
     ops = select_model_ops(
-        cfg.linear_backend, uses_cpu_kernels(attention), plan.dtype, plan.device, comm, rows
+        cfg.linear_backend, cpu_kernels, plan.dtype, plan.device, comm, rows, dense_ints
     )
     report = model.bind(ops)
     if ops.measured is not None and ops.measured.choices:

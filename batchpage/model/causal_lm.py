@@ -194,7 +194,8 @@ class CausalLM(nn.Module):
         if method.make_int is not None:
             if self.tied_quant is not None:
                 weight = self.tied_quant.int_weight()
-                self.tied_head = method.make_int(weight, None, self.tied_quant.scheme)
+                scheme = self.tied_quant.scheme
+                self.tied_head = method.make_int(weight, None, scheme, reads_rows=True)
                 self.tied_quant = None
             # FP8 weights have no int kernel: their QuantLinear dequantizes in torch.
             quantized = [

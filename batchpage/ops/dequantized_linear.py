@@ -59,7 +59,9 @@ class DequantizedLinear(LinearOp):
 def dequantized_linears(dtype: torch.dtype) -> IntLinearMaker:
     """The maker bind calls for each quantized linear: its DequantizedLinear in `dtype`."""
 
-    def make(weight: IntWeight, bias: torch.Tensor | None, scheme: QuantScheme) -> LinearOp:
+    def make(
+        weight: IntWeight, bias: torch.Tensor | None, scheme: QuantScheme, reads_rows: bool = False
+    ) -> LinearOp:
         return DequantizedLinear(weight, bias, dtype, scheme.int8_activations)
 
     return make

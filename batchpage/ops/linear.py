@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -106,8 +106,22 @@ LinearMaker = Callable[[torch.Tensor, torch.Tensor | None], LinearOp]
 # merged [gate | up] weight [2I, in] -> a module whose output is SiLU(x @ gate.T) * (x @ up.T),
 # or None where the plain linear and the layer's activation should run instead
 SiluMulMaker = Callable[[torch.Tensor], LinearOp | None]
-# a quantized linear's IntWeight, bias [out] or None, its scheme -> the implementation's module
-IntLinearMaker = Callable[["IntWeight", torch.Tensor | None, "QuantScheme"], LinearOp]
+# a quantized linear's IntWeight, bias [out] or None, its scheme -> one implementation's module
+IntMaker = Callable[["IntWeight", torch.Tensor | None, "QuantScheme"], LinearOp]
+
+
+class IntLinearMaker(Protocol):
+    """What bind calls for each quantized linear: its module. `reads_rows`: the layer's rows
+    are read as well, every step (a tied head whose table the lookups read): the module must
+    give them back cheaply (weight_rows)."""
+
+    def __call__(
+        self,
+        weight: IntWeight,
+        bias: torch.Tensor | None,
+        scheme: QuantScheme,
+        reads_rows: bool = False,
+    ) -> LinearOp: ...
 
 
 @dataclass(frozen=True)
@@ -145,9 +159,10 @@ class IntCandidate:
     function (a kernel may need int8 activations, or one group per row), `make` its module."""
 
     name: str
-    make: IntLinearMaker
+    make: IntMaker
     takes: Callable[[IntWeight, QuantScheme], bool]
     version: str = ""  # what else identifies it, for cached measurements: a kernel's library
+    gives_rows: bool = True  # its weight_rows is cheap enough for every step's lookups
 
 
 # torch's method as one candidate among several for measured choice (ops/measured_linear.py),

@@ -11,7 +11,9 @@ the kernel) against the best plain candidate followed by the activation. A quant
 checkpoint's linears are measured the same way among the int implementations that take them
 (for int8 activations: batchpage's VNNI kernel and oneDNN's int8 matmul, which runs on AMX-INT8
 where the CPU has it, both exact in their int32 sums, and the A16 kernel fed the int8 rows,
-which rounds W to bf16).
+which rounds W to bf16), and, where the engine allows it (`dense_ints`: the model's dense copy
+fits its memory budget), against the layer dequantized once into the engine's dtype: where
+many rows run a dense bf16 matmul (on AMX above all) beats unpacking 4-bit values on the fly.
 
 The choices are cached on disk (`ChoiceCache`) under a key of everything that decides them: the
 CPU's model and flags, the torch build, the dtype, the row counts and each candidate's identity
@@ -48,6 +50,7 @@ log = logging.getLogger(__name__)
 # Timed calls per candidate and row count, after one warm-up call; the median is kept.
 REPEATS = 3
 UNFUSED = "plain+activation"  # a gated MLP's plain linear, then SiLU(gate) * up
+DENSE = "dense"  # a quantized layer dequantized once, on the fastest dense candidate
 
 
 class ActivatedLinear(LinearOp):
@@ -158,11 +161,14 @@ class MeasuredLinears:
         rows: Sequence[int],
         cache: ChoiceCache,
         int_candidates: Sequence[IntCandidate] = (),
+        dense_ints: bool = False,
     ) -> None:
         # A candidate without `make` (torch's, keeping the loaded Linear) can only be forced.
         assert len(candidates) == 1 or all(c.make is not None for c in candidates), candidates
         self.candidates = {c.name: c for c in candidates}
         self.int_candidates = {c.name: c for c in int_candidates}
+        # A quantized layer may also be held dense (DENSE), on the fastest dense candidate.
+        self.dense_ints = dense_ints
         self.dtype, self.rows, self.cache = dtype, tuple(rows), cache
         self.choices: dict[str, str] = {}
         self.measured = 0  # shapes timed in this process (the rest came from the cache)
@@ -207,18 +213,38 @@ class MeasuredLinears:
         return chosen
 
     def make_int(
-        self, weight: IntWeight, bias: torch.Tensor | None, scheme: QuantScheme
+        self,
+        weight: IntWeight,
+        bias: torch.Tensor | None,
+        scheme: QuantScheme,
+        reads_rows: bool = False,
     ) -> LinearOp:
-        """A quantized layer's module: the fastest of the int candidates that take it."""
-        names = [n for n, c in self.int_candidates.items() if c.takes(weight, scheme)]
+        """A quantized layer's module: the fastest of the int candidates that take it (that
+        give its rows back cheaply, where the lookups read them), and of its dense form on the
+        fastest dense candidate where `dense_ints` (weights without int8 activations)."""
+        names = [
+            n
+            for n, c in self.int_candidates.items()
+            if c.takes(weight, scheme) and (c.gives_rows or not reads_rows)
+        ]
         assert names, f"no int candidate takes {scheme.name}"  # the A16 kernel takes all
+        if self.dense_ints and not reads_rows and not scheme.int8_activations:
+            names.append(DENSE)
         n, k, group = weight.out_features, weight.in_features, weight.group_size
         shape = f"{scheme.name}:{n}x{k}/{min(group, k)}{'+bias' if bias is not None else ''}"
+        dense_shape = f"{n}x{k}{'+bias' if bias is not None else ''}"
+        dense_known = dense_shape in self.choices
 
         def build(name: str) -> LinearOp:
+            if name == DENSE:  # W as IntWeight.dequantize gives it, in the engine's dtype
+                dense = weight.dequantize(torch.float32).to(self.dtype)
+                return self.make(dense, None if bias is None else bias.to(self.dtype))
             return self.int_candidates[name].make(weight, bias, scheme)
 
-        return self._choose(shape, k, names, build)
+        chosen = self._choose(shape, k, names, build)
+        if self.choices[shape] != DENSE and not dense_known:
+            self.choices.pop(dense_shape, None)  # its dense form was only measured
+        return chosen
 
     def _choose(
         self, shape: str, in_f: int, names: list[str], build: Callable[[str], LinearOp]

@@ -131,4 +131,5 @@ def onednn_int8_candidate(device: torch.device) -> IntCandidate | None:
         return None
     if not bool((got == 16).all()):  # 8 inputs of 1 times W = 2: a build that miscomputes
         return None
-    return IntCandidate("onednn_int8", OneDnnInt8Linear, takes, torch.__version__)
+    # Its rows come back through a matmul over every input: never for a tied head's lookups.
+    return IntCandidate("onednn_int8", OneDnnInt8Linear, takes, torch.__version__, False)

@@ -42,7 +42,11 @@ class ModelOps:
 
 
 def select_linears(
-    choice: str, dtype: torch.dtype, device: torch.device, rows: tuple[int, ...] = (1, 64)
+    choice: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    rows: tuple[int, ...] = (1, 64),
+    dense_ints: bool = False,
 ) -> tuple[LinearMethod, MeasuredLinears | None]:
     """The engine's `linear_backend`: "avx512_bf16" is the bf16 kernel (with SiLU(gate) * up
     fused into the gate/up linear) or raises; "onednn" is oneDNN's prepacked layout or raises;
@@ -52,7 +56,8 @@ def select_linears(
     Every choice but "torch" runs a quantized checkpoint's linears on the int implementations
     that run here (ops/int_linear.py), each layer on the one measured fastest for its shape;
     on a CPU where none does (float32), their weights are dequantized once, at bind
-    (ops/dequantized_linear.py)."""
+    (ops/dequantized_linear.py). `dense_ints` (under "auto" only): a quantized layer's own
+    dense form is a candidate too (the caller has checked that the memory allows it)."""
     if choice not in LINEAR_BACKENDS:
         allowed = ", ".join(LINEAR_BACKENDS)
         raise ValueError(f"linear_backend must be one of {allowed}; got {choice!r}")
@@ -65,8 +70,9 @@ def select_linears(
         dense = _candidates(dtype, device)
     if dense == [MEASURABLE_TORCH_LINEARS]:
         dense = [TORCH_LINEARS]  # the only one: the dense Linear as loaded, not remade
-    key = setup_key([*dense, *ints], dtype, rows)
-    measured = MeasuredLinears(dense, dtype, rows, ChoiceCache(key), ints)
+    dense_ints = dense_ints and choice == "auto" and bool(ints)
+    key = {**setup_key([*dense, *ints], dtype, rows), "dense_ints": str(dense_ints)}
+    measured = MeasuredLinears(dense, dtype, rows, ChoiceCache(key), ints, dense_ints)
     method = measured.method()
     if not ints and device.type == "cpu":
         method = replace(method, make_int=dequantized_linears(dtype))
@@ -124,7 +130,9 @@ def select_model_ops(
     device: torch.device,
     comm: Collective | None = None,
     rows: tuple[int, ...] = (1, 64),
+    dense_ints: bool = False,
 ) -> ModelOps:
-    """`rows`: the row counts a linear runs at that matter, where "auto" measures."""
-    linear, measured = select_linears(linear_backend, dtype, device, rows)
+    """`rows`: the row counts a linear runs at that matter, where "auto" measures;
+    `dense_ints`: see select_linears."""
+    linear, measured = select_linears(linear_backend, dtype, device, rows, dense_ints)
     return ModelOps(select_layer_ops(cpu_kernels), linear, comm or Collective(), measured)

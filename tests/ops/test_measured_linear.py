@@ -194,3 +194,59 @@ def test_one_candidate_is_forced_unmeasured(tmp_path: Path, speeds) -> None:
     method = m.method()
     assert m.forced and method.make is only.make and method.silu_mul is only.silu_mul
     assert method.make_int is None and calls == [] and m.choices == {}
+
+
+class FakeInt:
+    """A fake int implementation's layer: x @ W.T from the dequantized weight, tagged."""
+
+    def __init__(self, name: str, weight) -> None:
+        self.name = name
+        self.dense = weight.dequantize(torch.float32)
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.dense)
+
+
+def int_candidate(name: str, rows: bool = True):
+    from batchpage.ops.linear import IntCandidate
+
+    return IntCandidate(name, lambda w, b, s: FakeInt(name, w), lambda w, s: True, "v1", rows)
+
+
+def test_a_quantized_layer_is_held_dense_only_where_allowed_and_faster(
+    tmp_path: Path, speeds
+) -> None:
+    """Quantized layers: measured among the int candidates that take them, and against their
+    own dense form on the fastest dense candidate where `dense_ints`; a layer whose rows are
+    read (a tied head) only on candidates that give them back cheaply, never dense; a dense
+    shape measured only for that comparison is not reported."""
+    from batchpage.quant.scheme import QuantScheme
+    from tests.ops.test_onednn_int8_linear import random_weight
+
+    table, calls = speeds
+    table.update({"a": 1.0, "b": 3.0, "i16": 2.0, "slow_rows": 0.5})
+    w = random_weight(6, 8, 4, 8, False, seed=1)
+    scheme = QuantScheme("gptq", 4, None, True, False)
+    ints = [int_candidate("i16"), int_candidate("slow_rows", rows=False)]
+
+    def measured(dense_ints: bool) -> MeasuredLinears:
+        dense = [fake("a"), fake("b")]
+        key = {**setup_key([*dense, *ints], torch.float32, (1,)), "dense": str(dense_ints)}
+        cache = ChoiceCache(key, tmp_path)
+        return MeasuredLinears(dense, torch.float32, (1,), cache, ints, dense_ints)
+
+    m = measured(dense_ints=True)
+    assert m.method().make_int(w, None, scheme).name == "slow_rows"  # the fastest of all
+    assert m.choices == {"gptq_int4:6x8/8": "slow_rows"}  # the dense 6x8 was only measured
+    head = m.method().make_int(w, None, scheme, reads_rows=True)
+    assert head.name == "i16"  # neither dense nor the one whose rows are slow
+    table["slow_rows"] = 9.0
+    fresh = measured(dense_ints=True)
+    fresh.cache.path.unlink()
+    layer = fresh.method().make_int(w, None, scheme)
+    assert layer.name == "a" and fresh.choices == {"gptq_int4:6x8/8": "dense", "6x8": "a"}
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(layer.apply(x, None), F.linear(x, w.dequantize(torch.float32)))
+    off = measured(dense_ints=False)  # another cache key: measured again, without dense
+    assert off.method().make_int(w, None, scheme).name == "i16"
+    assert off.measured == 1

@@ -9,6 +9,7 @@ import torch
 
 from batchpage import LLM, SamplingParams
 from batchpage.cpu_info import cpu_flags
+from batchpage.engine import model_runner
 from batchpage.kernels.cpu_int_linear import CpuIntLinear
 from batchpage.ops.dequantized_linear import DequantizedLinear
 from batchpage.ops.int_linear import CpuA8LinearOp, CpuIntLinearOp
@@ -45,7 +46,11 @@ def engine(folder, **kw) -> LLM:
 @pytest.mark.parametrize(
     "case", ["gptq4_asym_desc_act_v2", "awq4_g32", "ct_int8_channel", "ct_w8a8"]
 )
-def test_a_bf16_cpu_engine_runs_quantized_linears_on_the_int_kernel(tmp_path, tokenizer, case):
+def test_a_bf16_cpu_engine_runs_quantized_linears_on_the_int_kernel(
+    tmp_path, tokenizer, case, monkeypatch
+):
+    # Held dense only where measured faster; this test is of the int kernels.
+    monkeypatch.setattr(model_runner, "dense_copy_fits", lambda *args: False)
     assert CpuIntLinear.build().path != "plain"
     folder, hf = write_quantized(tmp_path, case)
     tokenizer.save_pretrained(folder)
@@ -157,6 +162,37 @@ def test_every_int8_activation_implementation_computes_the_same_model(
     # apart), which the tiny random model's close logits may show after the first tokens.
     exact = [t for name, t in tokens.items() if name != "int_a16"]
     assert "int_a16" in tokens and all(t == exact[0] for t in exact)
+
+
+@needs_kernel
+@pytest.mark.parametrize("held", ["dense", "int_a16"])
+def test_a_quantized_layer_held_dense_computes_what_the_dense_checkpoint_does(
+    tmp_path, tokenizer, monkeypatch, held
+):
+    """W4A16 under linear_backend=auto, where the dense copy fits: each layer bound to what
+    measurement picks (forced here to `held`, with a fresh choice cache). Held dense, the
+    engine is the one of quantized_weights=false (the same dense weights: the same tokens);
+    either way HF's float32 run for the first two tokens."""
+    import batchpage.ops.measured_linear as measured_linear
+
+    folder, hf = write_quantized(tmp_path, "awq4_g32")
+    tokenizer.save_pretrained(folder)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(p)} for p in PROMPTS]
+    monkeypatch.setenv("BATCHPAGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(measured_linear, "fastest", lambda t: held if held in t else min(t))
+    llm = engine(folder, dtype="bfloat16")
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    methods = llm.stats["linear_methods"]
+    assert {v for k, v in methods.items() if k.startswith("awq_int4:")} == {held}
+    if held == "dense":
+        assert llm.stats["weight_formats"] == {"bf16": 9}
+        plain = engine(folder, dtype="bfloat16", quantized_weights=False)
+        assert outs == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    else:
+        assert llm.stats["weight_formats"] == {"awq_int4": 8, "bf16": 1}
+    for out, prompt in zip(outs, PROMPTS, strict=True):
+        assert out[:2] == hf_greedy(hf, list(prompt), 2)
 
 
 def test_int8_activations_need_quantized_weights():

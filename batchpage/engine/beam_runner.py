@@ -18,7 +18,7 @@ import torch
 from batchpage.engine.beam_search import BeamGroup
 from batchpage.engine.kv_manager import KVCacheManager, blocks_for
 from batchpage.engine.model_runner import ModelRunner
-from batchpage.engine.scheduler import ScheduledSeq, SchedulerOutput
+from batchpage.engine.scheduler import ScheduledSeq, SchedulerOutput, commit_computed
 from batchpage.engine.sequence import Request, SeqStatus, Sequence
 from batchpage.engine.sequence_factory import SequenceFactory
 from batchpage.engine.step_inputs import StepBuilder
@@ -128,12 +128,7 @@ class BeamSearchRunner:
                 scheduled.append(ScheduledSeq(beam, n))
         inputs = self.steps.build(scheduled)
         logits = self.runner.execute(inputs, SchedulerOutput(scheduled, copies)).logits
-        for s in scheduled:
-            if s.num_new_tokens > 1:
-                stats.prefill_tokens_computed += s.num_new_tokens
-            s.seq.num_computed_tokens += s.num_new_tokens
-            if s.num_new_tokens > 1:
-                self.kv.cache_progress(s.seq)
+        stats.prefill_tokens_computed += commit_computed(scheduled, self.kv)
         stats.record_step(len(scheduled), 0, 0, self.kv.pool.num_used)
         logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
         row = 0

@@ -27,7 +27,7 @@ from batchpage.engine.plan import EnginePlan
 from batchpage.engine.pooling import PoolingType, add_chunk, pooled_vector, uses_score_head
 from batchpage.engine.reasoning import allow_start_marker, force_tokens, resolve_markers
 from batchpage.engine.sampler import SamplerOutput, compute_logprobs, sample, sample_greedy
-from batchpage.engine.scheduler import ScheduledSeq, build_scheduler
+from batchpage.engine.scheduler import build_scheduler
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.engine.sequence_factory import SequenceFactory
 from batchpage.engine.step_inputs import StepBuilder, StepInputs
@@ -186,11 +186,7 @@ class Engine:
         parts["forward"] += t3 - t2
         if prompt_logits is not None:
             self._score_prompts(inputs, prompt_logits)
-        for s in out.scheduled:
-            stats.prefill_tokens_computed += self._prefill_tokens(s)
-            s.seq.num_computed_tokens += s.num_new_tokens
-            if s.num_new_tokens > 1:
-                self.kv_manager.cache_progress(s.seq)  # later arrivals can hit it now
+        stats.prefill_tokens_computed += self.scheduler.update_from_output(out)
         if self.pooling is not None:
             finished = self._pool(inputs, logits, pooled)
         elif inputs.sample_seqs:
@@ -222,14 +218,6 @@ class Engine:
     def _finish_run_if_done(self) -> None:
         if not self.has_unfinished():
             self.stats.finish()
-
-    @staticmethod
-    def _prefill_tokens(s: ScheduledSeq) -> int:
-        """Tokens computed for a prompt (or recomputed after preemption), not as a decode step."""
-        seq = s.seq
-        if s.num_new_tokens > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
-            return s.num_new_tokens
-        return 0
 
     @staticmethod
     def _score_prompts(inputs: StepInputs, logits: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ The scheduler owns the queues; the KVCacheManager owns the blocks.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -289,6 +290,11 @@ class Scheduler:
         out.preempted.append(seq)
         self.num_preemptions += 1
 
+    def update_from_output(self, out: SchedulerOutput) -> int:
+        """Commit what the step of `out` computed (commit_computed); returns the tokens it
+        computed while prefilling."""
+        return commit_computed(out.scheduled, self.kv)
+
     def finish(self, seq: Sequence) -> None:
         """Take a finished sequence out of the running set; its blocks go back at once."""
         self.running.remove(seq)
@@ -300,6 +306,26 @@ class Scheduler:
         assert all(s.status is SeqStatus.RUNNING for s in self.running)
         assert all(s.status is SeqStatus.WAITING and not s.block_table for s in self.waiting)
         self.kv.check_integrity(self.running)
+
+
+def commit_computed(
+    scheduled: Iterable[ScheduledSeq], kv: KVCacheManager | StaticKVCacheManager
+) -> int:
+    """The one place a step's computed tokens are committed (the engine's steps, beam search's
+    and the simulator's): each row's computed count moves on, and a row that was prefilling
+    publishes its computed full blocks to the prefix cache, so that sequences admitted later
+    hit them while it still runs. Whether a row was prefilling comes from its state before the
+    step (Sequence.is_prefilling), never from how many tokens it got. Returns the tokens
+    computed while prefilling: prompts, and what preempted sequences recompute."""
+    prefill = 0
+    for s in scheduled:
+        seq = s.seq
+        prefilling = seq.is_prefilling
+        seq.num_computed_tokens += s.num_new_tokens
+        if prefilling:
+            prefill += s.num_new_tokens
+            kv.cache_progress(seq)
+    return prefill
 
 
 def build_scheduler(

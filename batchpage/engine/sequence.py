@@ -134,3 +134,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Whether its next computed tokens are a prefill: its prompt is not all computed, or
+        more than its newest token waits (what a preempted sequence recomputes). A decode row
+        has only its newest token to compute, however many a step may give it."""
+        computed = self.num_computed_tokens
+        return computed < self.num_prompt_tokens or computed < len(self.token_ids) - 1

@@ -99,7 +99,6 @@ def simulate(
 ) -> SimResult:
     """Run the requests through the engine's scheduling with simulated steps."""
     scheduler = build_scheduler(cfg, num_blocks, max_model_len, max_num_batched_tokens)
-    kv = scheduler.kv
     seqs = [_sequence(i, r, max_model_len) for i, r in enumerate(requests)]
     targets = {s.seq_id: r.output_len for s, r in zip(seqs, requests, strict=True)}
     first_prefill: dict[int, int] = {}  # seq_id -> prompt tokens its first admission computed
@@ -127,13 +126,9 @@ def simulate(
             if seq.seq_id not in first_prefill:
                 result.cached_prompt_tokens += seq.num_cached_tokens
                 first_prefill[seq.seq_id] = seq.num_prompt_tokens - seq.num_cached_tokens
-            if s.num_new_tokens > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
-                computed_prefill += s.num_new_tokens
             if s.completes_prefill:
                 finishing.append(seq)
-            seq.num_computed_tokens += s.num_new_tokens
-            if s.num_new_tokens > 1:
-                kv.cache_progress(seq)
+        computed_prefill += scheduler.update_from_output(out)
         for seq in finishing:
             done = seq.num_output_tokens + 1 >= targets[seq.seq_id]
             token = _EOS if done else _FIRST_OUTPUT_ID + seq.seq_id

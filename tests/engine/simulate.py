@@ -55,16 +55,13 @@ def simulate(sched: Scheduler, targets: dict[int, int], max_steps: int = 100_000
             need = blocks_for(s.seq.num_computed_tokens + s.num_new_tokens, kv.block_size)
             assert len(s.seq.block_table) >= need
         sched.check_integrity()
-        for s in out.scheduled:
-            sampled = s.completes_prefill
-            s.seq.num_computed_tokens += s.num_new_tokens
-            computed += s.num_new_tokens
-            if s.num_new_tokens > 1:
-                kv.cache_progress(s.seq)
-            if sampled:
-                s.seq.token_ids.append(1000 + s.seq.num_tokens)
-                if s.seq.num_output_tokens == targets[s.seq.seq_id]:
-                    sched.finish(s.seq)
+        sampling = [s.seq for s in out.scheduled if s.completes_prefill]
+        computed += out.num_tokens
+        sched.update_from_output(out)
+        for seq in sampling:
+            seq.token_ids.append(1000 + seq.num_tokens)
+            if seq.num_output_tokens == targets[seq.seq_id]:
+                sched.finish(seq)
         sched.check_integrity()
         steps += 1
     return Simulated(steps, computed)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from batchpage.engine.admission import GrowthEstimate
 from batchpage.engine.kv_manager import KVCacheManager, blocks_for
-from batchpage.engine.scheduler import Scheduler
+from batchpage.engine.scheduler import ScheduledSeq, Scheduler, commit_computed
 from batchpage.engine.sequence import SeqStatus, Sequence
 from batchpage.sampling_params import SamplingParams
 from tests.engine.simulate import make_seq, simulate
@@ -158,3 +158,41 @@ def test_prompt_scoring_sequences_with_a_shared_prefix_are_admitted_together() -
         scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=256)
         scheduler.add_batch([make(i) for i in range(4)])
         assert len(scheduler.schedule().scheduled) == admitted
+
+
+class PublishLog:
+    """A KV manager that records which sequences published their computed blocks."""
+
+    def __init__(self) -> None:
+        self.published: list[int] = []
+
+    def cache_progress(self, seq: Sequence) -> None:
+        self.published.append(seq.seq_id)
+
+
+def test_a_step_is_committed_by_each_rows_state_not_its_token_count() -> None:
+    """commit_computed: a row prefills while its prompt is not all computed or more than its
+    newest token waits (a recompute after preemption), whatever number of tokens the step gave
+    it; a decode row given several (a speculative step) is not prefilling, a one-token prompt
+    is. Prefilling rows publish their blocks; every row's computed count moves on."""
+    # (prompt tokens, generated, computed before, new this step, prefill tokens it counts)
+    rows = [
+        (5, 0, 0, 5, 5),  # a whole prompt
+        (5, 0, 3, 2, 2),  # a prompt's last chunk
+        (1, 0, 0, 1, 1),  # a one-token prompt
+        (5, 1, 5, 1, 0),  # a decode
+        (5, 2, 6, 3, 0),  # a decode row given three tokens
+        (5, 2, 0, 7, 7),  # recomputing a preempted sequence, outputs included
+        (5, 3, 4, 3, 3),  # the same, its last chunk
+    ]
+    seqs = []
+    for i, (prompt, generated, before, _, _) in enumerate(rows):
+        seq = make_seq(i, prompt)
+        seq.token_ids += [7] * generated
+        seq.num_computed_tokens = before
+        seqs.append(seq)
+    kv = PublishLog()
+    scheduled = [ScheduledSeq(seq, row[3]) for seq, row in zip(seqs, rows, strict=True)]
+    assert commit_computed(scheduled, kv) == sum(row[4] for row in rows)  # type: ignore[arg-type]
+    assert kv.published == [i for i, row in enumerate(rows) if row[4]]
+    assert [s.num_computed_tokens for s in seqs] == [row[2] + row[3] for row in rows]

@@ -252,8 +252,11 @@ class CausalLM(nn.Module):
     def weight_formats(self) -> dict[str, int]:
         """Linear layers per weight format (e.g. {"bf16": 211}), the lm_head among them."""
         formats: dict[str, int] = {}
-        for m in self.modules():  # the lm_head, or a tied model's copy, among them
-            if isinstance(m, LinearOp):
+        linears = [m for m in self.modules() if isinstance(m, LinearOp)]
+        # A layer held in two forms (ops/measured_linear.DenseWithRows) is one layer.
+        inner = {id(c) for m in linears for c in m.modules() if c is not m}
+        for m in linears:  # the lm_head, or a tied model's copy, among them
+            if id(m) not in inner:
                 formats[m.weight_format] = formats.get(m.weight_format, 0) + 1
         tied = (self.tied_head, self.tied_quant)
         if self.lm_head is None and tied == (None, None):  # the embedding table multiplies

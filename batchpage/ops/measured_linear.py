@@ -70,6 +70,26 @@ class ActivatedLinear(LinearOp):
         return self.inner.weight_format
 
 
+class DenseWithRows(LinearOp):
+    """A quantized layer whose rows are read every step (a tied head, whose table the lookups
+    read) held both ways: dense for its matmul, its int module for the rows."""
+
+    def __init__(self, dense: LinearOp, rows: LinearOp) -> None:
+        super().__init__()
+        self.dense, self.rows = dense, rows
+        self.in_features, self.out_features = rows.in_features, rows.out_features
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        return self.dense.apply(x, out)
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows.weight_rows(ids)
+
+    @property
+    def weight_format(self) -> str:
+        return f"{self.dense.weight_format}+{self.rows.weight_format}"  # e.g. "bf16+q8_0"
+
+
 def time_linears(
     modules: dict[str, LinearOp], rows: int, in_features: int, dtype: torch.dtype
 ) -> dict[str, float]:
@@ -221,25 +241,31 @@ class MeasuredLinears:
     ) -> LinearOp:
         """A quantized layer's module: the fastest of the int candidates that take it (that
         give its rows back cheaply, where the lookups read them), and of its dense form on the
-        fastest dense candidate where `dense_ints` (weights without int8 activations)."""
+        fastest dense candidate where `dense_ints` (weights without int8 activations; where
+        the rows are read, the dense form keeps the first int module beside it for them)."""
         names = [
             n
             for n, c in self.int_candidates.items()
             if c.takes(weight, scheme) and (c.gives_rows or not reads_rows)
         ]
         assert names, f"no int candidate takes {scheme.name}"  # the A16 kernel takes all
-        if self.dense_ints and not reads_rows and not scheme.int8_activations:
+        if self.dense_ints and not scheme.int8_activations:
             names.append(DENSE)
         n, k, group = weight.out_features, weight.in_features, weight.group_size
         shape = f"{scheme.name}:{n}x{k}/{min(group, k)}{'+bias' if bias is not None else ''}"
+        shape += "+rows" if reads_rows else ""
         dense_shape = f"{n}x{k}{'+bias' if bias is not None else ''}"
         dense_known = dense_shape in self.choices
 
         def build(name: str) -> LinearOp:
-            if name == DENSE:  # W as IntWeight.dequantize gives it, in the engine's dtype
-                dense = weight.dequantize(torch.float32).to(self.dtype)
-                return self.make(dense, None if bias is None else bias.to(self.dtype))
-            return self.int_candidates[name].make(weight, bias, scheme)
+            if name != DENSE:
+                return self.int_candidates[name].make(weight, bias, scheme)
+            # W as IntWeight.dequantize gives it, in the engine's dtype
+            dense = weight.dequantize(torch.float32).to(self.dtype)
+            made = self.make(dense, None if bias is None else bias.to(self.dtype))
+            if not reads_rows:
+                return made
+            return DenseWithRows(made, self.int_candidates[names[0]].make(weight, bias, scheme))
 
         chosen = self._choose(shape, k, names, build)
         if self.choices[shape] != DENSE and not dense_known:

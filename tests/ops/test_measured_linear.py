@@ -20,6 +20,7 @@ from batchpage.ops.measured_linear import (
     UNFUSED,
     ActivatedLinear,
     ChoiceCache,
+    DenseWithRows,
     MeasuredLinears,
     fastest,
     setup_key,
@@ -77,6 +78,8 @@ def speeds(monkeypatch):
     def timed(modules: dict, rows: int, in_features: int, dtype: torch.dtype) -> dict:
         times = {}
         for name, module in modules.items():
+            if isinstance(module, DenseWithRows):
+                module = module.dense
             inner = isinstance(module, ActivatedLinear)
             tag = module.inner.name + "+act" if inner else module.name
             calls.append(tag)
@@ -202,6 +205,7 @@ class FakeInt:
     def __init__(self, name: str, weight) -> None:
         self.name = name
         self.dense = weight.dequantize(torch.float32)
+        self.out_features, self.in_features = self.dense.shape
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, self.dense)
@@ -218,7 +222,8 @@ def test_a_quantized_layer_is_held_dense_only_where_allowed_and_faster(
 ) -> None:
     """Quantized layers: measured among the int candidates that take them, and against their
     own dense form on the fastest dense candidate where `dense_ints`; a layer whose rows are
-    read (a tied head) only on candidates that give them back cheaply, never dense; a dense
+    read (a tied head) only on candidates that give them back cheaply, or dense beside the
+    first of those for its rows; a dense
     shape measured only for that comparison is not reported."""
     from batchpage.quant.scheme import QuantScheme
     from tests.ops.test_onednn_int8_linear import random_weight
@@ -239,7 +244,9 @@ def test_a_quantized_layer_is_held_dense_only_where_allowed_and_faster(
     assert m.method().make_int(w, None, scheme).name == "slow_rows"  # the fastest of all
     assert m.choices == {"gptq_int4:6x8/8": "slow_rows"}  # the dense 6x8 was only measured
     head = m.method().make_int(w, None, scheme, reads_rows=True)
-    assert head.name == "i16"  # neither dense nor the one whose rows are slow
+    # Not the one whose rows are slow: dense for the matmul, the int module for the rows.
+    assert isinstance(head, DenseWithRows)
+    assert head.dense.name == "a" and head.rows.name == "i16"
     table["slow_rows"] = 9.0
     fresh = measured(dense_ints=True)
     fresh.cache.path.unlink()

@@ -195,6 +195,34 @@ def test_a_quantized_layer_held_dense_computes_what_the_dense_checkpoint_does(
         assert out[:2] == hf_greedy(hf, list(prompt), 2)
 
 
+@needs_kernel
+def test_a_tied_quantized_head_held_dense_keeps_its_rows_for_the_lookups(tmp_path, monkeypatch):
+    """The bundled model's Q8_0 table is its head and its lookups' table: held dense (forced
+    here), its matmul runs on the dense copy while the lookups read the int module's rows,
+    which equal the dequantized table; the engine is then the one of quantized_weights=false."""
+    import batchpage.ops.measured_linear as measured_linear
+    from batchpage.ops.measured_linear import DENSE, DenseWithRows
+
+    monkeypatch.setenv("BATCHPAGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(measured_linear, "fastest", lambda t: DENSE if DENSE in t else min(t))
+    llm = LLM("smollm2", dtype="bfloat16", kv_cache_memory=2**24, max_model_len=256)
+    model = llm.engine.runner.model
+    head = model.tied_head
+    assert isinstance(head, DenseWithRows) and isinstance(head.rows, CpuIntLinearOp)
+    ids = torch.tensor([0, 5, 49151])
+    want = head.dense.apply(torch.eye(576, dtype=torch.bfloat16), None).T[ids].float()
+    torch.testing.assert_close(head.weight_rows(ids), want, rtol=2**-7, atol=1e-6)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    plain = LLM(
+        "smollm2", dtype="bfloat16", kv_cache_memory=2**24, max_model_len=256,
+        quantized_weights=False,
+    )  # fmt: skip
+    assert outs == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert llm.stats["weight_formats"] == {"bf16": 120, "bf16+q8_0": 1}
+
+
 def test_int8_activations_need_quantized_weights():
     with pytest.raises(ValueError, match="int8_activations applies to quantized weights"):
         LLM(model="smollm2", quantized_weights=False, int8_activations=True)

@@ -78,7 +78,7 @@ def serve(spec: WorkerSpec) -> None:
             plan.dtype,
             device,
             max_positions=plan.max_model_len,
-            quantized=cfg.quantized_weights,
+            quantized=cfg.quantized_weights is not False,
             int8_activations=cfg.int8_activations,
             shard=TensorShard(spec.rank, spec.world),
         )

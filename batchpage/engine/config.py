@@ -34,11 +34,12 @@ class EngineConfig:
     # linears are measured among the int implementations under every choice but "torch".
     linear_backend: str = "auto"
     # A quantized checkpoint (AWQ, GPTQ, compressed-tensors, a GGUF file's Q4_0/Q4_1/Q8_0/K-quant
-    # linears) keeps its integer weights and runs them quantized (batchpage/quant), except that
-    # linear_backend="auto" may hold a layer dense where that is measured faster and the dense
-    # copy is small beside the memory left (engine/model_runner.py); False dequantizes them
-    # all once at load into the engine's dtype.
-    quantized_weights: bool = True
+    # linears): True keeps its integer weights and runs them quantized (batchpage/quant), the
+    # memory first; False dequantizes them all once at load into the engine's dtype; "auto"
+    # keeps them quantized but, under linear_backend="auto", holds a layer dense where that is
+    # measured faster and the model's dense copy is small beside the memory left
+    # (engine/model_runner.py dense_copy_fits), the speed first.
+    quantized_weights: bool | str = "auto"
     # Those integer linears quantize each input row to int8 with its own scale (W4A8; a W8A8
     # checkpoint always does): on CPUs with AVX512-VNNI twice the multiply-adds an instruction
     # where many rows run, at the cost of rounding activations, so results differ from bf16's.
@@ -124,7 +125,11 @@ class EngineConfig:
                 "kv_cache_memory must be a byte count (> 1) or a fraction of free memory in "
                 f"(0, 1]; got {self.kv_cache_memory!r}"
             )
-        if self.int8_activations and not self.quantized_weights:
+        if self.quantized_weights not in (True, False, "auto"):
+            raise ValueError(
+                f"quantized_weights must be true, false or auto; got {self.quantized_weights!r}"
+            )
+        if self.int8_activations and self.quantized_weights is False:
             raise ValueError(
                 "int8_activations applies to quantized weights: set quantized_weights=True, or "
                 "drop int8_activations"

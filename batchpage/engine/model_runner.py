@@ -250,7 +250,7 @@ def build_model_runner(
         comm = peers.comm
     # The row counts a linear runs at: a decode step's few rows up to a full batch.
     rows = tuple(sorted({1, 8, 64, cfg.max_num_seqs}))
-    dense_ints = dense_copy_fits(model, plan.dtype, plan.device)
+    dense_ints = cfg.quantized_weights == "auto" and dense_copy_fits(model, plan.dtype, plan.device)
     cpu_kernels = uses_cpu_kernels(attention)
     ops = select_model_ops(
         cfg.linear_backend, cpu_kernels, plan.dtype, plan.device, comm, rows, dense_ints

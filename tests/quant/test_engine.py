@@ -9,7 +9,6 @@ import torch
 
 from batchpage import LLM, SamplingParams
 from batchpage.cpu_info import cpu_flags
-from batchpage.engine import model_runner
 from batchpage.kernels.cpu_int_linear import CpuIntLinear
 from batchpage.ops.dequantized_linear import DequantizedLinear
 from batchpage.ops.int_linear import CpuA8LinearOp, CpuIntLinearOp
@@ -46,15 +45,11 @@ def engine(folder, **kw) -> LLM:
 @pytest.mark.parametrize(
     "case", ["gptq4_asym_desc_act_v2", "awq4_g32", "ct_int8_channel", "ct_w8a8"]
 )
-def test_a_bf16_cpu_engine_runs_quantized_linears_on_the_int_kernel(
-    tmp_path, tokenizer, case, monkeypatch
-):
-    # Held dense only where measured faster; this test is of the int kernels.
-    monkeypatch.setattr(model_runner, "dense_copy_fits", lambda *args: False)
+def test_a_bf16_cpu_engine_runs_quantized_linears_on_the_int_kernel(tmp_path, tokenizer, case):
     assert CpuIntLinear.build().path != "plain"
     folder, hf = write_quantized(tmp_path, case)
     tokenizer.save_pretrained(folder)
-    llm = engine(folder, dtype="bfloat16")
+    llm = engine(folder, dtype="bfloat16", quantized_weights=True)  # never held dense
     model = llm.engine.runner.model
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -221,6 +216,22 @@ def test_a_tied_quantized_head_held_dense_keeps_its_rows_for_the_lookups(tmp_pat
     )  # fmt: skip
     assert outs == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     assert llm.stats["weight_formats"] == {"bf16": 120, "bf16+q8_0": 1}
+
+
+@needs_kernel
+def test_quantized_weights_true_keeps_every_layer_packed() -> None:
+    """quantized_weights=True: the memory first, every quantized layer on an int kernel and
+    the bundled model in under half its bf16 bytes; a value other than true, false or auto
+    is refused naming them."""
+    llm = LLM("smollm2", dtype="bfloat16", kv_cache_memory=2**24, quantized_weights=True)
+    assert llm.engine.bind_report.weight_formats == {"q4_1": 120, "q8_0": 1}
+    from batchpage.model.loader import load_model
+
+    dense = load_model("smollm2", dtype="bfloat16", quantized=False).model
+    bf16_bytes = 2 * sum(p.numel() for p in dense.parameters())  # the tied table once
+    assert llm.engine.weight_bytes < 0.5 * bf16_bytes
+    with pytest.raises(ValueError, match="quantized_weights must be true, false or auto"):
+        LLM("smollm2", quantized_weights="packed")
 
 
 def test_int8_activations_need_quantized_weights():

@@ -234,6 +234,28 @@ def test_quantized_weights_true_keeps_every_layer_packed() -> None:
         LLM("smollm2", quantized_weights="packed")
 
 
+def test_the_dense_form_is_offered_only_where_the_dense_copy_fits(monkeypatch) -> None:
+    """dense_copy_fits: the quantized linears (the tied head among them) held dense in the
+    engine's dtype must take at most 1 / DENSE_COPY_SHARE of the memory available; a model with
+    no quantized linear never offers it."""
+    from batchpage.engine import model_runner
+    from batchpage.model.loader import load_model
+    from batchpage.quant.linear import QuantLinear
+
+    model = load_model("smollm2", dtype="bfloat16").model
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)] + [model.tied_quant]
+    dense = sum(m.out_features * m.in_features * 2 for m in layers)  # bf16 bytes
+    cpu = torch.device("cpu")
+    for free, fits in [
+        (dense * model_runner.DENSE_COPY_SHARE, True),
+        (dense * model_runner.DENSE_COPY_SHARE - 1, False),
+    ]:
+        monkeypatch.setattr(model_runner, "available_memory", lambda device, free=free: free)
+        assert model_runner.dense_copy_fits(model, torch.bfloat16, cpu) == fits
+    plain = load_model("smollm2", dtype="bfloat16", quantized=False).model
+    assert not model_runner.dense_copy_fits(plain, torch.bfloat16, cpu)
+
+
 def test_int8_activations_need_quantized_weights():
     with pytest.raises(ValueError, match="int8_activations applies to quantized weights"):
         LLM(model="smollm2", quantized_weights=False, int8_activations=True)

@@ -32,9 +32,9 @@ newest, as before.
 
 from __future__ import annotations
 
-import math
-from bisect import insort
 from dataclasses import dataclass
+
+import numpy as np
 
 from batchpage.engine.sequence import Sequence
 
@@ -59,18 +59,21 @@ class GrowthEstimate:
     def stepped(self, preempted: bool) -> None:
         self.ratio = 1.0 if preempted else max(self.floor, self.ratio - self.decay)
 
-    def expected_tokens(self, seq: Sequence, max_model_len: int) -> int:
-        """Tokens seq is expected to still append (each needs a slot), its samples not counted."""
-        room = max_model_len - seq.num_tokens
-        budget = seq.params.max_tokens
-        remaining = room if budget is None else min(room, budget - seq.num_output_tokens)
-        remaining = max(0, remaining)
-        if seq.params.ignore_eos:
-            certain = remaining
-        else:
-            certain = min(remaining, max(0, seq.params.min_tokens - seq.num_output_tokens))
+    def expected_tokens(self, seqs: list[Sequence], max_model_len: int) -> np.ndarray:
+        """Tokens each of seqs is expected to still append (each needs a slot), its samples
+        not counted: int64 [len(seqs)], computed for all of them at once."""
+        params = [s.request.params for s in seqs]
+        num_tokens = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
+        output = num_tokens - np.array([s.num_prompt_tokens for s in seqs], dtype=np.int64)
+        unbounded = np.iinfo(np.int64).max // 2
+        budget = np.array([p.max_tokens or unbounded for p in params], dtype=np.int64)
+        remaining = np.minimum(max_model_len - num_tokens, budget - output).clip(min=0)
+        min_left = (np.array([p.min_tokens for p in params], dtype=np.int64) - output).clip(min=0)
+        ignore_eos = np.array([p.ignore_eos for p in params], dtype=bool)
+        certain = np.where(ignore_eos, remaining, np.minimum(remaining, min_left))
         share = max(self.ratio, self.certain_floor)
-        return math.ceil(share * certain) + round(self.ratio * (remaining - certain))
+        expected = np.ceil(share * certain) + np.round(self.ratio * (remaining - certain))
+        return expected.astype(np.int64)
 
 
 class Demand:
@@ -81,32 +84,42 @@ class Demand:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._future: list[tuple[int, int]] = []  # (tokens to come, tokens now), descending
+        # (tokens to come, tokens now) of each sequence, by tokens to come descending.
+        self._to_come = np.zeros(0, dtype=np.int64)
+        self._now = np.zeros(0, dtype=np.int64)
         self.held = 0  # blocks the sequences hold now (their block tables' lengths)
 
     def add(self, tokens_now: int, to_come: int, copies: int = 1, held: int = 0) -> None:
-        for _ in range(copies):
-            insort(self._future, (to_come, tokens_now), key=lambda f: -f[0])
+        self._to_come, self._now = self._inserted(tokens_now, to_come, copies)
         self.held += held
 
-    def add_all(self, futures: list[tuple[int, int]], held: int) -> None:
-        """Many (tokens now, tokens to come) at once, sorted once: a step's running set."""
-        self._future += [(to_come, now) for now, to_come in futures]
-        self._future.sort(key=lambda f: -f[0])  # stable: ties keep their order, as insort's
+    def add_all(self, now: np.ndarray, to_come: np.ndarray, held: int) -> None:
+        """Many sequences at once (tokens now, tokens to come; arrays of one length), sorted
+        once: a step's running set. Ties keep their order, as one `add` after another."""
+        to_come = np.concatenate([self._to_come, to_come])
+        order = np.argsort(-to_come, kind="stable")
+        self._to_come = to_come[order]
+        self._now = np.concatenate([self._now, now])[order]
         self.held += held
 
     def peak_blocks(self, extra: tuple[int, int] | None = None) -> int:
         """The peak with `extra` (tokens now, tokens to come) added, without keeping it."""
-        future = self._future
+        to_come, now = self._to_come, self._now
         if extra is not None:
-            future = list(future)
-            insort(future, (extra[1], extra[0]), key=lambda f: -f[0])
-        peak = tokens = 0
-        for alive, (to_come, now) in enumerate(future, start=1):
-            # At step to_come the `alive` sequences with at least that many tokens to come are
-            # still running, each holding its tokens now plus to_come:
-            # sum of ceil(x_i / bs) <= ceil((sum of x_i + alive * (bs - 1)) / bs).
-            tokens += now
-            slack = alive * (self.block_size - 1)
-            peak = max(peak, -(-(tokens + alive * to_come + slack) // self.block_size))
-        return peak
+            to_come, now = self._inserted(extra[0], extra[1], 1)
+        if not len(to_come):
+            return 0
+        # At step to_come[i] the alive = i + 1 sequences with at least that many tokens to come
+        # are still running, each holding its tokens now plus to_come[i]:
+        # sum of ceil(x_j / bs) <= ceil((sum of x_j + alive * (bs - 1)) / bs).
+        alive = np.arange(1, len(to_come) + 1)
+        total = np.cumsum(now) + alive * (to_come + self.block_size - 1)
+        return int((-(-total // self.block_size)).max())
+
+    def _inserted(self, now: int, to_come: int, copies: int) -> tuple[np.ndarray, np.ndarray]:
+        """The arrays with `copies` of (now, to_come) inserted after the ties they meet."""
+        at = int(np.searchsorted(-self._to_come, -to_come, side="right"))
+        return (
+            np.insert(self._to_come, at, [to_come] * copies),
+            np.insert(self._now, at, [now] * copies),
+        )

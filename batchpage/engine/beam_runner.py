@@ -126,9 +126,10 @@ class BeamSearchRunner:
                 n = beam.num_uncomputed_tokens
                 copies += self.kv.allocate(beam, n)
                 scheduled.append(ScheduledSeq(beam, n))
-        inputs = self.steps.build(scheduled)
+        inputs = self.steps.build(scheduled, self.kv.take_changed())
         logits = self.runner.execute(inputs, SchedulerOutput(scheduled, copies)).logits
         stats.prefill_tokens_computed += commit_computed(scheduled, self.kv)
+        self.steps.batch.advance(inputs.rows, inputs.num_new)
         stats.record_step(len(scheduled), 0, 0, self.kv.pool.num_used)
         logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
         row = 0
@@ -152,11 +153,13 @@ class BeamSearchRunner:
                 children.append(child)
             for old in g.beams:
                 self.kv.free(old)
+                self.steps.release(old)
             g.beams = children
 
     def _finish(self, g: _Group, stats: RunStats) -> list[Sequence]:
         for beam in g.beams:
             self.kv.free(beam)
+            self.steps.release(beam)
         results = []
         for i, hyp in enumerate(g.search.best(g.req.params.n)):
             seq = self.factory.make(g.req, i)

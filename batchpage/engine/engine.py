@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from batchpage.engine.beam_runner import BeamSearchRunner
@@ -26,7 +27,13 @@ from batchpage.engine.model_runner import Peers, build_model_runner
 from batchpage.engine.plan import EnginePlan
 from batchpage.engine.pooling import PoolingType, add_chunk, pooled_vector, uses_score_head
 from batchpage.engine.reasoning import allow_start_marker, force_tokens, resolve_markers
-from batchpage.engine.sampler import SamplerOutput, compute_logprobs, sample, sample_greedy
+from batchpage.engine.sampler import (
+    SamplerOutput,
+    TopLogprobs,
+    compute_logprobs,
+    sample,
+    sample_greedy,
+)
 from batchpage.engine.scheduler import build_scheduler
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.engine.sequence_factory import SequenceFactory
@@ -175,8 +182,10 @@ class Engine:
             raise RuntimeError("the scheduler could not run any sequence: this is a bug")
         stats.preemptions += len(out.preempted)
         stats.swaps += len(out.swap_out)
+        for seq in out.preempted:
+            self.step_builder.release(seq)
         t1 = clock()
-        inputs = self.step_builder.build(out.scheduled)
+        inputs = self.step_builder.build(out.scheduled, self.kv_manager.take_changed())
         blocks_used = self.kv_manager.pool.num_used  # during the forward, before any frees
         t2 = clock()
         logits, prompt_logits, pooled = self.runner.execute(inputs, out)
@@ -187,10 +196,11 @@ class Engine:
         if prompt_logits is not None:
             self._score_prompts(inputs, prompt_logits)
         stats.prefill_tokens_computed += self.scheduler.update_from_output(out)
+        self.step_builder.batch.advance(inputs.rows, inputs.num_new)
         if self.pooling is not None:
             finished = self._pool(inputs, logits, pooled)
         elif inputs.sample_seqs:
-            finished = self._sample(inputs.sample_seqs, logits)
+            finished = self._sample(inputs, logits)
         else:
             finished = []
         running = self.scheduler.running
@@ -202,6 +212,7 @@ class Engine:
         )
         if self.check_integrity_each_step:
             self.scheduler.check_integrity()
+            self.step_builder.batch.check_integrity()
         self._finish_run_if_done()
         return finished
 
@@ -279,10 +290,10 @@ class Engine:
             parent.pending_forks = []
         return all_seqs, rows
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> list[Sequence]:
         parts, clock = self.stats.step_time_s, time.perf_counter
         t0 = clock()
-        seqs, rows = self._fork_samples(seqs)
+        seqs, rows = self._fork_samples(inputs.sample_seqs)
         if len(rows) != logits.shape[0]:
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
         forced = self._forced_tokens(seqs)
@@ -290,9 +301,12 @@ class Engine:
             result = sample_greedy(logits, self.argmax)
         else:
             result = self._sample_rows(seqs, logits, forced)
+        # The sampling rows' newest tokens (forked samples join the batch when they first run).
+        tokens = result.token_ids[: len(inputs.sample_rows)]
+        self.step_builder.batch.append_tokens(inputs.sample_rows, tokens)
         t1 = clock()
         parts["sample"] += t1 - t0
-        return self._append(seqs, result, t1)
+        return self._append(seqs, inputs.sample_rows, result, t1)
 
     def _forced_tokens(self, seqs: list[Sequence]) -> dict[int, int]:
         """Row -> the token it must take: the end of thinking of rows past their budget."""
@@ -338,32 +352,46 @@ class Engine:
         advance(constraints, result.token_ids)
         return result
 
-    def _append(self, seqs: list[Sequence], result: SamplerOutput, t1: float) -> list[Sequence]:
-        """Each sequence takes its token; returns those the stop checks end."""
+    def _append(
+        self, seqs: list[Sequence], sample_rows: np.ndarray, result: SamplerOutput, t1: float
+    ) -> list[Sequence]:
+        """Each sequence takes its token; returns those the stop checks end. seqs: the step's
+        sampling sequences (their rows sample_rows), then any forked from them this step."""
         stats = self.stats
         stats.generated_tokens += len(seqs)
-        finished = []
-        for seq, token, logprobs in zip(seqs, result.token_ids, result.logprobs, strict=True):
-            tokens = seq.token_ids
-            tokens.append(token)
-            if len(tokens) == seq.num_prompt_tokens + 1 and seq.request.index not in self._started:
-                self._started.add(seq.request.index)
-                stats.record_first_token()
-                stats.cached_prompt_tokens += seq.num_cached_tokens
-            if logprobs is not None:
-                if seq.logprobs is None:
-                    seq.logprobs = []
-                seq.logprobs.append(logprobs)
-            thinking = seq.thinking
-            if thinking is not None and thinking.append(token) and not seq.stop.text_open:
-                seq.stop.open_text(tokens[-5:-1])  # the answer begins with this token
-            decision = seq.stop.append(token)
-            if (decision is not None or seq.constraint is not None) and self._stops(seq, decision):
-                self.scheduler.finish(seq)
-                self.step_builder.release(seq)
-                finished.append(seq)
+        tokens = result.token_ids
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.token_ids.append(token)
+        batch = self.step_builder.batch
+        check = batch.rows_to_check(sample_rows, tokens[: len(sample_rows)])
+        check += range(len(sample_rows), len(seqs))  # forked samples: not in the batch yet
+        finished = [seqs[i] for i in check if self._check(seqs[i], result.logprobs[i])]
         stats.step_time_s["stop_checks"] += time.perf_counter() - t1
         return finished
+
+    def _check(self, seq: Sequence, logprobs: TopLogprobs | None) -> bool:
+        """The Python side of a sequence's new token (see InputBatch.rows_to_check): first-token
+        stats, logprobs, thinking and the stop checks; True when it finishes (its row and
+        blocks are given back)."""
+        tokens = seq.token_ids
+        token = tokens[-1]
+        if len(tokens) == seq.num_prompt_tokens + 1 and seq.request.index not in self._started:
+            self._started.add(seq.request.index)
+            self.stats.record_first_token()
+            self.stats.cached_prompt_tokens += seq.num_cached_tokens
+        if logprobs is not None:
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(logprobs)
+        thinking, stop = seq.thinking, seq.stop
+        if thinking is not None and thinking.append(token) and not stop.text_open:
+            stop.open_text(tokens[-5:-1])  # the answer begins with this token
+        decision = stop.catch_up(tokens)
+        if (decision is not None or seq.constraint is not None) and self._stops(seq, decision):
+            self.scheduler.finish(seq)
+            self.step_builder.release(seq)
+            return True
+        return False
 
     @staticmethod
     def _stops(seq: Sequence, decision: StopDecision | None) -> bool:

@@ -46,6 +46,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.tree = RadixCache(self.pool, block_size, eviction_policy) if prefix_caching else None
         self._locked: dict[int, RadixNode] = {}  # seq_id -> the tree node its prefix is locked at
+        # Live sequences whose block tables changed since take_changed (the input batch's rows).
+        self._changed: dict[int, Sequence] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -73,6 +75,7 @@ class KVCacheManager:
         self.pool.share(m.blocks)
         seq.block_table = list(m.blocks)
         seq.num_computed_tokens = m.num_tokens
+        self._changed[seq.seq_id] = seq
         return m.num_tokens
 
     def _needs_cow(self, seq: Sequence) -> bool:
@@ -122,7 +125,15 @@ class KVCacheManager:
             seq.block_table[-1] = res.block
         total = self._target_blocks(seq, num_new_tokens)
         seq.block_table.extend(self.pool.allocate(max(0, total - len(seq.block_table))))
+        self._changed[seq.seq_id] = seq
         return copies
+
+    def take_changed(self) -> list[Sequence]:
+        """The live sequences whose block tables changed since the last call (allocated,
+        copied on write, lent a prefix or forked); freed ones are not reported."""
+        changed = list(self._changed.values())
+        self._changed.clear()
+        return changed
 
     def cache_progress(self, seq: Sequence) -> None:
         """Publish a running sequence's computed full blocks, so that sequences admitted later hit
@@ -145,6 +156,7 @@ class KVCacheManager:
         self.pool.share(parent.block_table)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
+        self._changed[child.seq_id] = child
         if self.tree is not None and parent.seq_id in self._locked:
             node = self._locked[parent.seq_id]
             self.tree.lock(node)
@@ -161,6 +173,7 @@ class KVCacheManager:
                 self.tree.unlock(node)
         self.pool.release(seq.block_table)
         seq.block_table = []
+        self._changed.pop(seq.seq_id, None)
 
     def check_integrity(self, live: list[Sequence]) -> None:
         """The pool and tree are consistent and every reference has its holder."""

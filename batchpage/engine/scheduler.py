@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
+import numpy as np
+
 from batchpage.cache.block_pool import OutOfBlocks
 from batchpage.engine.admission import Demand, GrowthEstimate
 from batchpage.engine.config import EngineConfig
@@ -164,21 +166,22 @@ class Scheduler:
             # Samples forked from seq after its prefill count against max_num_seqs now.
             if len(self.running) + 1 + len(seq.pending_forks) > self.max_num_seqs:
                 break
+            future = self._future(seq) if self.growth is not None else None
             if seq.swapped_tokens:
                 if not self._swap_in(seq, budget, out):
                     break
             else:
                 if demand is None:
                     demand = self._demand(self.running)
-                verdict = self._admit(seq, budget, demand, admitted, out)
+                verdict = self._admit(seq, budget, demand, future, admitted, out)
                 if verdict is Admit.WAITS:
                     deferred.append(self.waiting.popleft())
                     continue
                 if verdict is Admit.NO_ROOM:
                     break
-            if demand is not None:
+            if demand is not None and future is not None:
                 copies = 1 + len(seq.pending_forks)
-                demand.add(*self._future(seq), copies=copies, held=len(seq.block_table))
+                demand.add(*future, copies=copies, held=len(seq.block_table))
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             seq.admitted_once = True
@@ -193,26 +196,29 @@ class Scheduler:
     def _future(self, seq: Sequence) -> tuple[int, int]:
         """(tokens seq takes slots for now, tokens it is expected to append)."""
         assert self.growth is not None and self.max_model_len is not None
-        return seq.num_tokens, self.growth.expected_tokens(seq, self.max_model_len)
+        return seq.num_tokens, int(self.growth.expected_tokens([seq], self.max_model_len)[0])
 
     def _demand(self, seqs: list[Sequence]) -> Demand | None:
         """The running sequences' future, against which admission is checked (admission.py);
         each sample still to fork grows on its own. None: admission on the prompt alone."""
         if self.growth is None:
             return None
+        assert self.max_model_len is not None
         demand = Demand(self.kv.block_size)
-        futures = [self._future(s) for s in seqs for _ in range(1 + len(s.pending_forks))]
-        demand.add_all(futures, held=sum(len(s.block_table) for s in seqs))
+        copies = np.array([1 + len(s.pending_forks) for s in seqs], dtype=np.int64)
+        now = np.array([len(s.token_ids) for s in seqs], dtype=np.int64).repeat(copies)
+        to_come = self.growth.expected_tokens(seqs, self.max_model_len).repeat(copies)
+        demand.add_all(now, to_come, held=sum(len(s.block_table) for s in seqs))
         return demand
 
-    def _fits(self, seq: Sequence, demand: Demand | None) -> bool:
+    def _fits(self, seq: Sequence, demand: Demand | None, future: tuple[int, int] | None) -> bool:
         """Whether the peak of what the running sequences and seq will hold together fits in
         what they hold now plus the free blocks. With nothing running, seq goes in whatever it
         may grow to: the job must progress."""
-        if demand is None or not self.running:
+        if demand is None or future is None or not self.running:
             return True
         held = demand.held + len(seq.block_table)
-        peak = demand.peak_blocks(self._future(seq))
+        peak = demand.peak_blocks(future)
         return peak <= held + self.kv.num_free_blocks
 
     def _admit(
@@ -220,9 +226,12 @@ class Scheduler:
         seq: Sequence,
         budget: int,
         demand: Demand | None,
+        future: tuple[int, int] | None,
         admitted: list[Sequence],
         out: SchedulerOutput,
     ) -> Admit:
+        """`future`: seq's (tokens now, tokens expected to come), None without admission by
+        growth."""
         cached = self.kv.lend_prefix(seq)
         n = seq.num_uncomputed_tokens
         chunk = min(n, budget)
@@ -232,7 +241,7 @@ class Scheduler:
         elif (
             (n > budget and not self.enable_chunked_prefill)
             or not self.kv.can_allocate(seq, chunk)
-            or not self._fits(seq, demand)
+            or not self._fits(seq, demand, future)
         ):
             verdict = Admit.NO_ROOM
         if verdict is not Admit.ADMITTED:

@@ -1,20 +1,23 @@
 """Builds one step's tensors from the scheduler's decision: the single place that computes token
 ids, positions, slot mapping, block tables and which rows are sampled.
 
-The running sequences' block tables persist between steps in one preallocated int32 buffer, a
-row per sequence (BlockTableRows): a row is written when its sequence first runs and then only
-where its table changed, so a step's block tables are one gather of its rows, never a padded
-copy of every table. The step's integer inputs are gathered into one host tensor (pinned on
-CUDA) that reaches the device in a single copy.
+The running sequences' state persists between steps in the input batch (input_batch.py), so a
+step's inputs are gathers of its columns: positions from the computed counts, slots from the
+block-table rows, the token of each decode from the newest-token column. Only rows that compute
+more than their newest token (prefill chunks, recomputation) read their token lists, and only
+rows that read every prompt row (prompt logprobs, MEAN / CLS pooling) are walked one by one. On
+CUDA the step's integer inputs travel in one pinned host tensor and a single copy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from batchpage.attention.metadata import AttentionMetadata
+from batchpage.engine.input_batch import InputBatch
 from batchpage.engine.scheduler import ScheduledSeq
 from batchpage.engine.sequence import Sequence
 
@@ -33,172 +36,79 @@ class StepInputs:
     # MEAN / CLS pooling (engine/pooling.py): the rows each pooling sequence sums this step.
     pool_rows: torch.Tensor  # int64 [R]
     pool_owners: list[tuple[Sequence, int, int]]  # (sequence, chunk start, how many R rows)
-
-
-class BlockTableRows:
-    """Copies of sequences' block tables, one row each of an int32 [capacity, max_blocks]
-    buffer, padded with 0.
-
-    Contract with the KV cache manager (the one writer of Sequence.block_table): a sequence's
-    table list only grows, or has its last entry replaced (copy-on-write), until its blocks are
-    released, and then it is replaced by a new list, never cleared in place. So a row is current
-    when it was written from this very list object (`is`) and the list's length and last entry
-    are those written; otherwise the changed part (or, for a new list, the whole row) is written.
-    Rows are a cache keyed by sequence id: when none is free, the rows of sequences outside the
-    step being built are reclaimed (a sequence that comes back is written afresh)."""
-
-    def __init__(self, capacity: int, max_blocks: int) -> None:
-        self.buffer = torch.zeros(capacity, max_blocks, dtype=torch.int32)
-        self._row: dict[int, int] = {}  # seq_id -> row
-        self._free = list(range(capacity - 1, -1, -1))
-        self._source: list[list[int] | None] = [None] * capacity  # the list a row copies
-        self._written = [0] * capacity  # entries written from it
-        self._last = [0] * capacity  # its last entry when written
-        self._last_step: list[Sequence] = []  # what check_integrity can hold current
-
-    def rows(self, seqs: list[Sequence]) -> list[int]:
-        """The current rows of seqs (in order), writing what changed."""
-        rows = []
-        for seq in seqs:
-            row = self._row.get(seq.seq_id)
-            if row is None:
-                row = self._take(seq, seqs)
-            table = seq.block_table
-            n = len(table)
-            if self._source[row] is not table:
-                self._write(row, table, 0)
-            elif n != self._written[row] or (n and table[-1] != self._last[row]):
-                self._write(row, table, max(0, self._written[row] - 1))
-            rows.append(row)
-        self._last_step = seqs
-        return rows
-
-    def release(self, seq: Sequence) -> None:
-        row = self._row.pop(seq.seq_id, None)
-        if row is not None:
-            self._source[row] = None
-            self._free.append(row)
-
-    def _take(self, seq: Sequence, step: list[Sequence]) -> int:
-        if not self._free:
-            keep = {s.seq_id for s in step}
-            for seq_id in [i for i in self._row if i not in keep]:
-                row = self._row.pop(seq_id)
-                self._source[row] = None
-                self._free.append(row)
-        row = self._free.pop()
-        self._row[seq.seq_id] = row
-        return row
-
-    def _write(self, row: int, table: list[int], start: int) -> None:
-        n = len(table)
-        if n > self.buffer.shape[1]:
-            limit = self.buffer.shape[1]
-            raise ValueError(
-                f"a block table of {n} blocks exceeds the rows' {limit} (max_model_len)"
-            )
-        if n > start:
-            self.buffer[row, start:n] = torch.tensor(table[start:], dtype=torch.int32)
-        if self._source[row] is not table and self._written[row] > n:
-            self.buffer[row, n : self._written[row]] = 0
-        self._source[row], self._written[row] = table, n
-        self._last[row] = table[-1] if n else 0
-
-    def check_integrity(self) -> None:
-        """Rows are in use or free, never both; every row is zero past what was written into
-        it; the rows of the last `rows` call hold exactly their sequences' tables."""
-        assert len(self._row) + len(self._free) == self.buffer.shape[0]
-        assert set(self._row.values()).isdisjoint(self._free)
-        for row in range(self.buffer.shape[0]):
-            assert not self.buffer[row, self._written[row] :].any(), f"row {row}: stale padding"
-        for seq in self._last_step:
-            row, table = self._row[seq.seq_id], seq.block_table
-            assert self._source[row] is table and self._written[row] == len(table)
-            assert self.buffer[row, : len(table)].tolist() == table, f"row {row} is stale"
+    # The input batch's rows: of every scheduled sequence, with the tokens each computes, and
+    # of the N that sample.
+    rows: np.ndarray  # int64 [B]
+    num_new: np.ndarray  # int64 [B]
+    sample_rows: np.ndarray  # int64 [N]
 
 
 class StepBuilder:
-    """Builds StepInputs; owns the persistent block-table rows (see BlockTableRows)."""
+    """Builds StepInputs; owns the persistent input batch (input_batch.py)."""
 
     def __init__(
         self, capacity: int, max_blocks: int, block_size: int, device: torch.device
     ) -> None:
-        self.tables = BlockTableRows(capacity, max_blocks)
+        self.batch = InputBatch(capacity, max_blocks)
         self.block_size = block_size
         self.device = torch.device(device)
 
     def release(self, seq: Sequence) -> None:
-        """seq has finished: its row may go to another sequence."""
-        self.tables.release(seq)
+        """seq finished or was preempted: its row may go to another sequence."""
+        self.batch.leave(seq)
 
-    def build(self, scheduled: list[ScheduledSeq]) -> StepInputs:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        query_lens: list[int] = []
-        logits_indices: list[int] = []
-        sample_seqs: list[Sequence] = []
-        prompt_rows: list[int] = []
-        prompt_targets: list[int] = []
-        prompt_owners: list[tuple[Sequence, int]] = []
-        pool_rows: list[int] = []
-        pool_owners: list[tuple[Sequence, int, int]] = []
-        total = 0
-        for seq, n in scheduled:
-            start = seq.num_computed_tokens
-            end = start + n
-            table = seq.block_table
-            if n == 1:  # a decode: one token, one slot
-                input_ids.append(seq.token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                input_ids += seq.token_ids[start:end]
-                positions += range(start, end)
-                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            total += n
-            query_start.append(total)
-            query_lens.append(n)
-            seq_lens.append(end)
-            if end == seq.num_tokens:  # the prefill is complete: the sequence samples
-                logits_indices.append(total - 1)
-                sample_seqs.append(seq)
-            if seq.prompt_logprobs is not None:
-                # Position p's logits score prompt token p + 1; positions already scored (before
-                # a recompute) are not scored again.
-                first = max(start, len(seq.prompt_logprobs) - 1)
-                last = min(end, seq.num_prompt_tokens - 1)
-                if first < last:
-                    row0 = total - n - start
-                    prompt_rows += range(row0 + first, row0 + last)
-                    prompt_targets += seq.token_ids[first + 1 : last + 1]
-                    prompt_owners.append((seq, last - first))
-            pooling = seq.request.pooling
-            if pooling is not None and pooling.reads_every_row:
-                wanted = pooling.chunk_rows(start, end)
-                if wanted:
-                    row0 = total - n - start
-                    pool_rows += (row0 + p for p in wanted)
-                    pool_owners.append((seq, start, len(wanted)))
-
+    def build(self, scheduled: list[ScheduledSeq], changed: list[Sequence]) -> StepInputs:
+        """The step's tensors. `changed`: the sequences whose block tables changed since the last
+        build (KVCacheManager.take_changed)."""
+        batch, bs = self.batch, self.block_size
         seqs = [s.seq for s in scheduled]
-        rows = self.tables.rows(seqs)
-        width = max((len(s.block_table) for s in seqs), default=0)
-        index = torch.tensor(rows, dtype=torch.long)
-        tables = self.tables.buffer[:, :width].index_select(0, index)  # contiguous [B, width]
-        # One host tensor for every integer input, one copy to the device.
-        parts = (
-            input_ids, positions, slots, logits_indices, prompt_rows, pool_rows, query_start,
-            seq_lens,
-        )  # fmt: skip
-        flat = torch.tensor([v for part in parts for v in part], dtype=torch.long)
+        counts = [s.num_new_tokens for s in scheduled]
+        batch.refresh_tables(changed)
+        rows = np.array(batch.rows(seqs), dtype=np.int64)
+        num_new = np.array(counts, dtype=np.int64)
+        start = batch.computed[rows]
+        end = start + num_new
+        newest = batch.num_tokens[rows]
+        query_start = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start[1:])
+        total = int(query_start[-1])
+        if total == len(counts):  # one token a row: a row is its token
+            token_rows, positions = rows, start
+        else:
+            entry = np.repeat(np.arange(len(counts)), num_new)  # each token's scheduled entry
+            token_rows = rows[entry]
+            positions = (start - query_start[:-1])[entry] + np.arange(total)
+        slots = batch.block_tables[token_rows, positions // bs].astype(np.int64) * bs
+        slots += positions % bs
+        input_ids = batch.last_token[token_rows]  # right for every row that computes its newest
+        older = np.flatnonzero((num_new != 1) | (end != newest)).tolist()
+        if older:
+            starts, first = start.tolist(), query_start.tolist()
+            for i in older:
+                a = starts[i]
+                input_ids[first[i] : first[i + 1]] = seqs[i].token_ids[a : a + counts[i]]
+        samples = end == newest  # all the sequence's tokens computed: it samples
+        logits_indices = query_start[1:][samples] - 1
+        sample_rows = rows[samples]
+        if len(sample_rows) == len(seqs):
+            sample_seqs = seqs
+        else:
+            sample_seqs = [seqs[i] for i in np.flatnonzero(samples).tolist()]
+        reads = np.flatnonzero(batch.reads_rows[rows]).tolist()
+        prompt, pool = _rows_read(scheduled, reads, query_start.tolist())
+        prompt_rows, prompt_targets, prompt_owners = prompt
+        pool_rows, pool_owners = pool
+
+        width = int(batch.table_len[rows].max()) if len(counts) else 0
+        tables = torch.from_numpy(batch.block_tables[rows, :width])  # a contiguous copy
+        # Every integer input in one host tensor (one copy to a device), then views of it.
+        read = [np.array(r, dtype=np.int64) for r in (prompt_rows, pool_rows)]
+        parts = [input_ids, positions, slots, logits_indices, *read, query_start, end]
+        flat = torch.from_numpy(np.concatenate(parts))
         if self.device.type == "cuda":
             flat = flat.pin_memory().to(self.device, non_blocking=True)
             tables = tables.pin_memory().to(self.device, non_blocking=True)
-        views = flat.split([len(part) for part in parts])
+        views = flat.split([len(p) for p in parts])
         ids, pos, slot_mapping, logits_rows, prompt_index, pool_index, starts, lens = views
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -206,8 +116,8 @@ class StepBuilder:
             seq_lens=lens.to(torch.int32),
             block_tables=tables,
             block_size=bs,
-            query_lens_cpu=tuple(query_lens),
-            seq_lens_cpu=tuple(seq_lens),
+            query_lens_cpu=tuple(counts),
+            seq_lens_cpu=tuple(end.tolist()),
         )
         return StepInputs(
             input_ids=ids,
@@ -220,4 +130,45 @@ class StepBuilder:
             prompt_owners=prompt_owners,
             pool_rows=pool_index,
             pool_owners=pool_owners,
+            rows=rows,
+            num_new=num_new,
+            sample_rows=sample_rows,
         )
+
+
+_PromptRows = tuple[list[int], list[int], list[tuple[Sequence, int]]]
+_PoolRows = tuple[list[int], list[tuple[Sequence, int, int]]]
+
+
+def _rows_read(
+    scheduled: list[ScheduledSeq], reads: list[int], query_start: list[int]
+) -> tuple[_PromptRows, _PoolRows]:
+    """The rows of the scheduled entries `reads` whose outputs their sequences read: prompt
+    logprobs (the rows, the prompt token each scores, and how many are each sequence's) and
+    MEAN / CLS pooling (the rows, and each sequence's chunk start and row count)."""
+    prompt_rows: list[int] = []
+    prompt_targets: list[int] = []
+    prompt_owners: list[tuple[Sequence, int]] = []
+    pool_rows: list[int] = []
+    pool_owners: list[tuple[Sequence, int, int]] = []
+    for i in reads:
+        seq, n = scheduled[i]
+        start = seq.num_computed_tokens
+        end = start + n
+        row0 = query_start[i] - start  # the step row of the sequence's position 0
+        if seq.prompt_logprobs is not None:
+            # Position p's logits score prompt token p + 1; positions already scored (before
+            # a recompute) are not scored again.
+            first = max(start, len(seq.prompt_logprobs) - 1)
+            last = min(end, seq.num_prompt_tokens - 1)
+            if first < last:
+                prompt_rows += range(row0 + first, row0 + last)
+                prompt_targets += seq.token_ids[first + 1 : last + 1]
+                prompt_owners.append((seq, last - first))
+        pooling = seq.request.pooling
+        if pooling is not None and pooling.reads_every_row:
+            wanted = pooling.chunk_rows(start, end)
+            if wanted:
+                pool_rows += (row0 + p for p in wanted)
+                pool_owners.append((seq, start, len(wanted)))
+    return (prompt_rows, prompt_targets, prompt_owners), (pool_rows, pool_owners)

@@ -180,6 +180,40 @@ class StopChecker:
         self.stop_reason: str | int | None = None
 
     @property
+    def follows_each_token(self) -> bool:
+        """Whether every token must be appended as it comes: its text is decoded as it grows
+        (stop strings) or is not open yet (a reasoning model's thinking). Other checkers may
+        skip tokens that cannot end them (`catch_up`)."""
+        return self._stream or not self._text_open
+
+    @property
+    def ending_ids(self) -> frozenset[int]:
+        """The tokens that stop the sequence once min_tokens are out: EOS and stop ids."""
+        return self._eos | self._stop_ids
+
+    @property
+    def length_limit(self) -> int | None:
+        """The number of output tokens at which it stops for length; None: no limit."""
+        limits = [self._max_tokens] if self._max_tokens >= 0 else []
+        if self._max_model_len is not None:
+            limits.append(max(1, self._max_model_len - self._prompt_len))
+        return min(limits, default=None)
+
+    def catch_up(self, token_ids: list[int]) -> StopDecision | None:
+        """Take the newest of token_ids (the sequence's prompt and output so far), with any
+        output tokens before it that were not appended: the same decision as appending each in
+        turn, given that none of those could stop it (no ending id, below the length limit), as
+        the engine's batch checks make sure. Only a checker that does not follow each token may
+        miss tokens."""
+        missed = len(token_ids) - self._prompt_len - 1 - self.num_tokens
+        if missed:
+            if missed < 0 or self.follows_each_token:
+                raise RuntimeError(f"catch_up: {missed} tokens missed, the checker follows each")
+            self._ids += token_ids[self._prompt_len + self.num_tokens : -1]
+            self.num_tokens += missed
+        return self.append(token_ids[-1])
+
+    @property
     def text(self) -> str:
         """The output text so far (final once finished)."""
         if self._detok is not None:

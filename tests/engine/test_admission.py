@@ -3,8 +3,10 @@ simulated workloads that the pool stays busy without preempting what it admitted
 
 from __future__ import annotations
 
+import math
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,26 +18,69 @@ from batchpage.sampling_params import SamplingParams
 from tests.engine.simulate import make_seq, simulate
 
 
+def _expected(g: GrowthEstimate, seq) -> int:
+    return int(g.expected_tokens([seq], max_model_len=100)[0])
+
+
 def test_expected_tokens_follow_budget_ignore_eos_and_min_tokens() -> None:
     g = GrowthEstimate(initial=0.7, certain_floor=0.5)
     plain = make_seq(0, 10, SamplingParams(max_tokens=40))
-    assert g.expected_tokens(plain, max_model_len=100) == 28  # 0.7 of 40 uncertain
+    assert _expected(g, plain) == 28  # 0.7 of 40 uncertain
     exact = make_seq(1, 10, SamplingParams(max_tokens=40, ignore_eos=True))
-    assert g.expected_tokens(exact, max_model_len=100) == 28  # certain, at the same 0.7
+    assert _expected(g, exact) == 28  # certain, at the same 0.7
     floor = make_seq(2, 10, SamplingParams(max_tokens=40, min_tokens=30))
-    assert g.expected_tokens(floor, max_model_len=100) == 21 + 7  # 30 certain, 10 uncertain
+    assert _expected(g, floor) == 21 + 7  # 30 certain, 10 uncertain
     unbounded = make_seq(3, 10, SamplingParams(max_tokens=None, ignore_eos=True))
-    assert g.expected_tokens(unbounded, max_model_len=100) == 63  # of what max_model_len leaves
+    assert _expected(g, unbounded) == 63  # of what max_model_len leaves
     g.ratio = 0.1  # decayed: uncertain growth at 0.1, certain growth never below half
-    assert g.expected_tokens(plain, max_model_len=100) == 4
-    assert g.expected_tokens(exact, max_model_len=100) == 20
-    assert g.expected_tokens(floor, max_model_len=100) == 15 + 1
+    assert _expected(g, plain) == 4
+    assert _expected(g, exact) == 20
+    assert _expected(g, floor) == 15 + 1
     g.stepped(preempted=True)  # the worst case: every budget in full
-    assert g.expected_tokens(plain, max_model_len=100) == 40
-    assert g.expected_tokens(exact, max_model_len=100) == 40
-    assert g.expected_tokens(floor, max_model_len=100) == 40
+    assert _expected(g, plain) == 40
+    assert _expected(g, exact) == 40
+    assert _expected(g, floor) == 40
     plain.token_ids += [7] * 40  # its budget is spent
-    assert g.expected_tokens(plain, max_model_len=100) == 0
+    assert _expected(g, plain) == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    seqs=st.lists(
+        st.tuples(
+            st.integers(1, 30),  # prompt
+            st.integers(0, 40),  # generated
+            st.one_of(st.none(), st.integers(1, 50)),  # max_tokens
+            st.integers(0, 20),  # min_tokens
+            st.booleans(),  # ignore_eos
+        ),
+        max_size=10,
+    ),
+    ratio=st.floats(0.1, 1.0),
+)
+def test_expected_tokens_of_many_equal_each_alone_by_the_formula(seqs, ratio) -> None:
+    """The vectorised estimate against the module docstring's formula, one sequence at a time
+    in plain Python."""
+    g = GrowthEstimate(initial=0.7, certain_floor=0.5)
+    g.ratio = ratio
+    built = []
+    for i, (prompt, generated, max_tokens, min_tokens, ignore_eos) in enumerate(seqs):
+        params = SamplingParams(max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens or 20),
+                                ignore_eos=ignore_eos)  # fmt: skip
+        seq = make_seq(i, prompt, params)
+        seq.token_ids += [7] * generated
+        built.append(seq)
+    want = []
+    for seq in built:
+        p, out = seq.params, seq.num_output_tokens
+        remaining = 80 - seq.num_tokens
+        if p.max_tokens is not None:
+            remaining = min(remaining, p.max_tokens - out)
+        remaining = max(0, remaining)
+        certain = remaining if p.ignore_eos else min(remaining, max(0, p.min_tokens - out))
+        share = max(ratio, 0.5)
+        want.append(math.ceil(share * certain) + round(ratio * (remaining - certain)))
+    assert g.expected_tokens(built, max_model_len=80).tolist() == want
 
 
 @settings(max_examples=200, deadline=None)
@@ -61,7 +106,12 @@ def test_peak_blocks_bounds_the_brute_force_peak(futures, extra, block_size) -> 
     demand = Demand(block_size)
     for now, to_come in futures:
         demand.add(now, to_come)
+    at_once = Demand(block_size)  # the same sequences added in one call
+    at_once.add_all(np.array([n for n, _ in futures]), np.array([c for _, c in futures]), held=0)
     alone = demand.peak_blocks()
+    assert at_once.peak_blocks() == alone and at_once.peak_blocks(extra) == demand.peak_blocks(
+        extra
+    )
     for items, got in [(futures, alone), ([*futures, extra], demand.peak_blocks(extra))]:
         want = brute(items)
         assert want <= got <= want + len(items)

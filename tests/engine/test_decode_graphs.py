@@ -60,7 +60,7 @@ def test_padded_decode_equals_the_unpadded_step(folder: Path, backend: str, dtyp
     for batch in (5, 3, 1):  # padded to 8, 4 and 1 rows
         out = engine.scheduler.schedule()
         scheduled = out.scheduled[:batch]
-        inputs = engine.step_builder.build(scheduled)
+        inputs = engine.step_builder.build(scheduled, engine.kv_manager.take_changed())
         assert inputs.meta.is_decode_only and inputs.logits_indices.numel() == batch
         before = [t.clone() for t in (*runner.kv.k, *runner.kv.v)]
         want = runner.execute(inputs, out).logits

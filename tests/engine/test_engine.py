@@ -213,3 +213,38 @@ def test_limits_of_the_engine_are_row_errors(tmp_path: Path, tokenizer) -> None:
     assert "logit_bias" in outs[1].error
     assert "KV blocks" in outs[2].error
     assert outs[3].error is None and len(outs[3].outputs[0].token_ids) == 3
+
+
+def test_a_decode_step_runs_no_python_per_sequence(tmp_path: Path, tokenizer, monkeypatch) -> None:
+    """The stop checks of plain greedy rows are batch comparisons: a sequence's checker runs on
+    its first token and its last (the one that ends it), not on every token; the step's inputs
+    read no sequence's token list on a decode-only step. Outputs equal a run that checks every
+    token (HF's, in test_tiny_models_match_hf)."""
+    from batchpage.engine.stop_checker import StopChecker
+
+    hf = build_hf_model("llama_gqa_tied", vocab_size=len(tokenizer))
+    folder = str(save_hf_folder(hf, tmp_path / "m", tokenizer))
+    prompts = random_prompts(6, len(tokenizer), seed=5)
+    lengths = [3, 9, 17, 17, 30, 31]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    llm = LLM(model=folder, dtype="float32", block_size=4, kv_cache_memory=2**24)
+    llm.engine.check_integrity_each_step = True
+    calls = {"catch_up": 0, "append": 0}
+    for name in calls:
+        original = getattr(StopChecker, name)
+
+        def counted(self, *args, _name=name, _original=original):
+            calls[_name] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(StopChecker, name, counted)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == lengths
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert calls["catch_up"] == 2 * len(prompts)  # each sequence's first token and last
+    assert calls["append"] == calls["catch_up"]  # catch_up decides through append
+    want = [
+        hf_greedy(hf, p, n, stop_at_eos=False)[0] for p, n in zip(prompts, lengths, strict=True)
+    ]
+    for out, ref in zip(outs, want, strict=True):
+        assert out.outputs[0].token_ids == ref

@@ -1,6 +1,8 @@
-"""The step builder's persistent block-table rows against a brute-force model (every table
-padded afresh each step), through random growth, copy-on-write, release, readmission and row
-reclaiming; and a step's tensors against the values written out by hand."""
+"""The persistent input batch and the step builder against a brute-force model: every step's
+tensors written out afresh from the sequences' own lists (token ids, computed counts, block
+tables), through random prefill chunks, decodes, copy-on-write forks, prefix sharing, preemption,
+finishing and row reclaiming driven through a real KV cache manager; and one step's tensors
+against values written out by hand."""
 
 from __future__ import annotations
 
@@ -9,49 +11,131 @@ import random
 import pytest
 import torch
 
+from batchpage.cache.block_pool import OutOfBlocks
+from batchpage.engine.kv_manager import KVCacheManager
 from batchpage.engine.scheduler import ScheduledSeq
 from batchpage.engine.sequence import Request, Sequence
-from batchpage.engine.step_inputs import BlockTableRows, StepBuilder
+from batchpage.engine.step_inputs import StepBuilder, StepInputs
 from batchpage.sampling_params import SamplingParams
 
 
-def _seq(seq_id: int, prompt: list[int]) -> Sequence:
-    req = Request(index=seq_id, prompt=None, prompt_token_ids=prompt, params=SamplingParams())
-    return Sequence(seq_id, req, 0, list(prompt), None, stop=None)  # type: ignore[arg-type]
+def _seq(seq_id: int, prompt: list[int], params: SamplingParams | None = None) -> Sequence:
+    params = params or SamplingParams()
+    req = Request(index=seq_id, prompt=None, prompt_token_ids=prompt, params=params)
+    seq = Sequence(seq_id, req, 0, list(prompt), None, stop=None)  # type: ignore[arg-type]
+    if params.prompt_logprobs is not None:
+        seq.prompt_logprobs = [None]
+    return seq
 
 
-def _padded(seqs: list[Sequence]) -> list[list[int]]:
-    width = max(len(s.block_table) for s in seqs)
-    return [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+def _expected(scheduled: list[ScheduledSeq], bs: int) -> dict[str, list]:
+    """The step's inputs from the sequences' lists alone."""
+    ids, pos, slots, starts, lens, logits, prompt_rows = [], [], [], [0], [], [], []
+    width = max(len(s.seq.block_table) for s in scheduled)
+    for seq, n in scheduled:
+        a = seq.num_computed_tokens
+        row0 = starts[-1] - a
+        for p in range(a, a + n):
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+        starts.append(starts[-1] + n)
+        lens.append(a + n)
+        if a + n == seq.num_tokens:
+            logits.append(starts[-1] - 1)
+        if seq.prompt_logprobs is not None:
+            first = max(a, len(seq.prompt_logprobs) - 1)
+            prompt_rows += range(row0 + first, row0 + min(a + n, seq.num_prompt_tokens - 1))
+    tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in scheduled]
+    return {
+        "input_ids": ids,
+        "positions": pos,
+        "slots": slots,
+        "query_start": starts,
+        "seq_lens": lens,
+        "logits": logits,
+        "tables": tables,
+        "prompt_rows": prompt_rows,
+    }
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_rows_equal_freshly_padded_tables(seed: int) -> None:
+def _got(inputs: StepInputs) -> dict[str, list]:
+    meta = inputs.meta
+    return {
+        "input_ids": inputs.input_ids.tolist(),
+        "positions": inputs.positions.tolist(),
+        "slots": meta.slot_mapping.tolist(),
+        "query_start": meta.query_start_loc.tolist(),
+        "seq_lens": meta.seq_lens.tolist(),
+        "logits": inputs.logits_indices.tolist(),
+        "tables": meta.block_tables.tolist(),
+        "prompt_rows": inputs.prompt_rows.tolist(),
+    }
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_steps_equal_inputs_written_afresh(seed: int) -> None:
     rng = random.Random(seed)
-    capacity, max_blocks = 6, 12
-    rows = BlockTableRows(capacity, max_blocks)
-    seqs = [_seq(i, [1]) for i in range(10)]
-    for s in seqs:
-        s.block_table = [rng.randrange(100)]
-    for _ in range(300):
-        s = rng.choice(seqs)
-        op = rng.randrange(5)
-        if op == 0 and len(s.block_table) < max_blocks:
-            s.block_table.append(rng.randrange(100))  # the table grows in place
-        elif op == 1:
-            s.block_table[-1] = rng.randrange(100)  # copy-on-write of the last block
-        elif op == 2:
-            # Released and readmitted: a new list, perhaps shorter, perhaps equal in content.
-            s.block_table = [rng.randrange(100) for _ in range(rng.randrange(1, max_blocks))]
-        elif op == 3:
-            rows.release(s)
-        step = rng.sample(seqs, rng.randrange(1, capacity + 1))
-        got = rows.rows(step)
-        rows.check_integrity()
-        assert len(set(got)) == len(got)
-        width = max(len(x.block_table) for x in step)
-        gathered = rows.buffer[:, :width].index_select(0, torch.tensor(got))
-        assert gathered.tolist() == _padded(step)
+    bs, capacity = 4, 6
+    kv = KVCacheManager(num_blocks=40, block_size=bs, prefix_caching=True)
+    builder = StepBuilder(capacity, max_blocks=16, block_size=bs, device=torch.device("cpu"))
+    base = [rng.randrange(50) for _ in range(12)]  # a shared prefix some prompts start with
+    waiting: list[Sequence] = []
+    running: list[Sequence] = []
+    next_id = 0
+    for _ in range(120):
+        while len(waiting) < 3:
+            prompt = base[: rng.randrange(13)] + [rng.randrange(50) for _ in range(1, 9)]
+            logprobs = SamplingParams(prompt_logprobs=1) if rng.random() < 0.2 else None
+            waiting.append(_seq(next_id, prompt, logprobs))
+            next_id += 1
+        if len(running) < capacity - 1 and rng.random() < 0.5:
+            seq = waiting.pop(0)
+            kv.lend_prefix(seq)
+            running.append(seq)
+        if running and rng.random() < 0.15:  # a fork of a sequence that has sampled
+            parent = rng.choice(running)
+            if parent.num_computed_tokens == parent.num_tokens - 1 and len(running) < capacity:
+                child = _seq(next_id, parent.token_ids[: parent.num_prompt_tokens])
+                child.token_ids = list(parent.token_ids)
+                next_id += 1
+                kv.fork(parent, child)
+                running.append(child)
+        if running and rng.random() < 0.1:  # preempted or finished: its blocks go back
+            seq = running.pop(rng.randrange(len(running)))
+            kv.free(seq)
+            builder.release(seq)
+        scheduled = []
+        for seq in running:
+            n = min(seq.num_uncomputed_tokens, rng.randrange(1, 7))
+            try:
+                kv.allocate(seq, n)
+            except OutOfBlocks:
+                continue
+            scheduled.append(ScheduledSeq(seq, n))
+        if not scheduled:
+            continue
+        inputs = builder.build(scheduled, kv.take_changed())
+        builder.batch.check_integrity()
+        assert _got(inputs) == _expected(scheduled, bs)
+        assert inputs.sample_seqs == [s.seq for s in scheduled if s.completes_prefill]
+        # Commit the step as the engine does: the sequences, then the batch's rows.
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            if seq.prompt_logprobs is not None:
+                last = min(seq.num_computed_tokens, seq.num_prompt_tokens - 1)
+                seq.prompt_logprobs += [None] * max(0, last - len(seq.prompt_logprobs) + 1)
+            kv.cache_progress(seq)
+        builder.batch.advance(inputs.rows, inputs.num_new)
+        tokens = [rng.randrange(50) for _ in inputs.sample_seqs]
+        for seq, token in zip(inputs.sample_seqs, tokens, strict=True):
+            seq.token_ids.append(token)
+        builder.batch.append_tokens(inputs.sample_rows, tokens)
+        builder.batch.check_integrity()
+        for seq in [s for s in running if s.num_tokens >= 40]:
+            running.remove(seq)
+            kv.free(seq)
+            builder.release(seq)
 
 
 def test_a_step_of_decodes_and_prefill_chunks() -> None:
@@ -64,7 +148,7 @@ def test_a_step_of_decodes_and_prefill_chunks() -> None:
     chunk = _seq(1, list(range(20, 30)))  # 10 prompt tokens: a chunk of 6, then 4
     chunk.block_table = [1, 2]
     chunk.num_computed_tokens = 0
-    inputs = builder.build([ScheduledSeq(decode, 1), ScheduledSeq(chunk, 6)])
+    inputs = builder.build([ScheduledSeq(decode, 1), ScheduledSeq(chunk, 6)], [])
     assert inputs.input_ids.tolist() == [10, 20, 21, 22, 23, 24, 25]
     assert inputs.positions.tolist() == [5, 0, 1, 2, 3, 4, 5]
     # Position p of a sequence lives at block_table[p // bs] * bs + p % bs.
@@ -81,8 +165,25 @@ def test_a_step_of_decodes_and_prefill_chunks() -> None:
     chunk.block_table.append(4)
     decode.num_computed_tokens = 6
     decode.token_ids.append(11)
-    inputs = builder.build([ScheduledSeq(decode, 1), ScheduledSeq(chunk, 4)])
+    builder.batch.advance(inputs.rows, inputs.num_new)
+    builder.batch.append_tokens(inputs.sample_rows, [11])
+    inputs = builder.build([ScheduledSeq(decode, 1), ScheduledSeq(chunk, 4)], [chunk])
+    assert inputs.input_ids.tolist() == [11, 26, 27, 28, 29]
     assert inputs.meta.block_tables.tolist() == [[3, 7, 0], [1, 2, 4]]
     assert inputs.logits_indices.tolist() == [0, 4]
     assert inputs.sample_seqs == [decode, chunk]
-    builder.tables.check_integrity()
+    builder.batch.check_integrity()
+
+
+def test_rows_of_sequences_outside_the_step_are_reclaimed_when_none_is_free() -> None:
+    builder = StepBuilder(capacity=2, max_blocks=4, block_size=4, device=torch.device("cpu"))
+    seqs = [_seq(i, [i + 1, i + 2]) for i in range(3)]
+    for i, seq in enumerate(seqs):
+        seq.block_table = [i]
+    builder.build([ScheduledSeq(seqs[0], 2), ScheduledSeq(seqs[1], 2)], [])
+    inputs = builder.build([ScheduledSeq(seqs[2], 2)], [])  # seqs[0] and [1] give their rows
+    assert inputs.meta.block_tables.tolist() == [[2]]
+    assert len(builder.batch) == 1
+    builder.batch.check_integrity()
+    with pytest.raises(RuntimeError, match="more than 2 sequences"):
+        builder.build([ScheduledSeq(s, 2) for s in seqs], [])

@@ -294,3 +294,52 @@ def test_stop_string_cut_matches_full_decode(tok, token_pool, data) -> None:
     _feed(checker, ids)
     assert checker.stop_reason == stop and checker.finish_reason == "stop"
     assert checker.text == full[: full.index(stop)]
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    output=st.lists(st.integers(0, 12), min_size=1, max_size=30),
+    stop_ids=st.lists(st.integers(0, 12), max_size=2),
+    max_tokens=st.one_of(st.none(), st.integers(1, 30)),
+    min_tokens=st.integers(0, 4),
+    max_model_len=st.one_of(st.none(), st.integers(4, 40)),
+    include=st.booleans(),
+    ignore_eos=st.booleans(),
+    extra_visits=st.sets(st.integers(0, 29)),
+)
+def test_catch_up_decides_as_appending_every_token(
+    tok, output, stop_ids, max_tokens, min_tokens, max_model_len, include, ignore_eos, extra_visits
+) -> None:
+    """A checker that sees only the tokens the engine's batch checks send it (ending ids, the
+    length limit, and any others) gives every decision and text one fed each token gives."""
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=min(min_tokens, max_tokens or min_tokens),
+        stop_token_ids=stop_ids,
+        include_stop_str_in_output=include,
+        ignore_eos=ignore_eos,
+    )
+    prompt = [tok.encode("Hello")[-1]] * 3
+    ids = [tok.convert_tokens_to_ids(t) for t in ("a", "b", "c", "d", "e", " the", ".")]
+    ids += [tok.eos_token_id] * 6  # tokens 7-12 end the sequence (as EOS) unless ignore_eos
+    kwargs = {"eos_ids": {tok.eos_token_id}, "prompt_len": 3, "max_model_len": max_model_len}
+    each, lazy = _checker(tok, params, **kwargs), _checker(tok, params, **kwargs)
+    assert not lazy.follows_each_token
+    limit = lazy.length_limit
+    tokens = list(prompt)
+    for i, t in enumerate(output):
+        token = ids[t]
+        tokens.append(token)
+        want = each.append(token)
+        n = len(tokens) - 3
+        if token in lazy.ending_ids or (limit is not None and n >= limit) or i in extra_visits:
+            assert lazy.catch_up(tokens) == want
+        else:
+            assert want is None  # a token the batch checks skip never ends the sequence
+        if want is not None:
+            break
+    if each.finished:
+        assert lazy.text == each.text
+        assert (lazy.finish_reason, lazy.stop_reason) == (each.finish_reason, each.stop_reason)

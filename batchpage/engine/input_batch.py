@@ -1,0 +1,172 @@
+"""The persistent input batch: the running sequences' per-row state, in preallocated columns.
+
+A sequence takes a row (a stable slot) when it is first scheduled and gives it back when it
+finishes or is preempted. The row is written when it joins and then only where its sequence
+changed: the computed count and the newest token move on with every step (`advance`,
+`append_tokens`: one vectorised write each for the whole step), and block tables are rewritten
+only for the sequences the KV cache manager reports changed (KVCacheManager.take_changed). So a
+step's inputs are gathers of these columns, never a rebuild from every sequence's lists
+(step_inputs.py).
+
+A row is a mirror of its sequence, which stays the scheduler's record: `check_integrity`
+compares every row with its sequence. The columns are the seam later work plugs into (a row may
+compute several tokens in one step, or carry an adapter id).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from batchpage.engine.sequence import Sequence
+
+
+class InputBatch:
+    """Rows of int64 columns `computed` (num_computed_tokens), `num_tokens` (len(token_ids)),
+    `last_token` (token_ids[-1]), `table_len` and an int32 [capacity, max_blocks]
+    `block_tables` buffer, zero past each table's end; and the bool column `reads_rows`."""
+
+    def __init__(self, capacity: int, max_blocks: int) -> None:
+        # Numpy, not torch: a step reads these with a few dozen small gathers and writes single
+        # elements, where torch's per-call overhead is many times the work.
+        self.capacity = capacity
+        self.computed = np.zeros(capacity, dtype=np.int64)
+        self.num_tokens = np.zeros(capacity, dtype=np.int64)
+        self.last_token = np.zeros(capacity, dtype=np.int64)
+        self.block_tables = np.zeros((capacity, max_blocks), dtype=np.int32)
+        self.table_len = np.zeros(capacity, dtype=np.int64)  # entries written in each row
+        # Whether the sequence needs the output of every prompt row it computes (prompt
+        # logprobs, MEAN / CLS pooling): the step builder reads such rows one by one.
+        self.reads_rows = np.zeros(capacity, dtype=bool)
+        # What the stop checks read (rows_to_check): the prompt's length, the length at which
+        # the row stops, and whether its tokens need Python every step (stop strings, grammar,
+        # thinking, logprobs); the tokens that may end some row (EOS, stop ids).
+        self.num_prompt = np.zeros(capacity, dtype=np.int64)
+        self.stop_len = np.zeros(capacity, dtype=np.int64)
+        self.each_token = np.zeros(capacity, dtype=bool)
+        self._ending: set[int] = set()
+        self._ending_ids = np.zeros(0, dtype=np.int64)
+        self._row: dict[int, int] = {}  # seq_id -> row
+        self._seq: list[Sequence | None] = [None] * capacity
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._row)
+
+    def rows(self, seqs: list[Sequence]) -> list[int]:
+        """The rows of seqs, in order; a sequence without one joins (its row written whole).
+        When no row is free, the rows of sequences outside `seqs` are given back first (a
+        sequence that comes back joins afresh)."""
+        rows = list(map(self._row.get, [s.seq_id for s in seqs]))
+        if None in rows:
+            for i, seq in enumerate(seqs):
+                if rows[i] is None:
+                    rows[i] = self._join(seq, seqs)
+        return rows  # type: ignore[return-value]
+
+    def leave(self, seq: Sequence) -> None:
+        """seq finished or was preempted: its row may go to another sequence."""
+        row = self._row.pop(seq.seq_id, None)
+        if row is not None:
+            self._clear(row)
+
+    def refresh_tables(self, changed: list[Sequence]) -> None:
+        """Rewrite the block-table rows of sequences whose tables changed. A table only grows
+        or has its last entry replaced (copy-on-write) while its sequence holds a row: its
+        blocks are freed only when it leaves."""
+        for seq in changed:
+            row = self._row.get(seq.seq_id)
+            if row is not None and self._seq[row] is seq:
+                self._write_table(row, seq.block_table, max(0, int(self.table_len[row]) - 1))
+
+    def advance(self, rows: np.ndarray, num_new: np.ndarray) -> None:
+        """The step computed num_new tokens of each of rows (distinct rows)."""
+        self.computed[rows] += num_new
+
+    def append_tokens(self, rows: np.ndarray, tokens: list[int]) -> None:
+        """Each of rows (distinct) took one new token."""
+        self.last_token[rows] = tokens
+        self.num_tokens[rows] += 1
+
+    def rows_to_check(self, rows: np.ndarray, tokens: list[int]) -> list[int]:
+        """The indices i of rows (which just took tokens[i], counted in num_tokens) whose token
+        needs Python: it is their first, it may end them (an ending id, the length limit), or
+        their flags ask for every token. No other row's sequence stops on this token."""
+        n = self.num_tokens[rows]
+        check = self.each_token[rows] | (n >= self.stop_len[rows])
+        check |= n == self.num_prompt[rows] + 1
+        check |= np.isin(np.asarray(tokens, dtype=np.int64), self._ending_ids)
+        return np.flatnonzero(check).tolist()
+
+    def _join(self, seq: Sequence, step: list[Sequence]) -> int:
+        if not self._free:
+            keep = {s.seq_id for s in step}
+            for seq_id in [i for i in self._row if i not in keep]:
+                self._clear(self._row.pop(seq_id))
+        if not self._free:
+            raise RuntimeError(f"a step of more than {self.capacity} sequences: this is a bug")
+        row = self._free.pop()
+        self._row[seq.seq_id] = row
+        self._seq[row] = seq
+        tokens = seq.token_ids
+        self.computed[row] = seq.num_computed_tokens
+        self.num_tokens[row] = len(tokens)
+        self.last_token[row] = tokens[-1]
+        self.reads_rows[row] = seq.reads_every_prompt_row
+        self._write_stop_columns(row, seq)
+        self._write_table(row, seq.block_table, 0)
+        return row
+
+    def _write_stop_columns(self, row: int, seq: Sequence) -> None:
+        stop = seq.stop
+        self.num_prompt[row] = seq.num_prompt_tokens
+        if stop is None:  # a sequence that never samples
+            self.stop_len[row], self.each_token[row] = 0, True
+            return
+        limit = stop.length_limit
+        self.stop_len[row] = seq.num_prompt_tokens + (limit if limit is not None else 2**62)
+        self.each_token[row] = (
+            stop.follows_each_token
+            or seq.constraint is not None
+            or seq.thinking is not None
+            or seq.params.logprobs is not None
+        )
+        ending = stop.ending_ids
+        if not ending <= self._ending:
+            self._ending |= ending
+            self._ending_ids = np.array(sorted(self._ending), dtype=np.int64)
+
+    def _clear(self, row: int) -> None:
+        self.block_tables[row, : self.table_len[row]] = 0
+        self.table_len[row] = 0
+        self._seq[row] = None
+        self._free.append(row)
+
+    def _write_table(self, row: int, table: list[int], start: int) -> None:
+        n = len(table)
+        if n > self.block_tables.shape[1]:
+            limit = self.block_tables.shape[1]
+            raise ValueError(
+                f"a block table of {n} blocks exceeds the rows' {limit} (max_model_len)"
+            )
+        if n > start:
+            self.block_tables[row, start:n] = table[start:]
+        self.table_len[row] = n
+
+    def check_integrity(self) -> None:
+        """Rows are in use or free, never both; each row in use holds exactly its sequence's
+        computed count, length, newest token and block table, zero past the table."""
+        assert len(self._row) + len(self._free) == self.capacity
+        assert set(self._row.values()).isdisjoint(self._free)
+        for row in range(self.capacity):
+            seq = self._seq[row]
+            n = int(self.table_len[row])
+            assert not self.block_tables[row, n:].any(), f"row {row}: stale padding"
+            if seq is None:
+                assert row in self._free and n == 0
+                continue
+            assert self._row[seq.seq_id] == row
+            assert self.computed[row] == seq.num_computed_tokens, f"row {row}: computed"
+            assert self.num_tokens[row] == seq.num_tokens, f"row {row}: num_tokens"
+            assert self.last_token[row] == seq.token_ids[-1], f"row {row}: last token"
+            assert self.reads_rows[row] == seq.reads_every_prompt_row
+            assert self.block_tables[row, :n].tolist() == seq.block_table, f"row {row}: table"

@@ -277,8 +277,6 @@ class Engine:
         and sample their first token from its logits row. Returns every sampling sequence and
         its logits row."""
         rows = list(range(len(seqs)))
-        if not any(s.pending_forks for s in seqs):
-            return seqs, rows
         all_seqs = list(seqs)
         for row, parent in enumerate(seqs):
             for index in parent.pending_forks:
@@ -293,20 +291,23 @@ class Engine:
     def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> list[Sequence]:
         parts, clock = self.stats.step_time_s, time.perf_counter
         t0 = clock()
-        seqs, rows = self._fork_samples(inputs.sample_seqs)
-        if len(rows) != logits.shape[0]:
+        batch, sample_rows = self.step_builder.batch, inputs.sample_rows
+        seqs = inputs.sample_seqs
+        if batch.forking[sample_rows].any():
+            seqs, rows = self._fork_samples(seqs)
+            batch.forking[sample_rows] = False
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
         forced = self._forced_tokens(seqs)
-        if not forced and all(s.plain_greedy for s in seqs):
+        # A forked sample has its parent's request, so its parent's flag.
+        if not forced and batch.plain_greedy[sample_rows].all():
             result = sample_greedy(logits, self.argmax)
         else:
             result = self._sample_rows(seqs, logits, forced)
         # The sampling rows' newest tokens (forked samples join the batch when they first run).
-        tokens = result.token_ids[: len(inputs.sample_rows)]
-        self.step_builder.batch.append_tokens(inputs.sample_rows, tokens)
+        batch.append_tokens(sample_rows, result.token_ids[: len(sample_rows)])
         t1 = clock()
         parts["sample"] += t1 - t0
-        return self._append(seqs, inputs.sample_rows, result, t1)
+        return self._append(seqs, sample_rows, result, t1)
 
     def _forced_tokens(self, seqs: list[Sequence]) -> dict[int, int]:
         """Row -> the token it must take: the end of thinking of rows past their budget."""

@@ -43,6 +43,10 @@ class InputBatch:
         self.num_prompt = np.zeros(capacity, dtype=np.int64)
         self.stop_len = np.zeros(capacity, dtype=np.int64)
         self.each_token = np.zeros(capacity, dtype=bool)
+        # What the sampler reads: the row takes its raw argmax (Sequence.plain_greedy), and it
+        # has samples still to fork from it (n > 1) when its prompt is done.
+        self.plain_greedy = np.zeros(capacity, dtype=bool)
+        self.forking = np.zeros(capacity, dtype=bool)
         self._ending: set[int] = set()
         self._ending_ids = np.zeros(0, dtype=np.int64)
         self._row: dict[int, int] = {}  # seq_id -> row
@@ -112,6 +116,8 @@ class InputBatch:
         self.num_tokens[row] = len(tokens)
         self.last_token[row] = tokens[-1]
         self.reads_rows[row] = seq.reads_every_prompt_row
+        self.plain_greedy[row] = seq.plain_greedy
+        self.forking[row] = bool(seq.pending_forks)
         self._write_stop_columns(row, seq)
         self._write_table(row, seq.block_table, 0)
         return row
@@ -169,4 +175,6 @@ class InputBatch:
             assert self.num_tokens[row] == seq.num_tokens, f"row {row}: num_tokens"
             assert self.last_token[row] == seq.token_ids[-1], f"row {row}: last token"
             assert self.reads_rows[row] == seq.reads_every_prompt_row
+            assert self.plain_greedy[row] == seq.plain_greedy
+            assert self.forking[row] == bool(seq.pending_forks), f"row {row}: forking"
             assert self.block_tables[row, :n].tolist() == seq.block_table, f"row {row}: table"

@@ -135,16 +135,19 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
-        scheduled, copies = out.scheduled, out.copies
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        # Locals: this loop runs once per running sequence every step.
+        running, allocate, scheduled = self.running, self.kv.allocate, out.scheduled
+        while i < len(running) and budget > 0:
+            seq = running[i]
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while True:
                 try:
-                    copies += self.kv.allocate(seq, n)
+                    moves = allocate(seq, n)
+                    if moves:
+                        out.copies += moves
                     break
                 except OutOfBlocks:  # allocate changed nothing: make room and try again
-                    victim = self.running.pop()
+                    victim = running.pop()
                     self._preempt(victim, out)
                     if victim is seq:
                         break

@@ -23,12 +23,15 @@ from batchpage.executor.config import ExecutorConfig
 def executor_factory(cfg: ExecutorConfig) -> Callable[..., Any] | None:
     """What makes the job's LLM: None for the local executor (the job's default, LLM); for ray
     a factory(model, **engine) of ReplicaPools. ValueError, with the install command, when Ray
-    is missing: checked here, before anything loads."""
+    is missing, or naming the address when executor.address does not answer: checked here,
+    before anything loads."""
     if cfg.kind == "local":
         return None
-    from batchpage.executor.ray_cluster import check_installed
+    from batchpage.executor.ray_cluster import check_answers, check_installed
 
     check_installed()
+    if cfg.address:
+        check_answers(cfg.address, cfg.connect_timeout_s)
     from batchpage.executor.ray_executor import ReplicaPool
 
     return functools.partial(ReplicaPool, executor=cfg)

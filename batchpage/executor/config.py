@@ -27,6 +27,8 @@ class ExecutorConfig:
     # "auto" or "host:port": join that cluster as it is sized. Ray Client ("ray://") is
     # refused: the replicas stream rows back through actor methods, which it cannot carry.
     address: str = ""
+    # Seconds to wait for executor.address to accept a connection before the job stops (exit 2).
+    connect_timeout_s: float = 30.0
     # Rows per window handed to a replica. Cuts fall where neighbours share the least prefix.
     window_rows: int = 64
     # Windows queued on a replica at once: one running, the next ready, so it never waits.
@@ -40,6 +42,8 @@ class ExecutorConfig:
         for name in ("num_replicas", "cpus_per_replica", "window_rows", "windows_per_replica"):
             if getattr(self, name) < 1:
                 raise ValueError(f"executor.{name}={getattr(self, name)} must be >= 1")
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"executor.connect_timeout_s={self.connect_timeout_s} must be > 0")
         if self.gpus_per_replica < 0:
             raise ValueError(f"executor.gpus_per_replica={self.gpus_per_replica} must be >= 0")
         if self.address.startswith("ray://"):

@@ -14,7 +14,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import socket
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from batchpage.executor.config import ExecutorConfig
 
@@ -41,6 +44,7 @@ def connect(cfg: ExecutorConfig) -> Connection:
         return Connection("existing", owned=False)
     quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
     if cfg.address:
+        check_answers(cfg.address, cfg.connect_timeout_s)
         try:
             ray.init(address=cfg.address, **quiet)
         except (ConnectionError, ValueError, RuntimeError) as e:
@@ -61,6 +65,43 @@ def connect(cfg: ExecutorConfig) -> Connection:
         )
     ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **quiet)
     return Connection("local", owned=True)
+
+
+def cluster_address(address: str) -> str | None:
+    """The host:port ray.init(address) will dial, found as Ray finds it: RAY_ADDRESS wins; for
+    "auto", the address the newest cluster started on this machine left in Ray's temp folder
+    (None when there is none: ray.init then fails at once, naming it)."""
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    if address != "auto":
+        return address
+    current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    try:
+        return current.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def check_answers(address: str, timeout_s: float) -> None:
+    """ValueError naming the address and what to check when nothing accepts a connection at
+    it within timeout_s: ray.init would otherwise wait on a dead cluster without a limit."""
+    target = cluster_address(address)
+    if target is None:
+        return
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return
+    except ValueError:
+        problem = "it is not host:port"
+    except OSError as e:
+        problem = f"nothing answered within {timeout_s:g} s: {e.strerror or e}"
+    raise ValueError(
+        f"executor.address={address} ({target}) cannot be reached, {problem}; check that the "
+        "cluster is up (`ray status` on its head node) and that this machine reaches that host "
+        "and port (raise executor.connect_timeout_s for a slow network), or leave "
+        "executor.address empty for a local instance"
+    )
 
 
 def local_resources() -> tuple[int, int]:

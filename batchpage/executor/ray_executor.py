@@ -24,7 +24,7 @@ from batchpage.executor.figures import CallStats, ReplicaFigures
 from batchpage.executor.ray_cluster import Connection, connect
 from batchpage.executor.replica import Replica, ReplicaUpdate
 from batchpage.executor.windows import cut_windows, prefix_order
-from batchpage.executor.work_queue import Window, WorkQueue
+from batchpage.executor.work_queue import Window, WorkQueue, least_loaded
 from batchpage.metrics import RunStats
 from batchpage.model.loader import load_tokenizer, resolve_model_source
 from batchpage.outputs import PoolingRequestOutput, RequestOutput
@@ -142,7 +142,11 @@ class ReplicaPool:
         """Run LLM.<method>(*columns, **kwargs) over the replicas, window by window: row i is
         (column[i] for each column), placed in the prefix order of keys[i]."""
         order = prefix_order(keys, self.schedule)
-        windows = cut_windows([keys[p] for p in order], self.cfg.window_rows)
+        # A call smaller than the replicas' windows together is cut finer, so every live
+        # replica gets a share of it (a contiguous run of the prefix order each).
+        live = sum(not r.lost for r in self.replicas)
+        size = min(self.cfg.window_rows, max(1, -(-len(order) // max(1, live))))
+        windows = cut_windows([keys[p] for p in order], size)
         work = WorkQueue([order[i] for i in r] for r in windows)
         run = _Run(self, work, _Call(method, columns, kwargs), on_output, on_step)
         outputs = run.until_done()
@@ -232,18 +236,22 @@ class _Run:
         return [out for out in self.outputs if out is not None]
 
     def _dispatch(self) -> None:
-        busy = [replica for replica, _ in self.tasks.values()]
-        most = self.pool.cfg.windows_per_replica
-        for figures, actor in zip(self.pool.replicas, self.pool.actors, strict=True):
-            while not figures.lost and busy.count(figures.index) < most:
-                window = self.work.take()
-                if window is None:
-                    return
-                task = actor.run.options(num_returns="streaming").remote(
-                    self.call.method, self.call.window(window.positions), self.call.kwargs
-                )
-                self.tasks[task] = (figures.index, window)
-                busy.append(figures.index)
+        """Hand waiting windows out, one at a time, each to the least-loaded live replica."""
+        load = [0] * len(self.pool.replicas)
+        for replica, _ in self.tasks.values():
+            load[replica] += 1
+        live = [not figures.lost for figures in self.pool.replicas]
+        while (replica := least_loaded(load, live, self.pool.cfg.windows_per_replica)) is not None:
+            window = self.work.take()
+            if window is None:
+                return
+            task = (
+                self.pool.actors[replica]
+                .run.options(num_returns="streaming")
+                .remote(self.call.method, self.call.window(window.positions), self.call.kwargs)
+            )
+            self.tasks[task] = (replica, window)
+            load[replica] += 1
 
     def _advance(self, task: Any) -> None:
         import ray

@@ -14,6 +14,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 
+def least_loaded(load: list[int], live: list[bool], most: int) -> int | None:
+    """The live replica with the fewest windows (the lowest index among equals), or None when
+    every live one holds `most`."""
+    open_ = [i for i, n in enumerate(load) if live[i] and n < most]
+    return min(open_, key=lambda i: load[i], default=None)
+
+
 @dataclass(frozen=True)
 class Window:
     id: int

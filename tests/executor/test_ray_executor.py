@@ -61,6 +61,24 @@ def test_two_replicas_give_the_local_output_with_error_rows(
     assert run_json(tmp_path / "local")["runs"][-1]["settings"]["executor"] == {"kind": "local"}
 
 
+def test_a_job_smaller_than_a_window_still_runs_on_every_replica(
+    tmp_path, tiny_folder, ray_instance
+) -> None:
+    """6 rows and windows of 64: cut into one window per replica, each replica gets one (the
+    least-loaded first), and the output is the local job's. (Before, replica 0 took the one
+    window of 6 rows and replica 1 idled.)"""
+    data = write_rows(tmp_path / "d.jsonl", 6, bad=False)
+    local = job(job_args(data, tiny_folder, tmp_path / "local"))
+    run_job(local)
+    ray = job(job_args(data, tiny_folder, tmp_path / "ray", *ray_args(window_rows=64)))
+    run_job(ray)
+    assert compared(tmp_path / "ray") == compared(tmp_path / "local")
+    replicas = run_json(tmp_path / "ray")["runs"][-1]["settings"]["executor"]["replicas"]
+    # Cut where neighbours share least, within half a window of 3 rows each.
+    assert all(r["rows"] >= 2 for r in replicas) and sum(r["rows"] for r in replicas) == 6
+    assert [r["windows"] for r in replicas] == [1, 1]
+
+
 @pytest.mark.slow
 def test_seeded_sampling_is_the_same_on_replicas(tmp_path, tiny_folder, ray_instance) -> None:
     local, ray = local_and_ray(

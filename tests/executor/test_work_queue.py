@@ -9,7 +9,7 @@ import random
 import pytest
 
 from batchpage.executor.windows import common_prefix, cut_windows, prefix_order
-from batchpage.executor.work_queue import WorkQueue
+from batchpage.executor.work_queue import WorkQueue, least_loaded
 
 
 def random_prompts(rng: random.Random, count: int) -> list[list[int]]:
@@ -90,3 +90,24 @@ def test_a_row_outside_the_window_is_refused() -> None:
     assert queue.release(window.id) == 2  # nothing delivered: both go back, at the front
     retry = queue.take()
     assert retry.positions == (0, 1) and retry.retry
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_windows_go_to_the_least_loaded_live_replica(seed) -> None:
+    """Handing windows out one by one with least_loaded, against the loads written out by
+    hand: every live replica gets one before any gets a second, none gets more than `most`,
+    and a lost replica gets none."""
+    rng = random.Random(seed)
+    replicas, most = rng.randrange(1, 6), rng.randrange(1, 4)
+    live = [rng.random() < 0.8 for _ in range(replicas)]
+    load = [rng.randrange(most + 1) if live[i] else rng.randrange(3) for i in range(replicas)]
+    start = list(load)
+    chosen_at = []  # the load of each replica when it was chosen
+    while (replica := least_loaded(load, live, most)) is not None:
+        assert live[replica] and load[replica] < most
+        assert load[replica] == min(n for n, up in zip(load, live, strict=True) if up)
+        chosen_at.append(load[replica])
+        load[replica] += 1
+    assert chosen_at == sorted(chosen_at)  # no replica gets a k-th before all have k - 1
+    for i in range(replicas):  # full up to `most`, the lost untouched
+        assert load[i] == (most if live[i] else start[i])

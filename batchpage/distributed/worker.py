@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -96,18 +97,31 @@ def serve(spec: WorkerSpec) -> None:
         while True:
             try:
                 step = broadcast_object(control, None, spec.rank)
-            except RuntimeError:  # the driver closed the group: nothing left to serve
-                raise SystemExit(1) from None
+            except RuntimeError:  # the group broke: the driver closed it, or it died
+                if not _driver_gone(driver):
+                    raise SystemExit(1) from None  # nothing left to serve; the driver reports
+                raise
             if step is None:
                 return
             runner.run(to_device(step, device))
     except Exception:  # noqa: BLE001 (whatever broke, with the driver gone nothing is owed)
-        if os.getppid() == driver:
+        if not _driver_gone(driver):
             raise
         # The driver died (its sockets closed under a collective or a wait): nothing is left
         # to serve, and a traceback from each rank would bury the driver's own message.
         print(f"batchpage: rank {spec.rank}: the driver (pid {driver}) is gone", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def _driver_gone(driver: int, grace_s: float = 1.0) -> bool:
+    """Whether the driver process died. A dying process closes its sockets before its children
+    are handed to a new parent, so a broken group may be seen a moment before getppid changes."""
+    deadline = time.monotonic() + grace_s
+    while os.getppid() == driver:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def main() -> None:

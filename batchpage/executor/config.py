@@ -33,6 +33,9 @@ class ExecutorConfig:
     window_rows: int = 64
     # Windows queued on a replica at once: one running, the next ready, so it never waits.
     windows_per_replica: int = 2
+    # Replicas started in place of lost ones (a killed process, a lost node), counted over the
+    # job; past it the job finishes on the survivors.
+    max_restarts: int = 8
 
     def __post_init__(self) -> None:
         if self.kind not in EXECUTOR_KINDS:
@@ -42,6 +45,8 @@ class ExecutorConfig:
         for name in ("num_replicas", "cpus_per_replica", "window_rows", "windows_per_replica"):
             if getattr(self, name) < 1:
                 raise ValueError(f"executor.{name}={getattr(self, name)} must be >= 1")
+        if self.max_restarts < 0:
+            raise ValueError(f"executor.max_restarts={self.max_restarts} must be >= 0")
         if not self.connect_timeout_s > 0:
             raise ValueError(f"executor.connect_timeout_s={self.connect_timeout_s} must be > 0")
         if self.gpus_per_replica < 0:

@@ -15,6 +15,7 @@ queue for the others; the job fails only when every replica is gone.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -35,6 +36,8 @@ from batchpage.sampling_params import SamplingParams
 Output = RequestOutput | PoolingRequestOutput
 OnOutput = Callable[[Any, int], None]
 OnStep = Callable[[RunStats], None]
+log = logging.getLogger(__name__)
+
 _WAIT_S = 1.0  # the longest the driver waits without reporting progress
 
 
@@ -55,10 +58,14 @@ class ReplicaPool:
             max_restarts=0,
             max_task_retries=0,
         )
-        self.actors = [
-            remote.remote(where, engine_args, executor.cpus_per_replica)
-            for _ in range(executor.num_replicas)
-        ]
+        self._spawn = functools.partial(
+            remote.remote, where, engine_args, executor.cpus_per_replica
+        )
+        self.actors = [self._spawn() for _ in range(executor.num_replicas)]
+        # Replicas started in place of lost ones, until they have loaded: describe ref -> actor.
+        self._starting: dict[Any, Any] = {}
+        self.restarts = 0  # replacements started over the job (executor.max_restarts)
+        self.windows_redone = 0  # windows whose rows a lost replica left to the others
         try:
             infos = ray.get([a.describe.remote() for a in self.actors])
         except ray.exceptions.RayError as e:
@@ -171,10 +178,57 @@ class ReplicaPool:
                 "gpus_per_replica": self.cfg.gpus_per_replica,
                 "window_rows": self.cfg.window_rows,
                 "replicas_lost": sum(r.lost for r in self.replicas),
+                "replicas_replaced": self.restarts,
+                "max_restarts": self.cfg.max_restarts,
+                "windows_redone": self.windows_redone,
                 "rows_requeued": self.requeued_rows,
                 "replicas": [r.record() for r in self.replicas],
             },
         }
+
+    def replace_lost(self) -> None:
+        """Start a replica in place of a lost one while executor.max_restarts allows; it takes
+        windows once it has loaded (admit_started)."""
+        if self.restarts >= self.cfg.max_restarts:
+            return
+        self.restarts += 1
+        actor = self._spawn()
+        self._starting[actor.describe.remote()] = actor
+
+    def admit_started(self, timeout_s: float = 0.0) -> None:
+        """Replacements that finished loading join the pool (waiting up to timeout_s for one);
+        one that failed to start counts as lost again."""
+        import ray
+
+        if not self._starting:
+            return
+        ready, _ = ray.wait(list(self._starting), num_returns=1, timeout=timeout_s)
+        for ref in ready:
+            actor = self._starting.pop(ref)
+            try:
+                info = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                log.warning("executor: a replacement replica did not start: %s", _cause(e))
+                ray.kill(actor)
+                self.replace_lost()
+                continue
+            self.actors.append(actor)
+            self.replicas.append(ReplicaFigures(len(self.replicas), info))
+            log.warning("executor: replica %d started in place of a lost one", len(self.actors) - 1)
+
+    @property
+    def starting(self) -> int:
+        """Replacements still loading."""
+        return len(self._starting)
+
+    def summary(self) -> str:
+        """One line: replicas lost, replaced and windows redone over the job."""
+        lost = sum(r.lost for r in self.replicas)
+        return (
+            f"executor: {lost} of {len(self.replicas)} replicas lost, {self.restarts} "
+            f"replacements started (executor.max_restarts={self.cfg.max_restarts}), "
+            f"{self.windows_redone} windows redone ({self.requeued_rows} rows)"
+        )
 
     @property
     def attention_name(self) -> str:
@@ -184,9 +238,11 @@ class ReplicaPool:
         """Stop the replicas (and the Ray instance this job started)."""
         import ray
 
-        for actor in self.actors:
+        if self.restarts or any(r.lost for r in self.replicas):
+            log.warning(self.summary())
+        for actor in [*self.actors, *self._starting.values()]:
             ray.kill(actor)
-        self.actors = []
+        self.actors, self._starting = [], {}
         if self.connection.owned:
             ray.shutdown()
 
@@ -221,7 +277,11 @@ class _Run:
         import ray
 
         while not self.work.finished:
+            self.pool.admit_started()
             self._dispatch()
+            if not self.tasks and self.pool.starting:  # nothing runs: wait for a replacement
+                self.pool.admit_started(timeout_s=_WAIT_S)
+                continue
             if not self.tasks:
                 raise RuntimeError(
                     f"every replica died with {self.work.total - self.work.delivered} rows left; "
@@ -298,7 +358,9 @@ class _Run:
             if owner == replica:
                 del self.tasks[task]
                 self.stats.close(window.id)
-                self.work.release(window.id)
+                if self.work.release(window.id):
+                    self.pool.windows_redone += 1
+        self.pool.replace_lost()
 
 
 def _cause(error: Exception) -> str:

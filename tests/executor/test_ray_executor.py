@@ -116,7 +116,8 @@ class KillsReplicaZero(ReplicaPool):
 @pytest.mark.slow
 def test_a_replica_killed_mid_job_costs_no_row(tmp_path, tiny_folder, ray_instance) -> None:
     data = write_rows(tmp_path / "d.jsonl", 24, bad=False)
-    args = job_args(data, tiny_folder, tmp_path / "ray", "flush_rows=2", *ray_args())
+    args = job_args(data, tiny_folder, tmp_path / "ray", "flush_rows=2", *ray_args(),
+                    "executor.max_restarts=0")  # fmt: skip
     cfg = job(args)
     run_job(cfg, lambda model, **engine: KillsReplicaZero(model, cfg.executor, **engine))
     indices = shard_indices(tmp_path / "ray")
@@ -127,3 +128,50 @@ def test_a_replica_killed_mid_job_costs_no_row(tmp_path, tiny_folder, ray_instan
 
     run_job(job(job_args(data, tiny_folder, tmp_path / "local")))
     assert compared(tmp_path / "ray") == compared(tmp_path / "local")
+
+
+class KillsTheFirstReplicas(ReplicaPool):
+    """Kills (SIGKILL) every replica the pool started with, at the first row any call
+    delivers: the job can only finish on replacements."""
+
+    killed = False
+
+    def _call(self, method: str, keys: Any, columns: Any, kwargs: Any, on_output: Any,
+              on_step: Any) -> Any:  # fmt: skip
+        pids = [r.info["pid"] for r in self.replicas]
+
+        def killing(out: Any, index: int) -> None:
+            if not self.killed:
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                self.killed = True
+            on_output(out, index)
+
+        return super()._call(method, keys, columns, kwargs, killing, on_step)
+
+
+@pytest.mark.slow
+def test_lost_replicas_are_replaced_up_to_max_restarts(tmp_path, tiny_folder, ray_instance) -> None:
+    data = write_rows(tmp_path / "d.jsonl", 24, bad=False)
+    out = tmp_path / "ray"
+    cfg = job(
+        job_args(data, tiny_folder, out, "flush_rows=2", *ray_args(), "executor.max_restarts=1")
+    )
+    run_job(cfg, lambda model, **engine: KillsTheFirstReplicas(model, cfg.executor, **engine))
+    assert sorted(shard_indices(out)) == list(range(24)), "a row was lost or written twice"
+    executor = run_json(out)["runs"][-1]["settings"]["executor"]
+    assert executor["replicas_lost"] == 2 and executor["replicas_replaced"] == 1
+    assert executor["windows_redone"] >= 1 and executor["rows_requeued"] >= 1
+    replicas = executor["replicas"]
+    assert [r["lost"] for r in replicas] == [True, True, False]
+    assert replicas[2]["rows"] >= 1  # the replacement finished what the others left
+    run_job(job(job_args(data, tiny_folder, tmp_path / "local")))
+    assert compared(out) == compared(tmp_path / "local")
+
+    # Without restarts the same losses leave no replica: one line, and the rows saved so far.
+    out = tmp_path / "none"
+    cfg = job(
+        job_args(data, tiny_folder, out, "flush_rows=2", *ray_args(), "executor.max_restarts=0")
+    )
+    with pytest.raises(RuntimeError, match=r"every replica died with \d+ rows left.*resume"):
+        run_job(cfg, lambda model, **engine: KillsTheFirstReplicas(model, cfg.executor, **engine))

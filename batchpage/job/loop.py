@@ -30,6 +30,7 @@ from batchpage.job.input_watch import InputWatch
 from batchpage.job.plan import JobConfigError, JobPlan, JobStoppedError, plan_job
 from batchpage.job.pooling_rows import check_url, pool_result, pool_rows
 from batchpage.job.progress import JobProgress, job_rate
+from batchpage.job.progress_file import ProgressFile
 from batchpage.job.prompts import Prepared, prepare_window, to_result
 from batchpage.job.report import JobResult, ThisRun, resolved_settings, summarize, write_report
 from batchpage.metrics import RunStats
@@ -94,6 +95,7 @@ def _run(
     rows = resumed = generated = 0
     llm: Any = None
     progress = JobProgress(plan.info.num_rows, cfg.progress)
+    status = ProgressFile(out, progress)
     try:
         if writer.num_done:
             progress.note(f"resuming into {out}: {writer.num_done} rows already done")
@@ -108,16 +110,20 @@ def _run(
             progress.rows_skipped(len(window) - len(todo))
             if llm is None and any(r.error is None for r in todo):
                 llm = _load_llm(cfg, llm_factory, progress)
+                status.executor = _executor_figures(llm)
             # Without an LLM every row left has an error, and error rows need no tokenizer.
             tokenizer = llm.tokenizer if llm is not None else None
             ready, failed = prepare_window(
                 todo, tokenizer, plan.params, plan.base_seed, plan.prompts
             )
             writer.add_many(failed)  # written now: a bad row never waits for the window
-            progress.rows_skipped(len(failed))
+            progress.rows_skipped(len(failed), failed=True)
             if ready:
-                window_stats.append(_generate(llm, plan, ready, writer, progress, window_stats))
+                window_stats.append(
+                    _generate(llm, plan, ready, writer, progress, window_stats, status)
+                )
                 generated += len(ready)
+            status.write()
         watch.check()  # a file cut short ends the reading early: the row count tells nothing
         watch.check_digests()
     except (OSError, ValueError, pa.ArrowException):
@@ -128,6 +134,7 @@ def _run(
         if hasattr(llm, "close"):  # an executor's replicas
             llm.close()
     writer.flush()
+    status.write(stage="done")
     final = finalize(out, rows)
     if plan.openai_batch:
         write_batch_files(out, Path(cfg.model.path).name)
@@ -160,6 +167,7 @@ def _generate(
     writer: ShardWriter,
     progress: JobProgress,
     before: list[RunStats],
+    status: ProgressFile,
 ) -> RunStats:
     """One window through the engine; each row is saved the moment it finishes."""
     max_len = plan.engine.max_model_len
@@ -183,10 +191,13 @@ def _generate(
         writer.add(result)
         writer.maybe_flush()
         used = sum(len(c.token_ids) for c in out.outputs)
-        progress.row_finished(unused_budget=max(0, budget(p) - used) if out.error is None else 0)
+        unused = max(0, budget(p) - used) if out.error is None else 0
+        progress.row_finished(unused_budget=unused, failed=out.error is not None)
+        status.maybe_write()
 
     def stepped(stats: RunStats) -> None:
         progress.step(stats, job_rate(done_before, stats))
+        status.maybe_write()
 
     task = plan.engine.task
     if task != "generate":
@@ -195,7 +206,8 @@ def _generate(
             labels = llm.model_config.head.labels
             writer.add(pool_result(p, outs, task, labels, plan.listed))
             writer.maybe_flush()
-            progress.row_finished(unused_budget=budget(p))
+            progress.row_finished(unused_budget=budget(p), failed=any(o.error for o in outs))
+            status.maybe_write()
 
         pool_rows(llm, task, ready, plan.pooling, pooled, stepped)
         return llm.run_stats
@@ -245,6 +257,13 @@ def _executor_factory(cfg: JobConfig) -> LLMFactory | None:
 def _attention_name(llm: Any) -> str:
     name = getattr(llm, "attention_name", None)  # an executor's replicas report theirs
     return name or type(llm.engine.runner.attention).__name__
+
+
+def _executor_figures(llm: Any) -> Callable[[], dict[str, Any]] | None:
+    """An executor's figures now (its replicas' rows and rates, lost and replaced) for
+    progress.json; None for the local engine."""
+    describe = getattr(llm, "describe", None)
+    return None if describe is None else lambda: describe()["executor"]
 
 
 def _settings(plan: JobPlan, llm: Any) -> dict[str, Any]:

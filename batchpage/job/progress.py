@@ -13,7 +13,9 @@ Messages (stages, resume notes) go through `note`, which prints above the bar wi
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -59,6 +61,9 @@ class JobProgress:
         self.work = TokenWork(rows_total)
         self.rows_total = rows_total
         self.rows_done = 0
+        self.rows_failed = 0  # of rows_done: rows whose result is an error
+        self._started = time.monotonic()
+        self._out_tok_s: float | None = None
         self.bar = tqdm(
             total=0,
             unit="tok",
@@ -77,9 +82,10 @@ class JobProgress:
         self._stage = name
         self._refresh()
 
-    def rows_skipped(self, count: int) -> None:
-        """Rows that need no generation (resumed, or failed before generating)."""
+    def rows_skipped(self, count: int, failed: bool = False) -> None:
+        """Rows that need no generation (resumed, or `failed` before generating)."""
         self.rows_done += count
+        self.rows_failed += count if failed else 0
         if self.work.rows_total is not None:
             self.work.rows_total -= count
         self._refresh()
@@ -94,15 +100,32 @@ class JobProgress:
         handled = stats.prefill_tokens_computed + stats.cached_prompt_tokens
         self.work.done = self._window_base + handled + stats.generated_tokens
         self._stage = "generating" if stats.generated_tokens else "prefill"
+        self._out_tok_s = tok_s
         self._refresh(tok_s)
 
-    def row_finished(self, unused_budget: int) -> None:
+    def row_finished(self, unused_budget: int, failed: bool = False) -> None:
         self.rows_done += 1
+        self.rows_failed += failed
         self.work.release(unused_budget)
         self._refresh()
 
     def close(self) -> None:
         self.bar.close()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The bar's figures as data: rows, the stage, the job's output rate and the seconds
+        left at the rate the bar's token work has gone so far (None before any)."""
+        elapsed = time.monotonic() - self._started
+        eta = self.work.eta_s(self.work.done / elapsed if elapsed > 0 else 0.0)
+        return {
+            "stage": self._stage,
+            "rows_total": self.rows_total,
+            "rows_done": self.rows_done,
+            "rows_failed": self.rows_failed,
+            "out_tok_s": self._out_tok_s,
+            "elapsed_s": round(elapsed, 1),
+            "eta_s": None if eta is None else round(eta, 1),
+        }
 
     def _refresh(self, tok_s: float | None = None) -> None:
         self.bar.total = self.work.total

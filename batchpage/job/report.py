@@ -16,6 +16,7 @@ from batchpage.job.config import JobConfig, to_plain
 from batchpage.job.plan import JobPlan
 from batchpage.metrics import RunStats
 from batchpage.output import RUN_FILE, write_run_json
+from batchpage.output.files import PROGRESS_FILE
 
 
 @dataclass
@@ -115,6 +116,7 @@ def write_report(
             "num_rows": plan.info.num_rows,
         },
         "fingerprint": plan.fingerprint,
+        "progress_file": PROGRESS_FILE,  # rewritten while the job ran: its last state
     }
     write_run_json(out, config, totals, runs=runs)
     return totals

@@ -43,13 +43,14 @@ BATCH_ERRORS_FILE = "batch_errors.jsonl"
 SCORES_FILE = "scores.parquet"
 SHARD_PREFIX = "shard-"
 LOCK_FILE = "job.lock"
+PROGRESS_FILE = "progress.json"  # where a running job stands (job/progress_file.py)
 # What a job writes beside its shards, all rewritten from them: overwrite=true deletes them.
 DERIVED_FILES = (FINAL_FILE, BATCH_OUTPUT_FILE, BATCH_ERRORS_FILE, SCORES_FILE)
 # Temporary names of what is written in an output_dir (fileio.atomic_path: ".<name>.*.tmp";
 # finalize's bucket folder), so a leftover of a kill -9 is recognised as ours.
 _TEMP_GLOBS = (
     f".{SHARD_PREFIX}*.tmp",
-    *(f".{name}.*.tmp" for name in (*DERIVED_FILES, JOB_FILE, RUN_FILE)),
+    *(f".{name}.*.tmp" for name in (*DERIVED_FILES, JOB_FILE, RUN_FILE, PROGRESS_FILE)),
     ".finalize.*.tmp",
 )
 

@@ -23,6 +23,7 @@ from batchpage.fileio import atomic_write_text
 from batchpage.output.files import (
     DERIVED_FILES,
     JOB_FILE,
+    PROGRESS_FILE,
     RUN_FILE,
     SHARD_PREFIX,
     OutputDirError,
@@ -209,7 +210,7 @@ class ShardWriter:
                 "overwrite=true to delete its results and start over."
             )
         if problem is not None:
-            for p in [*ours, self.output_dir / RUN_FILE]:
+            for p in [*ours, self.output_dir / RUN_FILE, self.output_dir / PROGRESS_FILE]:
                 p.unlink(missing_ok=True)
         payload = {
             "fingerprint": fp,

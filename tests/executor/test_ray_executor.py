@@ -4,6 +4,7 @@ run.json's per-replica figures, and a replica killed mid-job costing no row."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from typing import Any
@@ -58,6 +59,10 @@ def test_two_replicas_give_the_local_output_with_error_rows(
     assert all(0.0 <= r["prefix_hit_rate"] <= 1.0 for r in replicas)
     assert all(r["output_tokens_per_s"] > 0 for r in replicas)
     assert report["config"]["resolved"]["threads"] == 1
+    # progress.json (run.json names it): the job's last state, with each replica's figures.
+    state = json.loads((tmp_path / "ray" / report["config"]["progress_file"]).read_text())
+    assert state["stage"] == "done" and state["rows_done"] == 16 and state["rows_failed"] == 3
+    assert [r["rows"] for r in state["executor"]["replicas"]] == [r["rows"] for r in replicas]
     assert run_json(tmp_path / "local")["runs"][-1]["settings"]["executor"] == {"kind": "local"}
 
 

@@ -122,6 +122,10 @@ def test_one_row_per_input_in_order_and_bad_rows_do_not_stop_the_job(tmp_path, t
     assert run["metrics"]["generated_tokens"] == 3 + 5 + 5
     assert run["config"]["job"]["sampling"]["min_tokens"] == 2
     assert run["versions"]["batchpage"]
+    # The job's last state, where run.json says: every row done, the 7 errors counted.
+    state = json.loads((tmp_path / "out" / run["config"]["progress_file"]).read_text())
+    assert (state["stage"], state["rows_total"], state["rows_done"]) == ("done", 10, 10)
+    assert state["rows_failed"] == 7 and "executor" not in state
 
 
 def test_chats_and_system_prompts_go_through_the_chat_template(

@@ -3,9 +3,13 @@ same figures worked out by hand for a small job."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 
 from batchpage.job.progress import JobProgress, TokenWork
+from batchpage.job.progress_file import ProgressFile
 from batchpage.metrics import RunStats
 
 
@@ -47,4 +51,40 @@ def test_the_bar_moves_on_every_step_before_any_row_finishes() -> None:
     assert progress.bar.n == 26 and progress.rows_done == 1
     progress.row_finished(unused_budget=30)
     assert (progress.bar.total, progress.rows_done) == (70, 2)
+    progress.close()
+
+
+def test_progress_file_gives_the_bars_figures_and_is_rewritten_at_most_every_interval(
+    tmp_path, monkeypatch
+) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    progress = JobProgress(rows_total=4, enabled=False)
+    progress.rows_skipped(1, failed=True)  # a bad row: failed before generating
+    progress.window_started([40, 40, 40])
+    stats = RunStats(kv_blocks_total=8, block_size=4)
+    stats.prefill_tokens_computed, stats.generated_tokens = 30, 10
+    clock[0] += 4.0
+    progress.step(stats, tok_s=2.5)
+    progress.row_finished(unused_budget=0, failed=True)  # an engine error
+    progress.row_finished(unused_budget=20)
+    figures = {"replicas": [{"replica": 0, "rows": 2}], "replicas_lost": 0}
+    status = ProgressFile(tmp_path, progress, executor=lambda: figures, every_s=10.0)
+    status.write()
+    record = json.loads((tmp_path / "progress.json").read_text())
+    assert record["rows_total"] == 4 and record["rows_done"] == 3 and record["rows_failed"] == 2
+    assert record["stage"] == "generating" and record["out_tok_s"] == 2.5
+    # 40 of 100 tokens in 4 s: 60 left at 10 tokens/s.
+    assert record["elapsed_s"] == 4.0 and record["eta_s"] == 6.0
+    assert record["executor"] == figures
+    progress.row_finished(unused_budget=0)
+    clock[0] += 9.0
+    status.maybe_write()  # inside the interval: the file keeps the last state
+    assert json.loads((tmp_path / "progress.json").read_text())["rows_done"] == 3
+    clock[0] += 1.0
+    status.maybe_write()
+    assert json.loads((tmp_path / "progress.json").read_text())["rows_done"] == 4
+    status.write(stage="done")
+    assert json.loads((tmp_path / "progress.json").read_text())["stage"] == "done"
+    assert [p.name for p in tmp_path.iterdir()] == ["progress.json"]  # no temporary left
     progress.close()

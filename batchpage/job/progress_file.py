@@ -1,0 +1,55 @@
+"""progress.json: where a running job stands, for whoever watches a job that runs for a day.
+
+Rewritten atomically (a reader never sees half a file) at most every `every_s` seconds while
+rows finish and engine steps run, at every window's end and when the job stops: rows done and
+failed out of the total, the output rate and the time left at that rate (the progress bar's own
+figures), and with executor=ray each replica's rows and rate and the replicas lost and replaced.
+run.json names the file; it stays after the job as its last state.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from batchpage.fileio import atomic_path
+from batchpage.job.progress import JobProgress
+from batchpage.output.files import PROGRESS_FILE
+
+
+class ProgressFile:
+    def __init__(
+        self,
+        out: Path,
+        progress: JobProgress,
+        executor: Callable[[], dict[str, Any]] | None = None,
+        every_s: float = 10.0,
+    ) -> None:
+        """`executor`: the executor's figures now (ReplicaPool.describe's), None for local."""
+        self.path = out / PROGRESS_FILE
+        self.progress = progress
+        self.executor = executor
+        self.every_s = every_s
+        self._last = float("-inf")
+
+    def maybe_write(self) -> None:
+        """Rewrite the file if the last write is at least every_s old."""
+        if time.monotonic() - self._last >= self.every_s:
+            self.write()
+
+    def write(self, stage: str | None = None) -> None:
+        """Rewrite the file now; `stage` overrides the bar's ("done" at the end)."""
+        record: dict[str, Any] = {
+            "updated_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **self.progress.snapshot(),
+        }
+        if stage is not None:
+            record["stage"] = stage
+        if self.executor is not None:
+            record["executor"] = self.executor()
+        with atomic_path(self.path) as tmp:
+            tmp.write_text(json.dumps(record, indent=1) + "\n")
+        self._last = time.monotonic()

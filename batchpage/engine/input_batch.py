@@ -21,9 +21,12 @@ from batchpage.engine.sequence import Sequence
 
 
 class InputBatch:
-    """Rows of int64 columns `computed` (num_computed_tokens), `num_tokens` (len(token_ids)),
-    `last_token` (token_ids[-1]), `table_len` and an int32 [capacity, max_blocks]
-    `block_tables` buffer, zero past each table's end; and the bool column `reads_rows`."""
+    """Columns indexed by row: what the step builder reads (`computed`: num_computed_tokens,
+    `num_tokens`: len(token_ids), `last_token`: token_ids[-1], the int32 [capacity, max_blocks]
+    `block_tables`, zero past each row's `table_len`, `reads_rows`), what the stop checks read
+    (`num_prompt`, `stop_len`, `each_token`) and what the sampler reads (`plain_greedy`,
+    `forking`). Set when a row joins; after that only `computed`, `num_tokens`, `last_token`,
+    the tables and `forking` change."""
 
     def __init__(self, capacity: int, max_blocks: int) -> None:
         # Numpy, not torch: a step reads these with a few dozen small gathers and writes single

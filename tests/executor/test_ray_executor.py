@@ -99,23 +99,31 @@ def test_seeded_sampling_is_the_same_on_replicas(tmp_path, tiny_folder, ray_inst
     assert len({c for r in ray if r["completion"] for c in r["completion"]}) > 9  # they differ
 
 
-class KillsReplicaZero(ReplicaPool):
-    """Kills replica 0's process (SIGKILL) when the first row of any call (generate or a
-    pooling method: they share _call) arrives, while it holds windows."""
+class KillsReplicas(ReplicaPool):
+    """Kills (SIGKILL) the processes of the replicas `victims` (all the pool started with when
+    None) when the first row of any call (generate or a pooling method: they share _call)
+    arrives, while they hold windows."""
 
+    victims: tuple[int, ...] | None = None
     killed = False
 
     def _call(self, method: str, keys: Any, columns: Any, kwargs: Any, on_output: Any,
               on_step: Any) -> Any:  # fmt: skip
-        pid = self.replicas[0].info["pid"]
+        victims = range(len(self.replicas)) if self.victims is None else self.victims
+        pids = [self.replicas[i].info["pid"] for i in victims]
 
         def killing(out: Any, index: int) -> None:
             if not self.killed:
-                os.kill(pid, signal.SIGKILL)
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
                 self.killed = True
             on_output(out, index)
 
         return super()._call(method, keys, columns, kwargs, killing, on_step)
+
+
+class KillsReplicaZero(KillsReplicas):
+    victims = (0,)
 
 
 @pytest.mark.slow
@@ -135,26 +143,6 @@ def test_a_replica_killed_mid_job_costs_no_row(tmp_path, tiny_folder, ray_instan
     assert compared(tmp_path / "ray") == compared(tmp_path / "local")
 
 
-class KillsTheFirstReplicas(ReplicaPool):
-    """Kills (SIGKILL) every replica the pool started with, at the first row any call
-    delivers: the job can only finish on replacements."""
-
-    killed = False
-
-    def _call(self, method: str, keys: Any, columns: Any, kwargs: Any, on_output: Any,
-              on_step: Any) -> Any:  # fmt: skip
-        pids = [r.info["pid"] for r in self.replicas]
-
-        def killing(out: Any, index: int) -> None:
-            if not self.killed:
-                for pid in pids:
-                    os.kill(pid, signal.SIGKILL)
-                self.killed = True
-            on_output(out, index)
-
-        return super()._call(method, keys, columns, kwargs, killing, on_step)
-
-
 @pytest.mark.slow
 def test_lost_replicas_are_replaced_up_to_max_restarts(tmp_path, tiny_folder, ray_instance) -> None:
     data = write_rows(tmp_path / "d.jsonl", 24, bad=False)
@@ -162,7 +150,7 @@ def test_lost_replicas_are_replaced_up_to_max_restarts(tmp_path, tiny_folder, ra
     cfg = job(
         job_args(data, tiny_folder, out, "flush_rows=2", *ray_args(), "executor.max_restarts=1")
     )
-    run_job(cfg, lambda model, **engine: KillsTheFirstReplicas(model, cfg.executor, **engine))
+    run_job(cfg, lambda model, **engine: KillsReplicas(model, cfg.executor, **engine))
     assert sorted(shard_indices(out)) == list(range(24)), "a row was lost or written twice"
     executor = run_json(out)["runs"][-1]["settings"]["executor"]
     assert executor["replicas_lost"] == 2 and executor["replicas_replaced"] == 1
@@ -179,4 +167,4 @@ def test_lost_replicas_are_replaced_up_to_max_restarts(tmp_path, tiny_folder, ra
         job_args(data, tiny_folder, out, "flush_rows=2", *ray_args(), "executor.max_restarts=0")
     )
     with pytest.raises(RuntimeError, match=r"every replica died with \d+ rows left.*resume"):
-        run_job(cfg, lambda model, **engine: KillsTheFirstReplicas(model, cfg.executor, **engine))
+        run_job(cfg, lambda model, **engine: KillsReplicas(model, cfg.executor, **engine))

@@ -128,9 +128,6 @@ class InputBatch:
     def _write_stop_columns(self, row: int, seq: Sequence) -> None:
         stop = seq.stop
         self.num_prompt[row] = seq.num_prompt_tokens
-        if stop is None:  # a sequence that never samples
-            self.stop_len[row], self.each_token[row] = 0, True
-            return
         limit = stop.length_limit
         self.stop_len[row] = seq.num_prompt_tokens + (limit if limit is not None else 2**62)
         self.each_token[row] = (

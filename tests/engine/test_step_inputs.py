@@ -16,13 +16,15 @@ from batchpage.engine.kv_manager import KVCacheManager
 from batchpage.engine.scheduler import ScheduledSeq
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.engine.step_inputs import StepBuilder, StepInputs
+from batchpage.engine.stop_checker import StopChecker
 from batchpage.sampling_params import SamplingParams
 
 
 def _seq(seq_id: int, prompt: list[int], params: SamplingParams | None = None) -> Sequence:
     params = params or SamplingParams()
     req = Request(index=seq_id, prompt=None, prompt_token_ids=prompt, params=params)
-    seq = Sequence(seq_id, req, 0, list(prompt), None, stop=None)  # type: ignore[arg-type]
+    stop = StopChecker(lambda ids: "", params, prompt_len=len(prompt))
+    seq = Sequence(seq_id, req, 0, list(prompt), None, stop=stop)
     if params.prompt_logprobs is not None:
         seq.prompt_logprobs = [None]
     return seq

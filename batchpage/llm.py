@@ -70,6 +70,7 @@ class LLM(PoolingMethods):
             raise
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.workers = peers  # ranks 1.. of a tensor-parallel engine
         # The last generate() call's figures: `stats` as a dict (vLLM-style), `run_stats` as
         # the RunStats that several calls can be merged from.
         self.run_stats = RunStats(plan.num_blocks, cfg.block_size)

@@ -1,10 +1,11 @@
-"""A tensor-parallel worker: `python -m batchpage.distributed.worker`, started by the driver
-(workers.py) with its WorkerSpec pickled on stdin.
+"""A tensor-parallel rank other than 0: `load_share` loads its share of the model, `run_steps`
+joins the group, sets up the same runner as the driver's engine and runs every step the driver
+broadcasts until the driver sends None.
 
-It loads its rank's share of the model, tells the driver on stdout ("loaded", or one line of
-error), joins the group, sets up the same runner as the driver's engine, and then runs every
-step the driver broadcasts until the driver sends None. Its stdout carries only those lines;
-logs go to stderr, which it shares with the driver.
+Two hosts call them (distributed_executor_backend): `python -m batchpage.distributed.worker`, a
+process started by the driver (process_ranks.py) with its WorkerSpec pickled on stdin, which
+tells the driver on stdout ("loaded", or one line of error; its logs go to stderr, which it
+shares with the driver); and a Ray actor (ray_ranks.py).
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ class WorkerSpec:
     plan: EnginePlan  # the driver's: its block count is every rank's
     rank: int
     world: int
-    store_port: int  # the driver's TCPStore, on this host
+    store_host: str  # where the driver's TCPStore listens
+    store_port: int
     threads: int  # torch intra-op threads (CPU)
+    device: torch.device  # this rank's, as its process sees the host's devices
 
 
 def rank_device(plan: EnginePlan, rank: int) -> torch.device:
@@ -67,46 +70,54 @@ def to_device(step: ForwardStep, device: torch.device) -> ForwardStep:
     )
 
 
-def serve(spec: WorkerSpec) -> None:
+def load_share(spec: WorkerSpec) -> torch.nn.Module:
+    """This rank's share of the model, on its device (the process's torch threads set)."""
     torch.set_num_threads(spec.threads)
-    device = rank_device(spec.plan, spec.rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    cfg, plan = spec.cfg, replace(spec.plan, device=device)
+    if spec.device.type == "cuda":
+        torch.cuda.set_device(spec.device)
+    return load_model(
+        spec.source,
+        spec.plan.dtype,
+        spec.device,
+        max_positions=spec.plan.max_model_len,
+        quantized=spec.cfg.quantized_weights is not False,
+        int8_activations=spec.cfg.int8_activations,
+        shard=TensorShard(spec.rank, spec.world),
+    ).model
+
+
+def run_steps(spec: WorkerSpec, model: torch.nn.Module, host: str) -> None:
+    """Join the group (its connections from `host`, this rank's address) and run the driver's
+    steps until it sends None. RuntimeError when the group breaks (the driver closed it, or a
+    rank died)."""
+    plan = replace(spec.plan, device=spec.device)
+    store = dist.TCPStore(spec.store_host, spec.store_port, spec.world, is_master=False)
+    forward, control = open_group(store, spec.rank, spec.world, spec.device, host)
+    runner = build_model_runner(
+        model, spec.cfg, plan, comm=GroupCollective(forward, spec.world)
+    ).runner
+    while (step := broadcast_object(control, None, spec.rank)) is not None:
+        runner.run(to_device(step, spec.device))
+
+
+def serve(spec: WorkerSpec) -> None:
+    """The worker process's life: load, say so on stdout, run steps."""
     try:
-        loaded = load_model(
-            spec.source,
-            plan.dtype,
-            device,
-            max_positions=plan.max_model_len,
-            quantized=cfg.quantized_weights is not False,
-            int8_activations=cfg.int8_activations,
-            shard=TensorShard(spec.rank, spec.world),
-        )
+        model = load_share(spec)
     except Exception as e:  # anything loading raises: one line for the driver to report
         print(" ".join(f"{type(e).__name__}: {e}".split())[:2000], flush=True)
         raise SystemExit(1) from None
     print(LOADED, flush=True)
     driver = os.getppid()
     try:
-        store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world, is_master=False)
-        forward, control = open_group(store, spec.rank, spec.world, device)
-        runner = build_model_runner(
-            loaded.model, cfg, plan, comm=GroupCollective(forward, spec.world)
-        ).runner
-        while True:
-            try:
-                step = broadcast_object(control, None, spec.rank)
-            except RuntimeError:  # the group broke: the driver closed it, or it died
-                if not _driver_gone(driver):
-                    raise SystemExit(1) from None  # nothing left to serve; the driver reports
-                raise
-            if step is None:
-                return
-            runner.run(to_device(step, device))
-    except Exception:  # noqa: BLE001 (whatever broke, with the driver gone nothing is owed)
+        run_steps(spec, model, spec.store_host)  # the driver's host is this one
+    except Exception as e:  # noqa: BLE001 (whatever broke, with the driver gone nothing is owed)
         if not _driver_gone(driver):
-            raise
+            if not isinstance(e, RuntimeError):
+                raise
+            # The group broke under a live driver (a rank died): the driver names it.
+            print(f"batchpage: rank {spec.rank} stopped: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
         # The driver died (its sockets closed under a collective or a wait): nothing is left
         # to serve, and a traceback from each rank would bury the driver's own message.
         print(f"batchpage: rank {spec.rank}: the driver (pid {driver}) is gone", file=sys.stderr)

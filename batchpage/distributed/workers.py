@@ -1,33 +1,32 @@
 """The driver's side of tensor parallelism: rank 0 runs in the engine's process (its scheduler,
-radix cache and sampler exist once, there), ranks 1..N-1 in worker processes it starts and
-supervises (worker.py).
+radix cache and sampler exist once, there), ranks 1..N-1 elsewhere (worker.py), started and
+supervised through `Ranks`: processes of this host (process_ranks.py, backend "mp") or Ray
+actors on a placement group's bundles, on any node (ray_ranks.py, backend "ray"), chosen once
+from EngineConfig.distributed_executor_backend.
 
-Lifecycle: `start` launches the workers, which load their shares while the driver loads its
+Lifecycle: `start` launches the ranks, which load their shares while the driver loads its
 own; `join` waits for every one to say it loaded (or fails with its error), then joins the
 group; each step `send` broadcasts the step's ForwardStep, one message, and every rank runs
-the same forward, its collectives entered in the same order by all. A worker that dies makes
+the same forward, its collectives entered in the same order by all. A rank that dies makes
 the next collective fail: `failure` turns that into one error naming the rank. `close` stops
-the workers (also at garbage collection and interpreter exit).
+the ranks (also at garbage collection and interpreter exit).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import pickle
-import select
-import subprocess
-import sys
 import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from batchpage.distributed.worker import LOADED, WorkerSpec, to_device
+from batchpage.distributed.process_ranks import ProcessRanks
+from batchpage.distributed.ray_ranks import RayRanks
+from batchpage.distributed.worker import WorkerSpec, to_device
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.model_runner import ForwardStep
 from batchpage.engine.plan import EnginePlan
@@ -57,28 +56,43 @@ class Sent:
         self.seconds += seconds
 
 
+class Ranks(Protocol):
+    """Where ranks 1..world-1 run, and how they are watched."""
+
+    store_host: str  # where rank 0's TCPStore listens, as the ranks reach it
+    # Whether a broken group with no rank seen dead still means a rank was lost (a rank on a
+    # lost node breaks it before that node is reported gone).
+    group_break_is_loss: bool
+
+    def wait_loaded(self, deadline: float) -> str | None:
+        """None once every rank has loaded and is joining the group; else why a rank did not."""
+
+    def dead(self) -> list[str]:
+        """The ranks that died or stopped, each named with what is known of its end."""
+
+    def nodes(self) -> list[str]:
+        """Where each of ranks 1.. runs (a host name, or a Ray node id)."""
+
+    def stop(self) -> None:
+        """Wait a moment for the ranks to return, then end those still running."""
+
+
 class TensorParallelWorkers:
     """Ranks 1..world-1 of the engine's group, and the group itself. Implements the model
     runner's Peers."""
 
-    def __init__(
-        self,
-        procs: list[subprocess.Popen[bytes]],
-        store: dist.TCPStore,
-        world: int,
-        threads: int | None,
-    ) -> None:
+    def __init__(self, ranks: Ranks, store: dist.TCPStore, world: int, threads: int | None) -> None:
         """threads: rank 0's torch threads during a step (None: the process's own)."""
-        self.procs = procs
+        self.ranks = ranks
         self.store = store
         self.world = world
         self.threads = threads
         self.sent = Sent()
         self.shard = TensorShard(0, world)
         self._comm: GroupCollective | None = None  # set by join
-        # [the control group] once joined: what the finalizer tells the workers to stop on.
+        # [the control group] once joined: what the finalizer tells the ranks to stop on.
         self._control: list[dist.ProcessGroup] = []
-        self._finalizer = weakref.finalize(self, _stop, procs, self._control)
+        self._finalizer = weakref.finalize(self, _stop, ranks, self._control)
 
     @property
     def comm(self) -> GroupCollective:
@@ -90,35 +104,30 @@ class TensorParallelWorkers:
         cls, source: ModelSource, cfg: EngineConfig, plan: EnginePlan
     ) -> TensorParallelWorkers:
         world = cfg.tensor_parallel_size
+        # The store listens on every interface, whatever host it is given.
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-        # On a CPU the ranks share the host's cores: each takes an equal part (rank 0 only
-        # while it runs a step: the process's own setting is left as it was).
+        # On a CPU the ranks share the host's cores (or, under Ray, rank 0's share of its
+        # replica's): each takes an equal part (rank 0 only while it runs a step: the
+        # process's own setting is left as it was).
         threads = max(1, torch.get_num_threads() // world)
-        procs = []
-        for rank in range(1, world):
-            spec = WorkerSpec(source, cfg, plan, rank, world, store.port, threads)
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "batchpage.distributed.worker"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                env={**os.environ, "OMP_NUM_THREADS": str(threads)},
-            )
-            assert proc.stdin is not None
-            proc.stdin.write(pickle.dumps(spec))
-            proc.stdin.close()
-            procs.append(proc)
-        return cls(procs, store, world, threads if plan.device.type == "cpu" else None)
+
+        def spec(rank: int, host: str, device: torch.device) -> WorkerSpec:
+            return WorkerSpec(source, cfg, plan, rank, world, host, store.port, threads, device)
+
+        ranks: Ranks
+        if cfg.distributed_executor_backend == "ray":
+            ranks = RayRanks.start(spec, plan, world, threads)
+        else:
+            ranks = ProcessRanks.start(spec, plan, world)
+        return cls(ranks, store, world, threads if plan.device.type == "cpu" else None)
 
     def join(self, device: torch.device) -> GroupCollective:
-        """Wait until every worker has loaded its share, then join the group as rank 0."""
-        deadline = time.monotonic() + LOAD_TIMEOUT_S
-        for rank, proc in enumerate(self.procs, start=1):
-            line = _read_line(proc, deadline)
-            if line != LOADED:
-                self.close()
-                detail = line or f"it exited with {_exit(proc)}"
-                raise WorkerDied(f"tensor-parallel rank {rank} failed to load: {detail}")
-        forward, control = open_group(self.store, 0, self.world, device)
+        """Wait until every rank has loaded its share, then join the group as rank 0."""
+        problem = self.ranks.wait_loaded(time.monotonic() + LOAD_TIMEOUT_S)
+        if problem is not None:
+            self.close()
+            raise WorkerDied(problem)
+        forward, control = open_group(self.store, 0, self.world, device, self.ranks.store_host)
         self._control.append(control)
         self._comm = GroupCollective(forward, self.world)
         return self._comm
@@ -142,59 +151,31 @@ class TensorParallelWorkers:
             torch.set_num_threads(before)
 
     def failure(self, error: Exception) -> Exception:
-        """The error for a failed collective: WorkerDied naming the ranks that exited (waiting
-        a moment for their exit to show), else the collective's own error."""
+        """The error for a failed collective: WorkerDied naming the ranks that died (waiting a
+        moment for their end to show), else (where a broken group is a lost rank) WorkerDied
+        with the collective's error, else that error."""
         deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            dead = [(r, p) for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
-            if dead:
-                self.close()
-                names = ", ".join(f"rank {r} (pid {p.pid}, {_exit(p)})" for r, p in dead)
-                return WorkerDied(
-                    f"tensor-parallel worker {names} died: this engine stopped; start a new one "
-                    "(a job resumes where it stopped)"
-                )
+        while not (dead := self.ranks.dead()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return error
+        if not dead and not self.ranks.group_break_is_loss:
+            return error
+        self.close()
+        names = ", ".join(dead) or f"a rank stopped answering ({error})"
+        return WorkerDied(
+            f"tensor-parallel worker {names} died: this engine stopped; start a new one "
+            "(a job resumes where it stopped)"
+        )
 
     def close(self) -> None:
-        """Stop the workers (what garbage collection and interpreter exit also do)."""
+        """Stop the ranks (what garbage collection and interpreter exit also do)."""
         self._finalizer()
 
 
-def _read_line(proc: subprocess.Popen[bytes], deadline: float) -> str:
-    """The worker's next stdout line ('' when it exited first or the deadline passed)."""
-    out: IO[bytes] | None = proc.stdout
-    assert out is not None
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([out], [], [], 0.5)
-        if ready:
-            return out.readline().decode(errors="replace").strip()
-        if proc.poll() is not None:
-            return ""
-    return ""
-
-
-def _exit(proc: subprocess.Popen[bytes]) -> str:
-    code = proc.poll()
-    if code is None:
-        return "still running"
-    return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-
-
-def _stop(procs: list[subprocess.Popen[bytes]], control: list[dist.ProcessGroup]) -> None:
-    """A None step tells live workers to return; those that do not (blocked in a collective
-    whose peer died, or still loading) are killed."""
-    if control and all(p.poll() is None for p in procs):
-        with contextlib.suppress(RuntimeError):  # a worker went meanwhile: killed below
+def _stop(ranks: Ranks, control: list[dist.ProcessGroup]) -> None:
+    """A None step tells live ranks to return; those that do not (blocked in a collective
+    whose peer died, or still loading) are ended."""
+    if control and not ranks.dead():
+        with contextlib.suppress(RuntimeError):  # a rank went meanwhile: ended below
             broadcast_object(control[0], None, 0)
     control.clear()
-    deadline = time.monotonic() + 5.0
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+    ranks.stop()

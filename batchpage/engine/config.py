@@ -49,9 +49,14 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     seed: int = 0
     device: str = "auto"
-    # Ranks the model is split over (model/shard.py): rank 0 in this process, the others in
-    # worker processes, one per CUDA device from `device` on, or sharing the host's cores.
+    # Ranks the model is split over (model/shard.py): rank 0 in this process, the others where
+    # distributed_executor_backend says.
     tensor_parallel_size: int = 1
+    # Where ranks 1.. run (vLLM's option of the same name): "mp", processes of this host, one
+    # per CUDA device from `device` on, or sharing the host's cores; "ray", Ray actors on the
+    # bundles of a placement group (the replica's own under executor=ray, which always uses
+    # it; else one the engine makes), on any node of the cluster.
+    distributed_executor_backend: str = "mp"
     # Layers split into stages: only 1 (pipeline parallelism is not implemented yet).
     pipeline_parallel_size: int = 1
     # On CUDA, decode steps replay CUDA graphs captured at a ladder of batch sizes up to
@@ -95,6 +100,7 @@ class EngineConfig:
         choice("kv_allocator", ("paged", "static"))
         choice("schedule", ("prefix", "fcfs"))
         choice("preemption_mode", ("recompute", "swap"))
+        choice("distributed_executor_backend", ("mp", "ray"))
         if self.reasoning_parser is not None:
             choice("reasoning_parser", REASONING_PARSERS)
         choice("task", TASKS)

@@ -115,7 +115,7 @@ def check_tensor_parallel(cfg: EngineConfig, source: ModelSource, dtype: torch.d
                 f"it needs CUDA devices {first}..{first + world - 1}, and this machine has "
                 f"{torch.cuda.device_count()}: lower tensor_parallel_size"
             )
-    else:
+    elif cfg.distributed_executor_backend == "mp":  # Ray places its ranks where there is room
         problems += _host_room_for_ranks(world, source.num_weights * dtype.itemsize)
     if problems:
         raise ValueError(f"tensor_parallel_size={world}: " + "; and ".join(problems))

@@ -20,8 +20,10 @@ class ExecutorConfig:
 
     kind: str = "local"  # local | ray
     num_replicas: int = 2
+    # What Ray reserves for each replica: its GPUs, and its CPUs (its torch threads). A replica
+    # of engine.tensor_parallel_size=N ranks is a placement group of N bundles, each an equal
+    # share of both (replica_bundles); its ranks may land on different nodes.
     gpus_per_replica: float = 0.0
-    # Torch threads in each replica (and the CPUs Ray reserves for it).
     cpus_per_replica: int = 1
     # "": start a private local Ray instance sized to this machine (even where a cluster runs);
     # "auto" or "host:port": join that cluster as it is sized. Ray Client ("ray://") is
@@ -57,3 +59,25 @@ class ExecutorConfig:
                 "the rows replicas stream back: run the job on a node of the cluster with "
                 "executor.address=auto (or the head's host:port)"
             )
+
+
+def replica_bundles(cfg: ExecutorConfig, ranks: int) -> list[dict[str, float]]:
+    """The placement-group bundles of one replica of `ranks` tensor-parallel ranks, one per rank:
+    each an equal share of the replica's CPUs (whole ones: they are its torch threads) and
+    GPUs (one each when split). ValueError naming the fix when they do not split so."""
+    if cfg.cpus_per_replica % ranks:
+        raise ValueError(
+            f"executor.cpus_per_replica={cfg.cpus_per_replica} does not split over "
+            f"engine.tensor_parallel_size={ranks} ranks (each takes whole CPUs for its threads): "
+            f"use a multiple of {ranks}"
+        )
+    if ranks > 1 and cfg.gpus_per_replica not in (0, ranks):
+        raise ValueError(
+            f"executor.gpus_per_replica={cfg.gpus_per_replica:g} does not split over "
+            f"engine.tensor_parallel_size={ranks} ranks: use {ranks} (one GPU per rank), or 0 "
+            "on CPUs"
+        )
+    bundle = {"CPU": float(cfg.cpus_per_replica // ranks)}
+    if cfg.gpus_per_replica:
+        bundle["GPU"] = cfg.gpus_per_replica / ranks
+    return [dict(bundle) for _ in range(ranks)]

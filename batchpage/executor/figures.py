@@ -79,6 +79,6 @@ class ReplicaFigures:
     def record(self) -> dict[str, Any]:
         merged = RunStats.merged(self.stats).as_dict()
         figures = {name: merged[name] for name in REPLICA_FIELDS}
-        where = {k: self.info.get(k) for k in ("node", "pid", "device")}
+        where = {k: self.info.get(k) for k in ("node", "node_id", "rank_nodes", "pid", "device")}
         return {"replica": self.index, **where, "windows": self.windows, "rows": self.rows,
                 "lost": self.lost, **figures}  # fmt: skip

@@ -4,12 +4,15 @@ is the same under both executors.
 
 Each call (generate(prompts, params, on_output=..., on_step=...), or a pooling method with its
 PoolingParams) puts the call's rows in the engine's prefix order, cuts that order into
-contiguous windows (windows.py) and hands them out through a work queue (work_queue.py): each
-replica holds at most `windows_per_replica` windows, so memory is
-bounded by the windows in flight. Replicas stream finished rows back (replica.py); each row
-reaches on_output exactly once, in the driver, which writes it as the local job does. A replica
-that dies (its process killed, its node lost) puts its undelivered rows back at the front of the
-queue for the others; the job fails only when every replica is gone.
+contiguous windows (windows.py) and hands them out through a work queue (work_queue.py), each
+to the least-loaded live replica; each replica holds at most `windows_per_replica` windows, so
+memory is bounded by the windows in flight. Replicas stream finished rows back (replica.py);
+each row reaches on_output exactly once, in the driver, which writes it as the local job does.
+
+Each replica is a placement group of one bundle per tensor-parallel rank (its actor on bundle
+0, its other ranks on the rest). A replica that dies (its process killed, its node lost, one of
+its ranks gone) puts its undelivered rows back at the front of the queue for the others and is
+replaced while executor.max_restarts allows; the job fails only when no replica is left.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from batchpage.executor.config import ExecutorConfig
+from batchpage.distributed.ray_ranks import ray_cause
+from batchpage.distributed.workers import WorkerDied
+from batchpage.executor.config import ExecutorConfig, replica_bundles
 from batchpage.executor.figures import CallStats, ReplicaFigures
 from batchpage.executor.ray_cluster import Connection, connect
 from batchpage.executor.replica import Replica, ReplicaUpdate
@@ -52,25 +57,30 @@ class ReplicaPool:
         # Replicas may start in another folder, or on another node with the same files.
         where = str(Path(model).resolve()) if Path(model).exists() else model
         self.connection: Connection = connect(executor)
-        remote = ray.remote(Replica).options(
-            num_cpus=executor.cpus_per_replica,
-            num_gpus=executor.gpus_per_replica,
-            max_restarts=0,
-            max_task_retries=0,
-        )
-        self._spawn = functools.partial(
-            remote.remote, where, engine_args, executor.cpus_per_replica
-        )
-        self.actors = [self._spawn() for _ in range(executor.num_replicas)]
-        # Replicas started in place of lost ones, until they have loaded: describe ref -> actor.
-        self._starting: dict[Any, Any] = {}
+        ranks = engine_args.get("tensor_parallel_size", 1)
+        # One placement group per replica, a bundle per rank: its ranks 1.. are Ray actors on
+        # bundles 1.. (distributed/ray_ranks.py), on whichever nodes have room.
+        self.bundles = replica_bundles(executor, ranks)
+        if ranks > 1:
+            engine_args = {**engine_args, "distributed_executor_backend": "ray"}
+        self._remote = ray.remote(Replica)
+        self._args = (where, engine_args, executor.cpus_per_replica)
+        self.actors: list[Any] = []
+        self.groups: list[Any] = []  # each actor's placement group
+        for _ in range(executor.num_replicas):
+            actor, group = self._spawn()
+            self.actors.append(actor)
+            self.groups.append(group)
+        # Replicas started in place of lost ones, until they have loaded: describe ref ->
+        # (actor, placement group).
+        self._starting: dict[Any, tuple[Any, Any]] = {}
         self.restarts = 0  # replacements started over the job (executor.max_restarts)
         self.windows_redone = 0  # windows whose rows a lost replica left to the others
         try:
             infos = ray.get([a.describe.remote() for a in self.actors])
         except ray.exceptions.RayError as e:
             self.close()
-            raise ValueError(f"a replica could not load {model}: {_cause(e)}") from None
+            raise ValueError(f"a replica could not load {model}: {ray_cause(e)}") from None
         self.replicas = [ReplicaFigures(i, info) for i, info in enumerate(infos)]
         self.info = infos[0]
         self.plan = self.info["plan"]  # what `auto` became on the first replica
@@ -186,14 +196,30 @@ class ReplicaPool:
             },
         }
 
+    def _spawn(self) -> tuple[Any, Any]:
+        """A replica's actor on bundle 0 of a placement group of its own, and the group."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group = placement_group(self.bundles, strategy="PACK")
+        first = self.bundles[0]
+        actor = self._remote.options(
+            num_cpus=first["CPU"],
+            num_gpus=first.get("GPU", 0),
+            max_restarts=0,
+            max_task_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0),
+        ).remote(*self._args)
+        return actor, group
+
     def replace_lost(self) -> None:
         """Start a replica in place of a lost one while executor.max_restarts allows; it takes
         windows once it has loaded (admit_started)."""
         if self.restarts >= self.cfg.max_restarts:
             return
         self.restarts += 1
-        actor = self._spawn()
-        self._starting[actor.describe.remote()] = actor
+        actor, group = self._spawn()
+        self._starting[actor.describe.remote()] = (actor, group)
 
     def admit_started(self, timeout_s: float = 0.0) -> None:
         """Replacements that finished loading join the pool (waiting up to timeout_s for one);
@@ -204,15 +230,16 @@ class ReplicaPool:
             return
         ready, _ = ray.wait(list(self._starting), num_returns=1, timeout=timeout_s)
         for ref in ready:
-            actor = self._starting.pop(ref)
+            actor, group = self._starting.pop(ref)
             try:
                 info = ray.get(ref)
             except ray.exceptions.RayError as e:
-                log.warning("executor: a replacement replica did not start: %s", _cause(e))
-                ray.kill(actor)
+                log.warning("executor: a replacement replica did not start: %s", ray_cause(e))
+                _end(actor, group)
                 self.replace_lost()
                 continue
             self.actors.append(actor)
+            self.groups.append(group)
             self.replicas.append(ReplicaFigures(len(self.replicas), info))
             log.warning("executor: replica %d started in place of a lost one", len(self.actors) - 1)
 
@@ -240,9 +267,9 @@ class ReplicaPool:
 
         if self.restarts or any(r.lost for r in self.replicas):
             log.warning(self.summary())
-        for actor in [*self.actors, *self._starting.values()]:
-            ray.kill(actor)
-        self.actors, self._starting = [], {}
+        for actor, group in [*zip(self.actors, self.groups, strict=True), *self._starting.values()]:
+            _end(actor, group)
+        self.actors, self.groups, self._starting = [], [], {}
         if self.connection.owned:
             ray.shutdown()
 
@@ -326,8 +353,13 @@ class _Run:
         except ray.exceptions.RayActorError:
             self._lose(replica)
             return
-        except ray.exceptions.RayTaskError as e:  # the engine raised: a bug, not a lost node
-            raise RuntimeError(f"replica {replica} failed: {_cause(e)}") from e
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, WorkerDied):  # one of its ranks died: the replica is lost
+                log.warning("executor: replica %d lost a rank: %s", replica, ray_cause(e))
+                self._lose(replica)
+                return
+            # The engine raised: a bug, not a lost node.
+            raise RuntimeError(f"replica {replica} failed: {ray_cause(e)}") from e
         figures = self.pool.replicas[replica]
         for local, out in update.outputs:
             position = window.positions[local]
@@ -350,10 +382,10 @@ class _Run:
 
     def _lose(self, replica: int) -> None:
         """The replica is gone: its windows' undelivered rows go back on the queue."""
-        import ray
 
         self.pool.replicas[replica].lost = True
-        ray.kill(self.pool.actors[replica])  # make sure: an unreachable one may come back
+        # Make sure (an unreachable one may come back), and free its bundles for a replacement.
+        _end(self.pool.actors[replica], self.pool.groups[replica])
         for task, (owner, window) in list(self.tasks.items()):
             if owner == replica:
                 del self.tasks[task]
@@ -363,7 +395,10 @@ class _Run:
         self.pool.replace_lost()
 
 
-def _cause(error: Exception) -> str:
-    """The first line of what went wrong inside Ray's wrapper."""
-    cause = getattr(error, "cause", None) or error
-    return (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+def _end(actor: Any, group: Any) -> None:
+    """Kill a replica's actor and remove its placement group (ending its other ranks)."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    ray.kill(actor)
+    remove_placement_group(group)

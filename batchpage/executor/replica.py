@@ -4,8 +4,8 @@ through one of its methods (generate, or a pooling method).
 `run` is a streaming generator: the engine runs in a thread of the actor and each finished row
 is yielded to the driver as soon as it is there (batched with whatever else finished meanwhile,
 plus the window's figures so far), so the driver saves rows while the window still runs and a
-replica that dies costs only its rows not yet delivered. Nothing here imports Ray: the executor
-wraps the class with ray.remote.
+replica that dies costs only its rows not yet delivered. The executor wraps the class with
+ray.remote; Ray is imported here only to say where the replica runs.
 """
 
 from __future__ import annotations
@@ -46,11 +46,17 @@ class Replica:
         self.llm = LLM(model, **engine_args)
 
     def describe(self) -> dict[str, Any]:
-        """Where this replica runs and what `auto` became there."""
+        """Where this replica runs (its ranks' Ray nodes too) and what `auto` became there."""
+        import ray
+
         plan = self.llm.plan
+        node_id = str(ray.get_runtime_context().get_node_id())
+        workers = self.llm.workers
         return {
             "plan": plan,
             "node": socket.gethostname(),
+            "node_id": node_id,
+            "rank_nodes": [node_id, *(workers.ranks.nodes() if workers else [])],
             "pid": os.getpid(),
             "device": str(plan.device),
             "dtype": str(plan.dtype).removeprefix("torch."),

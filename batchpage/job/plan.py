@@ -20,6 +20,7 @@ from batchpage.engine.config import EngineConfig
 from batchpage.engine.grammar_cache import check_constraint
 from batchpage.engine.plan import EnginePlan, plan_engine
 from batchpage.engine.reasoning import resolve_markers
+from batchpage.executor.config import replica_bundles
 from batchpage.fileio import file_digest
 from batchpage.job.config import JobConfig
 from batchpage.job.humaneval_scores import check_scorable, code_schema
@@ -90,12 +91,8 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         source = resolve_model_source(cfg.model.path)
         engine_cfg = EngineConfig(**asdict(cfg.engine))  # validated again: cfg may be hand-built
         engine = plan_engine(engine_cfg, source)
-        if engine_cfg.tensor_parallel_size > 1 and cfg.executor.kind != "local":
-            raise ValueError(
-                "engine.tensor_parallel_size > 1 runs with executor=local: the Ray executor "
-                "replicates whole models on one device each (data parallel); run one job "
-                "per node with tensor parallelism, or executor=ray with tensor_parallel_size=1"
-            )
+        if cfg.executor.kind == "ray":
+            replica_bundles(cfg.executor, engine_cfg.tensor_parallel_size)
         if cfg.score is not None:
             check_scorable(cfg.score, info, cfg.dataset)
         style, prompts = _prompt_plan(cfg, info, source)

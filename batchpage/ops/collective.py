@@ -55,11 +55,15 @@ class GroupCollective(Collective):
 
 
 def open_group(
-    store: dist.Store, rank: int, world: int, device: torch.device
+    store: dist.Store, rank: int, world: int, device: torch.device, host: str
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(the forward's group on `device`, a gloo group for host messages): the same group on a
-    CPU, NCCL beside gloo on CUDA."""
-    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world, TIMEOUT)
+    CPU, NCCL beside gloo on CUDA. `host`: the address this rank's gloo connections use (the
+    name the host resolves to may be a loopback address other nodes cannot reach)."""
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = TIMEOUT
+    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world, options)
     if device.type != "cuda":
         return control, control
     options = dist.ProcessGroupNCCL.Options()

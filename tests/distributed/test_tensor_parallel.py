@@ -198,7 +198,7 @@ def test_a_killed_worker_stops_the_engine_with_one_error_naming_its_rank(
 ) -> None:
     llm = _engine(_folder(tmp_path, tokenizer, "llama_gqa_tied"), 2)
     assert _run(llm, PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
-    worker = llm.engine.runner.peers.procs[0]
+    worker = llm.workers.ranks.procs[0]
     os.kill(worker.pid, signal.SIGKILL)
     with pytest.raises(WorkerDied, match=rf"rank 1 \(pid {worker.pid}, killed by signal 9\)"):
         _run(llm, PROMPTS, GREEDY)
@@ -224,7 +224,7 @@ def test_ranks_that_do_not_fit_the_hosts_memory_start_no_worker(
 ) -> None:
     """tensor_parallel_size=64 on a CPU: 63 workers would not fit; refused naming the size that
     would, before any worker process starts. More ranks than cores only warns."""
-    import batchpage.distributed.workers as workers
+    import batchpage.distributed.process_ranks as workers
     import batchpage.engine.plan as plan
     from batchpage.model.loader import resolve_model_source
 
@@ -243,6 +243,11 @@ def test_ranks_that_do_not_fit_the_hosts_memory_start_no_worker(
             plan.EngineConfig(tensor_parallel_size=2), resolve_model_source(str(folder)),
             torch.float32,
         )  # fmt: skip
+    # Ranks that run as Ray actors are placed where the cluster has room, not on this host.
+    plan.check_tensor_parallel(
+        plan.EngineConfig(tensor_parallel_size=4, distributed_executor_backend="ray"),
+        resolve_model_source(str(folder)), torch.float32,
+    )  # fmt: skip
 
 
 @pytest.mark.slow

@@ -98,7 +98,7 @@ def test_a_killed_worker_ends_the_job_and_the_rerun_has_every_row_once(
     assert rows == compared(one)
 
 
-def test_tensor_parallelism_under_the_ray_executor_is_refused_before_loading(
+def test_ray_replicas_whose_cpus_do_not_split_over_their_ranks_are_refused_before_loading(
     tmp_path: Path, tiny_folder
 ) -> None:
     from batchpage.job import JobConfigError
@@ -107,6 +107,9 @@ def test_tensor_parallelism_under_the_ray_executor_is_refused_before_loading(
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}])
     args = job_args(data, tiny_folder, tmp_path / "out", "executor=ray")
-    with pytest.raises(JobConfigError, match="tensor_parallel_size > 1 runs with executor=local"):
-        run_job(ray_job([*args, "engine.tensor_parallel_size=2"]))
+    with pytest.raises(JobConfigError, match=r"cpus_per_replica=3 does not split over .*=2 ranks"):
+        run_job(ray_job([*args, "engine.tensor_parallel_size=2", "executor.cpus_per_replica=3"]))
+    with pytest.raises(JobConfigError, match=r"gpus_per_replica=1 does not split .* use 2"):
+        run_job(ray_job([*args, "engine.tensor_parallel_size=2", "executor.cpus_per_replica=2",
+                         "executor.gpus_per_replica=1"]))  # fmt: skip
     assert not (tmp_path / "out").exists()

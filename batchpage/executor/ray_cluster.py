@@ -16,8 +16,10 @@ import logging
 import os
 import socket
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from batchpage.executor.config import ExecutorConfig
 
@@ -46,12 +48,20 @@ def connect(cfg: ExecutorConfig) -> Connection:
     if cfg.address:
         check_answers(cfg.address, cfg.connect_timeout_s)
         try:
-            ray.init(address=cfg.address, **quiet)
+            joined = _init_within(cfg.connect_timeout_s, address=cfg.address, **quiet)
         except (ConnectionError, ValueError, RuntimeError) as e:
             raise ValueError(
                 f"executor.address={cfg.address} cannot be joined ({e}); start the cluster with "
                 "`ray start --head` (or leave executor.address empty for a local instance)"
             ) from None
+        if not joined:
+            raise ValueError(
+                f"executor.address={cfg.address} ({cluster_address(cfg.address)}) accepts "
+                f"connections but no Ray head answered within {cfg.connect_timeout_s:g} s: check "
+                "that it is the head's GCS port (6379 unless `ray start --port` said otherwise) "
+                "and that the head is not stuck (`ray status` on it), or raise "
+                "executor.connect_timeout_s"
+            )
         return Connection(cfg.address, owned=True)
     cpus, gpus = local_resources()
     need_cpus = cfg.num_replicas * cfg.cpus_per_replica
@@ -65,6 +75,40 @@ def connect(cfg: ExecutorConfig) -> Connection:
         )
     ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **quiet)
     return Connection("local", owned=True)
+
+
+def _init_within(timeout_s: float, **kwargs: Any) -> bool:
+    """ray.init(**kwargs); False when it has not returned within timeout_s. Joining a port that
+    accepts connections but where no Ray head answers (a stuck head, another service) retries
+    without a limit, so it runs in a daemon thread, left behind when it does not return (the
+    caller stops). Its errors are raised here."""
+    import ray
+
+    outcome: list[BaseException | None] = []
+
+    def init() -> None:
+        try:
+            ray.init(**kwargs)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 (raised again in the caller's thread)
+            outcome.append(e)
+
+    # From a thread, Ray warns that it leaves the process's SIGTERM handler alone: what the job
+    # wants (its own handler saves buffered rows), so the warning is not shown.
+    worker_log = logging.getLogger("ray._private.worker")
+    level = worker_log.level
+    worker_log.setLevel(logging.ERROR)
+    try:
+        thread = threading.Thread(target=init, name="ray-init", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+    finally:
+        worker_log.setLevel(level)
+    if not outcome:
+        return False
+    if outcome[0] is not None:
+        raise outcome[0]
+    return True
 
 
 def cluster_address(address: str) -> str | None:

@@ -135,3 +135,25 @@ def test_kv_sweep_then_the_simulator_fits_validates_and_predicts(tmp_path) -> No
     for r in results:
         assert r["paged"]["generated_tokens"] == r["static"]["generated_tokens"]
         assert r["static"]["peak_running"] <= r["pool_sequences"]
+
+
+@pytest.mark.slow
+def test_ray_nodes_kills_nodes_and_loses_no_row(tmp_path, tiny_folder) -> None:
+    """On the tiny model: a node killed mid-job and both replicas' nodes killed (one replaced)
+    each keep every row once and equal to the clean run; both dead addresses exit 2."""
+    pytest.importorskip("ray")
+    done = run_bench(
+        "jobs.bench.ray_nodes", "--model", str(tiny_folder), "--rows", "8", "--max-tokens", "8",
+        "--workdir", str(tmp_path), timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    tables = markdown_tables(done.stdout)
+    losses = table_with(tables, "lost noticed after s")
+    assert len(losses) == 2
+    for row in losses:
+        counts = [row[k] for k in ("rows", "lost", "duplicated", "different")]
+        assert counts == ["8", "0", "0", "0"]
+        assert float(row["lost noticed after s"]) > 0
+    assert float(losses[1]["replacement's first row after s"]) > 0
+    dead = table_with(tables, "dead address")
+    assert [row["exit"] for row in dead] == ["2", "2"]

@@ -21,6 +21,7 @@ from batchpage.executor.ray_cluster import cluster_address, connect
 from batchpage.job import JobConfigError, run_job
 from batchpage.run import compose_job
 from tests.executor.jobs import job, job_args, write_rows
+from tests.model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -150,3 +151,35 @@ def test_a_dead_cluster_address_stops_the_job_with_exit_2_before_anything(tmp_pa
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and f"executor.address=127.0.0.1:{port}" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_port_that_accepts_but_never_answers_stops_the_job_within_the_timeout(
+    tmp_path,
+) -> None:
+    """A stuck head (or another service on the port) takes the connection, so the pre-flight's
+    probe passes, and ray.init would retry without a limit: joining is given up after
+    executor.connect_timeout_s, exit 2, one line, before any model loads."""
+    pytest.importorskip("ray")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "Hello"}\n')
+    tokenizer = tiny_tokenizer()
+    hf = build_hf_model("llama_gqa_tied", vocab_size=len(tokenizer))
+    model = save_hf_folder(hf, tmp_path / "model", tokenizer)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel completes handshakes; nothing ever reads
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        args = job_args(data, model, tmp_path / "out", "executor=ray",
+                        f"executor.address={address}", "executor.connect_timeout_s=3")  # fmt: skip
+        cmd = [sys.executable, "-m", "batchpage.run", *args]
+        start = time.monotonic()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        seconds = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert said and "accepts connections but no Ray head answered within 3 s" in said[0], said
+    assert f"executor.address={address}" in said[0]
+    assert seconds < 60
+    assert not (tmp_path / "out" / "completions.parquet").exists()

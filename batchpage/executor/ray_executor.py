@@ -248,6 +248,16 @@ class ReplicaPool:
         """Replacements still loading."""
         return len(self._starting)
 
+    def replica_line(self) -> str:
+        """The replicas now, for the progress bar: '2/2 live' (', 1 lost, 1 starting')."""
+        lost = sum(r.lost for r in self.replicas)
+        line = f"{len(self.replicas) - lost}/{len(self.replicas)} live"
+        return (
+            line
+            + (f", {lost} lost" if lost else "")
+            + (f", {self.starting} starting" if self.starting else "")
+        )
+
     def summary(self) -> str:
         """One line: replicas lost, replaced and windows redone over the job."""
         lost = sum(r.lost for r in self.replicas)

@@ -111,6 +111,7 @@ def _run(
             if llm is None and any(r.error is None for r in todo):
                 llm = _load_llm(cfg, llm_factory, progress)
                 status.executor = _executor_figures(llm)
+                progress.replicas = getattr(llm, "replica_line", None)
             # Without an LLM every row left has an error, and error rows need no tokenizer.
             tokenizer = llm.tokenizer if llm is not None else None
             ready, failed = prepare_window(

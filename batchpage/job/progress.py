@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,9 @@ class JobProgress:
         )
         self._window_base = 0  # tokens handled before the current window's run
         self._stage = "starting"
+        # An executor's replicas in a few words (ReplicaPool.replica_line), shown beside the
+        # rows; None for the local engine.
+        self.replicas: Callable[[], str] | None = None
 
     def note(self, message: str) -> None:
         tqdm.write(message, file=sys.stderr)  # above the bar; plain stderr when there is none
@@ -134,6 +138,8 @@ class JobProgress:
         fields = {"rows": rows, "stage": self._stage}
         if tok_s is not None:
             fields["out_tok_s"] = f"{tok_s:.1f}"
+        if self.replicas is not None:
+            fields["replicas"] = self.replicas()
         self.bar.set_postfix(fields, refresh=False)
         self.bar.refresh()
 

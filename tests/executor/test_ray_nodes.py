@@ -80,7 +80,10 @@ def test_replicas_lost_with_their_nodes_are_replaced_on_a_node_added_later(
                        "executor.max_restarts=1"))  # fmt: skip
     before = list(cluster.worker_nodes)
     pool = killing(cluster, victims=(0, 1), later=1)
-    run_job(cfg, lambda model, **engine: pool(model, cfg.executor, **engine))
+    made = []
+    run_job(cfg, lambda model, **engine: made.append(pool(model, cfg.executor, **engine))
+            or made[-1])  # fmt: skip
+    assert made[0].replica_line() == "1/3 live, 2 lost"  # what the progress bar showed last
     assert sorted(shard_indices(out)) == list(range(24)), "a row was lost or written twice"
     executor = run_json(out)["runs"][-1]["settings"]["executor"]
     assert executor["replicas_lost"] == 2 and executor["replicas_replaced"] == 1

@@ -51,6 +51,10 @@ def test_the_bar_moves_on_every_step_before_any_row_finishes() -> None:
     assert progress.bar.n == 26 and progress.rows_done == 1
     progress.row_finished(unused_budget=30)
     assert (progress.bar.total, progress.rows_done) == (70, 2)
+    assert "replicas" not in progress.bar.postfix
+    progress.replicas = lambda: "1/2 live, 1 lost"  # an executor's (ReplicaPool.replica_line)
+    progress.step(stats, tok_s=3.0)
+    assert "replicas=1/2 live, 1 lost" in progress.bar.postfix
     progress.close()
 
 

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from batchpage.chat_messages import normalize_messages
 from batchpage.distributed.workers import TensorParallelWorkers
-from batchpage.engine.beam_runner import worst_case_blocks
+from batchpage.engine.beam_search import worst_case_blocks
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.engine import BEAM_SEARCH_WITH_CONSTRAINT, Engine
 from batchpage.engine.plan import plan_engine
@@ -230,6 +230,12 @@ class LLM(PoolingMethods):
         width = params.effective_beam_width if params.use_beam_search else params.n
         if width > max_seqs:
             return f"n / beam_width {width} exceeds max_num_seqs={max_seqs}: raise max_num_seqs"
+        if params.use_beam_search and width > self.engine.scheduler.max_num_batched_tokens:
+            return (
+                f"beam_width {width} exceeds max_num_batched_tokens="
+                f"{self.engine.scheduler.max_num_batched_tokens}: a step runs every beam of a "
+                "search; raise max_num_batched_tokens"
+            )
         if params.use_beam_search:
             need = worst_case_blocks(params, prompt_len, self.max_model_len, self.config.block_size)
             if need > self.plan.num_blocks:

@@ -1,10 +1,10 @@
 """Beam search with HF transformers' semantics, its beams sharing KV blocks copy-on-write.
 
-BeamGroup is the bookkeeping of one request (pure: scores and token lists). BeamSearchRunner
-drives groups in lockstep through the engine's parts: every live beam of a group decodes in the
-same step, each step's survivors are forked from their parents (sharing all blocks; the partly
-filled last block is copied when a second child writes into it) and the old beams are freed.
-A group is admitted only when its worst case fits the pool, so beams are never preempted.
+BeamGroup is the bookkeeping of one request (pure: scores and token lists). beams.py runs groups
+inside the engine's steps: every live beam of a group decodes in the same step, each step's
+survivors are forked from their parents (sharing all blocks; the partly filled last block is
+copied when a second child writes into it) and the old beams are freed. A group is admitted
+only when its worst case (`worst_case_blocks`) fits the pool, so beams are never preempted.
 
 HF's rules (generation/utils.py `_beam_search`), reproduced: at each step the top
 K = max(2, 1 + #eos) * W continuations over all beams by accumulated logprob; a continuation that
@@ -21,7 +21,25 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchpage.engine.kv_manager import blocks_for
+from batchpage.sampling_params import SamplingParams
+
 NEG = -1.0e9  # HF's "impossible" score, kept so that ties and sums behave as they do there
+
+
+def beam_max_len(params: SamplingParams, prompt_len: int, max_model_len: int) -> int:
+    """The longest a beam of this request can grow, prompt included."""
+    if params.max_tokens is None:
+        return max_model_len
+    return min(max_model_len, prompt_len + params.max_tokens)
+
+
+def worst_case_blocks(
+    params: SamplingParams, prompt_len: int, max_model_len: int, block_size: int
+) -> int:
+    """Every beam at its longest, each with one block of its own copied on write."""
+    max_len = beam_max_len(params, prompt_len, max_model_len)
+    return params.effective_beam_width * (blocks_for(max_len, block_size) + 1)
 
 
 @dataclass
@@ -113,5 +131,5 @@ class BeamGroup:
 
     def best(self, n: int) -> list[Hypothesis]:
         """The n best hypotheses. HF fills missing ones from the empty slots; here a beam that
-        never finished is closed at the end instead (see BeamSearchRunner)."""
+        never finished is closed at the end instead (see beams.py)."""
         return self.finished[:n]

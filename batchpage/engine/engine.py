@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from batchpage.engine.beam_runner import BeamSearchRunner
+from batchpage.engine.beams import Beams
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.constraint import GrammarMasks, advance
 from batchpage.engine.grammar_cache import GrammarCache
@@ -104,14 +104,7 @@ class Engine:
             block_size=cfg.block_size,
             device=plan.device,
         )
-        self.beams = BeamSearchRunner(
-            self.kv_manager,
-            self.runner,
-            self.step_builder,
-            self.factory,
-            max_model_len=plan.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-        )
+        self.beams = Beams(self.scheduler, self.factory, plan.max_model_len)
         self.stats = self._new_stats()
         self._started: set[int] = set()  # requests of this run that produced a token
         # Tests set this to check every invariant after every step.
@@ -148,7 +141,7 @@ class Engine:
             self.stats.requests += 1
             self.stats.prompt_tokens += len(req.prompt_token_ids)
             if req.params.use_beam_search:
-                self.beams.add(req)
+                seqs.append(self.beams.add(req))
             else:
                 seqs += self.factory.for_request(req, share_prompt=share)
         self.scheduler.add_batch(seqs)
@@ -163,17 +156,14 @@ class Engine:
         req.grammar = self.grammars.compile(constraint)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.beams.has_unfinished()
+        return self.scheduler.has_unfinished()
 
     def step(self) -> list[Sequence]:
-        """One forward over the scheduled tokens; returns the sequences that finished in it.
-        Beam-search requests run after the others, in lockstep steps of their own."""
+        """One forward over the scheduled tokens; returns the sequences that finished in it
+        (a beam search's: its best hypotheses, when it ends)."""
         if not self.scheduler.has_unfinished():
-            finished = []
-            if self.beams.has_unfinished():
-                finished = self.beams.step(self.stats, self.check_integrity_each_step)
             self._finish_run_if_done()
-            return finished
+            return []
         stats = self.stats
         parts, clock = stats.step_time_s, time.perf_counter
         t0 = clock()
@@ -293,6 +283,15 @@ class Engine:
         t0 = clock()
         batch, sample_rows = self.step_builder.batch, inputs.sample_rows
         seqs = inputs.sample_seqs
+        finished: list[Sequence] = []
+        beam = batch.beam[sample_rows]
+        if beam.any():  # the beams' rows go to their searches, the others are sampled
+            finished, seqs, sample_rows, logits = self._advance_beams(
+                seqs, sample_rows, logits, beam
+            )
+            if not seqs:
+                parts["sample"] += clock() - t0
+                return finished
         if batch.forking[sample_rows].any():
             seqs, rows = self._fork_samples(seqs)
             batch.forking[sample_rows] = False
@@ -307,7 +306,22 @@ class Engine:
         batch.append_tokens(sample_rows, result.token_ids[: len(sample_rows)])
         t1 = clock()
         parts["sample"] += t1 - t0
-        return self._append(seqs, sample_rows, result, t1)
+        return finished + self._append(seqs, sample_rows, result, t1)
+
+    def _advance_beams(
+        self, seqs: list[Sequence], rows: np.ndarray, logits: torch.Tensor, beam: np.ndarray
+    ) -> tuple[list[Sequence], list[Sequence], np.ndarray, torch.Tensor]:
+        """One step of every beam search in the step (beams.py); returns its finished results,
+        and the sequences, batch rows and logits of the other rows, which sample."""
+        at = torch.from_numpy(np.flatnonzero(beam)).to(logits.device)
+        beams = [s for s, b in zip(seqs, beam.tolist(), strict=True) if b]
+        done = self.beams.advance(beams, logits.index_select(0, at), self.stats)
+        for seq in done.left:
+            self.step_builder.release(seq)
+        keep = ~beam
+        others = [s for s, b in zip(seqs, beam.tolist(), strict=True) if not b]
+        at = torch.from_numpy(np.flatnonzero(keep)).to(logits.device)
+        return done.finished, others, rows[keep], logits.index_select(0, at)
 
     def _forced_tokens(self, seqs: list[Sequence]) -> dict[int, int]:
         """Row -> the token it must take: the end of thinking of rows past their budget."""

@@ -25,8 +25,8 @@ class InputBatch:
     `num_tokens`: len(token_ids), `last_token`: token_ids[-1], the int32 [capacity, max_blocks]
     `block_tables`, zero past each row's `table_len`, `reads_rows`), what the stop checks read
     (`num_prompt`, `stop_len`, `each_token`) and what the sampler reads (`plain_greedy`,
-    `forking`). Set when a row joins; after that only `computed`, `num_tokens`, `last_token`,
-    the tables and `forking` change."""
+    `forking`, `beam`). Set when a row joins; after that only `computed`, `num_tokens`,
+    `last_token`, the tables and `forking` change."""
 
     def __init__(self, capacity: int, max_blocks: int) -> None:
         # Numpy, not torch: a step reads these with a few dozen small gathers and writes single
@@ -50,6 +50,8 @@ class InputBatch:
         # has samples still to fork from it (n > 1) when its prompt is done.
         self.plain_greedy = np.zeros(capacity, dtype=bool)
         self.forking = np.zeros(capacity, dtype=bool)
+        # A beam of a beam search: its logits go to the search (beams.py), not the sampler.
+        self.beam = np.zeros(capacity, dtype=bool)
         self._ending: set[int] = set()
         self._ending_ids = np.zeros(0, dtype=np.int64)
         self._row: dict[int, int] = {}  # seq_id -> row
@@ -121,6 +123,7 @@ class InputBatch:
         self.reads_rows[row] = seq.reads_every_prompt_row
         self.plain_greedy[row] = seq.plain_greedy
         self.forking[row] = bool(seq.pending_forks)
+        self.beam[row] = seq.params.use_beam_search
         self._write_stop_columns(row, seq)
         self._write_table(row, seq.block_table, 0)
         return row
@@ -177,4 +180,5 @@ class InputBatch:
             assert self.reads_rows[row] == seq.reads_every_prompt_row
             assert self.plain_greedy[row] == seq.plain_greedy
             assert self.forking[row] == bool(seq.pending_forks), f"row {row}: forking"
+            assert self.beam[row] == seq.params.use_beam_search, f"row {row}: beam"
             assert self.block_tables[row, :n].tolist() == seq.block_table, f"row {row}: table"

@@ -16,6 +16,10 @@ Continuous batching with one token budget per step (max_num_batched_tokens):
    once and shared; the sequences queued behind it are still admitted (a step full of short
    prompts behind a shared system prompt needs them), and it keeps its place at the queue's
    head.
+Beam searches (beams.py) run in the same steps: their sequences stay ahead of the others in the
+running set, a group's beams are scheduled together or not at all (they advance in lockstep),
+they are never preempted, and a group is admitted only when every group's worst case fits the
+pool together.
 The scheduler owns the queues; the KVCacheManager owns the blocks.
 """
 
@@ -25,12 +29,14 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import groupby
 from typing import NamedTuple
 
 import numpy as np
 
 from batchpage.cache.block_pool import OutOfBlocks
 from batchpage.engine.admission import Demand, GrowthEstimate
+from batchpage.engine.beam_search import worst_case_blocks
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.kv_manager import (
     BlockCopy,
@@ -106,7 +112,10 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.schedule_order = schedule
         self.waiting: deque[Sequence] = deque()
+        # Beam-search sequences first (num_beams of them, each group's beams together), then
+        # the others in admission order.
         self.running: list[Sequence] = []
+        self.num_beams = 0
         self.num_preemptions = 0
         self.num_swaps = 0
 
@@ -133,8 +142,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        i = 0
+        budget = self._schedule_beams(out)
+        i = self.num_beams
         # Locals: this loop runs once per running sequence every step.
         running, allocate, scheduled = self.running, self.kv.allocate, out.scheduled
         while i < len(running) and budget > 0:
@@ -167,9 +176,12 @@ class Scheduler:
         while (not out.preempted or not out.scheduled) and self.waiting and budget > 0:
             seq = self.waiting[0]
             # Samples forked from seq after its prefill count against max_num_seqs now.
-            if len(self.running) + 1 + len(seq.pending_forks) > self.max_num_seqs:
+            if len(self.running) + _copies(seq) > self.max_num_seqs:
                 break
             future = self._future(seq) if self.growth is not None else None
+            beam = seq.params.use_beam_search
+            if beam and not self._beam_fits(seq):
+                break
             if seq.swapped_tokens:
                 if not self._swap_in(seq, budget, out):
                     break
@@ -183,18 +195,83 @@ class Scheduler:
                 if verdict is Admit.NO_ROOM:
                     break
             if demand is not None and future is not None:
-                copies = 1 + len(seq.pending_forks)
-                demand.add(*future, copies=copies, held=len(seq.block_table))
+                demand.add(*future, copies=_copies(seq), held=len(seq.block_table))
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             seq.admitted_once = True
-            self.running.append(seq)
+            if beam:
+                self.running.insert(self.num_beams, seq)
+                self.num_beams += 1
+            else:
+                self.running.append(seq)
             admitted.append(seq)
             budget -= out.scheduled[-1].num_new_tokens
         self.waiting.extendleft(reversed(deferred))
         if self.growth is not None:
             self.growth.stepped(preempted=bool(out.preempted))
         return out
+
+    def _schedule_beams(self, out: SchedulerOutput) -> int:
+        """Schedule the beam searches' sequences, each group whole or not at all (a group whose
+        beams do not all fit what is left of the budget waits a step); returns the budget left.
+        A beam short of a block takes it from the most recently admitted other sequence."""
+        budget = self.max_num_batched_tokens
+        running, i = self.running, 0
+        while i < self.num_beams and budget > 0:
+            req = running[i].request
+            end = i + 1
+            while end < self.num_beams and running[end].request is req:
+                end += 1
+            group, i = running[i:end], end
+            need = [min(s.num_uncomputed_tokens, budget) for s in group]
+            if sum(need) > budget:
+                continue
+            for seq, n in zip(group, need, strict=True):
+                while True:
+                    try:
+                        out.copies += self.kv.allocate(seq, n)
+                        break
+                    except OutOfBlocks:
+                        if len(running) == self.num_beams:
+                            raise RuntimeError(
+                                "beam searches hold every block: admission reserves their worst "
+                                "case, so this is a bug"
+                            ) from None
+                        self._preempt(running.pop(), out)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+        return budget
+
+    def _beam_fits(self, seq: Sequence) -> bool:
+        """Whether the worst case of seq's beam search fits the pool beside the worst cases of
+        those running (beams are never preempted, so each group keeps room for all of its
+        beams at their longest)."""
+        assert self.max_model_len is not None, "beam search needs max_model_len"
+        groups = {s.request: s.num_prompt_tokens for s in self.running[: self.num_beams]}
+        groups[seq.request] = seq.num_prompt_tokens
+        size = self.kv.block_size
+        need = sum(
+            worst_case_blocks(r.params, n, self.max_model_len, size) for r, n in groups.items()
+        )
+        return need <= self.kv.num_blocks
+
+    def replace(self, old: list[Sequence], new: list[Sequence]) -> None:
+        """A beam group's next beams (forked from `old`, which hold their blocks until now) take
+        the place of `old`, which leave; old's computed blocks go to the prefix cache."""
+        at = self.running.index(old[0])
+        assert self.running[at : at + len(old)] == old, "a group's beams run side by side"
+        self.running[at : at + len(old)] = new
+        self.num_beams += len(new) - len(old)
+        for seq in new:
+            seq.status = SeqStatus.RUNNING
+            seq.admitted_once = True
+        for seq in old:
+            self.kv.free(seq)
+            seq.status = SeqStatus.FINISHED
+
+    def retire(self, beams: list[Sequence]) -> None:
+        """A finished beam group's beams leave the running set; their blocks go back."""
+        self.replace(beams, [])
 
     def _future(self, seq: Sequence) -> tuple[int, int]:
         """(tokens seq takes slots for now, tokens it is expected to append)."""
@@ -316,8 +393,21 @@ class Scheduler:
     def check_integrity(self) -> None:
         assert len(self.running) <= self.max_num_seqs
         assert all(s.status is SeqStatus.RUNNING for s in self.running)
+        beams = self.num_beams
+        assert all(s.params.use_beam_search for s in self.running[:beams])
+        assert not any(s.params.use_beam_search for s in self.running[beams:])
+        groups = [s.request for s in self.running[:beams]]
+        assert len(set(groups)) == len([r for r, _ in groupby(groups)]), "a group split"
         assert all(s.status is SeqStatus.WAITING and not s.block_table for s in self.waiting)
         self.kv.check_integrity(self.running)
+
+
+def _copies(seq: Sequence) -> int:
+    """The running sequences seq becomes once its prompt is computed: its beams, or itself and
+    the samples forked from it."""
+    if seq.params.use_beam_search:
+        return seq.params.effective_beam_width
+    return 1 + len(seq.pending_forks)
 
 
 def commit_computed(

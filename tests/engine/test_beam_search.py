@@ -111,3 +111,45 @@ def test_llm_beam_search_gives_vllms_shape(tiny) -> None:
             assert beam.text == llm.tokenizer.decode(beam.tokens, skip_special_tokens=False)
     with pytest.raises(ValueError, match="set temperature=0"):
         llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7))
+
+
+def test_beam_searches_share_steps_with_other_requests_and_survive_their_preemption(
+    tiny,
+) -> None:
+    """Beam searches and greedy requests in one call, over a pool too small for all of them:
+    the beams run in the same steps as the others (fewer steps than each kind alone), the
+    greedy ones are preempted and recomputed around them, and every output is what it is
+    alone: the beams HF's beam search, the greedy rows HF's greedy continuation."""
+    hf, folder = tiny
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(4, 16))] for _ in range(8)]
+    beam = SamplingParams(n=2, use_beam_search=True, beam_width=3, max_tokens=10, temperature=0.0)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = [beam if i % 3 == 0 else greedy for i in range(len(prompts))]
+
+    def engine() -> LLM:
+        llm = LLM(model=folder, dtype="float32", block_size=4, max_model_len=64,
+                  kv_cache_memory=44 * 4 * 2 * 2 * 16 * 4)  # fmt: skip
+        llm.engine.check_integrity_each_step = True
+        return llm
+
+    llm = engine()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    together = llm.stats["steps"]
+    assert llm.stats["preemptions"] > 0
+    alone = 0
+    for kind in (beam, greedy):
+        solo = engine()
+        solo.generate([p for p, q in zip(prompts, params, strict=True) if q is kind], kind,
+                      use_tqdm=False)  # fmt: skip
+        alone += solo.stats["steps"]
+    assert together < alone
+    for prompt, p, out in zip(prompts, params, outs, strict=True):
+        if p is beam:
+            want = hf_beams(hf, prompt, 3, 2, 10, 1.0, False, eos=2)
+            assert [c.token_ids for c in out.outputs] == want
+        else:
+            ids = torch.tensor([prompt])
+            hf_out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            assert out.outputs[0].token_ids == hf_out[0, len(prompt) :].tolist()

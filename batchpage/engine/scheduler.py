@@ -26,7 +26,6 @@ The scheduler owns the queues; the KVCacheManager owns the blocks.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import groupby
@@ -380,9 +379,23 @@ class Scheduler:
         self.num_preemptions += 1
 
     def update_from_output(self, out: SchedulerOutput) -> int:
-        """Commit what the step of `out` computed (commit_computed); returns the tokens it
-        computed while prefilling."""
-        return commit_computed(out.scheduled, self.kv)
+        """The one place a step's computed tokens are committed (the engine's steps, beams
+        included, and the simulator's): each row's computed count moves on, and a row that was
+        prefilling publishes its computed full blocks to the prefix cache, so that sequences
+        admitted later hit them while it still runs. Whether a row was prefilling comes from
+        its state before the step (Sequence.is_prefilling), never from how many tokens it got.
+        Returns the tokens computed while prefilling: prompts, and what preempted sequences
+        recompute."""
+        prefill = 0
+        kv = self.kv
+        for s in out.scheduled:
+            seq = s.seq
+            prefilling = seq.is_prefilling
+            seq.num_computed_tokens += s.num_new_tokens
+            if prefilling:
+                prefill += s.num_new_tokens
+                kv.cache_progress(seq)
+        return prefill
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished sequence out of the running set; its blocks go back at once."""
@@ -408,26 +421,6 @@ def _copies(seq: Sequence) -> int:
     if seq.params.use_beam_search:
         return seq.params.effective_beam_width
     return 1 + len(seq.pending_forks)
-
-
-def commit_computed(
-    scheduled: Iterable[ScheduledSeq], kv: KVCacheManager | StaticKVCacheManager
-) -> int:
-    """The one place a step's computed tokens are committed (the engine's steps, beam search's
-    and the simulator's): each row's computed count moves on, and a row that was prefilling
-    publishes its computed full blocks to the prefix cache, so that sequences admitted later
-    hit them while it still runs. Whether a row was prefilling comes from its state before the
-    step (Sequence.is_prefilling), never from how many tokens it got. Returns the tokens
-    computed while prefilling: prompts, and what preempted sequences recompute."""
-    prefill = 0
-    for s in scheduled:
-        seq = s.seq
-        prefilling = seq.is_prefilling
-        seq.num_computed_tokens += s.num_new_tokens
-        if prefilling:
-            prefill += s.num_new_tokens
-            kv.cache_progress(seq)
-    return prefill
 
 
 def build_scheduler(

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from batchpage.engine.admission import GrowthEstimate
 from batchpage.engine.kv_manager import KVCacheManager, blocks_for
-from batchpage.engine.scheduler import ScheduledSeq, Scheduler, commit_computed
+from batchpage.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from batchpage.engine.sequence import SeqStatus, Sequence
 from batchpage.sampling_params import SamplingParams
 from tests.engine.simulate import make_seq, simulate
@@ -171,7 +171,7 @@ class PublishLog:
 
 
 def test_a_step_is_committed_by_each_rows_state_not_its_token_count() -> None:
-    """commit_computed: a row prefills while its prompt is not all computed or more than its
+    """update_from_output: a row prefills while its prompt is not all computed or more than its
     newest token waits (a recompute after preemption), whatever number of tokens the step gave
     it; a decode row given several (a speculative step) is not prefilling, a one-token prompt
     is. Prefilling rows publish their blocks; every row's computed count moves on."""
@@ -193,6 +193,7 @@ def test_a_step_is_committed_by_each_rows_state_not_its_token_count() -> None:
         seqs.append(seq)
     kv = PublishLog()
     scheduled = [ScheduledSeq(seq, row[3]) for seq, row in zip(seqs, rows, strict=True)]
-    assert commit_computed(scheduled, kv) == sum(row[4] for row in rows)  # type: ignore[arg-type]
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)  # type: ignore[arg-type]
+    assert scheduler.update_from_output(SchedulerOutput(scheduled)) == sum(r[4] for r in rows)
     assert kv.published == [i for i, row in enumerate(rows) if row[4]]
     assert [s.num_computed_tokens for s in seqs] == [row[2] + row[3] for row in rows]

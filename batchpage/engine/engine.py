@@ -28,6 +28,7 @@ from batchpage.engine.plan import EnginePlan
 from batchpage.engine.pooling import PoolingType, add_chunk, pooled_vector, uses_score_head
 from batchpage.engine.reasoning import allow_start_marker, force_tokens, resolve_markers
 from batchpage.engine.sampler import (
+    RowParams,
     SamplerOutput,
     TopLogprobs,
     compute_logprobs,
@@ -292,16 +293,20 @@ class Engine:
             if not seqs:
                 parts["sample"] += clock() - t0
                 return finished
+        # A forked sample has its parent's request, so its parent's settings.
+        params_rows = sample_rows
         if batch.forking[sample_rows].any():
             seqs, rows = self._fork_samples(seqs)
             batch.forking[sample_rows] = False
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            params_rows = sample_rows[rows]
         forced = self._forced_tokens(seqs)
-        # A forked sample has its parent's request, so its parent's flag.
         if not forced and batch.plain_greedy[sample_rows].all():
             result = sample_greedy(logits, self.argmax)
         else:
-            result = self._sample_rows(seqs, logits, forced)
+            constrained = bool(batch.constrained[params_rows].any())
+            rows_params = batch.sampling.take(params_rows)
+            result = self._sample_rows(seqs, logits, forced, rows_params, constrained)
         # The sampling rows' newest tokens (forked samples join the batch when they first run).
         batch.append_tokens(sample_rows, result.token_ids[: len(sample_rows)])
         t1 = clock()
@@ -334,16 +339,19 @@ class Engine:
         return forced
 
     def _sample_rows(
-        self, seqs: list[Sequence], logits: torch.Tensor, forced: dict[int, int]
+        self,
+        seqs: list[Sequence],
+        logits: torch.Tensor,
+        forced: dict[int, int],
+        rows: RowParams,
+        constrained: bool,
     ) -> SamplerOutput:
-        params = [s.params for s in seqs]
+        """`rows`: the sequences' sampling settings (their batch rows'); `constrained`: whether
+        a grammar constrains any of them."""
         # Token histories cost a copy per row: build them only when a row's penalties read them.
-        history = any(
-            p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.min_tokens
-            for p in params
-        )
-        constraints = [s.active_constraint for s in seqs]
-        token_mask = self.masks.fill(constraints)
+        history = bool(rows.processed.any())
+        constraints = [s.active_constraint for s in seqs] if constrained else [None] * len(seqs)
+        token_mask = self.masks.fill(constraints) if constrained else None
         if token_mask is not None and self.reasoning is not None:
             before = [i for i in token_mask.rows if (t := seqs[i].thinking) and t.may_open]
             allow_start_marker(token_mask, before, self.reasoning.start_id)
@@ -351,14 +359,17 @@ class Engine:
             token_mask = force_tokens(token_mask, forced, len(seqs), self.masks.vocab_size)
         result = sample(
             logits,
-            params=params,
+            params=[s.params for s in seqs],
             generators=[s.generator for s in seqs],
             prompt_ids=[s.token_ids[: s.num_prompt_tokens] if history else () for s in seqs],
             output_ids=[s.output_token_ids if history else () for s in seqs],
             eos_ids=[self.eos_ids] * len(seqs),
             token_mask=token_mask,
             argmax=self.argmax,
+            rows=rows,
         )
+        if not constrained:
+            return result
         if self.reasoning is not None:  # a grammar takes answer tokens, not a start marker
             for i, (seq, token) in enumerate(zip(seqs, result.token_ids, strict=True)):
                 thinking = seq.thinking

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from batchpage.engine.sampler import RowParams
 from batchpage.engine.sequence import Sequence
 
 
@@ -25,8 +26,8 @@ class InputBatch:
     `num_tokens`: len(token_ids), `last_token`: token_ids[-1], the int32 [capacity, max_blocks]
     `block_tables`, zero past each row's `table_len`, `reads_rows`), what the stop checks read
     (`num_prompt`, `stop_len`, `each_token`) and what the sampler reads (`plain_greedy`,
-    `forking`, `beam`). Set when a row joins; after that only `computed`, `num_tokens`,
-    `last_token`, the tables and `forking` change."""
+    `forking`, `beam`, `sampling`, `constrained`). Set when a row joins; after that only
+    `computed`, `num_tokens`, `last_token`, the tables and `forking` change."""
 
     def __init__(self, capacity: int, max_blocks: int) -> None:
         # Numpy, not torch: a step reads these with a few dozen small gathers and writes single
@@ -52,6 +53,10 @@ class InputBatch:
         self.forking = np.zeros(capacity, dtype=bool)
         # A beam of a beam search: its logits go to the search (beams.py), not the sampler.
         self.beam = np.zeros(capacity, dtype=bool)
+        # The row's sampling settings (sampler.RowParams), and whether a grammar constrains it.
+        empty = RowParams.of([])
+        self.sampling = RowParams(*(np.zeros(capacity, dtype=c.dtype) for c in empty))
+        self.constrained = np.zeros(capacity, dtype=bool)
         self._ending: set[int] = set()
         self._ending_ids = np.zeros(0, dtype=np.int64)
         self._row: dict[int, int] = {}  # seq_id -> row
@@ -124,6 +129,9 @@ class InputBatch:
         self.plain_greedy[row] = seq.plain_greedy
         self.forking[row] = bool(seq.pending_forks)
         self.beam[row] = seq.params.use_beam_search
+        for column, value in zip(self.sampling, RowParams.of([seq.params]), strict=True):
+            column[row] = value[0]
+        self.constrained[row] = seq.constraint is not None
         self._write_stop_columns(row, seq)
         self._write_table(row, seq.block_table, 0)
         return row
@@ -181,4 +189,7 @@ class InputBatch:
             assert self.plain_greedy[row] == seq.plain_greedy
             assert self.forking[row] == bool(seq.pending_forks), f"row {row}: forking"
             assert self.beam[row] == seq.params.use_beam_search, f"row {row}: beam"
+            own = RowParams.of([seq.params])
+            assert all(c[row] == v[0] for c, v in zip(self.sampling, own, strict=True))
+            assert self.constrained[row] == (seq.constraint is not None)
             assert self.block_tables[row, :n].tolist() == seq.block_table, f"row {row}: table"

@@ -16,8 +16,11 @@ Logprobs are those of the raw model output (log_softmax of the logits as given, 
 steps above), which is vLLM's default ``logprobs_mode="raw_logprobs"``: they describe the model, not
 the sampling settings, and the same number comes back whatever the request's temperature.
 
-Work is vectorised across rows; each processing step touches only the rows that need it, and a
-batch of plain greedy rows is a single argmax over the logits (the hot path).
+Work is vectorised across rows from their settings as arrays (RowParams: the engine's
+InputBatch keeps them as columns, written when a row joins); each processing step touches only
+the rows that need it, and a batch of plain greedy rows is a single argmax over the logits (the
+hot path). Python walks rows one by one only for what a row carries as lists: its logit_bias,
+penalties and min_tokens (their token histories), and its generator.
 
 Randomness: a sampled row draws its token with the exponential race (argmax of probs / E, E ~
 Exp(1) i.i.d. per token, which picks token i with probability probs[i]) using V noise values from
@@ -30,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -56,6 +60,35 @@ class TokenMask(NamedTuple):
     rows: list[int]
 
 
+class RowParams(NamedTuple):
+    """Each logits row's sampling settings as arrays, one entry per row."""
+
+    greedy: np.ndarray  # bool: temperature 0 or top_k 1 (SamplingParams.is_greedy)
+    # bool: logit_bias, min_tokens or a penalty, which read the row's SamplingParams and
+    # token histories
+    processed: np.ndarray
+    temperature: np.ndarray  # float64 (1.0 where greedy: never applied)
+    top_k: np.ndarray  # int64; 0: the whole vocabulary
+    top_p: np.ndarray  # float64
+    min_p: np.ndarray  # float64
+    logprobs: np.ndarray  # int64: top logprobs to report; -1: none
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams]) -> RowParams:
+        return cls(
+            np.array([p.is_greedy for p in params], dtype=bool),
+            np.array([_needs_processing(p) for p in params], dtype=bool),
+            np.array([1.0 if p.is_greedy else p.temperature for p in params], dtype=np.float64),
+            np.array([max(p.top_k, 0) for p in params], dtype=np.int64),
+            np.array([p.top_p for p in params], dtype=np.float64),
+            np.array([p.min_p for p in params], dtype=np.float64),
+            np.array([-1 if p.logprobs is None else p.logprobs for p in params], dtype=np.int64),
+        )
+
+    def take(self, rows: np.ndarray) -> RowParams:
+        return RowParams(*(column[rows] for column in self))
+
+
 class SamplerOutput(NamedTuple):
     token_ids: list[int]  # one per row
     logprobs: list[TopLogprobs | None]  # None where the row's params.logprobs is None
@@ -70,17 +103,20 @@ def sample(
     eos_ids: Sequence[Collection[int]] | None = None,
     token_mask: TokenMask | None = None,
     argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    rows: RowParams | None = None,
 ) -> SamplerOutput:
     """Pick one token per row of ``logits`` [N, V]; the input tensor is never modified.
 
-    ``argmax`` replaces ``logits.argmax(dim=-1)`` on the all-greedy hot path (the CPU engine
-    passes the C++ one of kernels/cpu_layer_ops.py, same ties and NaN rule, and faster there).
+    ``rows``: params as arrays (RowParams.of(params) when not given). ``argmax`` replaces
+    ``logits.argmax(dim=-1)`` on the all-greedy hot path (the CPU engine passes the C++ one of
+    kernels/cpu_layer_ops.py, same ties and NaN rule, and faster there).
 
     ``token_mask`` restricts its rows to the tokens it allows; the other rows are untouched, so
     they get the same token whether or not constrained rows share their batch.
     ``eos_ids[i]`` are row i's end-of-sequence ids, masked (with params.stop_token_ids) while the
     row is shorter than params.min_tokens; they are not masked when params.ignore_eos is set.
-    ``prompt_ids`` / ``output_ids`` are only read for rows with penalties or min_tokens.
+    ``params``, ``prompt_ids`` and ``output_ids`` are only read for rows with logit_bias,
+    min_tokens or penalties.
     """
     n = logits.shape[0]
     if not len(params) == len(generators) == len(prompt_ids) == len(output_ids) == n:
@@ -91,28 +127,29 @@ def sample(
         )
     if eos_ids is not None and len(eos_ids) != n:
         raise ValueError(f"eos_ids needs one entry per logits row ({n}), got {len(eos_ids)}")
+    rows = RowParams.of(params) if rows is None else rows
     eos = eos_ids if eos_ids is not None else [()] * n
-    greedy = [p.is_greedy for p in params]
-    process = [_needs_processing(p, len(out)) for p, out in zip(params, output_ids, strict=True)]
-
-    wanted = [p.logprobs for p in params]
-    if all(greedy) and not any(process) and token_mask is None and all(k is None for k in wanted):
+    all_greedy, process = bool(rows.greedy.all()), bool(rows.processed.any())
+    wants = bool((rows.logprobs >= 0).any())
+    if all_greedy and not process and token_mask is None and not wants:
         return sample_greedy(logits, argmax)
-    if all(greedy) and not any(process) and token_mask is None:
+    if all_greedy and not process and token_mask is None:
         tokens = logits.argmax(dim=-1) if argmax is None else argmax(logits)
     else:
         work = logits.float()
-        if any(process) or token_mask is not None:
+        if process or token_mask is not None:
             work = work.clone() if work is logits else work
         if token_mask is not None:
             apply_token_mask(work, token_mask)
-        if any(process):
-            apply_penalties(work, params, prompt_ids, output_ids, eos)
-        tokens = _choose(work, params, generators, greedy)
+        if process:
+            apply_penalties(work, params, prompt_ids, output_ids, eos, rows.processed)
+        tokens = _choose(work, rows, generators)
 
     logprobs: list[TopLogprobs | None] = [None] * n
-    if any(k is not None for k in wanted):
-        logprobs = compute_logprobs(logits, tokens, wanted)
+    if wants:
+        logprobs = compute_logprobs(
+            logits, tokens, [k if k >= 0 else None for k in rows.logprobs.tolist()]
+        )
     return SamplerOutput(tokens.tolist(), logprobs)
 
 
@@ -125,10 +162,10 @@ def sample_greedy(
     return SamplerOutput(tokens.tolist(), [None] * logits.shape[0])
 
 
-def _needs_processing(p: SamplingParams, num_output: int) -> bool:
+def _needs_processing(p: SamplingParams) -> bool:
     return bool(
         p.logit_bias
-        or num_output < p.min_tokens
+        or p.min_tokens
         or p.repetition_penalty != 1.0
         or p.presence_penalty
         or p.frequency_penalty
@@ -136,24 +173,20 @@ def _needs_processing(p: SamplingParams, num_output: int) -> bool:
 
 
 def _choose(
-    work: torch.Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-    greedy: Sequence[bool],
+    work: torch.Tensor, rows: RowParams, generators: Sequence[torch.Generator | None]
 ) -> torch.Tensor:
-    if all(greedy):
+    if rows.greedy.all():
         return work.argmax(dim=-1)
     tokens = torch.empty(work.shape[0], dtype=torch.long, device=work.device)
-    greedy_rows = [i for i, g in enumerate(greedy) if g]
-    if greedy_rows:
-        index = torch.tensor(greedy_rows, device=work.device)
+    greedy_rows = np.flatnonzero(rows.greedy)
+    if len(greedy_rows):
+        index = torch.from_numpy(greedy_rows).to(work.device)
         tokens[index] = work.index_select(0, index).argmax(dim=-1)
-    random_rows = [i for i, g in enumerate(greedy) if not g]
-    index = torch.tensor(random_rows, device=work.device)
+    random_rows = np.flatnonzero(~rows.greedy)
+    index = torch.from_numpy(random_rows).to(work.device)
     sub = work.index_select(0, index)  # a copy: filtering below never touches ``work``
-    sub_params = [params[i] for i in random_rows]
-    apply_filters(sub, sub_params)
-    tokens[index] = _draw(sub.softmax(dim=-1), [generators[i] for i in random_rows])
+    apply_filters(sub, rows.take(random_rows))
+    tokens[index] = _draw(sub.softmax(dim=-1), [generators[i] for i in random_rows.tolist()])
     return tokens
 
 
@@ -176,10 +209,14 @@ def apply_penalties(
     prompt_ids: Sequence[Sequence[int]],
     output_ids: Sequence[Sequence[int]],
     eos_ids: Sequence[Collection[int]],
+    processed: np.ndarray | None = None,
 ) -> torch.Tensor:
-    """Apply logit_bias, min_tokens, repetition, presence and frequency penalties in place."""
+    """Apply logit_bias, min_tokens, repetition, presence and frequency penalties in place, in
+    the rows `processed` marks (RowParams.processed; all when None)."""
+    which = range(len(params)) if processed is None else np.flatnonzero(processed).tolist()
+    chosen = {i: params[i] for i in which}
     rows, cols, vals = [], [], []
-    for i, p in enumerate(params):
+    for i, p in chosen.items():
         for token, bias in (p.logit_bias or {}).items():
             rows.append(i)
             cols.append(token)
@@ -188,7 +225,7 @@ def apply_penalties(
         _index_add(logits, rows, cols, vals)
 
     rows, cols = [], []
-    for i, p in enumerate(params):
+    for i, p in chosen.items():
         if len(output_ids[i]) < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids[i]))
             rows.extend([i] * len(banned))
@@ -196,19 +233,19 @@ def apply_penalties(
     if rows:
         logits[_long(rows, logits), _long(cols, logits)] = _NEG_INF
 
-    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    rep = [i for i, p in chosen.items() if p.repetition_penalty != 1.0]
     if rep:
         seen = _token_mask(logits, [list(prompt_ids[i]) + list(output_ids[i]) for i in rep])
-        penalty = _column([params[i].repetition_penalty for i in rep], logits)
+        penalty = _column([chosen[i].repetition_penalty for i in rep], logits)
         sub = logits[_long(rep, logits)]
         penalised = torch.where(sub < 0, sub * penalty, sub / penalty)
         logits[_long(rep, logits)] = torch.where(seen, penalised, sub)
 
-    pf = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
+    pf = [i for i, p in chosen.items() if p.presence_penalty or p.frequency_penalty]
     if pf:
         counts = _token_counts(logits, [output_ids[i] for i in pf])
-        presence = _column([params[i].presence_penalty for i in pf], logits)
-        frequency = _column([params[i].frequency_penalty for i in pf], logits)
+        presence = _column([chosen[i].presence_penalty for i in pf], logits)
+        frequency = _column([chosen[i].frequency_penalty for i in pf], logits)
         index = _long(pf, logits)
         logits[index] -= frequency * counts + presence * (counts > 0).to(logits.dtype)
     return logits
@@ -251,50 +288,52 @@ def _token_counts(like: torch.Tensor, token_lists: Sequence[Sequence[int]]) -> t
 # -- step 5: temperature and truncation (sampled rows only) --------------------------------------
 
 
-def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def apply_filters(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     """Apply temperature, top_k, top_p and min_p in place (HF's warper order); -inf = removed.
 
     Rows must not be greedy (temperature > 0).
     """
-    temps = [p.temperature for p in params]
-    if len(set(temps)) == 1:
+    temps = rows.temperature
+    if (temps == temps[0]).all():
         if temps[0] != 1.0:
-            logits.div_(temps[0])
+            logits.div_(float(temps[0]))
     else:
-        logits.div_(_column(temps, logits))
+        logits.div_(_as_column(temps, logits))
 
     vocab = logits.shape[1]
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_p = [p.top_p for p in params]
-    if any(p < 1.0 for p in top_p):
-        _top_k_top_p(logits, top_k, top_p)
-    elif any(k < vocab for k in top_k):
+    top_k = np.where((rows.top_k > 0) & (rows.top_k < vocab), rows.top_k, vocab)
+    if (rows.top_p < 1.0).any():
+        _top_k_top_p(logits, top_k, rows.top_p)
+    elif (top_k < vocab).any():
         _top_k(logits, top_k)
 
-    min_p = [p.min_p for p in params]
-    if any(min_p):
+    if rows.min_p.any():
         probs = logits.softmax(dim=-1)
-        threshold = _column(min_p, logits) * probs.amax(dim=-1, keepdim=True)
+        threshold = _as_column(rows.min_p, logits) * probs.amax(dim=-1, keepdim=True)
         logits.masked_fill_(probs < threshold, _NEG_INF)  # the top token always survives
     return logits
 
 
-def _top_k(logits: torch.Tensor, top_k: Sequence[int]) -> None:
+def _as_column(values: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(values).to(like.device, like.dtype).unsqueeze(1)
+
+
+def _top_k(logits: torch.Tensor, top_k: np.ndarray) -> None:
     # Without top_p a partial topk is enough; ties with the k-th value survive, as in HF.
-    k = _long(top_k, logits).unsqueeze(1)
-    values = logits.topk(max(top_k), dim=-1).values
+    k = torch.from_numpy(top_k).to(logits.device).unsqueeze(1)
+    values = logits.topk(int(top_k.max()), dim=-1).values
     logits.masked_fill_(logits < values.gather(1, k - 1), _NEG_INF)
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> None:
+def _top_k_top_p(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> None:
     ordered, order = logits.sort(dim=-1)  # ascending
     vocab = logits.shape[1]
-    kth = ordered.gather(1, vocab - _long(top_k, logits).unsqueeze(1))
+    kth = ordered.gather(1, vocab - torch.from_numpy(top_k).to(logits.device).unsqueeze(1))
     ordered.masked_fill_(ordered < kth, _NEG_INF)
     # Drop the least likely tokens while their total mass stays within 1 - top_p; the token that
     # crosses the threshold is kept, and so is the most likely one.
     cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-    drop = cumulative <= 1.0 - _column(top_p, logits)
+    drop = cumulative <= 1.0 - _as_column(top_p, logits)
     drop[:, -1] = False
     ordered.masked_fill_(drop, _NEG_INF)
     logits.scatter_(1, order, ordered)

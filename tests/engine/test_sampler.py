@@ -15,6 +15,7 @@ from transformers import (
 )
 
 from batchpage.engine.sampler import (
+    RowParams,
     TokenMask,
     apply_filters,
     apply_penalties,
@@ -152,18 +153,18 @@ FILTER_CASES = [
 def test_filters_match_hf_warpers_one_row(case: int) -> None:
     p = FILTER_CASES[case]
     logits = _logits(1, seed=10 + case)
-    got = apply_filters(logits.clone(), [p])[0]
+    got = apply_filters(logits.clone(), RowParams.of([p]))[0]
     torch.testing.assert_close(got, _hf_warpers(p, logits[0]))
 
 
 def test_filters_match_hf_warpers_mixed_batch() -> None:
     # Different settings per row exercise the vectorised paths (per-row k, p, temperature).
     logits = _logits(len(FILTER_CASES), seed=20)
-    got = apply_filters(logits.clone(), FILTER_CASES)
+    got = apply_filters(logits.clone(), RowParams.of(FILTER_CASES))
     for i, p in enumerate(FILTER_CASES):
         torch.testing.assert_close(got[i], _hf_warpers(p, logits[i]))
     only_k = [SamplingParams(top_k=k) for k in (1, 3, 0, 7)]
-    got = apply_filters(logits[:4].clone(), only_k)
+    got = apply_filters(logits[:4].clone(), RowParams.of(only_k))
     for i, p in enumerate(only_k):
         torch.testing.assert_close(got[i], _hf_warpers(p, logits[i]))
 
@@ -182,7 +183,7 @@ def test_sampled_frequencies_match_filtered_distribution(params: SamplingParams)
     row = _logits(1, vocab=vocab, seed=30)
     prompt = [[2, 3]]
     expected_logits = apply_penalties(row.clone(), [params], prompt, [[]], [()])
-    expected = apply_filters(expected_logits, [params])[0].softmax(-1)
+    expected = apply_filters(expected_logits, RowParams.of([params]))[0].softmax(-1)
     # One call, many rows: each row has its own generator, so this also covers the per-row path.
     generators = [torch.Generator().manual_seed(s) for s in range(draws)]
     out = sample(
@@ -203,7 +204,7 @@ def test_global_rng_rows_sample_the_distribution() -> None:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         out = _sample(row.expand(3000, 8), [params] * 3000)
-    expected = apply_filters(row.clone(), [params])[0].softmax(-1)
+    expected = apply_filters(row.clone(), RowParams.of([params]))[0].softmax(-1)
     freq = torch.bincount(torch.tensor(out.token_ids), minlength=8).double() / 3000
     assert torch.allclose(freq, expected.double(), atol=0.04)
 

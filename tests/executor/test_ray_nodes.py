@@ -76,8 +76,10 @@ def test_replicas_lost_with_their_nodes_are_replaced_on_a_node_added_later(
 ) -> None:
     data = write_rows(tmp_path / "d.jsonl", 24, bad=False)
     out = tmp_path / "ray"
+    # Until Ray notices a killed node is gone, a replacement may be placed there and fail to
+    # start; that counts against max_restarts.
     cfg = job(job_args(data, tiny_folder, out, "flush_rows=2", *ray_args(),
-                       "executor.max_restarts=1"))  # fmt: skip
+                       "executor.max_restarts=3"))  # fmt: skip
     before = list(cluster.worker_nodes)
     pool = killing(cluster, victims=(0, 1), later=1)
     made = []
@@ -86,7 +88,7 @@ def test_replicas_lost_with_their_nodes_are_replaced_on_a_node_added_later(
     assert made[0].replica_line() == "1/3 live, 2 lost"  # what the progress bar showed last
     assert sorted(shard_indices(out)) == list(range(24)), "a row was lost or written twice"
     executor = run_json(out)["runs"][-1]["settings"]["executor"]
-    assert executor["replicas_lost"] == 2 and executor["replicas_replaced"] == 1
+    assert executor["replicas_lost"] == 2 and executor["replicas_replaced"] >= 1
     replicas = executor["replicas"]
     assert [r["lost"] for r in replicas] == [True, True, False]
     (added,) = [n for n in cluster.worker_nodes if n not in before]
@@ -107,15 +109,15 @@ def test_a_replica_of_two_ranks_spans_two_nodes_and_is_replaced_when_one_dies(
     out = tmp_path / "ray"
     tp = ["engine.tensor_parallel_size=2", "executor.cpus_per_replica=2"]
     cfg = job(job_args(data, tiny_folder, out, "flush_rows=2", *ray_args(1), *tp,
-                       "executor.max_restarts=1"))  # fmt: skip
+                       "executor.max_restarts=3"))  # fmt: skip
     pool = killing(cluster, victims=(0,), rank=1, later=1)
     run_job(cfg, lambda model, **engine: pool(model, cfg.executor, **engine))
     assert sorted(shard_indices(out)) == list(range(12)), "a row was lost or written twice"
     executor = run_json(out)["runs"][-1]["settings"]["executor"]
-    first, second = executor["replicas"]
+    first, *_, second = executor["replicas"]  # a replacement may fail on the dying node
     assert sorted(first["rank_nodes"]) == sorted(n.node_id for n in nodes)
     assert first["lost"] and not second["lost"] and second["rows"] >= 1
     (added,) = [n for n in cluster.worker_nodes if n not in nodes]
     assert len(set(second["rank_nodes"])) == 2 and added.node_id in second["rank_nodes"]
-    assert executor["replicas_replaced"] == 1
+    assert executor["replicas_replaced"] >= 1
     assert compared(out) == local_rows(tmp_path, tiny_folder, data)

@@ -263,15 +263,18 @@ def thinking_tokenizer(family: str = "qwen3") -> PreTrainedTokenizerFast:
     return tok
 
 
-def build_hf_model(variant: str, vocab_size: int = 320, seed: int = 0) -> PreTrainedModel:
-    """A float32 transformers model of the named variant with all parameters random."""
+def build_hf_model(
+    variant: str, vocab_size: int = 320, seed: int = 0, **overrides: Any
+) -> PreTrainedModel:
+    """A float32 transformers model of the named variant (its config's `overrides` changed)
+    with all parameters random."""
     config_cls, kwargs = VARIANTS[variant]
     config = config_cls(
         vocab_size=vocab_size,
         bos_token_id=1,
         eos_token_id=2,
         attn_implementation="eager",
-        **kwargs,
+        **{**kwargs, **overrides},
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

@@ -14,8 +14,10 @@ from batchpage.cache.kv_cache import bytes_per_block
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.pooling import resolve_task
 from batchpage.host_memory import available_host_memory
+from batchpage.model.config import ModelConfig
 from batchpage.model.loader import ModelSource, resolve_dtype
 from batchpage.model.shard import shard_config
+from batchpage.quant.scheme import QuantScheme
 
 
 class PoolTooSmall(ValueError):
@@ -94,10 +96,7 @@ def check_tensor_parallel(cfg: EngineConfig, source: ModelSource, dtype: torch.d
     problems = []
     quant = source.config.quant
     if quant is not None:
-        problems.append(
-            f"it runs float checkpoints, and this one is quantized ({quant.method}): quantized "
-            "linears are not split across ranks yet; use tensor_parallel_size=1"
-        )
+        problems += _quantized_split(quant, source.config, world)
     if source.kind == "gguf" and cfg.quantized_weights:
         problems.append(
             "it runs a GGUF dequantized: pass quantized_weights=false "
@@ -119,6 +118,30 @@ def check_tensor_parallel(cfg: EngineConfig, source: ModelSource, dtype: torch.d
         problems += _host_room_for_ranks(world, source.num_weights * dtype.itemsize)
     if problems:
         raise ValueError(f"tensor_parallel_size={world}: " + "; and ".join(problems))
+
+
+def _quantized_split(quant: QuantScheme, config: ModelConfig, world: int) -> list[str]:
+    """What keeps a quantized checkpoint from splitting over `world` ranks. Column-parallel
+    linears (q/k/v, gate/up, the head) split their output rows, which any scheme allows; the
+    row-parallel ones (o_proj, down_proj) split their inputs, which must fall on whole groups
+    (or FP8 blocks) of `group_size` inputs, and GPTQ's act order (desc_act), whose groups follow
+    g_idx across the whole input, cannot be cut at all."""
+    if quant.act_order:
+        return [
+            "a GPTQ checkpoint with act order (desc_act) reads each group's inputs from across "
+            "the whole input, which row-parallel o_proj and down_proj split: use a checkpoint "
+            "quantized without desc_act, or tensor_parallel_size=1"
+        ]
+    group = quant.group_size
+    if group is None:
+        return []
+    inputs = {"o_proj": config.num_heads * config.head_dim, "down_proj": config.intermediate_size}
+    return [
+        f"{name}'s {k} inputs in groups of {group} ({k // group} groups) do not split into "
+        f"{world} shares of whole groups: use a tensor_parallel_size that divides {k // group}"
+        for name, k in inputs.items()
+        if k % (world * group)
+    ]
 
 
 def _host_room_for_ranks(world: int, weight_bytes: int) -> list[str]:

@@ -91,11 +91,11 @@ def load_hf_model(
     max_positions: int | None = None,
     shard: TensorShard | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
-    """The model (with `shard`, one tensor-parallel rank's share: float checkpoints only) and
-    the checkpoint's whole config."""
+    """The model (with `shard`, one tensor-parallel rank's share) and the checkpoint's whole
+    config. A quantized linear's tensors are decoded to IntWeight's row-major layout first
+    (decode_stream), so a rank's share is cut as a dense weight's is: output rows, or whole
+    groups of inputs (plan.check_tensor_parallel refuses shapes that do not split so)."""
     cfg = read_hf_config(folder)
-    if shard is not None and shard.world > 1 and cfg.quant is not None:
-        raise ValueError("tensor parallelism runs float checkpoints only")
     model = build_model(cfg, dtype, device, max_positions, shard)
     try:
         files = safetensors_files(folder)

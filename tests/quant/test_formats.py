@@ -139,15 +139,22 @@ CASES = {
         packers.ct_fp8,
         dict(quantizer=packers.quantize_fp8, block=BLOCK),
     ),
+    # Blocks of 32 by 32: what a model whose row-parallel inputs split into whole blocks takes.
+    "ct_fp8_block32": (
+        ct_config("float-quantized", ct_fp8_weights("block", block_structure=[32, 32])),
+        packers.ct_fp8,
+        dict(quantizer=packers.quantize_fp8, block=(32, 32)),
+    ),
 }
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_quantized(tmp_path, case: str, quantize_head: bool = False, pack=None):
-    """The folder and the HF model holding the dequantized weights it stands for."""
+def write_quantized(tmp_path, case: str, quantize_head: bool = False, pack=None, **shape):
+    """The folder and the HF model holding the dequantized weights it stands for; `shape`:
+    config overrides of the tiny Llama (hidden_size, intermediate_size, ...)."""
     config, case_pack, kwargs = CASES[case]
     pack = pack or case_pack
-    hf = build_hf_model("llama_bias_untied")
+    hf = build_hf_model("llama_bias_untied", **shape)
     folder = save_hf_folder(hf, tmp_path / case)
     tensors = load_file(folder / "model.safetensors")
     names = [n for n in list(tensors) if n.endswith(".weight")]

@@ -15,6 +15,8 @@ from batchpage.engine.config import EngineConfig
 from batchpage.engine.pooling import resolve_task
 from batchpage.host_memory import available_host_memory
 from batchpage.model.config import ModelConfig
+from batchpage.model.gguf_file import read_gguf_header
+from batchpage.model.gguf_loader import int_schemes
 from batchpage.model.loader import ModelSource, resolve_dtype
 from batchpage.model.shard import shard_config
 from batchpage.quant.scheme import QuantScheme
@@ -98,10 +100,10 @@ def check_tensor_parallel(cfg: EngineConfig, source: ModelSource, dtype: torch.d
     if quant is not None:
         problems += _quantized_split(quant, source.config, world)
     if source.kind == "gguf" and cfg.quantized_weights:
-        problems.append(
-            "it runs a GGUF dequantized: pass quantized_weights=false "
-            "(engine.quantized_weights=false in a job)"
-        )
+        schemes = int_schemes(read_gguf_header(source.path), source.config).values()
+        if schemes:  # its widest groups decide where the inputs may be cut
+            problems += _quantized_split(max(schemes, key=lambda q: q.group_size or 0),
+                                         source.config, world)  # fmt: skip
     try:
         shard_config(source.config, world)
     except ValueError as e:

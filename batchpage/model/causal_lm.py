@@ -212,7 +212,13 @@ class CausalLM(nn.Module):
             self.tied_head, self.tied_quant = self.tied_quant, None
         if quantized_table:  # lookups read the quantized head's rows; the dense copy goes
             assert self.tied_head is not None
-            self.embed_tokens = TiedEmbedding(self.tied_head, self.embed_tokens.weight.dtype)
+            vocab = self.config.vocab_size
+            self.embed_tokens = TiedEmbedding(
+                self.tied_head,
+                self.embed_tokens.weight.dtype,
+                self.shard.vocab_start(vocab),
+                self.shard.vocab_rows(vocab),
+            )
         if method.make is not None:
             dense = [(n, m) for n, m in self.named_modules() if isinstance(m, Linear)]
             for name, module in dense:
@@ -328,7 +334,9 @@ class CausalLM(nn.Module):
                 for v, p in zip(views, parts, strict=True)
             ]
         dest = self._shard_view(target, key)
-        vocab = target in ("embed_tokens.weight", "lm_head.weight")
+        vocab = target in ("embed_tokens.weight", "lm_head.weight") or target.startswith(
+            "tied_quant."
+        )
         return [(dest, self.shard.narrow(ckpt_name, tensor, dest.shape, pad=vocab))]
 
     def _fused_parts(

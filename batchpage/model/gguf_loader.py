@@ -158,13 +158,11 @@ def load_gguf_model(
     quantized: bool = True,
     shard: TensorShard | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
-    """The model (with `shard`, one tensor-parallel rank's share: dequantized only) and the
-    file's whole config."""
+    """The model (with `shard`, one tensor-parallel rank's share: its tensors decoded to
+    IntWeight's row-major layout are cut as dense ones are) and the file's whole config."""
     header = read_gguf_header(path)
     cfg = gguf_config(path, header)
     check_declared_size(path, header, cfg)  # before sizes from the header allocate memory
-    if shard is not None and shard.world > 1 and quantized:
-        raise ValueError("tensor parallelism runs a GGUF dequantized (quantized=False)")
     model = build_model(cfg, dtype, device, max_positions, shard)
     schemes = whole_linears(model, int_schemes(header, cfg)) if quantized else {}
     held = quantize_layout(model, schemes)
@@ -174,8 +172,9 @@ def load_gguf_model(
         scheme = QuantScheme(
             "gguf", form.bits, form.group_size, symmetric=False, act_order=False, label=form.name
         )
+        rows = cfg.vocab_size if shard is None else shard.vocab_rows(cfg.vocab_size)
         model.tied_quant = QuantLinear(
-            cfg.hidden_size, (cfg.vocab_size,), False, scheme, dtype, torch.device(device)
+            cfg.hidden_size, (rows,), False, scheme, dtype, torch.device(device)
         )
         held["tied_quant"] = scheme
     model.load_weights(_iter_tensors(path, header, cfg, held))

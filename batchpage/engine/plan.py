@@ -126,16 +126,10 @@ def _quantized_split(quant: QuantScheme, config: ModelConfig, world: int) -> lis
     """What keeps a quantized checkpoint from splitting over `world` ranks. Column-parallel
     linears (q/k/v, gate/up, the head) split their output rows, which any scheme allows; the
     row-parallel ones (o_proj, down_proj) split their inputs, which must fall on whole groups
-    (or FP8 blocks) of `group_size` inputs, and GPTQ's act order (desc_act), whose groups follow
-    g_idx across the whole input, cannot be cut at all."""
-    if quant.act_order:
-        return [
-            "a GPTQ checkpoint with act order (desc_act) reads each group's inputs from across "
-            "the whole input, which row-parallel o_proj and down_proj split: use a checkpoint "
-            "quantized without desc_act, or tensor_parallel_size=1"
-        ]
+    (or FP8 blocks) of `group_size` inputs, unless they are held dense: under GPTQ's act order
+    (desc_act), whose groups follow g_idx across the whole input (model/quant_layout.py)."""
     group = quant.group_size
-    if group is None:
+    if group is None or quant.act_order:
         return []
     inputs = {"o_proj": config.num_heads * config.head_dim, "down_proj": config.intermediate_size}
     return [

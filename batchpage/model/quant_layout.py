@@ -18,6 +18,7 @@ import torch
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import UnsupportedModelError
 from batchpage.model.layers import MergedLinear, linear, merged_linear
+from batchpage.model.shard import ROW_PARALLEL
 from batchpage.ops.linear import Linear
 from batchpage.quant.formats import decode_stream, quantized_prefixes
 from batchpage.quant.linear import QuantLinear
@@ -122,10 +123,16 @@ def load_quantized(
     weights: Iterable[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Ready `model` for a checkpoint of `scheme` whose tensor names are `names`, and return
-    its tensor stream as the model loads it (each quantized linear's tensors decoded)."""
+    its tensor stream as the model loads it (each quantized linear's tensors decoded). Under
+    GPTQ's act order a tensor-parallel rank holds its row-parallel linears (o, down) dense:
+    their groups follow g_idx across the whole input, which the ranks split, so no share of
+    them is whole groups; dequantized, each rank takes its columns as of a float weight."""
     prefixes = quantized_prefixes(names, scheme)
-    quantize_layout(model, dict.fromkeys(prefixes, scheme))
-    return decode_stream(weights, scheme, prefixes)
+    dense = set()
+    if scheme.act_order and model.shard.world > 1:
+        dense = {p for p in prefixes if p.rsplit(".", 1)[-1] in ROW_PARALLEL}
+    quantize_layout(model, dict.fromkeys(prefixes - dense, scheme))
+    return decode_stream(weights, scheme, prefixes, dense)
 
 
 def check_quantized(model: CausalLM) -> None:

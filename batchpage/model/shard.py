@@ -20,6 +20,9 @@ import torch
 
 from batchpage.model.config import ModelConfig
 
+# The linears whose inputs the ranks split (each rank's partial outputs are summed).
+ROW_PARALLEL = ("o_proj", "down_proj")
+
 
 @dataclass(frozen=True)
 class TensorShard:

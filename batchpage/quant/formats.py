@@ -27,7 +27,7 @@ Layouts, as each format's writer packs them:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 import torch
 
@@ -223,11 +223,15 @@ DECODERS = {"gptq": decode_gptq, "awq": decode_awq, "compressed-tensors": decode
 
 
 def decode_stream(
-    weights: Iterable[tuple[str, torch.Tensor]], scheme: QuantScheme, prefixes: set[str]
+    weights: Iterable[tuple[str, torch.Tensor]],
+    scheme: QuantScheme,
+    prefixes: set[str],
+    dense: Collection[str] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with each quantized linear's set replaced by IntWeight's
-    tensors; every other tensor passes as it is. Raises ValueError naming a linear whose set
-    is incomplete at the end."""
+    tensors (for the prefixes in `dense`: by its dequantized float32 `weight`); every other
+    tensor passes as it is. Raises ValueError naming a linear whose set is incomplete at the
+    end."""
     need, extra, drop = required_leaves(scheme), optional_leaves(scheme), dropped_leaves(scheme)
     decode = decode_fp8 if scheme.float8 else DECODERS[scheme.method]
     pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -243,7 +247,10 @@ def decode_stream(
         if all(leaf in parts for leaf in need):
             del pending[prefix]
             weight = decode(parts, scheme, prefix)
-            yield from _int_tensors(prefix, weight)
+            if prefix in dense:
+                yield f"{prefix}.weight", weight.dequantize(torch.float32)
+            else:
+                yield from _int_tensors(prefix, weight)
     if pending:
         prefix, parts = next(iter(pending.items()))
         missing = [leaf for leaf in need if leaf not in parts]

@@ -11,6 +11,7 @@ the metrics, and hands back the sequences that finished in each step; it never c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -80,7 +81,9 @@ class Engine:
         if cfg.classifier_from_token is not None:  # before bind: the lm_head as loaded
             rows = model.head_rows(_token_ids(tokenizer, cfg.classifier_from_token))
             model.score = token_classifier(rows, model.embed_tokens.weight.dtype)
-        built = build_model_runner(model, cfg, plan, peers)
+        # Linears are measured with the threads rank 0 runs its steps with.
+        with peers.rank_threads() if peers is not None else contextlib.nullcontext():
+            built = build_model_runner(model, cfg, plan, peers)
         self.bind_report = built.bind_report
         self.linear_methods = built.linear_methods
         self.weight_bytes = model.weight_bytes()  # after bind: in the layouts the ops keep

@@ -155,10 +155,11 @@ class ChoiceCache:
 def setup_key(
     candidates: Sequence[LinearMethod | IntCandidate], dtype: torch.dtype, rows: Sequence[int]
 ) -> dict:
-    """What decides the choices, for ChoiceCache: a changed CPU, torch build or kernel measures
-    again."""
+    """What decides the choices, for ChoiceCache: a changed CPU, torch build, kernel or thread
+    count (a tensor-parallel rank's share of the cores) measures again."""
     return {
         "cpu": cpu_model(),
+        "threads": str(torch.get_num_threads()),
         "flags": hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16],
         "torch": f"{torch.__version__} {torch.version.git_version}",
         "dtype": str(dtype),

@@ -122,7 +122,9 @@ def test_each_shape_gets_the_fastest_and_a_second_bind_times_nothing(
     assert fresh.measured == 2 and "silu_mul:8x4" in fresh.choices
 
 
-def test_a_changed_torch_build_or_cpu_measures_again(tmp_path: Path, monkeypatch) -> None:
+def test_a_changed_torch_build_cpu_or_thread_count_measures_again(
+    tmp_path: Path, monkeypatch
+) -> None:
     candidates = [fake("a"), fake("b")]
     base = setup_key(candidates, torch.float32, (1,))
     ChoiceCache(base, tmp_path).put("4x4", "a")
@@ -133,6 +135,12 @@ def test_a_changed_torch_build_or_cpu_measures_again(tmp_path: Path, monkeypatch
     monkeypatch.setattr(measured_linear, "cpu_model", lambda: "another CPU")
     assert ChoiceCache(setup_key(candidates, torch.float32, (1,)), tmp_path).get("4x4") is None
     assert ChoiceCache(setup_key(candidates, torch.bfloat16, (1,)), tmp_path).get("4x4") is None
+    threads = torch.get_num_threads()
+    try:  # a tensor-parallel rank's share of the cores
+        torch.set_num_threads(threads + 1)
+        assert ChoiceCache(setup_key(candidates, torch.float32, (1,)), tmp_path).get("4x4") is None
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

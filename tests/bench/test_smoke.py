@@ -50,7 +50,8 @@ def test_peers_running_n_times_the_parts_of_each_step(tmp_path) -> None:
     parts = ("schedule", "inputs", "sample", "stop_checks")
     for row in rows:
         own = sum(float(row[f"{p} ms"]) for p in parts)
-        assert float(row["own work ms"]) == pytest.approx(own, abs=0.02)
+        # Each of the five figures is rounded to 0.01 ms: they may disagree by 0.025.
+        assert float(row["own work ms"]) == pytest.approx(own, abs=0.03)
         assert float(row["forward ms"]) > 0
     results = json.loads(out.read_text())["results"]
     assert [(r["workload"], r["output_tokens"]) for r in results] == [

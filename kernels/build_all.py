@@ -1,4 +1,4 @@
-"""python -m batchpage.kernels.build_all: build the six C++ CPU kernels now (`make setup` runs
+"""python -m batchpage.kernels.build_all: build the seven C++ CPU kernels now (`make setup` runs
 it), so that the first job starts generating at once instead of compiling for minutes.
 
 Each kernel is built through its own builder (cpu_build.py caches the library by its sources
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from batchpage.kernels.cpu_a8_linear import CpuA8Linear
 from batchpage.kernels.cpu_bf16_linear import CpuBf16Linear
 from batchpage.kernels.cpu_build import KernelBuildError
+from batchpage.kernels.cpu_f32_linear import CpuF32Linear
 from batchpage.kernels.cpu_int_linear import CpuIntLinear
 from batchpage.kernels.cpu_layer_ops import CpuLayerOps
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
@@ -29,6 +30,7 @@ def builders() -> list[tuple[str, Callable[[], object]]]:
         ("the CPU paged-prefill kernel", CpuPagedPrefill.build),
         ("the CPU layer ops", CpuLayerOps.build),
         ("the bf16 linear", CpuBf16Linear.build),
+        ("the float32 linear", CpuF32Linear.build),
         ("the int linear", CpuIntLinear.build),
         ("the int8-activation linear", CpuA8Linear.build),
     ]

@@ -355,9 +355,11 @@ static void attend_tile(T* out, const T* q, const T* k_cache, const T* v_cache,
   const int64_t bs = sh.block_size, kv_off = tile.kv_head * dim;  // within a token
   const typename V::R floor = V::set1(-FLT_MAX);
   for (int64_t k0 = first_key; k0 <= last_key;) {
-    // The chunk [k0, k1): within one block, at most KT keys.
+    // The chunk [k0, k1): within one block and one run of KT keys from a multiple of KT, so
+    // that a key's chunk is decided by its position alone, never by where the tile starts (a
+    // row's sums are then the same bits in any tile: keys it must not see weigh exactly 0).
     const int64_t block_end = (k0 / bs + 1) * bs;
-    const int64_t k1 = std::min({k0 + KT, block_end, last_key + 1}), n = k1 - k0;
+    const int64_t k1 = std::min({k0 - k0 % KT + KT, block_end, last_key + 1}), n = k1 - k0;
     const int64_t base = (static_cast<int64_t>(table[k0 / bs]) * bs + k0 % bs) * sh.token_stride;
     if (k1 == block_end && k1 <= last_key) {  // the next block sits anywhere in the pool
       const int64_t next = static_cast<int64_t>(table[k1 / bs]) * bs * sh.token_stride;

@@ -3,6 +3,12 @@ token) go to the paged-decode kernel (kernels/cpu_paged_decode.py), a row per ta
 a prompt, a chunk or a prompt behind a cached prefix go to the paged-prefill kernel
 (kernels/cpu_paged_prefill.py), which reads each key once for a tile of rows. Sliding windows
 and logit soft-caps go to both (see backend.py).
+
+Batch-invariant (EngineConfig.batch_invariant): every row goes to the prefill kernel, decodes
+too. The two kernels sum in different orders (the decode kernel a whole softmax at once, the
+prefill kernel an online one over chunks of keys fixed by position), so a token computed once by
+each (a decode, then recomputed after a preemption, or read as a cached prefix) would differ;
+one kernel, whose sums for a row do not depend on the other rows of its tile, does not.
 """
 
 from __future__ import annotations
@@ -90,13 +96,16 @@ class CpuPagedAttention:
     decode kernel; a sequence with several new tokens (a prompt, a chunk, a prompt behind a
     cached prefix) through the prefill kernel. Tests compare it with the torch backend."""
 
-    def __init__(self, kernel: CpuPagedDecode, prefill: CpuPagedPrefill) -> None:
+    def __init__(
+        self, kernel: CpuPagedDecode, prefill: CpuPagedPrefill, batch_invariant: bool = False
+    ) -> None:
         self.kernel = kernel
         self.prefill = prefill
+        self.batch_invariant = batch_invariant
 
     def plan(self, meta: AttentionMetadata) -> CpuStepAttention:
         lens = meta.query_lens_cpu
-        decode = [b for b, n in enumerate(lens) if n == 1]
+        decode = [] if self.batch_invariant else [b for b, n in enumerate(lens) if n == 1]
         if len(decode) == meta.num_seqs:
             none = torch.empty(0, dtype=torch.long)
             return CpuStepAttention(
@@ -114,5 +123,7 @@ class CpuPagedAttention:
             torch.tensor([starts[b] for b in decode], dtype=torch.long),
             meta.block_tables.index_select(0, seqs),
             meta.seq_lens.index_select(0, seqs),
-            torch.tensor([b for b, n in enumerate(lens) if n > 1], dtype=torch.int32),
+            torch.tensor(
+                [b for b, n in enumerate(lens) if n > 1 or self.batch_invariant], dtype=torch.int32
+            ),
         )

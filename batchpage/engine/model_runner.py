@@ -30,9 +30,16 @@ from batchpage.quant.linear import QuantLinear
 log = logging.getLogger(__name__)
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def make_attention_backend(
+    name: str, device: torch.device, batch_invariant: bool = False
+) -> AttentionBackend:
     """auto: Triton kernels on CUDA; on CPU the C++ attention kernels when they build here, else the
-    torch implementation of the same layout (with a warning that says why)."""
+    torch implementation of the same layout (with a warning that says why). `batch_invariant`:
+    the C++ kernels in their batch-invariant mode, or an error that says why not."""
+    if batch_invariant and device.type != "cpu":
+        raise ValueError(
+            f"batch_invariant=True runs on the CPU attention kernels only, for now; got {device}"
+        )
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         from batchpage.attention.triton_backend import TritonPagedAttention
 
@@ -48,9 +55,9 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     from batchpage.kernels.cpu_paged_prefill import CpuPagedPrefill
 
     try:
-        return CpuPagedAttention(CpuPagedDecode.build(), CpuPagedPrefill.build())
+        return CpuPagedAttention(CpuPagedDecode.build(), CpuPagedPrefill.build(), batch_invariant)
     except KernelBuildError as exc:
-        if name == "cpu":
+        if name == "cpu" or batch_invariant:
             raise
         warnings.warn(f"{exc}; using attention_backend='torch'", stacklevel=2)
         return TorchPagedAttention()
@@ -245,7 +252,7 @@ def build_model_runner(
         plan.dtype,
         plan.device,
     )
-    attention = make_attention_backend(cfg.attention_backend, plan.device)
+    attention = make_attention_backend(cfg.attention_backend, plan.device, cfg.batch_invariant)
     if peers is not None:
         comm = peers.comm
     # The row counts a linear runs at: a decode step's few rows up to a full batch.
@@ -253,7 +260,14 @@ def build_model_runner(
     dense_ints = cfg.quantized_weights == "auto" and dense_copy_fits(model, plan.dtype, plan.device)
     cpu_kernels = uses_cpu_kernels(attention)
     ops = select_model_ops(
-        cfg.linear_backend, cpu_kernels, plan.dtype, plan.device, comm, rows, dense_ints
+        cfg.linear_backend,
+        cpu_kernels,
+        plan.dtype,
+        plan.device,
+        comm,
+        rows,
+        dense_ints,
+        cfg.batch_invariant,
     )
     report = model.bind(ops)
     if ops.measured is not None and ops.measured.choices:

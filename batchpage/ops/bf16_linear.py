@@ -100,6 +100,7 @@ def bf16_linears(kernel: CpuBf16Linear) -> LinearMethod:
         functools.partial(Bf16DotLinear, kernel=kernel),
         functools.partial(Bf16SiluMulLinear, kernel=kernel),
         version=getattr(kernel.raw, "__name__", ""),
+        batch_invariant=True,  # each output is one k-ordered sum, whatever the rows
     )
 
 

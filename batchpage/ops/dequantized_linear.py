@@ -15,9 +15,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
-from batchpage.ops.linear import IntLinearMaker, LinearOp, dense_matmul, dtype_format
+from batchpage.ops.linear import (
+    IntLinearMaker,
+    LinearMaker,
+    LinearOp,
+    dense_matmul,
+    dtype_format,
+)
 from batchpage.quant.activations import quantize_rows_int8
 from batchpage.quant.int_weight import IntWeight
 
@@ -25,28 +30,18 @@ if TYPE_CHECKING:  # the scheme module imports batchpage.model, which imports th
     from batchpage.quant.scheme import QuantScheme
 
 
-class DequantizedLinear(LinearOp):
-    """A dense weight made from an IntWeight, multiplied by torch (as the torch method's Linear
-    is); it also gives back its rows (a tied model's embedding lookups read them when the
-    checkpoint's only table was quantized). Not a `Linear`, so a dense method's `make` leaves
-    it, and the embedding that reads its rows, as they are."""
+class HeldDense(LinearOp):
+    """A dense weight multiplied by torch, as the torch method's Linear, but not a `Linear`:
+    bind's dense pass, which remakes every Linear on the engine's method, leaves it as it is."""
 
-    def __init__(
-        self, weight: IntWeight, bias: torch.Tensor | None, dtype: torch.dtype, rounds_rows: bool
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.in_features, self.out_features = weight.in_features, weight.out_features
-        self.weight = torch.nn.Parameter(weight.dequantize(torch.float32).to(dtype), False)
-        self.bias = None if bias is None else torch.nn.Parameter(bias.to(dtype), False)
-        self.rounds_rows = rounds_rows  # the scheme's int8 activations
+        self.out_features, self.in_features = weight.shape
+        self.weight = torch.nn.Parameter(weight, False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, False)
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        if not self.rounds_rows:
-            return dense_matmul(x, self.weight, self.bias, out)
-        values, scales = quantize_rows_int8(x)
-        y = F.linear(values, self.weight) * scales.to(x.dtype)
-        y = y if self.bias is None else y + self.bias
-        return y if out is None else out.copy_(y)
+        return dense_matmul(x, self.weight, self.bias, out)
 
     @property
     def weight_format(self) -> str:
@@ -56,12 +51,51 @@ class DequantizedLinear(LinearOp):
         return self.weight[ids].float()
 
 
-def dequantized_linears(dtype: torch.dtype) -> IntLinearMaker:
-    """The maker bind calls for each quantized linear: its DequantizedLinear in `dtype`."""
+class DequantizedLinear(LinearOp):
+    """A dense weight made from an IntWeight, multiplied by `make`'s module (default: torch,
+    HeldDense); it also gives back its rows (a tied model's embedding
+    lookups read them when the checkpoint's only table was quantized). Not a `Linear`, so a
+    dense method's `make` leaves it, and the embedding that reads its rows, as they are."""
 
-    def make(
+    def __init__(
+        self,
+        weight: IntWeight,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        rounds_rows: bool,
+        make: LinearMaker | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        dense = weight.dequantize(torch.float32).to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        self.rounds_rows = rounds_rows  # the scheme's int8 activations: the bias after the scale
+        self.inner = (make or HeldDense)(dense, None if rounds_rows else bias)
+        self.bias = None if bias is None or not rounds_rows else torch.nn.Parameter(bias, False)
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        if not self.rounds_rows:
+            return self.inner.apply(x, out)
+        values, scales = quantize_rows_int8(x)
+        y = self.inner.apply(values, None) * scales.to(x.dtype)
+        y = y if self.bias is None else y + self.bias
+        return y if out is None else out.copy_(y)
+
+    @property
+    def weight_format(self) -> str:
+        return self.inner.weight_format
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.weight_rows(ids)
+
+
+def dequantized_linears(dtype: torch.dtype, make: LinearMaker | None = None) -> IntLinearMaker:
+    """The maker bind calls for each quantized linear: its DequantizedLinear in `dtype`, on
+    `make`'s implementation (default: torch's, HeldDense)."""
+
+    def maker(
         weight: IntWeight, bias: torch.Tensor | None, scheme: QuantScheme, reads_rows: bool = False
     ) -> LinearOp:
-        return DequantizedLinear(weight, bias, dtype, scheme.int8_activations)
+        return DequantizedLinear(weight, bias, dtype, scheme.int8_activations, make)
 
-    return make
+    return maker

@@ -182,7 +182,7 @@ def cpu_int_candidates(dtype: torch.dtype, device: torch.device) -> list[IntCand
     if kernel.path == "plain":  # the compiler lacks the instructions the CPU has
         return []
     a16 = functools.partial(CpuIntLinearOp, kernel=kernel)
-    found = [IntCandidate("int_a16", a16, _any_integer, _library(kernel))]
+    found = [IntCandidate("int_a16", a16, _any_integer, _library(kernel), batch_invariant=True)]
     if "avx512_vnni" in flags:  # else its build is a plain loop, never the faster
         try:
             a8 = CpuA8Linear.build()
@@ -191,6 +191,10 @@ def cpu_int_candidates(dtype: torch.dtype, device: torch.device) -> list[IntCand
         else:
             if a8.native:
                 make = functools.partial(CpuA8LinearOp, kernel=a8)
-                found.append(IntCandidate("int_a8", make, _int8_activations, _library(a8)))
+                found.append(
+                    IntCandidate(
+                        "int_a8", make, _int8_activations, _library(a8), batch_invariant=True
+                    )
+                )
     onednn = onednn_int8_candidate(device)
     return found if onednn is None else [*found, onednn]

@@ -138,6 +138,9 @@ class LinearMethod:
     silu_mul: SiluMulMaker | None = None
     make_int: IntLinearMaker | None = None
     version: str = ""  # what else identifies it, for cached measurements: a kernel's library
+    # Each output row is the same bits whatever other rows the call holds (a fixed summation
+    # order, no algorithm picked from the row count): what a batch-invariant engine may bind.
+    batch_invariant: bool = False
 
 
 TORCH_LINEARS = LinearMethod("torch")
@@ -163,6 +166,7 @@ class IntCandidate:
     takes: Callable[[IntWeight, QuantScheme], bool]
     version: str = ""  # what else identifies it, for cached measurements: a kernel's library
     gives_rows: bool = True  # its weight_rows is cheap enough for every step's lookups
+    batch_invariant: bool = False  # as LinearMethod's
 
 
 # torch's method as one candidate among several for measured choice (ops/measured_linear.py),

@@ -11,13 +11,14 @@ import torch
 from batchpage.ops.bf16_linear import bf16_dot_kernel, bf16_linears
 from batchpage.ops.collective import Collective
 from batchpage.ops.dequantized_linear import dequantized_linears
+from batchpage.ops.f32_linear import f32_kernel, f32_linears
 from batchpage.ops.int_linear import cpu_int_candidates
 from batchpage.ops.layer_ops import LayerOps
 from batchpage.ops.linear import MEASURABLE_TORCH_LINEARS, TORCH_LINEARS, LinearMethod
 from batchpage.ops.measured_linear import ChoiceCache, MeasuredLinears, setup_key
 from batchpage.ops.onednn_linear import ONEDNN_LINEARS, onednn_packs
 
-LINEAR_BACKENDS = ("auto", "avx512_bf16", "onednn", "torch")
+LINEAR_BACKENDS = ("auto", "avx512_bf16", "cpu_f32", "onednn", "torch")
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,11 @@ def select_linears(
     device: torch.device,
     rows: tuple[int, ...] = (1, 64),
     dense_ints: bool = False,
+    batch_invariant: bool = False,
 ) -> tuple[LinearMethod, MeasuredLinears | None]:
     """The engine's `linear_backend`: "avx512_bf16" is the bf16 kernel (with SiLU(gate) * up
-    fused into the gate/up linear) or raises; "onednn" is oneDNN's prepacked layout or raises;
+    fused into the gate/up linear) or raises; "cpu_f32" the float32 kernel or raises;
+    "onednn" is oneDNN's prepacked layout or raises;
     "torch" keeps the dense weights and dequantizes quantized ones; "auto" measures, for each
     linear shape at bind, every one of them that can run here at the row counts `rows`, and
     binds the fastest (ops/measured_linear.py; the MeasuredLinears is returned for its report).
@@ -57,17 +60,24 @@ def select_linears(
     that run here (ops/int_linear.py), each layer on the one measured fastest for its shape;
     on a CPU where none does (float32), their weights are dequantized once, at bind
     (ops/dequantized_linear.py). `dense_ints` (under "auto" only): a quantized layer's own
-    dense form is a candidate too (the caller has checked that the memory allows it)."""
+    dense form is a candidate too (the caller has checked that the memory allows it).
+    `batch_invariant`: only implementations whose rows do not depend on the batch (each
+    output one fixed-order sum) are candidates; none for this dtype here raises, saying why."""
     if choice not in LINEAR_BACKENDS:
         allowed = ", ".join(LINEAR_BACKENDS)
         raise ValueError(f"linear_backend must be one of {allowed}; got {choice!r}")
-    if choice == "torch":
+    if choice == "torch" and not batch_invariant:
         return TORCH_LINEARS, None
     ints = cpu_int_candidates(dtype, device)
     if choice != "auto":
         dense = [_forced_linears(choice, dtype, device)]
     else:
         dense = _candidates(dtype, device)
+    if batch_invariant:
+        dense, ints = (
+            _invariant(choice, dense, dtype, device),
+            [c for c in ints if c.batch_invariant],
+        )
     if dense == [MEASURABLE_TORCH_LINEARS]:
         dense = [TORCH_LINEARS]  # the only one: the dense Linear as loaded, not remade
     dense_ints = dense_ints and choice == "auto" and bool(ints)
@@ -75,11 +85,43 @@ def select_linears(
     measured = MeasuredLinears(dense, dtype, rows, ChoiceCache(key), ints, dense_ints)
     method = measured.method()
     if not ints and device.type == "cpu":
-        method = replace(method, make_int=dequantized_linears(dtype))
+        # Dequantized once; a batch-invariant engine multiplies them on its own kernel.
+        remake = method.make if batch_invariant else None
+        method = replace(method, make_int=dequantized_linears(dtype, remake))
     return method, measured
 
 
+def _invariant(
+    choice: str, dense: list[LinearMethod], dtype: torch.dtype, device: torch.device
+) -> list[LinearMethod]:
+    """The batch-invariant ones among `dense`, or a one-line reason why there are none."""
+    kept = [m for m in dense if m.batch_invariant]
+    if kept:
+        return kept
+    name = str(dtype).removeprefix("torch.")
+    if choice != "auto":
+        raise ValueError(
+            f"batch_invariant=True cannot run linear_backend={choice!r}, whose rows depend on the "
+            "batch: use linear_backend='auto'"
+        )
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        raise ValueError(
+            "batch_invariant=True with bfloat16 needs a CPU with AVX512-BF16 (its bf16 kernel sums "
+            "in a fixed order) and a compiler that builds it; use dtype='float32' here"
+        )
+    raise ValueError(
+        f"batch_invariant=True has no batch-invariant linear for {name} on {device.type} yet: "
+        "use dtype='float32' on a CPU"
+    )
+
+
 def _forced_linears(choice: str, dtype: torch.dtype, device: torch.device) -> LinearMethod:
+    if choice == "torch":
+        return TORCH_LINEARS
+    if choice == "cpu_f32":
+        f32 = f32_kernel(dtype, device, required=True)
+        assert f32 is not None
+        return f32_linears(f32)
     if choice == "avx512_bf16":
         kernel = bf16_dot_kernel(dtype, device, required=True)
         assert kernel is not None
@@ -101,6 +143,9 @@ def _candidates(dtype: torch.dtype, device: torch.device) -> list[LinearMethod]:
     kernel = bf16_dot_kernel(dtype, device, required=False)
     if kernel is not None:
         found.append(bf16_linears(kernel))
+    f32 = f32_kernel(dtype, device, required=False)
+    if f32 is not None:
+        found.append(f32_linears(f32))
     if onednn_packs(dtype, device):
         found.append(ONEDNN_LINEARS)
     return [*found, MEASURABLE_TORCH_LINEARS]
@@ -131,8 +176,11 @@ def select_model_ops(
     comm: Collective | None = None,
     rows: tuple[int, ...] = (1, 64),
     dense_ints: bool = False,
+    batch_invariant: bool = False,
 ) -> ModelOps:
     """`rows`: the row counts a linear runs at that matter, where "auto" measures;
-    `dense_ints`: see select_linears."""
-    linear, measured = select_linears(linear_backend, dtype, device, rows, dense_ints)
+    `dense_ints`, `batch_invariant`: see select_linears."""
+    linear, measured = select_linears(
+        linear_backend, dtype, device, rows, dense_ints, batch_invariant
+    )
     return ModelOps(select_layer_ops(cpu_kernels), linear, comm or Collective(), measured)

@@ -16,6 +16,7 @@ from batchpage.cpu_info import cpu_flags
 from batchpage.model.hf_loader import load_hf_model
 from batchpage.model.layers import GatedMLP
 from batchpage.ops.bf16_linear import Bf16DotLinear, Bf16SiluMulLinear, bf16_linears
+from batchpage.ops.f32_linear import F32KernelLinear
 from batchpage.ops.layer_ops import LayerOps
 from batchpage.ops.linear import TORCH_LINEARS, Linear
 from batchpage.ops.onednn_linear import ONEDNN_LINEARS, OneDnnLinear, onednn_packs
@@ -128,7 +129,9 @@ def test_linear_backend_choice():
         assert select_linears("torch", dtype, CPU) == (TORCH_LINEARS, None)
         auto, measured = select_linears("auto", dtype, CPU)
         kernel = dtype == torch.bfloat16 and NATIVE  # bf16 on AVX512-BF16: the bf16 kernel
-        want = ["avx512_bf16"] * kernel + ["onednn"] * onednn_packs(dtype, CPU) + ["torch"]
+        f32 = dtype == torch.float32  # the float32 kernel builds on every CPU
+        want = ["avx512_bf16"] * kernel + ["cpu_f32"] * f32
+        want += ["onednn"] * onednn_packs(dtype, CPU) + ["torch"]
         assert measured is not None and list(measured.candidates) == want
         assert auto.name == "auto" and (auto.silu_mul is not None) == kernel
         # A quantized checkpoint's linears: measured among the int implementations for bf16
@@ -149,6 +152,27 @@ def test_linear_backend_choice():
         else:
             with pytest.raises(ValueError, match="linear_backend='avx512_bf16' needs bfloat16"):
                 select_linears("avx512_bf16", dtype, CPU)
+        if f32:
+            forced, report = select_linears("cpu_f32", dtype, CPU)
+            assert report.forced and forced.make.func is F32KernelLinear
+        else:
+            with pytest.raises(ValueError, match="linear_backend='cpu_f32' runs float32"):
+                select_linears("cpu_f32", dtype, CPU)
+        # batch_invariant: only the fixed-order kernels, the int ones too
+        if f32 or kernel:
+            _, report = select_linears("auto", dtype, CPU, batch_invariant=True)
+            assert list(report.candidates) == ["cpu_f32" if f32 else "avx512_bf16"]
+            assert not {"onednn_int8"} & set(report.int_candidates)
+            if not f32:
+                assert report.int_candidates and all(
+                    c.batch_invariant for c in report.int_candidates.values()
+                )
+        else:
+            with pytest.raises(ValueError, match="batch_invariant=True with bfloat16 needs"):
+                select_linears("auto", dtype, CPU, batch_invariant=True)
+        for name in ("torch", "onednn")[: 1 + onednn_packs(dtype, CPU)]:
+            with pytest.raises(ValueError, match=f"cannot run linear_backend='{name}'"):
+                select_linears(name, dtype, CPU, batch_invariant=True)
         if onednn_packs(dtype, CPU):
             onednn, report = select_linears("onednn", dtype, CPU)
             assert replace(onednn, make_int=None) == ONEDNN_LINEARS and report.forced
@@ -158,7 +182,7 @@ def test_linear_backend_choice():
     with pytest.raises(ValueError, match="linear_backend='avx512_bf16' needs bfloat16"):
         select_linears("avx512_bf16", torch.bfloat16, torch.device("cuda"))
     with pytest.raises(
-        ValueError, match="linear_backend must be one of auto, avx512_bf16, onednn, torch"
+        ValueError, match="linear_backend must be one of auto, avx512_bf16, cpu_f32, onednn, torch"
     ):
         select_linears("mkl", torch.float32, CPU)
     with pytest.raises(ValueError, match="linear_backend must be one of"):

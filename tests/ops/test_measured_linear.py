@@ -178,7 +178,7 @@ def test_an_engine_reports_its_choices_and_generates_as_forced_torch(tiny_folder
     methods = auto.stats["linear_methods"]
     mc = auto.model_config
     assert f"{mc.hidden_size}x{mc.hidden_size}" in "".join(methods)  # o_proj's shape
-    assert set(methods.values()) <= {"torch", "onednn", "avx512_bf16", UNFUSED}
+    assert set(methods.values()) <= {"torch", "onednn", "avx512_bf16", "cpu_f32", UNFUSED}
     assert forced.stats["linear_methods"] == {"*": "torch"}
 
 

@@ -1,0 +1,178 @@
+"""batch_invariant=True as a property: a target prompt's greedy tokens and every logprob (and,
+with a per-request seed, its sampled tokens) are the same bits run alone and run among other
+prompts, in another order, with its prefill chunked differently, behind a warm prefix cache,
+preempted (recompute and swap). Hypothesis draws the prompts and the variation; the reference
+is the target alone on an engine with room for everything.
+
+The model: a random Llama of head_dim 64 (the attention kernels' vector paths; bf16 on a CPU
+with AVX512-BF16 takes their vdpbf16ps paths) with a vocabulary of 320."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batchpage import LLM, SamplingParams
+from batchpage.cpu_info import cpu_flags
+from tests.model_factory import build_hf_model, save_hf_folder
+
+BLOCK = 16
+VOCAB = 320
+DTYPES = [
+    "float32",
+    pytest.param(
+        "bfloat16",
+        marks=pytest.mark.skipif(
+            "avx512_bf16" not in cpu_flags(), reason="batch-invariant bf16 needs AVX512-BF16"
+        ),
+    ),
+]
+MAX_TOKENS = 12
+SETTINGS = settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, tokenizer) -> Path:
+    hf = build_hf_model(
+        "llama_gqa_tied", len(tokenizer), hidden_size=128, num_attention_heads=2,
+        num_key_value_heads=1,
+    )  # fmt: skip
+    return save_hf_folder(hf, tmp_path_factory.mktemp("hd64"), tokenizer)
+
+
+def engine(folder: Path, dtype: str, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory", 2**24)
+    kw.setdefault("max_model_len", 256)
+    llm = LLM(str(folder), dtype=dtype, batch_invariant=True, block_size=BLOCK, **kw)
+    llm.engine.check_integrity_each_step = True
+    return llm
+
+
+@dataclass(frozen=True)
+class Case:
+    target: list[int]
+    others: list[list[int]]
+    at: int  # the target's place among the others
+    variation: str
+    budget: int  # max_num_batched_tokens
+    seed: int | None  # sampled with this seed, else greedy
+
+    def params(self) -> SamplingParams:
+        if self.seed is None:
+            return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3,
+                                  ignore_eos=True)  # fmt: skip
+        return SamplingParams(temperature=1.0, top_k=50, seed=self.seed, max_tokens=MAX_TOKENS,
+                              logprobs=3, ignore_eos=True)  # fmt: skip
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    tokens = st.integers(3, VOCAB - 1)
+    target = draw(st.lists(tokens, min_size=1, max_size=70))
+    count = draw(st.sampled_from([1, 3, 12, 40]))
+    rng = random.Random(draw(st.integers(0, 2**16)))
+    others = []
+    for _ in range(count):
+        own = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 50))]
+        shared = target[: rng.randint(0, len(target))] if rng.random() < 0.3 else []
+        others.append(shared + own)
+    variation = draw(st.sampled_from(["batch", "reordered", "chunked", "warm_prefix",
+                                      "recompute", "swap"]))  # fmt: skip
+    budget = draw(st.sampled_from([7, 16, 33, 512])) if variation == "chunked" else 512
+    seed = draw(st.one_of(st.none(), st.integers(0, 1000)))
+    return Case(target, others, draw(st.integers(0, count)), variation, budget, seed)
+
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list:
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def result(out) -> tuple:
+    """Tokens and every logprob the output holds, exactly (floats compared as bits)."""
+    c = out.outputs[0]
+    return (c.token_ids, [sorted(d.items()) for d in c.logprobs], c.cumulative_logprob)
+
+
+def variant_run(folder: Path, dtype: str, case: Case) -> tuple:
+    """The target's result under the case's variation."""
+    params = case.params()
+    batch = case.others[: case.at] + [case.target] + case.others[case.at :]
+    at = case.at
+    if case.variation == "reordered":
+        order = list(range(len(batch)))
+        random.Random(len(batch)).shuffle(order)
+        batch, at = [batch[i] for i in order], order.index(case.at)
+    if case.variation in ("recompute", "swap"):
+        # A pool that holds the longest request and a little more: the batch must preempt.
+        need = max(-(-(len(p) + MAX_TOKENS) // BLOCK) for p in batch) + 2
+        per_block = 2 * 2 * 1 * 64 * BLOCK * torch.finfo(getattr(torch, dtype)).bits // 8
+        llm = engine(folder, dtype, kv_cache_memory=need * per_block,
+                     max_model_len=(need - 2) * BLOCK, preemption_mode=case.variation)  # fmt: skip
+        llm.engine.scheduler.growth = None  # admit on the prompt alone, so the pool preempts
+        got = run(llm, batch, params)[at]
+        return result(got), llm.stats["preemptions"]
+    llm = engine(folder, dtype, max_num_batched_tokens=case.budget)
+    if case.variation == "warm_prefix":
+        run(llm, [case.target[: max(1, len(case.target) - 1)], *case.others[:2]], params)
+    return result(run(llm, batch, params)[at]), 0
+
+
+@pytest.fixture(scope="module")
+def alone_engines(folder) -> dict[str, LLM]:
+    return {}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@SETTINGS
+@given(case=cases())
+def test_a_rows_results_do_not_depend_on_its_batch(folder, alone_engines, dtype, case) -> None:
+    if dtype not in alone_engines:
+        alone_engines[dtype] = engine(folder, dtype, prefix_caching=False)
+    alone = result(run(alone_engines[dtype], [case.target], case.params())[0])
+    got, _ = variant_run(folder, dtype, case)
+    assert got == alone, case.variation
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_preempting_pool_preempts(folder, mode) -> None:
+    """The variation above does what it says: its pool preempts the target's batch."""
+    case = Case([5] * 40, [[7] * 45] * 8, 3, mode, 512, None)
+    _, preemptions = variant_run(folder, "float32", case)
+    assert preemptions > 0
+
+
+def test_without_it_a_row_can_differ(folder) -> None:
+    """The counterexample the mode exists for, on the same model: with batch_invariant=False
+    the target's logprobs among other rows differ from alone in some bits."""
+    target = list(range(10, 60))
+    others = [[rng % 300 + 3 for rng in range(i, i + 30)] for i in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True)
+    llm = LLM(str(folder), dtype="float32", block_size=BLOCK, max_model_len=256,
+              kv_cache_memory=2**24, linear_backend="torch")  # fmt: skip
+    alone = result(run(llm, [target], params)[0])
+    among = result(run(llm, [*others[:20], target, *others[20:]], params)[20])
+    assert alone != among
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_backends_without_the_mode_are_refused_before_loading(backend) -> None:
+    with pytest.raises(ValueError, match=f"not attention_backend='{backend}'"):
+        LLM("/nonexistent", batch_invariant=True, attention_backend=backend)
+
+
+def test_the_engine_binds_the_invariant_kernels(folder) -> None:
+    llm = engine(folder, "float32")
+    run(llm, [[5, 6, 7]], SamplingParams(max_tokens=1))
+    assert llm.stats["linear_methods"] == {"*": "cpu_f32"}
+    assert llm.engine.runner.attention.batch_invariant

@@ -279,26 +279,30 @@ static inline __m512i bf16_lanes(__m512 x) {
 }
 
 template <int D>
+// Keys pair at even positions (`lead`: the chunk starts at an odd one, whose pair's first half is
+// a zero key of weight 0, never read), so that a key's pair never depends on where its chunk
+// starts: a window's first chunk starts anywhere.
 static inline void chunk_values_dot(Scratch& w, const c10::BFloat16* v, int64_t stride, int64_t n,
-                                    int64_t mp) {
+                                    int64_t mp, int64_t lead) {
   constexpr int MB = 4, CB = 4;  // 16 accumulators
   static_assert(D % (16 * CB) == 0 && kMaxM % MB == 0);
-  const int64_t pairs = (n + 1) / 2;
+  const int64_t pairs = (n + lead + 1) / 2;
   int32_t* vp = w.vp.data();
   int32_t* pp = w.pp.data();
+  const __m512i none = _mm512_setzero_si512();
   for (int64_t u = 0; u < pairs; ++u) {
-    const c10::BFloat16* a = v + 2 * u * stride;
-    const bool two = 2 * u + 1 < n;
+    const int64_t e = 2 * u - lead;  // the pair's first key in the chunk (-1: the zero key)
+    const bool one = e >= 0, two = e + 1 < n;
     for (int c = 0; c < D; c += 32) {
-      const __m512i x = _mm512_loadu_si512(a + c);
-      const __m512i y = two ? _mm512_loadu_si512(a + stride + c) : _mm512_setzero_si512();
+      const __m512i x = one ? _mm512_loadu_si512(v + e * stride + c) : none;
+      const __m512i y = two ? _mm512_loadu_si512(v + (e + 1) * stride + c) : none;
       _mm512_storeu_si512(vp + u * D + c, _mm512_unpacklo_epi16(x, y));
       _mm512_storeu_si512(vp + u * D + c + 16, _mm512_unpackhi_epi16(x, y));
     }
-    const float* s0 = w.s.data() + 2 * u * mp;
+    const float* s1 = w.s.data() + (e + 1) * mp;  // the second key's weights
     for (int64_t j = 0; j < mp; j += 16) {  // bf16 bits, rounded to nearest even, per 32-bit lane
-      const __m512i lo = bf16_lanes(_mm512_loadu_ps(s0 + j));
-      const __m512i hi = two ? bf16_lanes(_mm512_loadu_ps(s0 + mp + j)) : _mm512_setzero_si512();
+      const __m512i lo = one ? bf16_lanes(_mm512_loadu_ps(s1 - mp + j)) : none;
+      const __m512i hi = two ? bf16_lanes(_mm512_loadu_ps(s1 + j)) : none;
       _mm512_storeu_si512(pp + u * mp + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   }
@@ -413,7 +417,7 @@ static void attend_tile(T* out, const T* q, const T* k_cache, const T* v_cache,
     }
     if constexpr (dot) {
 #if defined(BATCHPAGE_AVX512) && defined(__AVX512BF16__)
-      chunk_values_dot<D>(w, v_cache + base + kv_off, sh.token_stride, n, mp);
+      chunk_values_dot<D>(w, v_cache + base + kv_off, sh.token_stride, n, mp, k0 % 2);
 #endif
     } else {
       const auto [v, vs] =

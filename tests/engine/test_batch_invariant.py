@@ -4,8 +4,9 @@ prompts, in another order, with its prefill chunked differently, behind a warm p
 preempted (recompute and swap). Hypothesis draws the prompts and the variation; the reference
 is the target alone on an engine with room for everything.
 
-The model: a random Llama of head_dim 64 (the attention kernels' vector paths; bf16 on a CPU
-with AVX512-BF16 takes their vdpbf16ps paths) with a vocabulary of 320."""
+The models: a random Llama and a Mistral with a sliding window of 21, both of head_dim 64 (the
+attention kernels' vector paths; bf16 on a CPU with AVX512-BF16 takes their vdpbf16ps paths),
+with a vocabulary of 320."""
 
 from __future__ import annotations
 
@@ -35,20 +36,33 @@ DTYPES = [
 ]
 MAX_TOKENS = 12
 SETTINGS = settings(
-    max_examples=25,
+    max_examples=15,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 
 
+HD64 = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+MODELS = {  # name -> (variant, overrides)
+    "llama": ("llama_gqa_tied", HD64),
+    # A window of 21: rows' windows start at odd and even positions, mid-chunk.
+    "windowed": ("mistral_mha", {**HD64, "head_dim": 64, "sliding_window": 21}),
+}
+
+
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory, tokenizer) -> Path:
-    hf = build_hf_model(
-        "llama_gqa_tied", len(tokenizer), hidden_size=128, num_attention_heads=2,
-        num_key_value_heads=1,
-    )  # fmt: skip
-    return save_hf_folder(hf, tmp_path_factory.mktemp("hd64"), tokenizer)
+def folders(tmp_path_factory, tokenizer) -> dict[str, Path]:
+    made = {}
+    for name, (variant, overrides) in MODELS.items():
+        hf = build_hf_model(variant, len(tokenizer), **overrides)
+        made[name] = save_hf_folder(hf, tmp_path_factory.mktemp(name), tokenizer)
+    return made
+
+
+@pytest.fixture(scope="module")
+def folder(folders) -> Path:
+    return folders["llama"]
 
 
 def engine(folder: Path, dtype: str, **kw) -> LLM:
@@ -129,17 +143,21 @@ def variant_run(folder: Path, dtype: str, case: Case) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def alone_engines(folder) -> dict[str, LLM]:
+def alone_engines() -> dict[tuple[str, str], LLM]:
     return {}
 
 
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @SETTINGS
 @given(case=cases())
-def test_a_rows_results_do_not_depend_on_its_batch(folder, alone_engines, dtype, case) -> None:
-    if dtype not in alone_engines:
-        alone_engines[dtype] = engine(folder, dtype, prefix_caching=False)
-    alone = result(run(alone_engines[dtype], [case.target], case.params())[0])
+def test_a_rows_results_do_not_depend_on_its_batch(
+    folders, alone_engines, model, dtype, case
+) -> None:
+    folder = folders[model]
+    if (model, dtype) not in alone_engines:
+        alone_engines[model, dtype] = engine(folder, dtype, prefix_caching=False)
+    alone = result(run(alone_engines[model, dtype], [case.target], case.params())[0])
     got, _ = variant_run(folder, dtype, case)
     assert got == alone, case.variation
 
@@ -176,3 +194,18 @@ def test_the_engine_binds_the_invariant_kernels(folder) -> None:
     run(llm, [[5, 6, 7]], SamplingParams(max_tokens=1))
     assert llm.stats["linear_methods"] == {"*": "cpu_f32"}
     assert llm.engine.runner.attention.batch_invariant
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("budget", [7, 9, 33])
+def test_a_windowed_prompt_chunked_anywhere_is_computed_as_in_one_piece(
+    folders, dtype, budget
+) -> None:
+    """A window's first chunk of keys starts wherever the chunk's first row's window does (odd
+    or even): a row's sums must not depend on it (bf16: keys pair at even positions)."""
+    target = [(7 * i) % 300 + 3 for i in range(75)]
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    whole = engine(folders["windowed"], dtype, prefix_caching=False)
+    chunked = engine(folders["windowed"], dtype, prefix_caching=False,
+                     max_num_batched_tokens=budget)  # fmt: skip
+    assert result(run(chunked, [target], params)[0]) == result(run(whole, [target], params)[0])

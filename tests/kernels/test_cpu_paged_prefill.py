@@ -127,3 +127,27 @@ def test_bad_inputs_are_refused(prefill):
         _run(prefill, case, 0.125, seqs=[2])
     with pytest.raises(AssertionError):
         _run(prefill, case, 0.125, out=torch.empty(5, 4, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_a_rows_output_does_not_depend_on_its_chunk(prefill, dtype, window, block_size):
+    """The engine's batch-invariant mode: a prompt's rows computed in one piece, in chunks that
+    start anywhere (a window's first key then starts at odd and even positions, mid-block),
+    and one at a time (decodes) are the same bits."""
+    n = 120
+    case = make_paged_case([n], [n], 4, 2, 64, block_size, dtype, seed=11)
+    scale = 0.125
+    whole = _run(prefill, case, scale, sliding_window=window)
+    for size in (1, 5, 9, 16, 33):
+        for start in range(0, n, size):
+            end = min(n, start + size)
+            chunk = replace(
+                case,
+                q=case.q[start:end],
+                seq_lens=torch.tensor([end], dtype=torch.int32),
+                cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32),
+            )
+            got = _run(prefill, chunk, scale, sliding_window=window)
+            assert torch.equal(got, whole[start:end]), (size, start)

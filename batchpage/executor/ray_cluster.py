@@ -43,6 +43,7 @@ def connect(cfg: ExecutorConfig) -> Connection:
     import ray
 
     if ray.is_initialized():
+        check_room(cfg, "the running Ray instance")
         return Connection("existing", owned=False)
     quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
     if cfg.address:
@@ -62,6 +63,7 @@ def connect(cfg: ExecutorConfig) -> Connection:
                 "and that the head is not stuck (`ray status` on it), or raise "
                 "executor.connect_timeout_s"
             )
+        check_room(cfg, f"executor.address={cfg.address}")
         return Connection(cfg.address, owned=True)
     cpus, gpus = local_resources()
     need_cpus = cfg.num_replicas * cfg.cpus_per_replica
@@ -75,6 +77,25 @@ def connect(cfg: ExecutorConfig) -> Connection:
         )
     ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **quiet)
     return Connection("local", owned=True)
+
+
+def check_room(cfg: ExecutorConfig, where: str) -> None:
+    """ValueError naming the fix when the joined cluster's resources, all of its nodes
+    together, cannot hold the replicas at once: Ray would keep the ones it cannot place waiting
+    for room without end, and the job with them."""
+    import ray
+
+    total = ray.cluster_resources()
+    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    need_cpus = cfg.num_replicas * cfg.cpus_per_replica
+    need_gpus = cfg.num_replicas * cfg.gpus_per_replica
+    if need_cpus > cpus or need_gpus > gpus:
+        raise ValueError(
+            f"executor.num_replicas={cfg.num_replicas} replicas need {need_cpus} CPUs and "
+            f"{need_gpus:g} GPUs, {where} has {cpus:g} and {gpus:g} in all: lower "
+            "executor.num_replicas, executor.cpus_per_replica or executor.gpus_per_replica, or "
+            "add nodes (an autoscaling cluster: with its nodes up before the job starts)"
+        )
 
 
 def _init_within(timeout_s: float, **kwargs: Any) -> bool:

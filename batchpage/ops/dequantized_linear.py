@@ -88,14 +88,27 @@ class DequantizedLinear(LinearOp):
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.inner.weight_rows(ids)
 
+    def gives_rows(self) -> bool:
+        """Whether its implementation gives its weight's rows back (oneDNN's packed one not)."""
+        try:
+            self.inner.weight_rows(torch.zeros(1, dtype=torch.long))
+        except NotImplementedError:
+            return False
+        return True
+
 
 def dequantized_linears(dtype: torch.dtype, make: LinearMaker | None = None) -> IntLinearMaker:
     """The maker bind calls for each quantized linear: its DequantizedLinear in `dtype`, on
-    `make`'s implementation (default: torch's, HeldDense)."""
+    `make`'s implementation (the engine's dense method: each shape's measured choice), or
+    torch's (HeldDense) where `make` is None or, for a layer whose rows are read, its module
+    cannot give them."""
 
     def maker(
         weight: IntWeight, bias: torch.Tensor | None, scheme: QuantScheme, reads_rows: bool = False
     ) -> LinearOp:
-        return DequantizedLinear(weight, bias, dtype, scheme.int8_activations, make)
+        made = DequantizedLinear(weight, bias, dtype, scheme.int8_activations, make)
+        if reads_rows and not made.gives_rows():
+            return DequantizedLinear(weight, bias, dtype, scheme.int8_activations)
+        return made
 
     return maker

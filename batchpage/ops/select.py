@@ -84,10 +84,8 @@ def select_linears(
     key = {**setup_key([*dense, *ints], dtype, rows), "dense_ints": str(dense_ints)}
     measured = MeasuredLinears(dense, dtype, rows, ChoiceCache(key), ints, dense_ints)
     method = measured.method()
-    if not ints and device.type == "cpu":
-        # Dequantized once; a batch-invariant engine multiplies them on its own kernel.
-        remake = method.make if batch_invariant else None
-        method = replace(method, make_int=dequantized_linears(dtype, remake))
+    if not ints and device.type == "cpu":  # dequantized once, then as the dense layers
+        method = replace(method, make_int=dequantized_linears(dtype, method.make))
     return method, measured
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from batchpage.executor.ray_executor import ReplicaPool
 from batchpage.job import run_job
+from batchpage.run import compose_job
 from tests.executor.jobs import (
     compared,
     job,
@@ -22,6 +23,8 @@ from tests.executor.jobs import (
     shard_indices,
     write_rows,
 )
+from tests.job.test_batch_invariant_job import answers, args, columns, requests
+from tests.job.test_loop import write_jsonl
 
 
 def local_and_ray(tmp_path, tiny_folder, *extra: str, rows: int = 16) -> tuple[list, list]:
@@ -168,3 +171,30 @@ def test_lost_replicas_are_replaced_up_to_max_restarts(tmp_path, tiny_folder, ra
     )
     with pytest.raises(RuntimeError, match=r"every replica died with \d+ rows left.*resume"):
         run_job(cfg, lambda model, **engine: KillsReplicas(model, cfg.executor, **engine))
+
+
+@pytest.mark.slow
+def test_batch_invariant_replicas_write_what_one_local_engine_writes(
+    tmp_path, tiny_folder, ray_instance
+) -> None:
+    """engine.batch_invariant=true: two replicas (each row beside other rows than on one
+    engine; the test's Ray instance has two CPUs) write an OpenAI Batch file's answers,
+    logprobs and seeded samples, byte for byte."""
+    data = write_jsonl(tmp_path / "batch.jsonl", requests(18))
+    local, ray = tmp_path / "local", tmp_path / "ray"
+    run_job(compose_job(args(data, tiny_folder, local)))
+    run_job(compose_job(args(data, tiny_folder, ray, "executor=ray", "executor.num_replicas=2",
+                             "executor.window_rows=2")))  # fmt: skip
+    assert answers(ray) == answers(local)
+    assert columns(ray) == columns(local)
+
+
+def test_more_replicas_than_the_cluster_holds_are_refused_before_loading(
+    tmp_path, tiny_folder, ray_instance
+) -> None:
+    """Three one-CPU replicas on a two-CPU instance: one line naming the fix, not a job that
+    waits without end for room Ray will never have."""
+    data = write_rows(tmp_path / "d.jsonl", 4, bad=False)
+    cfg = job(job_args(data, tiny_folder, tmp_path / "out", *ray_args(3)))
+    with pytest.raises(ValueError, match=r"num_replicas=3 replicas need 3 CPUs .* has 2 and 0"):
+        run_job(cfg)

@@ -91,7 +91,7 @@ def test_a_float32_engine_runs_quantized_linears_as_hf_runs_the_dequantized_mode
         assert out.outputs[0].token_ids == hf_greedy(hf, list(prompt), 8)
     # No int kernel takes float32 rows: each weight was dequantized once, at bind.
     held = [m for m in llm.engine.runner.model.modules() if isinstance(m, DequantizedLinear)]
-    assert len(held) == 8 and all(m.inner.weight.dtype == torch.float32 for m in held)
+    assert len(held) == 8 and all(m.weight_format == "f32" for m in held)
     assert all(m.rounds_rows == (case == "ct_w8a8") for m in held)
     assert llm.stats["weight_formats"]["f32"] >= 8
 

@@ -1,6 +1,7 @@
-"""The model's linears on this CPU: F.linear against oneDNN's prepacked OneDnnLinear and, in
-bfloat16 on a CPU with AVX512-BF16, batchpage's bf16 kernel (Bf16DotLinear; both are engine
-paths, batchpage/ops), at the row counts a step has.
+"""The model's linears on this CPU: F.linear against oneDNN's prepacked OneDnnLinear and
+batchpage's own kernel for the dtype (in float32 its float32 kernel, F32KernelLinear; in
+bfloat16 on a CPU with AVX512-BF16 its bf16 kernel, Bf16DotLinear; all engine paths,
+batchpage/ops), at the row counts a step has.
 
     python -m jobs.bench.linears                       # SmolLM2's shapes, float32
     python -m jobs.bench.linears --dtype bfloat16 --rows 64,256 \
@@ -12,7 +13,7 @@ and the command; --out writes JSON with the CPU model and flags.
 
 Repeating one call keeps its weight in the caches, which a decode step never does: between two
 uses of a layer's weight the step streams every other weight of the model. The "cold" column
-runs oneDNN (and the bf16 kernel) over enough copies of each weight (together at least 128 MiB,
+runs oneDNN (and the kernel) over enough copies of each weight (together at least 128 MiB,
 four times a large L3) taken in turn, so that every call reads its weight from memory, as in the
 engine.
 """
@@ -27,10 +28,12 @@ import torch.nn.functional as F
 
 from batchpage.model.loader import resolve_model_source
 from batchpage.ops.bf16_linear import Bf16DotLinear, bf16_dot_kernel
+from batchpage.ops.f32_linear import F32KernelLinear, f32_kernel
 from batchpage.ops.onednn_linear import OneDnnLinear, onednn_packs
 from jobs.bench import report
 
-LABELS = {"onednn": "oneDNN", "bf16_kernel": "bf16 kernel"}
+LABELS = {"onednn": "oneDNN", "bf16_kernel": "bf16 kernel", "f32_kernel": "float32 kernel"}
+KERNELS = ("bf16_kernel", "f32_kernel")
 MAX_COPIES = 256  # a tiny model's weights stay cached anyway
 
 
@@ -52,11 +55,12 @@ def merged_shapes(cfg) -> list[tuple[str, int, int]]:
 
 
 def ratios(times: dict) -> list[str]:
-    """oneDNN's speedup over F.linear (weights hot, both), and the bf16 kernel's over oneDNN
+    """oneDNN's speedup over F.linear (weights hot, both), and batchpage's kernel's over oneDNN
     with weights streaming from memory, where it ran."""
     out = [f"{times['f_linear_ms'] / times['onednn_ms']:.2f}x"]
-    if "bf16_kernel_cold_ms" in times:
-        out.append(f"{times['onednn_cold_ms'] / times['bf16_kernel_cold_ms']:.2f}x")
+    for k in KERNELS:
+        if f"{k}_cold_ms" in times:
+            out.append(f"{times['onednn_cold_ms'] / times[f'{k}_cold_ms']:.2f}x")
     return out
 
 
@@ -77,6 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     }
     if kernel is not None:
         makers["bf16_kernel"] = lambda w: Bf16DotLinear(w, None, kernel)
+    f32 = f32_kernel(dtype, torch.device("cpu"), required=False)
+    if f32 is not None:
+        makers["f32_kernel"] = lambda w: F32KernelLinear(w, None, f32)
+    own = next((k for k in KERNELS if k in makers), None)
     gen = torch.Generator().manual_seed(0)
     rows, results = [], []
     for m in report.ints(args.rows):
@@ -117,12 +125,12 @@ def main(argv: list[str] | None = None) -> None:
         )
         report.log(f"rows {m}: one layer " + ", ".join(f"{k} {v:.3f}" for k, v in layer.items()))
     env = report.environment()
-    versus = " vs the bf16 kernel" if kernel else ""
+    versus = f" vs the {LABELS[own]}" if own else ""
     report.print_header(f"Prepacked linears: F.linear vs oneDNN{versus}", env, f"{args.dtype}, "
                  f"{args.model}'s shapes, median of {args.repeats} calls")  # fmt: skip
     timings = ["F.linear"] + [f"{LABELS[p]}{c}" for p in makers for c in ("", " cold")]
     header = ["rows", "linear", "in x out"] + [f"{t} ms (GFLOP/s)" for t in timings]
-    header += ["oneDNN vs F.linear"] + (["bf16 kernel vs oneDNN, cold"] if kernel else [])
+    header += ["oneDNN vs F.linear"] + ([f"{LABELS[own]} vs oneDNN, cold"] if own else [])
     header += [f"{LABELS[p]} max abs diff" for p in makers]
     print(report.markdown_table(header, rows))
     report.save_results(args.out, env, results)

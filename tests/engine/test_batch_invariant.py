@@ -209,3 +209,14 @@ def test_a_windowed_prompt_chunked_anywhere_is_computed_as_in_one_piece(
     chunked = engine(folders["windowed"], dtype, prefix_caching=False,
                      max_num_batched_tokens=budget)  # fmt: skip
     assert result(run(chunked, [target], params)[0]) == result(run(whole, [target], params)[0])
+
+
+def test_two_ranks_give_the_same_bits_in_any_batch(folder) -> None:
+    """Tensor parallelism changes the order partial sums add in (TP=2 is not TP=1's bits), but
+    a TP=2 engine's row is the same bits alone, among other rows and behind a cached prefix."""
+    llm = engine(folder, "float32", tensor_parallel_size=2)
+    target = [(5 * i) % 300 + 3 for i in range(40)]
+    others = [[(i * j) % 300 + 3 for j in range(1, 25 + i)] for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True)
+    alone = result(run(llm, [target], params)[0])  # its prompt cached from here on
+    assert result(run(llm, [*others[:5], target, *others[5:]], params)[5]) == alone

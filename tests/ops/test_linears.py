@@ -278,8 +278,9 @@ def test_engine_tokens_equal_with_and_without_packing(tiny_folder, tokenizer, dt
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_linears_benchmark_measures_every_path(tiny_folder, tmp_path, dtype):
     """python -m jobs.bench.linears on the tiny model: every shape at every row count, every path
-    this CPU has for the dtype timed (F.linear, oneDNN, and in bf16 on AVX512-BF16 the bf16
-    kernel), hot and cold, the same products as F.linear."""
+    this CPU has for the dtype timed (F.linear, oneDNN, and batchpage's kernel: in float32 its
+    float32 kernel, in bf16 on AVX512-BF16 its bf16 kernel), hot and cold, the same products as
+    F.linear."""
     import json
 
     if not onednn_packs(getattr(torch, dtype), CPU):
@@ -296,7 +297,8 @@ def test_linears_benchmark_measures_every_path(tiny_folder, tmp_path, dtype):
         for m in (1, 8)
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
     ]
-    paths = ["onednn"] + (["bf16_kernel"] if dtype == "bfloat16" and NATIVE else [])
+    own = {"float32": "f32_kernel", "bfloat16": "bf16_kernel" if NATIVE else None}[dtype]
+    paths = ["onednn"] + ([own] if own else [])
     timed = ["f_linear_ms"] + [f"{p}{c}_ms" for p in paths for c in ("", "_cold")]
     assert all(sorted(k for k in r if k.endswith("_ms")) == sorted(timed) for r in rows)
     assert all(r[k] > 0 for r in rows for k in timed)
@@ -304,7 +306,8 @@ def test_linears_benchmark_measures_every_path(tiny_folder, tmp_path, dtype):
     tolerance = 1e-4 if dtype == "float32" else 0.02
     assert all(r[f"{p}_max_abs_diff"] < tolerance for r in rows for p in paths)
     assert "| rows | linear |" in done.stdout
-    assert ("bf16 kernel vs oneDNN, cold" in done.stdout) == ("bf16_kernel" in paths)
+    label = {"f32_kernel": "float32 kernel", "bf16_kernel": "bf16 kernel", None: "-"}[own]
+    assert (f"{label} vs oneDNN, cold" in done.stdout) == (own is not None)
 
 
 def test_step_profile_counts_every_linear_backend_as_linears(tmp_path):

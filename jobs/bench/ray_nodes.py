@@ -11,9 +11,10 @@ raylet of its own, Ray's own health-check settings):
 3. replica replaced: both replicas' nodes killed the same way and a fresh node added; the job
    waits for a replacement, which finishes it (executor.max_restarts=3: until Ray notices a
    killed node is gone, a replacement may be placed there and fail to start, which counts).
-   For 2 and 3: rows lost, duplicated and different from the clean run; seconds from the kill
-   until the driver counted a replica lost, until a replacement's first row, and the job's
-   seconds against the clean run's.
+   `--cases` picks 2 and 3 (killed, replaced; both by default). For 2 and 3: rows lost,
+   duplicated and different from the clean run; seconds from the kill until the driver counted
+   a replica lost, until a replacement's first row, and the job's seconds against the clean
+   run's.
 4. dead address: the job through the command line with executor.address at a port where nothing
    listens, and at one that takes connections but never answers (a socket that listens and never
    reads, as a stuck head does; executor.connect_timeout_s=5): exit code, seconds to the error,
@@ -103,6 +104,7 @@ def main() -> None:
     p.add_argument("--dataset", default="evals")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--workdir", type=Path, default=None, help="default: a temporary one")
+    p.add_argument("--cases", default="killed,replaced", help="loss cases 2 and 3 to run")
     args = p.parse_args()
     import ray
 
@@ -115,12 +117,16 @@ def main() -> None:
     print(f"command: `{command_line()}`  \nCPU: {cpu_model()}  \njob: `{' '.join(job)}`\n")
 
     losses, clean = [], workdir / "clean"
-    cases = [
-        ("node killed mid-job", (1,), {"executor.max_restarts": 0}, 0),
-        ("every replica's node killed, one node added later", (0, 1),
-         {"executor.max_restarts": 3}, 1),
-    ]  # fmt: skip
-    for case, victims, settings, later in [("clean", (), {}, 0), *cases]:
+    cases = {
+        "killed": ("node killed mid-job", (1,), {"executor.max_restarts": 0}, 0),
+        "replaced": ("every replica's node killed, one node added later", (0, 1),
+                     {"executor.max_restarts": 3}, 1),
+    }  # fmt: skip
+    unknown = set(args.cases.split(",")) - set(cases)
+    if unknown:
+        p.error(f"unknown --cases {sorted(unknown)}; known: {', '.join(cases)}")
+    chosen = [cases[name] for name in cases if name in args.cases.split(",")]
+    for case, victims, settings, later in [("clean", (), {}, 0), *chosen]:
         cluster = start_cluster(2)
         try:
             if case == "clean":

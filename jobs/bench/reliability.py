@@ -6,8 +6,9 @@
 2. `--trials` times: the same job into a fresh folder, SIGKILL at a random moment of load,
    generation or the final merge in turn, rerun to the end, and compare completions.parquet
    with the clean run's: rows lost, duplicated or different, temporary files left.
-3. Bad inputs a careless or hostile user gives the job, each run once through the command line:
-   its exit code and the first line of what it said (for a row error: that row's error).
+3. Bad inputs a careless or hostile user gives the job, each run once through the command line
+   (`--jobs` of them at once, each in its own folder): its exit code and the first line of what
+   it said (for a row error: that row's error).
 4. `--fuzz` mutated GGUF files loaded (jobs/gguf_fuzz.py): how each ended. A crash (an error
    that is not batchpage's own one-line refusal) is counted, not raised.
 Markdown tables go to stdout, progress to stderr.
@@ -26,6 +27,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -281,11 +283,13 @@ class Outcome:
     rows_as_clean: str  # for the cases that finish: do the rows match the clean run's?
 
 
-def run_cases(job: list[str], clean: Path, w: Path) -> list[Outcome]:
-    """`job`: the clean run's overrides (without output_dir); `clean`: its output folder."""
+def run_cases(job: list[str], clean: Path, w: Path, jobs: int = 1) -> list[Outcome]:
+    """`job`: the clean run's overrides (without output_dir); `clean`: its output folder. The
+    simple cases, each a job of its own folder, run `jobs` at a time."""
     outcomes = []
     own = [a for a in job if not a.startswith(("dataset=", "dataset.limit="))]  # a case's data
-    for i, (label, extra, own_data) in enumerate(simple_cases(w)):
+
+    def one(i: int, label: str, extra: list[str], own_data: bool) -> Outcome:
         out = w / f"case{i}_out"
         keys = {a.partition("=")[0] for a in extra}  # the case's value of a key replaces the job's
         base = [a for a in (own if own_data else job) if a.partition("=")[0] not in keys]
@@ -294,7 +298,10 @@ def run_cases(job: list[str], clean: Path, w: Path) -> list[Outcome]:
         if code == 0 and (out / FINAL).exists():  # the bad row's error is the message
             errors = pq.read_table(out / FINAL, columns=["error"])["error"].to_pylist()
             said = next((e for e in errors if e), "(no row error)")
-        outcomes.append(Outcome(label, code, said, "-"))
+        return Outcome(label, code, said, "-")
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        outcomes += pool.map(lambda c: one(c[0], *c[1]), enumerate(simple_cases(w)))
     for special in (_damaged_shard, _damaged_job_json, _disk_full):
         outcomes.append(special(job, clean, w))
     outcomes.append(_late_jsonl_column(own, w))
@@ -450,6 +457,8 @@ def main() -> None:
     p.add_argument("--fuzz", type=int, default=3000, help="mutated GGUF files to load")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=None, help="default: a temporary one")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="bad-input cases run at once")  # fmt: skip
     p.add_argument("extra", nargs="*", help="more Hydra overrides for the job")
     args = p.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="reliability-"))
@@ -475,7 +484,7 @@ def main() -> None:
     print(kill_table(trials), "\n")
 
     log("bad inputs")
-    cases = run_cases(job, clean, workdir)
+    cases = run_cases(job, clean, workdir, args.jobs)
     rows = [(c.case, c.exit_code, c.message.replace("|", "\\|"), c.rows_as_clean) for c in cases]
     print(markdown_table(["input", "exit", "first line of the message", "rows"], rows), "\n")
 

@@ -36,7 +36,7 @@ DTYPES = [
 ]
 MAX_TOKENS = 12
 SETTINGS = settings(
-    max_examples=10,
+    max_examples=20,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],

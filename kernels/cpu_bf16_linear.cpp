@@ -204,24 +204,13 @@ void linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                    out.size(1),
                    x.size(1),
                    gated};
-  const int64_t blocks = packed.size(0);
   if (pr.m == 0) return;
-  // Column blocks alone feed every thread when there are several per thread (SmolLM2 has 18 or
-  // more for 2 threads); with fewer, the rows are split too, into groups of whole 8-row tiles,
-  // so that each thread gets some 4 items.
-  const int64_t tiles = (pr.m + 7) / 8, want = 4 * at::get_num_threads();
-  const int64_t groups = blocks >= want ? 1 : std::min(tiles, (want + blocks - 1) / blocks);
-  const int64_t group_rows = (tiles + groups - 1) / groups * 8;
-  at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      Problem part = pr;
-      const int64_t row0 = item / blocks * group_rows;
-      if (row0 >= pr.m) continue;
-      part.x = pr.x + row0 * pr.x_stride;
-      part.y = pr.y + row0 * pr.y_stride;
-      part.m = std::min(group_rows, pr.m - row0);
-      run_block(part, item % blocks);
-    }
+  for_blocks_and_row_groups(pr.m, packed.size(0), [&](int64_t row0, int64_t rows, int64_t block) {
+    Problem part = pr;
+    part.x = pr.x + row0 * pr.x_stride;
+    part.y = pr.y + row0 * pr.y_stride;
+    part.m = rows;
+    run_block(part, block);
   });
 }
 

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "cpu_vec.h"
 
@@ -148,22 +149,13 @@ void linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                    x.size(0),
                    out.size(1),
                    x.size(1)};
-  const int64_t blocks = packed.size(0);
   if (pr.m == 0) return;
-  // As the bf16 linear: blocks alone where there are several per thread, else row groups too.
-  const int64_t tiles = (pr.m + 7) / 8, want = 4 * at::get_num_threads();
-  const int64_t groups = blocks >= want ? 1 : std::min(tiles, (want + blocks - 1) / blocks);
-  const int64_t group_rows = (tiles + groups - 1) / groups * 8;
-  at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      Problem part = pr;
-      const int64_t row0 = item / blocks * group_rows;
-      if (row0 >= pr.m) continue;
-      part.x = pr.x + row0 * pr.x_stride;
-      part.y = pr.y + row0 * pr.y_stride;
-      part.m = std::min(group_rows, pr.m - row0);
-      run_block(part, item % blocks);
-    }
+  for_blocks_and_row_groups(pr.m, packed.size(0), [&](int64_t row0, int64_t rows, int64_t block) {
+    Problem part = pr;
+    part.x = pr.x + row0 * pr.x_stride;
+    part.y = pr.y + row0 * pr.y_stride;
+    part.m = rows;
+    run_block(part, block);
   });
 }
 

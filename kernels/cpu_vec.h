@@ -1,13 +1,33 @@
 // 8-lane float32 vectors for the C++ CPU kernels (AVX2 + FMA + F16C): loads that widen bf16 and
 // fp16, stores that round to them, horizontal sums, and a vector exp. BATCHPAGE_AVX2 is defined
 // where they exist; kernels keep a plain-loop path for other CPUs. With AVX-512F, 16-lane loads,
-// a transposing sum and the same exp (BATCHPAGE_AVX512).
+// a transposing sum and the same exp (BATCHPAGE_AVX512). Also the packed linears' work split.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <type_traits>
+
+// The packed linears' work over torch's threads: run(row0, rows, block) for each column block
+// and group of rows. Column blocks alone feed every thread when there are several per thread;
+// with fewer, the rows are split too, into groups of whole 8-row tiles, so that each thread
+// gets some 4 items.
+template <typename Run>
+inline void for_blocks_and_row_groups(int64_t m, int64_t blocks, const Run& run) {
+  const int64_t tiles = (m + 7) / 8, want = 4 * at::get_num_threads();
+  const int64_t groups = blocks >= want ? 1 : std::min(tiles, (want + blocks - 1) / blocks);
+  const int64_t group_rows = (tiles + groups - 1) / groups * 8;
+  at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row0 = item / blocks * group_rows;
+      if (row0 < m) run(row0, std::min(group_rows, m - row0), item % blocks);
+    }
+  });
+}
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define BATCHPAGE_AVX2 1

@@ -66,15 +66,7 @@ def connect(cfg: ExecutorConfig) -> Connection:
         check_room(cfg, f"executor.address={cfg.address}")
         return Connection(cfg.address, owned=True)
     cpus, gpus = local_resources()
-    need_cpus = cfg.num_replicas * cfg.cpus_per_replica
-    need_gpus = cfg.num_replicas * cfg.gpus_per_replica
-    if need_cpus > cpus or need_gpus > gpus:
-        raise ValueError(
-            f"executor.num_replicas={cfg.num_replicas} replicas need {need_cpus} CPUs and "
-            f"{need_gpus:g} GPUs, this machine has {cpus} and {gpus}: lower "
-            "executor.num_replicas, executor.cpus_per_replica or executor.gpus_per_replica, or "
-            "join a cluster with executor.address=auto"
-        )
+    refuse_unless_room(cfg, cpus, gpus, "this machine", "join a cluster with executor.address=auto")
     ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **quiet)
     return Connection("local", owned=True)
 
@@ -86,15 +78,23 @@ def check_room(cfg: ExecutorConfig, where: str) -> None:
     import ray
 
     total = ray.cluster_resources()
-    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    more = "add nodes (an autoscaling cluster: with its nodes up before the job starts)"
+    refuse_unless_room(cfg, total.get("CPU", 0.0), total.get("GPU", 0.0), where, more)
+
+
+def refuse_unless_room(
+    cfg: ExecutorConfig, cpus: float, gpus: float, where: str, more: str
+) -> None:
+    """ValueError when `where`'s `cpus` and `gpus` cannot hold every replica at once; `more`:
+    the fix beyond asking for less."""
     need_cpus = cfg.num_replicas * cfg.cpus_per_replica
     need_gpus = cfg.num_replicas * cfg.gpus_per_replica
     if need_cpus > cpus or need_gpus > gpus:
         raise ValueError(
             f"executor.num_replicas={cfg.num_replicas} replicas need {need_cpus} CPUs and "
-            f"{need_gpus:g} GPUs, {where} has {cpus:g} and {gpus:g} in all: lower "
-            "executor.num_replicas, executor.cpus_per_replica or executor.gpus_per_replica, or "
-            "add nodes (an autoscaling cluster: with its nodes up before the job starts)"
+            f"{need_gpus:g} GPUs, {where} has {cpus:g} and {gpus:g}: lower "
+            f"executor.num_replicas, executor.cpus_per_replica or executor.gpus_per_replica, or "
+            f"{more}"
         )
 
 

@@ -12,6 +12,7 @@ from batchpage.user_log import configure_package_logging
 
 if TYPE_CHECKING:
     from batchpage.llm import LLM
+    from batchpage.lora.request import LoRARequest
     from batchpage.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
     from batchpage.pooling_params import PoolingParams
     from batchpage.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
@@ -25,6 +26,7 @@ __all__ = [
     "CompletionOutput",
     "PoolingParams",
     "PoolingRequestOutput",
+    "LoRARequest",
 ]
 __version__ = "0.1.0"
 
@@ -41,6 +43,7 @@ _HOMES = {
     "CompletionOutput": "batchpage.outputs",
     "PoolingParams": "batchpage.pooling_params",
     "PoolingRequestOutput": "batchpage.outputs",
+    "LoRARequest": "batchpage.lora.request",
 }
 
 

@@ -16,6 +16,7 @@ from batchpage.engine.engine import BEAM_SEARCH_WITH_CONSTRAINT, Engine
 from batchpage.engine.plan import plan_engine
 from batchpage.engine.sampler import TopLogprobs
 from batchpage.engine.sequence import Request, Sequence
+from batchpage.lora.request import LoRARequest
 from batchpage.metrics import RunStats, tokens_per_s
 from batchpage.model.loader import load_model, resolve_model_source
 from batchpage.model.tokenizer import check_chat_template_kwargs, resolve_chat_template
@@ -31,6 +32,8 @@ from batchpage.sampling_params import BeamSearchParams, SamplingParams
 
 OnOutput = Callable[[RequestOutput, int], None]  # (a finished request's output, its index)
 OnStep = Callable[[RunStats], None]  # after each engine step: the call's figures so far
+# One adapter for every prompt, or one (or None: the base model) per prompt.
+LoRAArg = LoRARequest | Seq[LoRARequest | None] | None
 
 
 class LLM(PoolingMethods):
@@ -86,16 +89,20 @@ class LLM(PoolingMethods):
         use_tqdm: bool = True,
         on_output: OnOutput | None = None,
         on_step: OnStep | None = None,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in input order. A bad prompt gets an output with `error` set
         and no completion; the others still run. `on_output(output, index)` is called as each
         request finishes (in completion order), so a caller can save results while the batch
-        still runs; `on_step(stats)` after every engine step, so it can show progress."""
+        still runs; `on_step(stats)` after every engine step, so it can show progress.
+        `lora_request`: the LoRA adapter of every prompt, or a list with one per prompt (None
+        for the base model); needs enable_lora=True. A bad adapter is its requests' error."""
         self._require_generation()
         items = as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(items))
-        pairs = enumerate(zip(items, params, strict=True))
-        requests = [self._make_request(i, p, sp) for i, (p, sp) in pairs]
+        loras = self._per_prompt_lora(lora_request, len(items))
+        triples = enumerate(zip(items, params, loras, strict=True))
+        requests = [self._make_request(i, p, sp, lora) for i, (p, sp, lora) in triples]
         return self._run(requests, use_tqdm, on_output, on_step)
 
     def beam_search(
@@ -103,11 +110,13 @@ class LLM(PoolingMethods):
         prompts: PromptType | Seq[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: LoRAArg = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam-search call: for each prompt its params.beam_width beams, best first,
         each the prompt's tokens then the beam's. The same search as generate() with
         SamplingParams(use_beam_search=True); a bad prompt's output has `error` and no beams."""
-        outs = self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
+        sampling = params.to_sampling_params()
+        outs = self.generate(prompts, sampling, use_tqdm=use_tqdm, lora_request=lora_request)
         decode = self.tokenizer.decoder(skip_special_tokens=False)
         results = []
         for out in outs:
@@ -132,6 +141,7 @@ class LLM(PoolingMethods):
         on_output: OnOutput | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
         """Applies the chat template to each conversation, then generates. chat_template (a
         .jinja file or the template text) replaces the model's (or LLM(chat_template=...)) for
@@ -143,8 +153,9 @@ class LLM(PoolingMethods):
         check_chat_template_kwargs(chat_template_kwargs or {})
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = _per_prompt(sampling_params, len(conversations))
+        loras = self._per_prompt_lora(lora_request, len(conversations))
         requests = []
-        for i, (conv, sp) in enumerate(zip(conversations, params, strict=True)):
+        for i, (conv, sp, lora) in enumerate(zip(conversations, params, loras, strict=True)):
             try:
                 turns = normalize_messages(conv)
             except ValueError as exc:
@@ -160,7 +171,7 @@ class LLM(PoolingMethods):
             except Exception as exc:  # a template can fail on one odd chat: only its request
                 requests.append(Request(i, None, [], sp, error=f"chat template failed: {exc}"))
                 continue
-            requests.append(self._make_request(i, ids, sp))
+            requests.append(self._make_request(i, ids, sp, lora))
         return self._run(requests, use_tqdm, on_output)
 
     def _require_generation(self) -> None:
@@ -172,7 +183,27 @@ class LLM(PoolingMethods):
                 "load a causal LM (task=generate)"
             )
 
-    def _make_request(self, index: int, prompt: Any, params: SamplingParams) -> Request:
+    def _per_prompt_lora(self, lora: LoRAArg, count: int) -> list[LoRARequest | None]:
+        """Each prompt's adapter; ValueError when adapters are asked of an engine without
+        enable_lora, or a list's length is not the prompts'."""
+        loras = [lora] * count if lora is None or isinstance(lora, LoRARequest) else list(lora)
+        if len(loras) != count:
+            raise ValueError(
+                f"got {len(loras)} lora_requests for {count} prompts: pass one, or one per prompt"
+            )
+        bad = [x for x in loras if x is not None and not isinstance(x, LoRARequest)]
+        if bad:
+            raise TypeError(f"lora_request must be LoRARequest or None; got {type(bad[0])}")
+        if not self.config.enable_lora and any(x is not None for x in loras):
+            raise ValueError(
+                "a lora_request needs an engine made with enable_lora=True (and max_loras, "
+                "max_lora_rank as the adapters need)"
+            )
+        return loras
+
+    def _make_request(
+        self, index: int, prompt: Any, params: SamplingParams, lora: LoRARequest | None = None
+    ) -> Request:
         if isinstance(prompt, dict):
             prompt, error = _unwrap_prompt(prompt)
             if error is not None:
@@ -211,7 +242,10 @@ class LLM(PoolingMethods):
                 grammar = self.engine.grammars.compile(params.structured_outputs)
             except ValueError as exc:
                 error = str(exc)
-        return Request(index, text, ids, params, error=error, grammar=grammar)
+        if error is None and lora is not None:
+            assert self.engine.adapters is not None
+            error = self.engine.adapters.check(lora)
+        return Request(index, text, ids, params, error=error, grammar=grammar, lora=lora)
 
     def _check_params(self, params: SamplingParams, prompt_len: int) -> str | None:
         """What the engine's limits rule out for these params; None when they fit."""

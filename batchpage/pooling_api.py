@@ -47,6 +47,7 @@ class PoolingMethods:
     tokenizer: Tokenizer
     _make_request: Callable[..., Request]
     _run: Callable[..., list[Any]]
+    _per_prompt_lora: Callable[[Any, int], list[Any]]
 
     def embed(
         self,
@@ -55,14 +56,16 @@ class PoolingMethods:
         use_tqdm: bool = True,
         on_output: Callable[[PoolingRequestOutput, int], None] | None = None,
         on_step: Callable[[RunStats], None] | None = None,
+        lora_request: Any = None,
     ) -> list[PoolingRequestOutput]:
         """The prompts' embeddings (task=embed): the pooled hidden state, truncated to
         pooling_params.dimensions and L2-normalized unless normalize=False."""
         params = pooling_params or PoolingParams()
         self._require_task("embed", ("embed",))
         return self._pool_prompts(
-            prompts, params, use_tqdm, lambda v: _embedding(v, params), on_output, on_step
-        )
+            prompts, params, use_tqdm, lambda v: _embedding(v, params), on_output, on_step,
+            lora_request,
+        )  # fmt: skip
 
     def classify(
         self,
@@ -71,6 +74,7 @@ class PoolingMethods:
         use_tqdm: bool = True,
         on_output: Callable[[PoolingRequestOutput, int], None] | None = None,
         on_step: Callable[[RunStats], None] | None = None,
+        lora_request: Any = None,
     ) -> list[PoolingRequestOutput]:
         """Label probabilities (task=classify): softmax over the head's outputs (a sigmoid for
         one label) unless use_activation=False."""
@@ -81,7 +85,9 @@ class PoolingMethods:
         def output(v: torch.Tensor) -> Output:
             return ClassificationOutput(_activation(v).tolist() if activate else v.tolist())
 
-        return self._pool_prompts(prompts, params, use_tqdm, output, on_output, on_step)
+        return self._pool_prompts(
+            prompts, params, use_tqdm, output, on_output, on_step, lora_request
+        )
 
     def reward(
         self,
@@ -90,6 +96,7 @@ class PoolingMethods:
         use_tqdm: bool = True,
         on_output: Callable[[PoolingRequestOutput, int], None] | None = None,
         on_step: Callable[[RunStats], None] | None = None,
+        lora_request: Any = None,
     ) -> list[PoolingRequestOutput]:
         """A reward model's outputs at the pooled position (task=reward): the head's raw
         values, activated only with use_activation=True."""
@@ -103,6 +110,7 @@ class PoolingMethods:
             lambda v: PoolingOutput(_activation(v) if activate else v),
             on_output,
             on_step,
+            lora_request,
         )
 
     def score(
@@ -113,6 +121,7 @@ class PoolingMethods:
         use_tqdm: bool = True,
         on_output: Callable[[PoolingRequestOutput, int], None] | None = None,
         on_step: Callable[[RunStats], None] | None = None,
+        lora_request: Any = None,
     ) -> list[PoolingRequestOutput]:
         """Relevance of each (data_1, data_2) pair (task=score): one text against many, or
         pairwise. A cross-encoder (a classifier with one label) reads the pair as one prompt
@@ -124,7 +133,9 @@ class PoolingMethods:
         firsts, seconds = score_pairs(data_1, data_2)
         score_head = self.engine.model.score
         if score_head is None:
-            return self._score_by_cosine(firsts, seconds, params, use_tqdm, on_output, on_step)
+            return self._score_by_cosine(
+                firsts, seconds, params, use_tqdm, on_output, on_step, lora_request
+            )
         labels = num_labels(score_head)
         if labels != 1:
             raise ValueError(
@@ -138,7 +149,7 @@ class PoolingMethods:
         def output(v: torch.Tensor) -> Output:
             return ScoringOutput(float(torch.sigmoid(v[0]) if activate else v[0]))
 
-        return self._pool_prompts(pairs, params, use_tqdm, output, on_output, on_step)
+        return self._pool_prompts(pairs, params, use_tqdm, output, on_output, on_step, lora_request)
 
     def _score_by_cosine(
         self,
@@ -148,6 +159,7 @@ class PoolingMethods:
         use_tqdm: bool,
         on_output: Callable[[PoolingRequestOutput, int], None] | None,
         on_step: Callable[[RunStats], None] | None,
+        lora_request: Any = None,
     ) -> list[PoolingRequestOutput]:
         """score with an embedding model: each distinct text embedded once (unit length), and
         a pair's output made as soon as both its texts are."""
@@ -171,7 +183,9 @@ class PoolingMethods:
                     if on_output is not None:
                         on_output(outs[pair], pair)
 
-        self._pool_prompts(texts, unit, use_tqdm, lambda v: _embedding(v, unit), text_done, on_step)
+        self._pool_prompts(
+            texts, unit, use_tqdm, lambda v: _embedding(v, unit), text_done, on_step, lora_request
+        )
         assert all(out is not None for out in outs)
         return outs  # type: ignore[return-value]
 
@@ -191,13 +205,17 @@ class PoolingMethods:
         output: Callable[[torch.Tensor], Output],
         on_output: Callable[[PoolingRequestOutput, int], None] | None = None,
         on_step: Callable[[RunStats], None] | None = None,
+        lora_request: Any = None,
     ) -> list[PoolingRequestOutput]:
+        """`lora_request`: one LoRARequest for every prompt, or one (or None) per prompt."""
         bad_dims = params.check_dimensions(self.model_config.head, self.model_config.hidden_size)
         if bad_dims is not None:
             raise ValueError(bad_dims)
         requests = []
-        for i, prompt in enumerate(as_prompt_list(prompts)):
-            req = self._make_request(i, prompt, _PROMPT_ONLY)
+        items = as_prompt_list(prompts)
+        loras = self._per_prompt_lora(lora_request, len(items))
+        for i, (prompt, lora) in enumerate(zip(items, loras, strict=True)):
+            req = self._make_request(i, prompt, _PROMPT_ONLY, lora)
             req.pooling = self.engine.pooling
             requests.append(req)
 

@@ -86,6 +86,12 @@ class EngineConfig:
     # difference (its sigmoid: the second's softmax probability against the first); more
     # give one label each.
     classifier_from_token: list[str] | None = None
+    # LoRA adapters per request (vLLM's options): up to max_loras adapters, each of rank up to
+    # max_lora_rank, resident at once and run in the same steps as the base model's rows
+    # (batchpage/lora). Off: a request with an adapter is refused.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -135,6 +141,18 @@ class EngineConfig:
             raise ValueError(
                 "classifier_from_token reads the whole lm_head, which tensor parallelism splits: "
                 "use tensor_parallel_size=1"
+            )
+        at_least("max_loras", 1)
+        at_least("max_lora_rank", 1)
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_lora with tensor_parallel_size > 1 is not supported yet: use "
+                "tensor_parallel_size=1, or executor=ray replicas to use more devices"
+            )
+        if self.enable_lora and self.batch_invariant:
+            raise ValueError(
+                "enable_lora with batch_invariant=True is not supported yet: an adapter's rows "
+                "are multiplied in groups whose size depends on the batch; drop one of them"
             )
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(

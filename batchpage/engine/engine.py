@@ -94,6 +94,8 @@ class Engine:
         self.pooling = None if plan.task == "generate" else PoolingType(cfg.pooling_type)
         self.model = model
         self.runner = built.runner
+        # The LoRA adapters read so far (enable_lora), which requests are checked against.
+        self.adapters = built.runner.adapters
         self.eos_ids = tokenizer.eos_token_ids
         self.grammars = GrammarCache(tokenizer.hf, model_cfg.vocab_size, self.eos_ids)
         self.masks = GrammarMasks(model_cfg.vocab_size)
@@ -107,6 +109,7 @@ class Engine:
             max_blocks=blocks_for(plan.max_model_len, cfg.block_size),
             block_size=cfg.block_size,
             device=plan.device,
+            adapters=self.scheduler.adapters,
         )
         self.beams = Beams(self.scheduler, self.factory, plan.max_model_len)
         self.stats = self._new_stats()

@@ -10,13 +10,15 @@ step's inputs are gathers of these columns, never a rebuild from every sequence'
 
 A row is a mirror of its sequence, which stays the scheduler's record: `check_integrity`
 compares every row with its sequence. The columns are the seam later work plugs into (a row may
-compute several tokens in one step, or carry an adapter id).
+compute several tokens in one step). A LoRA request's row carries its adapter's slot, which
+stays put while the row runs (engine/adapter_slots.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from batchpage.engine.adapter_slots import AdapterSlots
 from batchpage.engine.sampler import RowParams
 from batchpage.engine.sequence import Sequence
 
@@ -26,10 +28,13 @@ class InputBatch:
     `num_tokens`: len(token_ids), `last_token`: token_ids[-1], the int32 [capacity, max_blocks]
     `block_tables`, zero past each row's `table_len`, `reads_rows`), what the stop checks read
     (`num_prompt`, `stop_len`, `each_token`) and what the sampler reads (`plain_greedy`,
-    `forking`, `beam`, `sampling`, `constrained`). Set when a row joins; after that only
-    `computed`, `num_tokens`, `last_token`, the tables and `forking` change."""
+    `forking`, `beam`, `sampling`, `constrained`), and the LoRA slot the forward reads
+    (`lora_slot`, -1: the base model). Set when a row joins; after that only `computed`,
+    `num_tokens`, `last_token`, the tables and `forking` change."""
 
-    def __init__(self, capacity: int, max_blocks: int) -> None:
+    def __init__(
+        self, capacity: int, max_blocks: int, adapters: AdapterSlots | None = None
+    ) -> None:
         # Numpy, not torch: a step reads these with a few dozen small gathers and writes single
         # elements, where torch's per-call overhead is many times the work.
         self.capacity = capacity
@@ -57,6 +62,9 @@ class InputBatch:
         empty = RowParams.of([])
         self.sampling = RowParams(*(np.zeros(capacity, dtype=c.dtype) for c in empty))
         self.constrained = np.zeros(capacity, dtype=bool)
+        self.adapters = adapters if adapters is not None else AdapterSlots(0)
+        self.lora_slot = np.full(capacity, -1, dtype=np.int64)
+        self.lora_rows = 0  # rows with an adapter: none, and a step reads no slot column
         self._ending: set[int] = set()
         self._ending_ids = np.zeros(0, dtype=np.int64)
         self._row: dict[int, int] = {}  # seq_id -> row
@@ -132,6 +140,9 @@ class InputBatch:
         for column, value in zip(self.sampling, RowParams.of([seq.params]), strict=True):
             column[row] = value[0]
         self.constrained[row] = seq.constraint is not None
+        slot = self.adapters.slot_of(seq.request.lora)
+        self.lora_slot[row] = slot
+        self.lora_rows += int(slot >= 0)
         self._write_stop_columns(row, seq)
         self._write_table(row, seq.block_table, 0)
         return row
@@ -155,6 +166,8 @@ class InputBatch:
     def _clear(self, row: int) -> None:
         self.block_tables[row, : self.table_len[row]] = 0
         self.table_len[row] = 0
+        self.lora_rows -= int(self.lora_slot[row] >= 0)
+        self.lora_slot[row] = -1
         self._seq[row] = None
         self._free.append(row)
 
@@ -174,12 +187,13 @@ class InputBatch:
         computed count, length, newest token and block table, zero past the table."""
         assert len(self._row) + len(self._free) == self.capacity
         assert set(self._row.values()).isdisjoint(self._free)
+        assert self.lora_rows == int((self.lora_slot >= 0).sum())
         for row in range(self.capacity):
             seq = self._seq[row]
             n = int(self.table_len[row])
             assert not self.block_tables[row, n:].any(), f"row {row}: stale padding"
             if seq is None:
-                assert row in self._free and n == 0
+                assert row in self._free and n == 0 and self.lora_slot[row] == -1
                 continue
             assert self._row[seq.seq_id] == row
             assert self.computed[row] == seq.num_computed_tokens, f"row {row}: computed"
@@ -192,4 +206,5 @@ class InputBatch:
             own = RowParams.of([seq.params])
             assert all(c[row] == v[0] for c, v in zip(self.sampling, own, strict=True))
             assert self.constrained[row] == (seq.constraint is not None)
+            assert self.lora_slot[row] == self.adapters.slot_of(seq.request.lora), "lora slot"
             assert self.block_tables[row, :n].tolist() == seq.block_table, f"row {row}: table"

@@ -14,6 +14,9 @@ Contracts:
   the copies (src -> dst) that the model runner must apply before the step's forward.
 - `free` caches the sequence's computed full blocks (when asked), releases every reference it
   holds and leaves its block table empty.
+- K/V computed under a LoRA adapter is only ever served to rows of that adapter: the tree's key
+  of an adapter's token t is t + (lora_int_id << 32) (`tree_key`), so keys of different
+  adapters (and the base model's, 0) never match, while one adapter's rows share as usual.
 """
 
 from __future__ import annotations
@@ -32,6 +35,17 @@ class BlockCopy(NamedTuple):
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def tree_key(seq: Sequence, n: int) -> list[int]:
+    """The prefix cache's key of seq's first n tokens: the tokens, offset by the adapter's id
+    for a LoRA request (vocabularies are far below 2**32)."""
+    tokens = seq.token_ids[:n]
+    lora = seq.request.lora
+    if lora is None:
+        return tokens
+    offset = lora.lora_int_id << 32
+    return [t + offset for t in tokens]
 
 
 class KVCacheManager:
@@ -64,12 +78,12 @@ class KVCacheManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         if self.tree is None or seq.reads_every_prompt_row:
             return 0  # prompt logprobs (MEAN pooling) need the output of every prompt position
-        m = self.tree.match_prefix(seq.token_ids, max_tokens=seq.num_tokens - 1)
+        m = self.tree.match_prefix(tree_key(seq, seq.num_tokens - 1))
         node = m.node
         if m.num_tokens:
             # A match may end inside a node; re-inserting the matched prefix (it adopts nothing)
             # splits it there, so the lock pins exactly the blocks this sequence uses.
-            node = self.tree.insert(seq.token_ids[: m.num_tokens], m.blocks).node
+            node = self.tree.insert(tree_key(seq, m.num_tokens), m.blocks).node
         self.tree.lock(node)
         self._locked[seq.seq_id] = node
         self.pool.share(m.blocks)
@@ -143,7 +157,7 @@ class KVCacheManager:
         n = seq.num_computed_tokens // self.block_size
         if n == 0:
             return
-        inserted = self.tree.insert(seq.token_ids[: n * self.block_size], seq.block_table[:n])
+        inserted = self.tree.insert(tree_key(seq, n * self.block_size), seq.block_table[:n])
         self.tree.lock(inserted.node)
         old = self._locked.pop(seq.seq_id, None)
         if old is not None:

@@ -1,6 +1,7 @@
-"""ModelRunner: executes one step: swaps and block copies, the step's attention plan, one forward
-over the flattened tokens, logits of the rows that sample. It holds the model, the KV pool
-tensors, the attention backend and the host copies of swapped-out sequences."""
+"""ModelRunner: executes one step: swaps and block copies, adapter loads, the step's attention
+plan, one forward over the flattened tokens, logits of the rows that sample. It holds the model,
+the KV pool tensors, the attention backend, the host copies of swapped-out sequences and, with
+enable_lora, the adapters read so far and the slots they run in (batchpage/lora)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import NamedTuple, Protocol
 
 import torch
@@ -22,6 +24,9 @@ from batchpage.engine.kv_manager import BlockCopy
 from batchpage.engine.plan import EnginePlan, available_memory
 from batchpage.engine.scheduler import SchedulerOutput, Swap
 from batchpage.engine.step_inputs import StepInputs
+from batchpage.lora.adapter import LoRAAdapter
+from batchpage.lora.model import LoRAModel
+from batchpage.lora.registry import AdapterRegistry
 from batchpage.model.causal_lm import BindReport, CausalLM
 from batchpage.ops.collective import Collective
 from batchpage.ops.select import select_model_ops
@@ -116,9 +121,17 @@ class ForwardStep(NamedTuple):
     logits_indices: torch.Tensor  # int64 [N]
     prompt_rows: torch.Tensor | None  # int64 [P]; None: no row scores its prompt
     pool_rows: torch.Tensor | None  # int64 [R]; None: no row is pooled
+    lora_loads: list[tuple[int, LoRAAdapter]]  # adapters into their slots, before the forward
+    token_lora: torch.Tensor | None  # int64 [T]: each token's slot (-1 base); None: no adapter
 
     @classmethod
-    def of(cls, inputs: StepInputs, decision: SchedulerOutput) -> ForwardStep:
+    def of(
+        cls, inputs: StepInputs, decision: SchedulerOutput, adapters: AdapterRegistry | None
+    ) -> ForwardStep:
+        loads = []
+        if decision.lora_loads:
+            assert adapters is not None
+            loads = [(slot, adapters.get(lora)) for slot, lora in decision.lora_loads]
         return cls(
             decision.swap_out,
             decision.swap_in,
@@ -129,6 +142,8 @@ class ForwardStep(NamedTuple):
             inputs.logits_indices,
             inputs.prompt_rows if inputs.prompt_targets else None,
             inputs.pool_rows if inputs.pool_owners else None,
+            loads,
+            inputs.token_lora,
         )
 
 
@@ -158,11 +173,14 @@ class ModelRunner:
         decode_graphs: DecodeGraphs | None = None,
         pooling: bool = False,
         peers: Peers | None = None,
+        lora: LoRAModel | None = None,
     ) -> None:
         """With decode_graphs, a step of decodes alone (each sampling, none scoring its prompt)
         of at most its largest size runs through them (decode_graphs.py). `pooling`: the model
         is a pooling model, whose steps give hidden states rather than logits. `peers`: this is
-        rank 0 of a tensor-parallel group, whose other ranks run every step with it."""
+        rank 0 of a tensor-parallel group, whose other ranks run every step with it. `lora`: the
+        model's projections wrapped for adapters (enable_lora); the registry of the adapters
+        read is `adapters`."""
         self.model = model
         self.kv = kv
         self.attention = attention
@@ -170,10 +188,12 @@ class ModelRunner:
         self.peers = peers
         self.head = _hidden if pooling else model.compute_logits
         self.swapped: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.lora = lora
+        self.adapters = None if lora is None else AdapterRegistry(lora.targets, lora.max_rank)
 
     def execute(self, inputs: StepInputs, decision: SchedulerOutput) -> StepOutput:
         """The step's logits (or a pooling model's hidden states): see StepOutput."""
-        step = ForwardStep.of(inputs, decision)
+        step = ForwardStep.of(inputs, decision, self.adapters)
         if self.peers is None:
             return self.run(step)
         try:
@@ -193,6 +213,10 @@ class ModelRunner:
             self.kv.swap_in(s.blocks, self.swapped.pop(s.seq_id))
         for c in step.copies:
             self.kv.copy_block(c.src, c.dst)
+        if self.lora is not None:
+            for slot, adapter in step.lora_loads:
+                self.lora.load(slot, adapter)
+            self.lora.set_step(step.token_lora)
         graphs, meta = self.decode_graphs, step.meta
         if (
             graphs is not None
@@ -242,7 +266,13 @@ def build_model_runner(
     its peers'."""
     mc = model.config  # a tensor-parallel rank's share
     # CUDA graphs of decode steps pad them onto one block beyond the pool's (decode_graphs.py).
-    graphs_on = plan.device.type == "cuda" and not cfg.enforce_eager and model.shard.world == 1
+    # (Adapters change per step what a decode computes: such an engine runs eagerly.)
+    graphs_on = (
+        plan.device.type == "cuda"
+        and not cfg.enforce_eager
+        and model.shard.world == 1
+        and not cfg.enable_lora
+    )
     kv = KVCache.allocate(
         mc.num_layers,
         plan.num_blocks + int(graphs_on),
@@ -269,7 +299,12 @@ def build_model_runner(
         dense_ints,
         cfg.batch_invariant,
     )
+    if cfg.enable_lora:  # an adapter updates gate and up before the activation: unfused
+        ops = replace(ops, linear=replace(ops.linear, silu_mul=None))
     report = model.bind(ops)
+    lora = None
+    if cfg.enable_lora:
+        lora = LoRAModel(model, cfg.max_loras, cfg.max_lora_rank, plan.dtype)
     if ops.measured is not None and ops.measured.choices:
         m = ops.measured
         how = f"measured {m.measured} in {m.seconds:.1f} s" if m.measured else "all cached"
@@ -286,5 +321,5 @@ def build_model_runner(
         graphs.capture_all()
         log.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
     pooling = plan.task != "generate"
-    runner = ModelRunner(model, kv, attention, graphs, pooling=pooling, peers=peers)
+    runner = ModelRunner(model, kv, attention, graphs, pooling=pooling, peers=peers, lora=lora)
     return BuiltRunner(runner, report, ops.layer.argmax, ops.linear_methods())

@@ -20,6 +20,10 @@ Beam searches (beams.py) run in the same steps: their sequences stay ahead of th
 running set, a group's beams are scheduled together or not at all (they advance in lockstep),
 they are never preempted, and a group is admitted only when every group's worst case fits the
 pool together.
+LoRA adapters (engine/adapter_slots.py): a sequence is admitted only when its adapter is resident
+or a slot is idle, so the running set never needs more than max_loras adapters; a load it causes
+goes out with the step. Rows of one adapter share cached prefixes only among themselves
+(kv_manager.py), and the prefix order groups a batch by adapter first.
 The scheduler owns the queues; the KVCacheManager owns the blocks.
 """
 
@@ -34,6 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from batchpage.cache.block_pool import OutOfBlocks
+from batchpage.engine.adapter_slots import AdapterSlots
 from batchpage.engine.admission import Demand, GrowthEstimate
 from batchpage.engine.beam_search import worst_case_blocks
 from batchpage.engine.config import EngineConfig
@@ -44,6 +49,7 @@ from batchpage.engine.kv_manager import (
     blocks_for,
 )
 from batchpage.engine.sequence import SeqStatus, Sequence
+from batchpage.lora.request import LoRARequest
 
 
 class Admit(Enum):
@@ -80,6 +86,8 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     swap_out: list[Swap] = field(default_factory=list)
     swap_in: list[Swap] = field(default_factory=list)
+    # Adapters to copy into their slots before the forward (slot, adapter).
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -97,14 +105,17 @@ class Scheduler:
         schedule: str = "prefix",
         max_model_len: int | None = None,
         growth: GrowthEstimate | None = None,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         """With `growth` (and max_model_len, which bounds a sequence's budget), admission keeps
-        room for the growth it expects; without, a sequence is admitted when its prompt fits."""
+        room for the growth it expects; without, a sequence is admitted when its prompt fits.
+        `adapters`: the LoRA slots (None: no LoRA request may come)."""
         if growth is not None and max_model_len is None:
             raise ValueError("admission by expected growth needs max_model_len")
         self.kv = kv
         self.max_model_len = max_model_len
         self.growth = growth
+        self.adapters = adapters if adapters is not None else AdapterSlots(0)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -127,13 +138,14 @@ class Scheduler:
         shared blocks are computed once and are still cached when the next one arrives. The
         order of results is the caller's business."""
         if self.schedule_order == "prefix":
-            seqs = sorted(seqs, key=lambda s: s.token_ids)
+            seqs = sorted(seqs, key=lambda s: (_adapter_id(s), s.token_ids))
         self.waiting.extend(seqs)
 
     def add_forked(self, child: Sequence) -> None:
         """A sample forked from a running sequence runs from the next step on."""
         child.status = SeqStatus.RUNNING
         child.admitted_once = True
+        self.adapters.take(child.request.lora)  # resident: its parent runs it
         self.running.append(child)
 
     def has_unfinished(self) -> bool:
@@ -181,6 +193,8 @@ class Scheduler:
             beam = seq.params.use_beam_search
             if beam and not self._beam_fits(seq):
                 break
+            if not self.adapters.can_take(seq.request.lora):
+                break
             if seq.swapped_tokens:
                 if not self._swap_in(seq, budget, out):
                     break
@@ -198,6 +212,10 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             seq.admitted_once = True
+            load = self.adapters.take(seq.request.lora)
+            if load is not None:
+                assert seq.request.lora is not None
+                out.lora_loads.append((load, seq.request.lora))
             if beam:
                 self.running.insert(self.num_beams, seq)
                 self.num_beams += 1
@@ -264,9 +282,11 @@ class Scheduler:
         for seq in new:
             seq.status = SeqStatus.RUNNING
             seq.admitted_once = True
+            self.adapters.take(seq.request.lora)  # resident: old beams run it
         for seq in old:
             self.kv.free(seq)
             seq.status = SeqStatus.FINISHED
+            self.adapters.give_back(seq.request.lora)
 
     def retire(self, beams: list[Sequence]) -> None:
         """A finished beam group's beams leave the running set; their blocks go back."""
@@ -359,7 +379,8 @@ class Scheduler:
         for other in admitted:
             end = min(limit, other.num_tokens)
             if (
-                start + bs <= end
+                other.request.lora == seq.request.lora
+                and start + bs <= end
                 and seq.token_ids[start : start + bs] == other.token_ids[start : start + bs]
                 and seq.token_ids[:start] == other.token_ids[:start]
             ):
@@ -374,6 +395,7 @@ class Scheduler:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
+        self.adapters.give_back(seq.request.lora)
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         self.num_preemptions += 1
@@ -402,6 +424,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.status = SeqStatus.FINISHED
+        self.adapters.give_back(seq.request.lora)
 
     def check_integrity(self) -> None:
         assert len(self.running) <= self.max_num_seqs
@@ -412,7 +435,13 @@ class Scheduler:
         groups = [s.request for s in self.running[:beams]]
         assert len(set(groups)) == len([r for r, _ in groupby(groups)]), "a group split"
         assert all(s.status is SeqStatus.WAITING and not s.block_table for s in self.waiting)
+        self.adapters.check_integrity(s.request.lora for s in self.running)
         self.kv.check_integrity(self.running)
+
+
+def _adapter_id(seq: Sequence) -> int:
+    lora = seq.request.lora
+    return 0 if lora is None else lora.lora_int_id
 
 
 def _copies(seq: Sequence) -> int:
@@ -441,4 +470,5 @@ def build_scheduler(
         schedule=cfg.schedule,
         max_model_len=max_model_len,
         growth=GrowthEstimate(),
+        adapters=AdapterSlots(cfg.max_loras if cfg.enable_lora else 0),
     )

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from batchpage.engine.reasoning import ThinkingTracker
     from batchpage.engine.sampler import TopLogprobs
     from batchpage.engine.stop_checker import StopChecker
+    from batchpage.lora.request import LoRARequest
 
 
 @dataclass(eq=False)
@@ -35,6 +36,8 @@ class Request:
     # A pooling model's request (embed, classify, ...): it finishes when its prompt is computed,
     # with no token sampled; None: a generation request.
     pooling: PoolingType | None = None
+    # The LoRA adapter it runs with; None: the base model.
+    lora: LoRARequest | None = None
 
 
 class SeqStatus(enum.Enum):

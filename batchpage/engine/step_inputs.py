@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from batchpage.attention.metadata import AttentionMetadata
+from batchpage.engine.adapter_slots import AdapterSlots
 from batchpage.engine.input_batch import InputBatch
 from batchpage.engine.scheduler import ScheduledSeq
 from batchpage.engine.sequence import Sequence
@@ -41,15 +42,23 @@ class StepInputs:
     rows: np.ndarray  # int64 [B]
     num_new: np.ndarray  # int64 [B]
     sample_rows: np.ndarray  # int64 [N]
+    # Each token row's LoRA slot (-1: the base model); None when no row runs an adapter.
+    token_lora: torch.Tensor | None = None
 
 
 class StepBuilder:
     """Builds StepInputs; owns the persistent input batch (input_batch.py)."""
 
     def __init__(
-        self, capacity: int, max_blocks: int, block_size: int, device: torch.device
+        self,
+        capacity: int,
+        max_blocks: int,
+        block_size: int,
+        device: torch.device,
+        adapters: AdapterSlots | None = None,
     ) -> None:
-        self.batch = InputBatch(capacity, max_blocks)
+        """`adapters`: the scheduler's LoRA slots, which rows read when they join."""
+        self.batch = InputBatch(capacity, max_blocks, adapters)
         self.block_size = block_size
         self.device = torch.device(device)
 
@@ -104,12 +113,15 @@ class StepBuilder:
         # Every integer input in one host tensor (one copy to a device), then views of it.
         read = [np.array(r, dtype=np.int64) for r in (prompt_rows, pool_rows)]
         parts = [input_ids, positions, slots, logits_indices, *read, query_start, end]
+        if batch.lora_rows:
+            parts.append(batch.lora_slot[token_rows])
         flat = torch.from_numpy(np.concatenate(parts))
         if self.device.type == "cuda":
             flat = flat.pin_memory().to(self.device, non_blocking=True)
             tables = tables.pin_memory().to(self.device, non_blocking=True)
         views = flat.split([len(p) for p in parts])
-        ids, pos, slot_mapping, logits_rows, prompt_index, pool_index, starts, lens = views
+        ids, pos, slot_mapping, logits_rows, prompt_index, pool_index, starts, lens = views[:8]
+        token_lora = views[8] if batch.lora_rows else None
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=starts.to(torch.int32),
@@ -133,6 +145,7 @@ class StepBuilder:
             rows=rows,
             num_new=num_new,
             sample_rows=sample_rows,
+            token_lora=token_lora,
         )
 
 

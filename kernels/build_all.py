@@ -1,4 +1,4 @@
-"""python -m batchpage.kernels.build_all: build the seven C++ CPU kernels now (`make setup` runs
+"""python -m batchpage.kernels.build_all: build the eight C++ CPU kernels now (`make setup` runs
 it), so that the first job starts generating at once instead of compiling for minutes.
 
 Each kernel is built through its own builder (cpu_build.py caches the library by its sources
@@ -19,6 +19,7 @@ from batchpage.kernels.cpu_build import KernelBuildError
 from batchpage.kernels.cpu_f32_linear import CpuF32Linear
 from batchpage.kernels.cpu_int_linear import CpuIntLinear
 from batchpage.kernels.cpu_layer_ops import CpuLayerOps
+from batchpage.kernels.cpu_lora import CpuLoRA
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
 from batchpage.kernels.cpu_paged_prefill import CpuPagedPrefill
 
@@ -33,6 +34,7 @@ def builders() -> list[tuple[str, Callable[[], object]]]:
         ("the float32 linear", CpuF32Linear.build),
         ("the int linear", CpuIntLinear.build),
         ("the int8-activation linear", CpuA8Linear.build),
+        ("the LoRA kernel", CpuLoRA.build),
     ]
 
 

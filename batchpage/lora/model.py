@@ -8,10 +8,12 @@ mlp.down_proj, in every decoder layer that has them (a mixture-of-experts MLP ta
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from batchpage.lora.adapter import LoRAAdapter, TargetShapes
-from batchpage.lora.layers import AdapterStep, LoRALinear
+from batchpage.lora.layers import AdapterStep, KernelUpdate, LoRALinear, LoRAUpdate, TorchUpdate
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.layers import Attention, GatedMLP
 
@@ -28,6 +30,7 @@ class LoRAModel:
         self._layers: list[LoRALinear] = []
         shapes: dict[tuple[int, str], tuple[int, int]] = {}
         device = model.norm.weight.device
+        update = choose_update(device, dtype)
         for i, layer in enumerate(model.layers):
             for owner, leaf, names, sizes in _projections(layer):
                 base = getattr(owner, leaf)
@@ -35,7 +38,9 @@ class LoRAModel:
                 for size in sizes:
                     targets.append((start, size))
                     start += size
-                wrapped = LoRALinear(base, targets, slots, max_rank, dtype, device, self.step)
+                wrapped = LoRALinear(
+                    base, targets, slots, max_rank, dtype, device, self.step, update
+                )
                 setattr(owner, leaf, wrapped)
                 self._layers.append(wrapped)
                 for t, (name, size) in enumerate(zip(names, sizes, strict=True)):
@@ -56,6 +61,21 @@ class LoRAModel:
 
     def set_step(self, token_slots: torch.Tensor | None) -> None:
         self.step.set(token_slots)
+
+
+def choose_update(device: torch.device, dtype: torch.dtype) -> LoRAUpdate:
+    """The C++ kernel on a CPU in float32 or bf16 where it builds (else a warning says why),
+    torch's matmuls everywhere else."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return TorchUpdate()
+    from batchpage.kernels.cpu_build import KernelBuildError
+    from batchpage.kernels.cpu_lora import CpuLoRA
+
+    try:
+        return KernelUpdate(CpuLoRA.build())
+    except KernelBuildError as exc:
+        warnings.warn(f"{exc}; LoRA updates run on torch's matmuls", stacklevel=2)
+        return TorchUpdate()
 
 
 def _projections(layer: torch.nn.Module) -> list[tuple[torch.nn.Module, str, list[str], list[int]]]:

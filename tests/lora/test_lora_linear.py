@@ -5,13 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchpage.lora.layers import AdapterStep, LoRALinear
+from batchpage.kernels.cpu_lora import CpuLoRA
+from batchpage.lora.layers import AdapterStep, KernelUpdate, LoRALinear, TorchUpdate
 from batchpage.ops.linear import dense_linear
 
 
+def make_update(name: str):
+    return KernelUpdate(CpuLoRA.build()) if name == "kernel" else TorchUpdate()
+
+
+@pytest.mark.parametrize("update", ["torch", "kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["mixed", "one adapter", "base only"])
-def test_each_row_gets_its_own_adapters_update(dtype, layout):
+@pytest.mark.parametrize("layout", ["scattered", "runs", "one adapter", "base only"])
+def test_each_row_gets_its_own_adapters_update(update, dtype, layout):
     gen = torch.Generator().manual_seed(0)
     d_in, sizes, slots, max_rank = 24, [16, 8, 8], 3, 6
     weight = torch.randn(sum(sizes), d_in, generator=gen).to(dtype)
@@ -20,7 +26,7 @@ def test_each_row_gets_its_own_adapters_update(dtype, layout):
     starts = [0, 16, 24]
     layer = LoRALinear(
         dense_linear(weight, bias), list(zip(starts, sizes, strict=True)), slots, max_rank,
-        dtype, torch.device("cpu"), step,
+        dtype, torch.device("cpu"), step, make_update(update),
     )  # fmt: skip
     adapters = {}
     for slot, rank in enumerate([2, 6, 3]):
@@ -37,11 +43,14 @@ def test_each_row_gets_its_own_adapters_update(dtype, layout):
     rows = 11
     x = torch.randn(rows, d_in, generator=gen).to(dtype)
     token_slots = {
-        "mixed": torch.tensor([0, 1, -1, 2, 2, 0, 1, -1, 0, 2, 1]),
+        "scattered": torch.tensor([0, 1, -1, 2, 2, 0, 1, -1, 0, 2, 1]),
+        "runs": torch.tensor([2, 2, 2, -1, 0, 0, 1, 1, 1, 1, 0]),
         "one adapter": torch.full((rows,), 1),
         "base only": torch.full((rows,), -1),
     }[layout]
     step.set(token_slots)
+    runs = layout != "scattered"
+    assert all(isinstance(g.rows, slice) == runs for g in step.groups)
     got = layer.forward(x)
     for i in range(rows):
         want = x[i].double() @ weight.double().T + bias.double()
@@ -56,12 +65,13 @@ def test_each_row_gets_its_own_adapters_update(dtype, layout):
         torch.testing.assert_close(got[i].double(), want, rtol=tol, atol=tol)
 
 
-def test_reloading_a_slot_replaces_the_adapter_whole():
+@pytest.mark.parametrize("update", ["torch", "kernel"])
+def test_reloading_a_slot_replaces_the_adapter_whole(update):
     gen = torch.Generator().manual_seed(1)
     step = AdapterStep()
     weight = torch.randn(8, 4, generator=gen)
     layer = LoRALinear(dense_linear(weight, None), [(0, 8)], 1, 4, torch.float32,
-                       torch.device("cpu"), step)  # fmt: skip
+                       torch.device("cpu"), step, make_update(update))  # fmt: skip
     layer.load(0, [(torch.randn(4, 4, generator=gen), torch.randn(8, 4, generator=gen))])
     small = (torch.randn(1, 4, generator=gen), torch.randn(8, 1, generator=gen))
     layer.load(0, [small])  # rank 1: the rest of the old rank-4 update must be gone

@@ -62,6 +62,10 @@ OVERRIDE_FIELDS: MappingProxyType[str, type] = MappingProxyType(
 _FIELD_OF_COLUMN = {"response_format": "structured_outputs"}
 
 
+# A lora column names an adapter or a folder: a path's worth of bytes at most.
+MAX_ADAPTER_NAME_BYTES = 4096
+
+
 @dataclass
 class Row:
     """One input row. `error` set means: do not generate, write the row with this error."""
@@ -76,6 +80,7 @@ class Row:
     # (one list, or a list of lists); each is embedded, and the row's answer holds them all.
     inputs: list[str | list[int]] | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # non-null per-row sampling values
+    lora: str | None = None  # dataset.lora_column's adapter (a model.loras name or a folder)
     error: str | None = None
     # Values of the output's extra columns that come from the input: the carried columns (and an
     # OpenAI Batch line's url), by column name.
@@ -107,6 +112,7 @@ def make_row(
     carried: Sequence[str] = (),
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
     response_column: str | None = None,
+    lora_column: str | None = None,
 ) -> Row:
     """Check one record. `rec` is a str when the reader could not parse it (it says why).
 
@@ -118,7 +124,9 @@ def make_row(
         return Row(index=index, id=str(index), error=rec)
     text_column = messages_column if messages_column is not None else prompt_column or ""
     errors, bad = _unencodable_columns(
-        index, rec, [text_column, id_column, response_column, *override_columns, *carried]
+        index,
+        rec,
+        [text_column, id_column, response_column, lora_column, *override_columns, *carried],
     )
     if bad:  # a value no UTF-8 writer takes goes nowhere: the row holds a null instead
         rec = {k: (None if k in bad else v) for k, v in rec.items()}
@@ -146,6 +154,10 @@ def make_row(
         row.response = None if err else row.response
         if err:
             errors.append(err)
+    if lora_column is not None and lora_column not in bad:
+        row.lora, err = _check_adapter(rec.get(lora_column))
+        if err:
+            errors.append(err)
     for name in override_columns:
         value = rec.get(name)
         blank = from_text and isinstance(value, str) and not value.strip()
@@ -161,6 +173,17 @@ def make_row(
             errors.append(f"bad {name}: {e}")
     row.error = "; ".join(errors) or None
     return row
+
+
+def _check_adapter(value: Any) -> tuple[str | None, str | None]:
+    """(the adapter a lora column's value names, None for the base model; an error)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None, None
+    if not isinstance(value, str):
+        return None, f"the lora column must be text naming an adapter, got {type(value).__name__}"
+    if len(value.encode()) > MAX_ADAPTER_NAME_BYTES:
+        return None, f"the lora column's value is over {MAX_ADAPTER_NAME_BYTES} bytes"
+    return (value.strip() or None), None
 
 
 def prompt_size_error(prompt: str | None, bound: int) -> str | None:

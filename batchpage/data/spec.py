@@ -104,6 +104,9 @@ class DatasetSpec:
     style: str = "auto"
     keep_columns: list[str] | None = None
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    # Each row's LoRA adapter: a name of model.loras or an adapter folder; null or empty: the
+    # base model. Needs engine.enable_lora=true.
+    lora_column: str | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,7 @@ class DatasetInfo:
     carried: tuple[str, ...] = ()  # input columns copied to the output, in order
     carried_schema: pa.Schema = field(default_factory=lambda: pa.schema([]))
     response_column: str | None = None
+    lora_column: str | None = None
 
 
 # --- validate ----------------------------------------------------------------------------------
@@ -192,7 +196,8 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
             _log.info("dataset: column %r is the row id (dataset.id_column chooses)", ID_COLUMN)
         prompt_col, messages_col = _text_columns(spec)
         overrides = _override_columns(spec, columns)
-        for col in (prompt_col, messages_col, id_column, spec.response_column, *overrides):
+        for col in (prompt_col, messages_col, id_column, spec.response_column, spec.lora_column,
+                    *overrides):  # fmt: skip
             if col is not None and col not in columns:
                 raise DatasetError(_missing_column_message(col, columns, spec, files))
     if id_column is not None and (spec.id_column is not None or fmt == "openai_batch"):
@@ -204,9 +209,16 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         raise DatasetError(
             "an OpenAI Batch file has no response column: drop dataset.response_column"
         )
+    if batch and spec.lora_column is not None:
+        raise DatasetError(
+            "an OpenAI Batch file has no adapter column: drop dataset.lora_column (its "
+            "requests' model field is not read as an adapter yet)"
+        )
     response = spec.response_column
     consumed = (
-        REQUEST_FIELDS if batch else (prompt_col, messages_col, id_column, response, *overrides)
+        REQUEST_FIELDS
+        if batch
+        else (prompt_col, messages_col, id_column, response, spec.lora_column, *overrides)
     )
     carried = carried_columns(columns, consumed, spec.keep_columns, files[0])
 
@@ -227,6 +239,8 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
     }
     if response is not None:  # only then: other jobs keep their key
         key["response_column"] = response
+    if spec.lora_column is not None:  # only then: other jobs keep their key
+        key["lora_column"] = spec.lora_column
     if spec.max_prompt_bytes != DEFAULT_MAX_PROMPT_BYTES:  # only then: other jobs keep their key
         key["max_prompt_bytes"] = spec.max_prompt_bytes
     return DatasetInfo(
@@ -243,6 +257,7 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         styles=preset.styles if preset else None,
         chat_template=chat_template,
         response_column=response,
+        lora_column=spec.lora_column,
         carried=carried,
         carried_schema=carried_schema(
             fmt, files, spec.split, carried, scan.columns if scan else None
@@ -421,6 +436,7 @@ def iter_rows(spec: DatasetSpec, info: DatasetInfo | None = None) -> Iterator[Ro
         info.prompt_column or info.messages_column,
         info.id_column,
         info.response_column,
+        info.lora_column,
         *info.override_columns,
         *info.carried,
     ]
@@ -444,6 +460,7 @@ def iter_rows(spec: DatasetSpec, info: DatasetInfo | None = None) -> Iterator[Ro
                 carried=info.carried,
                 max_prompt_bytes=bound,
                 response_column=info.response_column,
+                lora_column=info.lora_column,
             )
         if spec.limit is not None and index + 1 >= spec.limit:
             return

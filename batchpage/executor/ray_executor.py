@@ -31,6 +31,7 @@ from batchpage.executor.ray_cluster import Connection, connect
 from batchpage.executor.replica import Replica, ReplicaUpdate
 from batchpage.executor.windows import cut_windows, prefix_order
 from batchpage.executor.work_queue import Window, WorkQueue, least_loaded
+from batchpage.lora.request import LoRARequest
 from batchpage.metrics import RunStats
 from batchpage.model.loader import load_tokenizer, resolve_model_source
 from batchpage.outputs import PoolingRequestOutput, RequestOutput
@@ -97,9 +98,11 @@ class ReplicaPool:
         use_tqdm: bool = False,
         on_output: OnOutput | None = None,
         on_step: OnStep | None = None,
+        lora_request: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """As LLM.generate: one output per prompt, in input order; on_output(output, index) as
-        each row finishes (on any replica), on_step(stats) with the call's figures so far."""
+        each row finishes (on any replica), on_step(stats) with the call's figures so far.
+        `lora_request`: each prompt's adapter (None: the base model)."""
         ids = self._ids(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(ids)
@@ -107,7 +110,8 @@ class ReplicaPool:
             params = list(sampling_params)
         if len(params) != len(ids):
             raise ValueError(f"got {len(params)} SamplingParams for {len(ids)} prompts")
-        return self._call("generate", ids, [ids, params], {}, on_output, on_step)
+        named = {} if lora_request is None else {"lora_request": list(lora_request)}
+        return self._call("generate", ids, [ids, params], {}, on_output, on_step, named)
 
     def _pool(
         self,
@@ -155,9 +159,16 @@ class ReplicaPool:
         kwargs: dict[str, Any],
         on_output: OnOutput | None,
         on_step: OnStep | None,
+        named: dict[str, list[Any]] | None = None,
     ) -> list[Any]:
-        """Run LLM.<method>(*columns, **kwargs) over the replicas, window by window: row i is
-        (column[i] for each column), placed in the prefix order of keys[i]."""
+        """Run LLM.<method>(*columns, **kwargs, **named) over the replicas, window by window:
+        row i is (column[i] for each column, and named's), placed in the prefix order of keys[i]
+        (an adapter's rows together first, when named holds lora_request)."""
+        named = named or {}
+        loras = named.get("lora_request")
+        if loras is not None:  # the adapter's id leads the key: its rows go together
+            ids = [0 if a is None else -a.lora_int_id for a in loras]
+            keys = [[i, *k] for i, k in zip(ids, keys, strict=True)]
         order = prefix_order(keys, self.schedule)
         # A call smaller than the replicas' windows together is cut finer, so every live
         # replica gets a share of it (a contiguous run of the prefix order each).
@@ -165,7 +176,7 @@ class ReplicaPool:
         size = min(self.cfg.window_rows, max(1, -(-len(order) // max(1, live))))
         windows = cut_windows([keys[p] for p in order], size)
         work = WorkQueue([order[i] for i in r] for r in windows)
-        run = _Run(self, work, _Call(method, columns, kwargs), on_output, on_step)
+        run = _Run(self, work, _Call(method, columns, kwargs, named), on_output, on_step)
         outputs = run.until_done()
         self.run_stats = run.stats.finish()
         self.requeued_rows += work.requeued_rows
@@ -288,9 +299,13 @@ class _Call(NamedTuple):
     method: str  # an LLM method: generate, embed, classify, reward, score
     columns: list[list[Any]]  # its per-row arguments, one list each, as long as the call
     kwargs: dict[str, Any]  # its arguments shared by every row
+    named: dict[str, list[Any]]  # its per-row keyword arguments (lora_request), a list each
 
     def window(self, positions: Sequence[int]) -> list[list[Any]]:
         return [[column[p] for p in positions] for column in self.columns]
+
+    def named_window(self, positions: Sequence[int]) -> dict[str, list[Any]]:
+        return {name: [column[p] for p in positions] for name, column in self.named.items()}
 
 
 class _Run:
@@ -345,7 +360,12 @@ class _Run:
             task = (
                 self.pool.actors[replica]
                 .run.options(num_returns="streaming")
-                .remote(self.call.method, self.call.window(window.positions), self.call.kwargs)
+                .remote(
+                    self.call.method,
+                    self.call.window(window.positions),
+                    self.call.kwargs,
+                    self.call.named_window(window.positions),
+                )
             )
             self.tasks[task] = (replica, window)
             load[replica] += 1

@@ -70,11 +70,16 @@ class Replica:
         }
 
     def run(
-        self, method: str, columns: Sequence[Sequence[Any]], kwargs: dict[str, Any]
+        self,
+        method: str,
+        columns: Sequence[Sequence[Any]],
+        kwargs: dict[str, Any],
+        named: dict[str, list[Any]] | None = None,
     ) -> Iterator[ReplicaUpdate]:
-        """One window through LLM.<method>(*columns, **kwargs) (generate: prompts and their
-        SamplingParams; a pooling method: prompts, or score's two texts, and PoolingParams);
-        yields ReplicaUpdates as rows finish, the last with done=True."""
+        """One window through LLM.<method>(*columns, **kwargs, **named) (generate: prompts
+        and their SamplingParams, and per-row lora_request in named; a pooling method:
+        prompts, or score's two texts, and PoolingParams); yields ReplicaUpdates as rows
+        finish, the last with done=True."""
         call = getattr(self.llm, method)
         events: queue.Queue[tuple[str, Any]] = queue.Queue()
         latest: dict[str, RunStats] = {}  # the window's RunStats, which the engine keeps filling
@@ -87,6 +92,7 @@ class Replica:
                 call(
                     *map(list, columns),
                     **kwargs,
+                    **(named or {}),
                     use_tqdm=False,
                     on_output=lambda out, i: events.put(("row", (i, out))),
                     on_step=stepped,

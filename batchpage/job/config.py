@@ -30,9 +30,11 @@ SAMPLING_FIELDS_NOT_IN_JOB = frozenset(
 
 @dataclass
 class ModelSpec:
-    """A bundled name (smollm2), a Hugging Face model folder or a .gguf file."""
+    """A bundled name (smollm2), a Hugging Face model folder or a .gguf file; `loras`: LoRA
+    adapters by name (name -> PEFT adapter folder), which dataset.lora_column's values name."""
 
     path: str = "smollm2"
+    loras: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -71,7 +71,9 @@ def dry_run(cfg: JobConfig) -> dict[str, Any]:
     blocks_max = blocks_all = blocks_prompt_full = 0
     for window in iter_windows(cfg.dataset, plan.info):
         rows += len(window)
-        ready, failed = prepare_window(window, tokenizer, plan.params, plan.base_seed, plan.prompts)
+        ready, failed = prepare_window(
+            window, tokenizer, plan.params, plan.base_seed, plan.prompts, plan.adapters
+        )
         bad += len(failed)
         for p in ready:
             ids = p.prompt_ids

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -93,6 +94,7 @@ def _run(
     out = Path(cfg.output_dir or "")
     window_stats: list[RunStats] = []
     rows = resumed = generated = 0
+    by_adapter: Counter[str] = Counter()  # rows generated per adapter (dataset.lora_column)
     llm: Any = None
     progress = JobProgress(plan.info.num_rows, cfg.progress)
     status = ProgressFile(out, progress)
@@ -115,7 +117,7 @@ def _run(
             # Without an LLM every row left has an error, and error rows need no tokenizer.
             tokenizer = llm.tokenizer if llm is not None else None
             ready, failed = prepare_window(
-                todo, tokenizer, plan.params, plan.base_seed, plan.prompts
+                todo, tokenizer, plan.params, plan.base_seed, plan.prompts, plan.adapters
             )
             writer.add_many(failed)  # written now: a bad row never waits for the window
             progress.rows_skipped(len(failed), failed=True)
@@ -124,6 +126,7 @@ def _run(
                     _generate(llm, plan, ready, writer, progress, window_stats, status)
                 )
                 generated += len(ready)
+                by_adapter.update(p.lora.lora_name if p.lora else "base" for p in ready)
             status.write()
         watch.check()  # a file cut short ends the reading early: the row count tells nothing
         watch.check_digests()
@@ -142,7 +145,7 @@ def _run(
     score = score_output(out, cfg.score) if cfg.score else None
     run = ThisRun(
         started[0], time.perf_counter() - started[1], generated, resumed,
-        RunStats.merged(window_stats),
+        RunStats.merged(window_stats), dict(by_adapter) if plan.adapters else {},
     )  # fmt: skip
     metrics = write_report(out, cfg, plan, _settings(plan, llm), run, rows, score)
     reasons, samples, first_error = summarize(final.path)
@@ -191,6 +194,8 @@ def _generate(
             result.extra["code"] = codes if plan.listed else codes[0]
         writer.add(result)
         writer.maybe_flush()
+        if plan.adapters is not None:
+            status.rows_by_adapter[p.lora.lora_name if p.lora else "base"] += 1
         used = sum(len(c.token_ids) for c in out.outputs)
         unused = max(0, budget(p) - used) if out.error is None else 0
         progress.row_finished(unused_budget=unused, failed=out.error is not None)
@@ -212,12 +217,14 @@ def _generate(
 
         pool_rows(llm, task, ready, plan.pooling, pooled, stepped)
         return llm.run_stats
+    loras = [p.lora for p in ready]
     llm.generate(
         [p.prompt_ids for p in ready],
         [p.params for p in ready],
         use_tqdm=False,
         on_output=saved,
         on_step=stepped,
+        **({"lora_request": loras} if any(loras) else {}),
     )
     return llm.run_stats
 

@@ -22,6 +22,7 @@ from batchpage.engine.plan import EnginePlan, plan_engine
 from batchpage.engine.reasoning import resolve_markers
 from batchpage.executor.config import replica_bundles
 from batchpage.fileio import file_digest
+from batchpage.job.adapters import JobAdapters
 from batchpage.job.config import JobConfig
 from batchpage.job.humaneval_scores import check_scorable, code_schema
 from batchpage.job.pooling_rows import POOLING_JOB_TASKS, pool_schema
@@ -74,6 +75,8 @@ class JobPlan:
     reasoning: str | None = None
     # A pooling job's (engine.task other than generate) PoolingParams, from pooling.*.
     pooling: PoolingParams = PoolingParams()
+    # The LoRA adapters rows name (dataset.lora_column); None: the job runs the base model.
+    adapters: JobAdapters | None = None
 
     @property
     def openai_batch(self) -> bool:
@@ -119,6 +122,7 @@ def plan_job(cfg: JobConfig) -> JobPlan:
             _check_sampling(params, engine_cfg.reasoning_parser, reasoning, source.config)
         extra = _extra_schema(cfg, info, style, listed, reasoning is not None, engine.task,
                               pooling, source.config)  # fmt: skip
+        adapters = _adapters(cfg, engine_cfg, engine.task)
     except (ValueError, OSError) as e:
         raise JobConfigError(str(e)) from None
     base_seed = cfg.sampling.seed if cfg.sampling.seed is not None else engine_cfg.seed
@@ -153,6 +157,8 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         if chosen:  # only then: jobs with the defaults keep their identity
             fingerprint["pooling"] = chosen
         del fingerprint["sampling"]  # nothing is sampled
+    if adapters is not None and cfg.model.loras:  # only then: other jobs keep their identity
+        fingerprint["loras"] = adapters.fingerprint()
     return JobPlan(
         info,
         source,
@@ -166,7 +172,30 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         extra,
         reasoning,
         pooling,
+        adapters,
     )
+
+
+def _adapters(cfg: JobConfig, engine_cfg: EngineConfig, task: str) -> JobAdapters | None:
+    """The adapters of a job with dataset.lora_column (model.loras' checked), or None."""
+    if cfg.dataset.lora_column is None:
+        if cfg.model.loras:
+            raise ValueError(
+                "model.loras names adapters, but no dataset.lora_column says which rows run "
+                "them: set dataset.lora_column"
+            )
+        return None
+    if not engine_cfg.enable_lora:
+        raise ValueError(
+            "dataset.lora_column runs rows on LoRA adapters: set engine.enable_lora=true (and "
+            "engine.max_loras, engine.max_lora_rank as the adapters need)"
+        )
+    if task != "generate":
+        raise ValueError(
+            f"dataset.lora_column in a pooling job (engine.task={task}) is not supported yet: "
+            "use LLM.embed / classify with lora_request, or drop dataset.lora_column"
+        )
+    return JobAdapters(dict(cfg.model.loras))
 
 
 def _check_sampling(

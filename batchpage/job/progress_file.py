@@ -3,14 +3,16 @@
 Rewritten atomically (a reader never sees half a file) at most every `every_s` seconds while
 rows finish and engine steps run, at every window's end and when the job stops: rows done and
 failed out of the total, the output rate and the time left at that rate (the progress bar's own
-figures), and with executor=ray each replica's rows and rate and the replicas lost and replaced.
-run.json names the file; it stays after the job as its last state.
+figures), with executor=ray each replica's rows and rate and the replicas lost and replaced,
+and with dataset.lora_column the rows done per adapter. run.json names the file; it stays after
+the job as its last state.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,8 @@ class ProgressFile:
         self.executor = executor
         self.every_s = every_s
         self._last = float("-inf")
+        # Rows done in this run per adapter name ("base": none); the job counts them.
+        self.rows_by_adapter: Counter[str] = Counter()
 
     def maybe_write(self) -> None:
         """Rewrite the file if the last write is at least every_s old."""
@@ -50,6 +54,8 @@ class ProgressFile:
             record["stage"] = stage
         if self.executor is not None:
             record["executor"] = self.executor()
+        if self.rows_by_adapter:
+            record["rows_by_adapter"] = dict(sorted(self.rows_by_adapter.items()))
         with atomic_path(self.path) as tmp:
             tmp.write_text(json.dumps(record, indent=1) + "\n")
         self._last = time.monotonic()

@@ -19,16 +19,20 @@ import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from batchpage.data.readers import DEFAULT_MAX_PROMPT_BYTES
 from batchpage.data.rows import Row, prompt_size_error
+from batchpage.lora.request import LoRARequest
 from batchpage.model.render_budget import RenderLimits, TemplateLimitError
 from batchpage.model.tokenizer import Tokenizer
 from batchpage.output.batch_files import logprobs_json
 from batchpage.output.files import ResultRow
 from batchpage.outputs import RequestOutput
 from batchpage.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from batchpage.job.adapters import JobAdapters
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class Prepared(NamedTuple):
     params: SamplingParams
     # An embeddings line's inputs (Row.inputs), each as token ids; None: one prompt.
     inputs: list[list[int]] | None = None
+    lora: LoRARequest | None = None  # the row's adapter (dataset.lora_column); None: the base
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -93,9 +98,11 @@ def prepare_window(
     base: SamplingParams,
     base_seed: int,
     plan: PromptPlan | None = None,
+    adapters: JobAdapters | None = None,
 ) -> tuple[list[Prepared], list[ResultRow]]:
     """Rows -> (prompts to generate, rows that already failed with their error). The tokenizer
-    may be None only when no row is left to generate."""
+    may be None only when no row is left to generate. `adapters` resolve the rows' lora values
+    (a value that names no adapter is the row's error)."""
     plan = plan or PromptPlan()
     ready: list[Prepared] = []
     failed: list[ResultRow] = []
@@ -112,12 +119,20 @@ def prepare_window(
         except (ValueError, TypeError) as e:
             fail(f"bad sampling value: {e}")
             continue
+        lora = None
+        if row.lora is not None:
+            assert adapters is not None, "a lora value without dataset.lora_column"
+            resolved = adapters.resolve(row.lora)
+            if isinstance(resolved, str):
+                fail(resolved)
+                continue
+            lora = resolved
         if tokenizer is None:
             raise ValueError("prepare_window needs the tokenizer for rows left to generate")
         if row.inputs is not None:  # bounded when the line was read
             ids = [tokenizer.encode(x) if isinstance(x, str) else x for x in row.inputs]
             flat = [t for one in ids for t in one]
-            ready.append(Prepared(row, flat, json.dumps(row.inputs), params, ids))
+            ready.append(Prepared(row, flat, json.dumps(row.inputs), params, ids, lora))
             continue
         chat = chat_of(row, plan)
         if chat is None:
@@ -126,7 +141,7 @@ def prepare_window(
             if too_long:
                 fail(too_long, None)
                 continue
-            ready.append(Prepared(row, tokenizer.encode(text), text, params))
+            ready.append(Prepared(row, tokenizer.encode(text), text, params, lora=lora))
             continue
         try:
             if row.response is not None:  # the reply to score: the last turn, not a prompt
@@ -146,7 +161,8 @@ def prepare_window(
             fail(f"after the chat template, {too_long.removeprefix('the ')}", None)
             continue
         ids = tokenizer.encode(text, add_special_tokens=False)
-        ready.append(Prepared(row, ids, tokenizer.decode(ids, skip_special_tokens=False), params))
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        ready.append(Prepared(row, ids, text, params, lora=lora))
     return ready, failed
 
 

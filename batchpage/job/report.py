@@ -43,6 +43,7 @@ class ThisRun:
     rows_generated: int
     rows_resumed: int
     stats: RunStats
+    rows_by_adapter: dict[str, int] = field(default_factory=dict)  # with dataset.lora_column
 
 
 def resolved_settings(plan: JobPlan, llm: Any | None) -> dict[str, Any]:
@@ -85,6 +86,7 @@ def write_report(
                 "settings": settings,
                 "stats": run.stats.to_record(),
                 "metrics": run.stats.as_dict(),
+                **({"rows_by_adapter": run.rows_by_adapter} if run.rows_by_adapter else {}),
             }
         )
     block_size = cfg.engine.block_size
@@ -98,6 +100,11 @@ def write_report(
         "rows": rows,
         "rows_generated": sum(r["rows_generated"] for r in runs),
     }
+    by_adapter: Counter[str] = Counter()
+    for r in runs:
+        by_adapter.update(r.get("rows_by_adapter", {}))
+    if by_adapter:
+        totals["rows_by_adapter"] = dict(sorted(by_adapter.items()))
     if score is not None:
         totals["score"] = score
     config = {

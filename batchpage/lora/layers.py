@@ -11,7 +11,8 @@ The slots are preallocated: A [slots, targets * max_rank, in] and, per target, B
 the same shapes. `AdapterStep` says which of the step's token rows run which slot; one object,
 set once a step by the model runner, read by every LoRALinear of the model. How the updates
 are computed is chosen once, when the model is wrapped: the C++ kernel (kernels/cpu_lora.cpp)
-on a CPU where it builds, else torch's matmuls (`TorchUpdate`, the same contract).
+on a CPU where it builds, the Triton kernels (kernels/lora_update.py) on a GPU, else torch's
+matmuls (`TorchUpdate`); all three compute the same contract.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class AdapterStep:
         ends = sizes.cumsum(0)
         slot_of = torch.tensor([g.slot for g in self.groups], dtype=torch.int64)
         self.index = torch.stack([slot_of, ends - sizes, ends], 1).contiguous()
-        self.rows = torch.cat(parts) if parts else self.rows[:0]
+        rows = torch.cat(parts) if parts else self.rows[:0]
+        self.rows = rows.to(token_slots.device)  # the index stays on the host
 
 
 class LoRAUpdate(Protocol):
@@ -118,6 +120,21 @@ class KernelUpdate:
         )  # fmt: skip
 
 
+class TritonUpdate:
+    """The Triton kernels (kernels/lora_update.py): two launches per target a linear a step."""
+
+    def __init__(self) -> None:
+        from batchpage.kernels.lora_update import lora_apply
+
+        self.lora_apply = lora_apply
+
+    def __call__(self, layer: LoRALinear, x: torch.Tensor, y: torch.Tensor) -> None:
+        step = layer.step
+        self.lora_apply(
+            y, x, layer.lora_a, layer.lora_bt, layer.starts, step.rows, step.index, layer.active
+        )
+
+
 class LoRALinear(LinearOp):
     """`base` with room for `slots` adapters of rank at most `max_rank` on each target, a
     target being a slice [start, start + size) of base's output (the whole of it for an
@@ -154,7 +171,7 @@ class LoRALinear(LinearOp):
         for t, b in enumerate(self.lora_bt):
             self.register_buffer(f"lora_bt{t}", b)
         # Which targets each slot updates: the kernel's tensor, and a list to read in Python.
-        self.active = torch.zeros(slots, len(targets), dtype=torch.bool)
+        self.active = torch.zeros(slots, len(targets), dtype=torch.bool, device=device)
         self.active_list = [[False] * len(targets) for _ in range(slots)]
         if isinstance(update, KernelUpdate):
             update.check(self)

@@ -13,7 +13,14 @@ import warnings
 import torch
 
 from batchpage.lora.adapter import LoRAAdapter, TargetShapes
-from batchpage.lora.layers import AdapterStep, KernelUpdate, LoRALinear, LoRAUpdate, TorchUpdate
+from batchpage.lora.layers import (
+    AdapterStep,
+    KernelUpdate,
+    LoRALinear,
+    LoRAUpdate,
+    TorchUpdate,
+    TritonUpdate,
+)
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.layers import Attention, GatedMLP
 
@@ -64,8 +71,10 @@ class LoRAModel:
 
 
 def choose_update(device: torch.device, dtype: torch.dtype) -> LoRAUpdate:
-    """The C++ kernel on a CPU in float32 or bf16 where it builds (else a warning says why),
-    torch's matmuls everywhere else."""
+    """The Triton kernels on a GPU; the C++ kernel on a CPU in float32 or bf16 where it builds
+    (else a warning says why); torch's matmuls everywhere else."""
+    if device.type == "cuda":
+        return TritonUpdate()
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return TorchUpdate()
     from batchpage.kernels.cpu_build import KernelBuildError

@@ -1,6 +1,7 @@
 """Many LoRA adapters in one batch against the base model alone, in one run: the same prompts
 through the same engine settings, first without adapters (enable_lora off), then spread over N
-random adapters (enable_lora, max_loras N), in turns.
+random adapters (enable_lora, max_loras N), in turns; and (--systems batchpage,vllm) vLLM-CPU
+on the same prompts, adapters and dtype, base and adapters, in the same run.
 
 The adapters are made by PEFT over the model's HF form (the bundled GGUF's float32 export),
 rank --rank on q/k/v/o/gate/up/down, A and B drawn at random (small, so the outputs stay
@@ -9,6 +10,7 @@ same number of tokens. Output tokens per second of the whole generate call, each
 of --rounds.
 
     python -m jobs.bench.lora --out jobs/bench/results/lora.json
+    python -m jobs.bench.lora --dtype bfloat16 --systems batchpage,vllm --out ...
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from batchpage.model.loader import load_tokenizer, resolve_model_source
 from jobs.bench import report
 from jobs.bench.engine_runs import load_llm, log, timed_generate
 from jobs.bench.hf_export import hf_folder_for
-from jobs.bench.workloads import sharegpt_workload
+from jobs.bench.vllm_cpu import run_vllm_cpu
+from jobs.bench.workloads import sharegpt_workload, write_request_file
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -62,6 +65,8 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--systems", default="batchpage", help="batchpage, or batchpage,vllm")
+    p.add_argument("--vllm-venv", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -97,6 +102,8 @@ def main() -> None:
             side.pop("outputs")
         del base, adapted
         gc.collect()
+        if "vllm" in args.systems.split(","):
+            sides |= vllm_sides(args, work, [Path(r.lora_path) for r in loras], Path(tmp))
     ratio = sides["adapters"]["output_tok_s"] / sides["base"]["output_tok_s"]
     title = (f"{args.adapters} rank-{args.rank} adapters against the base model, "
              f"{len(work.prompts)} ShareGPT prompts, {args.model} {args.dtype}")  # fmt: skip
@@ -106,7 +113,34 @@ def main() -> None:
         print(f"| {name} | {side['output_tok_s']:,.1f} | {side['wall_s']:.2f} |")
     print(f"\nadapters / base: {ratio:.2f}x; completions that differ from the base model's: "
           f"{differ} of {len(work.prompts)}")  # fmt: skip
+    if "vllm adapters" in sides:
+        peer = sides["adapters"]["output_tok_s"] / sides["vllm adapters"]["output_tok_s"]
+        own = sides["vllm adapters"]["output_tok_s"] / sides["vllm base"]["output_tok_s"]
+        print(f"batchpage / vLLM-CPU with adapters: {peer:.2f}x (vLLM-CPU's adapters / its "
+              f"base: {own:.2f}x)")  # fmt: skip
     report.save_results(args.out, env, sides, args, ratio=ratio, differ=differ)
+
+
+def vllm_sides(args: argparse.Namespace, work: Any, adapters: list[Path], tmp: Path) -> dict:
+    """vLLM-CPU on the same prompts: base model, then the same adapters (prompt i: i mod N)."""
+    if args.dtype not in ("float32", "bfloat16"):
+        raise SystemExit("--systems vllm needs --dtype float32 or bfloat16 (the same for both)")
+    requests = tmp / "requests.json"
+    write_request_file(requests, [work], [p[:8] for p in work.prompts[:4]])
+    model = hf_folder_for(args.model)
+    max_len = max(len(p) + n for p, n in zip(work.prompts, work.max_tokens, strict=True)) + 16
+    sides = {}
+    for name, more in (
+        ("vllm base", []),
+        ("vllm adapters", ["--lora", *map(str, adapters), "--max-lora-rank", str(args.rank)]),
+    ):
+        out = run_vllm_cpu(args.vllm_venv, model, requests, tmp / f"{name}.json", args.dtype,
+                           max_len, 2.0, "--max-num-seqs", str(max(64, args.requests)),
+                           *more)  # fmt: skip
+        row = out["workloads"][0]
+        sides[name] = {k: row[k] for k in ("wall_s", "output_tok_s")}
+        log(f"{name}: {row['output_tok_s']:.1f} out tok/s")
+    return sides
 
 
 if __name__ == "__main__":

@@ -164,6 +164,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--lora",
+        nargs="*",
+        default=[],
+        help="LoRA adapter folders: prompt i runs adapter i mod N (enable_lora)",
+    )
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument(
         "--task",
         choices=("generate", "embed"),
         default="generate",
@@ -191,6 +198,9 @@ def main(argv: list[str] | None = None) -> None:
         engine_args["max_num_seqs"] = args.max_num_seqs
     if args.task == "embed":
         engine_args["runner"] = "pooling"
+    if args.lora:
+        engine_args.update(enable_lora=True, max_loras=len(args.lora),
+                           max_lora_rank=args.max_lora_rank)  # fmt: skip
     start = time.perf_counter()
     llm = LLM(**engine_args)
     log(f"engine created in {time.perf_counter() - start:.1f} s")
@@ -200,8 +210,15 @@ def main(argv: list[str] | None = None) -> None:
     def generate(prompts: list[list[int]], max_tokens: list[int]) -> tuple[list[list[int]], float]:
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
         inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        loras = None
+        if args.lora:
+            from vllm.lora.request import LoRARequest
+
+            n = len(args.lora)
+            loras = [LoRARequest(f"adapter{i % n}", i % n + 1, args.lora[i % n])
+                     for i in range(len(prompts))]  # fmt: skip
         t0 = time.perf_counter()
-        outs = llm.generate(inputs, params, use_tqdm=False)
+        outs = llm.generate(inputs, params, use_tqdm=False, lora_request=loras)
         wall = time.perf_counter() - t0
         return [list(o.outputs[0].token_ids) for o in outs], wall
 

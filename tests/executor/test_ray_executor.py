@@ -198,3 +198,28 @@ def test_more_replicas_than_the_cluster_holds_are_refused_before_loading(
     cfg = job(job_args(data, tiny_folder, tmp_path / "out", *ray_args(3)))
     with pytest.raises(ValueError, match=r"num_replicas=3 replicas need 3 CPUs .* has 2 and 0"):
         run_job(cfg)
+
+
+def test_lora_rows_on_replicas_give_the_local_output(tmp_path, tiny_folder, ray_instance) -> None:
+    """dataset.lora_column on two replicas: each row with its adapter, as on one engine."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.job.test_lora_job import PROMPTS, lora_job
+    from tests.lora.peft_adapters import make_adapter
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_folder)
+    make_adapter(base, tmp_path / "a", seed=1)
+    make_adapter(base, tmp_path / "b", seed=2)
+    names = ["a", None, str(tmp_path / "b"), "a", None, str(tmp_path / "b")] * 2
+    rows = [{"prompt": PROMPTS[i % 4], "adapter": n} for i, n in enumerate(names)]
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)
+    outs = []
+    for name, executor in (("local", None), ("ray", ray_args())):
+        cfg = lora_job(data, tiny_folder, tmp_path / name, tmp_path / "a")
+        cfg.model.loras = {"a": str(tmp_path / "a")}
+        if executor is not None:
+            cfg.executor.kind, cfg.executor.num_replicas, cfg.executor.window_rows = "ray", 2, 2
+        run_job(cfg)
+        outs.append(compared(tmp_path / name))
+    assert outs[1] == outs[0]
+    assert all(r["error"] is None for r in outs[0])

@@ -111,3 +111,23 @@ def test_embeddings_run_the_adapter(tiny):
             hf = model(torch.tensor([out.prompt_token_ids]), output_hidden_states=True)
         want = torch.nn.functional.normalize(hf.hidden_states[-1][0].mean(0), dim=-1)
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, atol=1e-5, rtol=0)
+
+
+def test_structured_outputs_hold_under_an_adapter(tiny, tmp_path):
+    """A choice constraint on rows of an adapter gives what the same constraint gives on the
+    adapter merged into the model by PEFT (a plain model folder, no LoRA)."""
+    from batchpage import StructuredOutputsParams
+    from tests.lora.peft_adapters import merged
+
+    llm, _, peft, loras, _ = tiny
+    save_hf_folder(merged(peft[0]), tmp_path / "merged", llm.tokenizer.hf)
+    plain = LLM(str(tmp_path / "merged"), dtype="float32", kv_cache_memory=2**22)
+    choices = ["alpha", "beta", "gamma", "delta"]
+    params = SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=choices)
+    )
+    prompts = [[5, 9, 13], [40, 41, 42, 43], [7], [100, 3, 250]]
+    got = llm.generate(prompts, params, lora_request=loras[0], use_tqdm=False)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    assert all(o.outputs[0].text in choices for o in got)

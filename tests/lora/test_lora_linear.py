@@ -6,15 +6,24 @@ import pytest
 import torch
 
 from batchpage.kernels.cpu_lora import CpuLoRA
-from batchpage.lora.layers import AdapterStep, KernelUpdate, LoRALinear, TorchUpdate
+from batchpage.lora.layers import (
+    AdapterStep,
+    KernelUpdate,
+    LoRALinear,
+    TorchUpdate,
+    TritonUpdate,
+)
 from batchpage.ops.linear import dense_linear
 
 
 def make_update(name: str):
-    return KernelUpdate(CpuLoRA.build()) if name == "kernel" else TorchUpdate()
+    """Each implementation of the update, all on the CPU (Triton's under its interpreter)."""
+    if name == "kernel":
+        return KernelUpdate(CpuLoRA.build())
+    return TritonUpdate() if name == "triton" else TorchUpdate()
 
 
-@pytest.mark.parametrize("update", ["torch", "kernel"])
+@pytest.mark.parametrize("update", ["torch", "kernel", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["scattered", "runs", "one adapter", "base only"])
 def test_each_row_gets_its_own_adapters_update(update, dtype, layout):
@@ -65,7 +74,7 @@ def test_each_row_gets_its_own_adapters_update(update, dtype, layout):
         torch.testing.assert_close(got[i].double(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("update", ["torch", "kernel"])
+@pytest.mark.parametrize("update", ["torch", "kernel", "triton"])
 def test_reloading_a_slot_replaces_the_adapter_whole(update):
     gen = torch.Generator().manual_seed(1)
     step = AdapterStep()

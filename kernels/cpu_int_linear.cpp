@@ -26,11 +26,13 @@
 // A group is `group_quads` quads (group_size / 4, or all KQ for one group).
 //
 // Work as in cpu_bf16_linear.cpp: column blocks split over torch's threads, rows too where
-// blocks are few; MR-row tiles against one block. The sum is rounded once to bf16.
+// blocks are few; MR-row tiles against one block. The sum is rounded once to y's dtype.
 //
-// Without AVX512-BF16, with AVX2 + FMA: the same sums widened to float32 (the 0x4300 | q pairs
-// are float32 128 + q once shifted into the top half), 8 columns per FMA. Without AVX2: a plain
-// loop over the same layout.
+// x and y are bf16 (a bf16 engine) or float32 (a float32 engine, which keeps its weights packed
+// too). bf16 x on AVX512-BF16: the vdpbf16ps tiles above. Otherwise the "wide" tiles: with AVX2
+// + FMA the same sums in float32 (the 0x4300 | q pairs are float32 128 + q once shifted into the
+// top half), 8 columns per FMA, x read widened to float32 (`xf`); without AVX2 a plain loop over
+// the same layout. float32 x always takes the wide tiles (vdpbf16ps would round it to bf16).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -51,15 +53,16 @@ namespace {
 constexpr int64_t kCols = 32;  // columns per packed block
 
 struct Problem {
-  const uint16_t* x;     // bf16 bits [M, K], rows `x_stride` apart
+  const uint16_t* x;     // bf16 bits [M, K], rows `x_stride` apart (the vdpbf16ps tiles)
   int64_t x_stride;
   const uint8_t* q;      // packed [NB][KQ][bytes]
   const float* scales;   // [NB][G][32]
   const float* offsets;  // [NB][G][32]: o - C * s
   const float* xsum;     // [M][G]: each row's x summed over each group, float32
-  const float* xf;       // AVX2 only: [M][4 * KQ], x widened to float32, zero past K
+  const float* xf;       // the wide tiles: [M][4 * KQ], x as float32, zero past K
   const float* bias;     // [N] or nullptr
-  uint16_t* y;           // bf16 bits [M, N], rows `y_stride` apart
+  void* y;               // [M, N], bf16 bits or float32 (y_f32), rows `y_stride` apart
+  bool y_f32;
   int64_t y_stride;
   int64_t m, n, k;
   int64_t groups, group_quads;
@@ -78,20 +81,34 @@ inline uint16_t round_bf16(float f) {
   return c10::BFloat16(f).x;  // nearest even, NaN kept
 }
 
+inline float as_float(uint16_t bits) { return widen(bits); }
+inline float as_float(float f) { return f; }
+
+// y[r, c] = v, rounded once to y's dtype.
+inline void store(const Problem& pr, int64_t r, int64_t c, float v) {
+  if (pr.y_f32)
+    static_cast<float*>(pr.y)[r * pr.y_stride + c] = v;
+  else
+    static_cast<uint16_t*>(pr.y)[r * pr.y_stride + c] = round_bf16(v);
+}
+
 // Each row's x summed over each group in float32, k in order: the same for a row whatever the
-// batch, so a row's result does not depend on M. With `xf`, x widened to float32 too, [M][4 KQ].
-void prepare_rows(const Problem& pr, float* xsum, float* xf) {
+// batch, so a row's result does not depend on M. With `xf`, x as float32 too, [M][4 KQ].
+template <typename T>
+void prepare_rows(const Problem& pr, const T* x, int64_t x_stride, float* xsum, float* xf) {
   const int64_t group = pr.group_quads * 4, width = (pr.k + 3) / 4 * 4;
   at::parallel_for(0, pr.m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* row = pr.x + r * pr.x_stride;
+      const T* row = x + r * x_stride;
       for (int64_t g = 0; g < pr.groups; ++g) {
         float s = 0.f;
-        for (int64_t k = g * group; k < std::min(pr.k, (g + 1) * group); ++k) s += widen(row[k]);
+        for (int64_t k = g * group; k < std::min(pr.k, (g + 1) * group); ++k) {
+          s += as_float(row[k]);
+        }
         xsum[r * pr.groups + g] = s;
       }
       if (xf != nullptr)
-        for (int64_t k = 0; k < width; ++k) xf[r * width + k] = k < pr.k ? widen(row[k]) : 0.f;
+        for (int64_t k = 0; k < width; ++k) xf[r * width + k] = k < pr.k ? as_float(row[k]) : 0.f;
     }
   });
 }
@@ -120,9 +137,9 @@ inline void unpack(const uint8_t* quad, int h, __m512i* w) {
   }
 }
 
-// MR rows of x against one 32-column block, the whole K, into y.
+// MR rows of bf16 x against one 32-column block, the whole K, into bf16 y.
 template <int KIND, int MR>
-void tile(const Problem& pr, int64_t row0, int64_t block) {
+void tile_dot(const Problem& pr, int64_t row0, int64_t block) {
   constexpr int kOps = KIND == 8 ? 4 : 2;  // operands per half and quad
   const int64_t kq = (pr.k + 3) / 4, full = pr.k / 4, bytes = quad_bytes(KIND);
   const uint8_t* wb = pr.q + block * kq * bytes;
@@ -190,7 +207,8 @@ void tile(const Problem& pr, int64_t row0, int64_t block) {
     // cvtne2ps: the second operand fills the low 16 lanes; rounds to nearest even.
     const __m512bh out =
         _mm512_cvtne2ps_pbh(_mm512_add_ps(total[i][1], b1), _mm512_add_ps(total[i][0], b0));
-    _mm512_mask_storeu_epi16(pr.y + (row0 + i) * pr.y_stride + col0, keep, (__m512i)out);
+    uint16_t* y = static_cast<uint16_t*>(pr.y) + (row0 + i) * pr.y_stride + col0;
+    _mm512_mask_storeu_epi16(y, keep, (__m512i)out);
   }
 }
 
@@ -198,10 +216,11 @@ void tile(const Problem& pr, int64_t row0, int64_t block) {
 #ifndef BATCHPAGE_INT_ROWS
 #define BATCHPAGE_INT_ROWS 4
 #endif
-constexpr int kRows = BATCHPAGE_INT_ROWS;
+constexpr int kDotRows = BATCHPAGE_INT_ROWS;
 const char* const kPath = "avx512_bf16";
+#endif  // BATCHPAGE_BF16_DOT
 
-#elif defined(BATCHPAGE_AVX2)
+#if defined(BATCHPAGE_AVX2)
 // AVX2 + FMA: pair p of one quad's half h, columns 8c .. 8c + 7 (c < 2), as 32-bit lanes holding
 // the 0x4300 | q pairs of (k even, k odd), as float32: w[0] (k even) = lane << 16, w[1] (k odd)
 // = lane & 0xFFFF0000; kind 8 adds the bit-7 terms in w[2], w[3].
@@ -226,11 +245,11 @@ inline void unpack8(const uint8_t* quad, int h, int c, int p, __m256* w) {
   }
 }
 
-// MR rows against one block, from x widened to float32 (`xf`, zero past K): per quad, four
-// 8-column slices, MR * 4 accumulators of 16 ymm; the running totals live in memory, touched
-// once per group.
+// MR rows against one block, from x as float32 (`xf`, zero past K): per quad, four 8-column
+// slices, MR * 4 accumulators of 16 ymm; the running totals live in memory, touched once per
+// group.
 template <int KIND, int MR>
-void tile(const Problem& pr, int64_t row0, int64_t block) {
+void tile_wide(const Problem& pr, int64_t row0, int64_t block) {
   const int64_t kq = (pr.k + 3) / 4, bytes = quad_bytes(KIND);
   const uint8_t* wb = pr.q + block * kq * bytes;
   const float* sb = pr.scales + block * pr.groups * kCols;
@@ -279,13 +298,12 @@ void tile(const Problem& pr, int64_t row0, int64_t block) {
   for (int i = 0; i < MR; ++i)
     for (int64_t c = 0; c < cols; ++c) {
       const float b = pr.bias == nullptr ? 0.f : pr.bias[col0 + c];
-      pr.y[(row0 + i) * pr.y_stride + col0 + c] = round_bf16(total[i][c] + b);
+      store(pr, row0 + i, col0 + c, total[i][c] + b);
     }
 }
 
-constexpr int kRows = 2;
-const char* const kPath = "avx2";
-#define BATCHPAGE_INT_WIDEN 1  // the tiles read x widened to float32
+constexpr int kWideRows = 2;
+const char* const kWidePath = "avx2";
 
 #else
 // Without AVX2 (never chosen by the engine; it keeps the packed layout testable on any CPU):
@@ -298,20 +316,20 @@ inline uint32_t stored(const uint8_t* quad, int64_t c, int64_t kk) {  // q of co
 }
 
 template <int KIND, int MR>
-void tile(const Problem& pr, int64_t row0, int64_t block) {
+void tile_wide(const Problem& pr, int64_t row0, int64_t block) {
   constexpr float kBias = KIND == 8 ? 256.f : 128.f;  // C
   const int64_t kq = (pr.k + 3) / 4, bytes = quad_bytes(KIND), col0 = block * kCols;
   const uint8_t* wb = pr.q + block * kq * bytes;
   for (int i = 0; i < MR; ++i) {
     const int64_t r = row0 + i;
-    const uint16_t* row = pr.x + r * pr.x_stride;
+    const float* row = pr.xf + r * kq * 4;
     float total[kCols] = {};
     for (int64_t g = 0; g < pr.groups; ++g) {
       const int64_t t0 = g * pr.group_quads, t1 = std::min(kq, t0 + pr.group_quads);
       float acc[kCols] = {};
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t kk = 0; kk < 4 && 4 * t + kk < pr.k; ++kk) {
-          const float x = widen(row[4 * t + kk]);
+          const float x = row[4 * t + kk];
           for (int64_t c = 0; c < kCols; ++c)
             acc[c] += (static_cast<float>(stored<KIND>(wb + t * bytes, c, kk)) + kBias) * x;
         }
@@ -323,38 +341,58 @@ void tile(const Problem& pr, int64_t row0, int64_t block) {
     }
     for (int64_t c = 0; c < std::min<int64_t>(kCols, pr.n - col0); ++c) {
       const float b = pr.bias == nullptr ? 0.f : pr.bias[col0 + c];
-      pr.y[r * pr.y_stride + col0 + c] = round_bf16(total[c] + b);
+      store(pr, r, col0 + c, total[c] + b);
     }
   }
 }
 
-constexpr int kRows = 1;
-const char* const kPath = "plain";
+constexpr int kWideRows = 1;
+const char* const kWidePath = "plain";
 #endif
 
-template <int KIND, int MR>
+#ifndef BATCHPAGE_BF16_DOT
+const char* const kPath = kWidePath;  // bf16 x takes the wide tiles too
+#endif
+
+template <int KIND, int MR, bool DOT>
+void tile(const Problem& pr, int64_t row0, int64_t block) {
+#ifdef BATCHPAGE_BF16_DOT
+  if constexpr (DOT) return tile_dot<KIND, MR>(pr, row0, block);
+#endif
+  if constexpr (!DOT) tile_wide<KIND, MR>(pr, row0, block);
+}
+
+template <int KIND, int MR, bool DOT>
 void tail_tiles(const Problem& pr, int64_t r, int64_t block) {
   if constexpr (MR > 0) {
-    if (pr.m - r == MR) return tile<KIND, MR>(pr, r, block);
-    tail_tiles<KIND, MR - 1>(pr, r, block);
+    if (pr.m - r == MR) return tile<KIND, MR, DOT>(pr, r, block);
+    tail_tiles<KIND, MR - 1, DOT>(pr, r, block);
   }
 }
 
-template <int KIND>
+template <int KIND, bool DOT, int ROWS>
 void run_block(const Problem& pr, int64_t block) {
   int64_t r = 0;
-  for (; r + kRows <= pr.m; r += kRows) tile<KIND, kRows>(pr, r, block);
-  tail_tiles<KIND, kRows - 1>(pr, r, block);
+  for (; r + ROWS <= pr.m; r += ROWS) tile<KIND, ROWS, DOT>(pr, r, block);
+  tail_tiles<KIND, ROWS - 1, DOT>(pr, r, block);
+}
+
+template <bool DOT, int ROWS>
+void run_kind(const Problem& pr, int64_t kind, int64_t block) {
+  if (kind == 4) run_block<4, DOT, ROWS>(pr, block);
+  else if (kind == 7) run_block<7, DOT, ROWS>(pr, block);
+  else run_block<8, DOT, ROWS>(pr, block);
 }
 
 }  // namespace
 
 const char* path() { return kPath; }
+const char* wide_path() { return kWidePath; }
 
-// out [M, N] bf16 = x [M, K] bf16 @ W.T + bias for W packed as `kind` (4, 7 or 8); shapes and
-// strides checked by the launcher.
-void linear(torch::Tensor out,                    // bf16 [M, N], dense
-            torch::Tensor x,                      // bf16 [M, K], rows dense
+// out [M, N] = x [M, K] @ W.T + bias for W packed as `kind` (4, 7 or 8); x and out both bf16 or
+// both float32; shapes and strides checked by the launcher.
+void linear(torch::Tensor out,                    // bf16 or float32 [M, N], dense
+            torch::Tensor x,                      // out's dtype [M, K], rows dense
             torch::Tensor q,                      // uint8 [NB, ceil(K / 4), 64 or 128]
             torch::Tensor scales,                 // float32 [NB, G, 32]
             torch::Tensor offsets,                // float32 [NB, G, 32]: o - C * s
@@ -362,13 +400,16 @@ void linear(torch::Tensor out,                    // bf16 [M, N], dense
             int64_t kind, int64_t group_quads) {
   const int64_t m = x.size(0), groups = scales.size(1);
   if (m == 0) return;
-  std::vector<float> xsum(static_cast<size_t>(m * groups));
-#ifdef BATCHPAGE_INT_WIDEN
-  std::vector<float> xf(static_cast<size_t>(m * ((x.size(1) + 3) / 4 * 4)));
+  const bool f32 = x.scalar_type() == at::kFloat;
+#ifdef BATCHPAGE_BF16_DOT
+  const bool dot = !f32;
 #else
-  std::vector<float> xf;
+  const bool dot = false;
 #endif
-  const Problem pr{reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+  std::vector<float> xsum(static_cast<size_t>(m * groups));
+  std::vector<float> xf(dot ? 0 : static_cast<size_t>(m * ((x.size(1) + 3) / 4 * 4)));
+  const uint16_t* x16 = f32 ? nullptr : reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const Problem pr{x16,
                    x.stride(0),
                    q.data_ptr<uint8_t>(),
                    scales.data_ptr<float>(),
@@ -376,39 +417,53 @@ void linear(torch::Tensor out,                    // bf16 [M, N], dense
                    xsum.data(),
                    xf.empty() ? nullptr : xf.data(),
                    bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+                   out.data_ptr(),
+                   f32,
                    out.stride(0),
                    m,
                    out.size(1),
                    x.size(1),
                    groups,
                    group_quads};
-  prepare_rows(pr, xsum.data(), xf.empty() ? nullptr : xf.data());
+  float* xf_out = xf.empty() ? nullptr : xf.data();
+  if (f32) prepare_rows(pr, x.data_ptr<float>(), x.stride(0), xsum.data(), xf_out);
+  else prepare_rows(pr, x16, x.stride(0), xsum.data(), xf_out);
   const int64_t blocks = q.size(0);
+#ifdef BATCHPAGE_BF16_DOT
+  const int64_t rows_per_tile = dot ? kDotRows : kWideRows;
+#else
+  const int64_t rows_per_tile = kWideRows;
+#endif
   // As in cpu_bf16_linear.cpp: blocks alone where there are several per thread, else the rows
   // split too, into groups of whole tiles, some 4 items per thread.
-  const int64_t tiles = (m + kRows - 1) / kRows, want = 4 * at::get_num_threads();
+  const int64_t tiles = (m + rows_per_tile - 1) / rows_per_tile, want = 4 * at::get_num_threads();
   const int64_t parts = blocks >= want ? 1 : std::min(tiles, (want + blocks - 1) / blocks);
-  const int64_t part_rows = (tiles + parts - 1) / parts * kRows;
+  const int64_t part_rows = (tiles + parts - 1) / parts * rows_per_tile;
+  const int64_t y_item = f32 ? 4 : 2;  // bytes of one y element
   at::parallel_for(0, blocks * parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       Problem part = pr;
       const int64_t row0 = item / blocks * part_rows;
       if (row0 >= m) continue;
-      part.x = pr.x + row0 * pr.x_stride;
-      part.y = pr.y + row0 * pr.y_stride;
+      if (pr.x != nullptr) part.x = pr.x + row0 * pr.x_stride;
+      part.y = static_cast<char*>(pr.y) + row0 * pr.y_stride * y_item;
       part.xsum = pr.xsum + row0 * groups;
       if (pr.xf != nullptr) part.xf = pr.xf + row0 * ((pr.k + 3) / 4 * 4);
       part.m = std::min(part_rows, m - row0);
       const int64_t block = item % blocks;
-      if (kind == 4) run_block<4>(part, block);
-      else if (kind == 7) run_block<7>(part, block);
-      else run_block<8>(part, block);
+#ifdef BATCHPAGE_BF16_DOT
+      if (dot) {
+        run_kind<true, kDotRows>(part, kind, block);
+        continue;
+      }
+#endif
+      run_kind<false, kWideRows>(part, kind, block);
     }
   });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("path", &path, "the build's instruction path: avx512_bf16, avx2 or plain");
+  m.def("path", &path, "the build's instruction path for bf16 x: avx512_bf16, avx2 or plain");
+  m.def("wide_path", &wide_path, "the build's path for float32 x: avx2 or plain");
   m.def("linear", &linear, "bf16 x @ W.T (+ b) against an integer weight packed in k-quads");
 }

@@ -18,6 +18,9 @@ bf16 exponent's lowest), two vdpbf16ps into one accumulator, C = 256. 5- to 7-bi
 
 Without AVX512-BF16 the library builds an AVX2 + FMA path (the same sums widened to float32) or,
 without AVX2, a plain loop over the same layout (`native` is then False; `path` says which).
+float32 x (a float32 engine, which then keeps its quantized weights packed) always takes that
+float32 path, AVX2 where the build has it (`wide_path`), and gives float32 y: vdpbf16ps would
+round its activations to bf16.
 Act order (IntWeight.perm) is the caller's: it permutes x's columns, the kernel multiplies the
 stored columns.
 """
@@ -145,6 +148,11 @@ class CpuIntLinear:
         return str(self._module.path())
 
     @property
+    def wide_path(self) -> str:
+        """The build's instructions for float32 x: "avx2" (AVX2 + FMA) or "plain"."""
+        return str(self._module.wide_path())
+
+    @property
     def native(self) -> bool:
         """Whether this build runs on AVX512-BF16."""
         return self.path == "avx512_bf16"
@@ -153,18 +161,19 @@ class CpuIntLinear:
     def raw(self) -> object:
         """The compiled library: `raw.linear(out, rows, q, scales, offsets, bias, kind,
         group_quads)` as `linear` calls it, unchecked, for a caller that checked its shapes once;
-        `out` is a preallocated bf16 [M, N], contiguous."""
+        `out` is a preallocated [M, N] of the rows' dtype, contiguous."""
         return self._module
 
     def linear(
         self,
-        x: torch.Tensor,  # bf16 [..., K]
+        x: torch.Tensor,  # bf16 or float32 [..., K]
         packed: IntPacked,
         bias: torch.Tensor | None,  # float32 [N]
-    ) -> torch.Tensor:  # bf16 [..., N]
+    ) -> torch.Tensor:  # x's dtype [..., N]
         k, n = packed.in_features, packed.out_features
         blocks, groups = -(-n // COLUMNS), packed.scales.shape[1]
-        assert x.device.type == "cpu" and x.dtype == torch.bfloat16, (x.device, x.dtype)
+        assert x.device.type == "cpu", x.device
+        assert x.dtype in (torch.bfloat16, torch.float32), x.dtype
         assert x.shape[-1] == k, (x.shape, k)
         assert packed.kind in BYTES_PER_QUAD, packed.kind
         quads = -(-k // QUAD)
@@ -180,7 +189,7 @@ class CpuIntLinear:
         rows = x.reshape(-1, k)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+        out = torch.empty(rows.shape[0], n, dtype=x.dtype)
         self._module.linear(
             out, rows, packed.q, packed.scales, packed.offsets, bias, packed.kind,
             packed.group_quads,

@@ -22,6 +22,18 @@ BLOCK_N = 64  # output columns an expand program writes
 
 
 @triton.jit
+def _tile(tiles_ptr, rows_ptr, tile, BLOCK_M: tl.constexpr):
+    """A tile's slot, its positions in rows (offs_m, and which are in it) and their token rows."""
+    slot = tl.load(tiles_ptr + tile * 3)
+    begin = tl.load(tiles_ptr + tile * 3 + 1)
+    end = tl.load(tiles_ptr + tile * 3 + 2)
+    offs_m = begin + tl.arange(0, BLOCK_M)
+    in_tile = offs_m < end
+    rows = tl.load(rows_ptr + offs_m, mask=in_tile, other=0)
+    return slot, offs_m, in_tile, rows
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr,  # [T, d_in]
     a_ptr,  # [S, targets * R, d_in]
@@ -42,16 +54,10 @@ def _shrink_kernel(
     PRECISION: tl.constexpr,
 ):
     # grid: (n_tiles, targets). One program: h[tile rows, the target's R].
-    tile = tl.program_id(0)
     target = tl.program_id(1)
-    slot = tl.load(tiles_ptr + tile * 3)
-    begin = tl.load(tiles_ptr + tile * 3 + 1)
-    end = tl.load(tiles_ptr + tile * 3 + 2)
+    slot, offs_m, in_tile, rows = _tile(tiles_ptr, rows_ptr, tl.program_id(0), BLOCK_M)
     if tl.load(active_ptr + slot * n_targets + target).to(tl.int1) == 0:
         return
-    offs_m = begin + tl.arange(0, BLOCK_M)
-    in_tile = offs_m < end
-    rows = tl.load(rows_ptr + offs_m, mask=in_tile, other=0)
     offs_r = tl.arange(0, R_PAD)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
@@ -90,15 +96,9 @@ def _expand_kernel(
     PRECISION: tl.constexpr,
 ):
     # grid: (n_tiles, cdiv(size, BLOCK_N)). One program: y[tile rows, a block of the target].
-    tile = tl.program_id(0)
-    slot = tl.load(tiles_ptr + tile * 3)
-    begin = tl.load(tiles_ptr + tile * 3 + 1)
-    end = tl.load(tiles_ptr + tile * 3 + 2)
+    slot, offs_m, in_tile, rows = _tile(tiles_ptr, rows_ptr, tl.program_id(0), BLOCK_M)
     if tl.load(active_ptr + slot * n_targets + target).to(tl.int1) == 0:
         return
-    offs_m = begin + tl.arange(0, BLOCK_M)
-    in_tile = offs_m < end
-    rows = tl.load(rows_ptr + offs_m, mask=in_tile, other=0)
     offs_r = tl.arange(0, R_PAD)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     h = tl.load(h_ptr + offs_m[:, None] * stride_hn + (target * rank + offs_r)[None, :],

@@ -1,5 +1,6 @@
 """Integer-weight linears on the C++ int kernels: the CPU implementation of a quantized
-checkpoint's linears (QuantLinear, batchpage/quant/linear.py) for bfloat16 activations.
+checkpoint's linears (QuantLinear, batchpage/quant/linear.py) for bfloat16 and float32
+activations (a float32 engine keeps its quantized weights packed too).
 A scheme with bf16 activations runs on kernels/cpu_int_linear.py (W4A16, W8A16); one with int8
 activations (W8A8, or any scheme under the engine option int8_activations) on
 kernels/cpu_a8_linear.py where the CPU has AVX512-VNNI, or on the A16 kernel fed the rows' int8
@@ -48,8 +49,11 @@ class _PackedIntLinearOp(LinearOp):
         scheme: QuantScheme,
         packed: cpu_int_linear.IntPacked | cpu_a8_linear.A8Packed,
         kernel: CpuIntLinear | CpuA8Linear,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> None:
+        """`dtype`: the activations' (and outputs') dtype the engine runs."""
         super().__init__()
+        self.dtype = dtype
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self._format = scheme.name
         self._run = kernel.raw.linear
@@ -60,10 +64,10 @@ class _PackedIntLinearOp(LinearOp):
         self.register_buffer("perm", weight.perm)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         # The launcher's checks, once: the layout the packing made for these sizes.
-        kernel.linear(torch.zeros(1, self.in_features, dtype=torch.bfloat16), packed, self.bias)
+        kernel.linear(torch.zeros(1, self.in_features, dtype=dtype), packed, self.bias)
 
-    def _inputs(self, x: torch.Tensor) -> torch.Tensor:  # bf16 [T, K] -> [T, K], stored order
-        assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1, (x.dtype, x.shape)
+    def _inputs(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, K], stored order
+        assert x.dtype == self.dtype and x.dim() == 2 and x.stride(1) == 1, (x.dtype, x.shape)
         assert x.shape[1] == self.in_features, (x.shape, self.in_features)
         return x if self.perm is None else x.index_select(1, self.perm)
 
@@ -88,8 +92,9 @@ class _PackedIntLinearOp(LinearOp):
 
 
 class CpuIntLinearOp(_PackedIntLinearOp):
-    """y = x @ W.T + b for bfloat16 x and an integer W in the A16 kernel's layout; under a scheme
-    with int8 activations, x's rows rounded to int8 first (exact in bf16) and scaled after."""
+    """y = x @ W.T + b for bfloat16 or float32 x (the engine's dtype) and an integer W in the A16
+    kernel's layout; under a scheme with int8 activations, x's rows rounded to int8 first (exact
+    in either dtype) and scaled after."""
 
     KERNEL = "C++ int kernel"
 
@@ -99,22 +104,23 @@ class CpuIntLinearOp(_PackedIntLinearOp):
         bias: torch.Tensor | None,
         scheme: QuantScheme,
         kernel: CpuIntLinear,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> None:
-        super().__init__(weight, bias, scheme, pack_int_weight(weight), kernel)
+        super().__init__(weight, bias, scheme, pack_int_weight(weight), kernel, dtype)
         self.int8_activations = scheme.int8_activations
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         x = self._inputs(x)
         if self.int8_activations:  # W8A8: the rows' int8 values (exact in bf16), scaled after
             values, row_scales = quantize_rows_int8(x)
-            y = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+            y = torch.empty(x.shape[0], self.out_features, dtype=self.dtype)
             self._call(y, values, None)
             y = y.float() * row_scales
             if self.bias is not None:
                 y += self.bias
-            return y.to(torch.bfloat16)
+            return y.to(self.dtype)
         if out is None:
-            out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+            out = torch.empty(x.shape[0], self.out_features, dtype=self.dtype)
         self._call(out, x, self.bias)
         return out
 
@@ -165,24 +171,29 @@ def _any_integer(weight: IntWeight, scheme: QuantScheme) -> bool:
 def cpu_int_candidates(dtype: torch.dtype, device: torch.device) -> list[IntCandidate]:
     """The implementations of a quantized checkpoint's linears that run here, for measured
     choice (ops/measured_linear.py): the A16 int kernel for every integer scheme (bfloat16
-    activations on a CPU with AVX512-BF16 or AVX2 + FMA, built here), and for schemes with int8
-    activations the VNNI kernel (where it builds natively) and oneDNN's int8 matmul (one group
-    per row; AMX-INT8 where the CPU has it). Empty where none runs (a float32 engine: its
-    quantized linears dequantize once, at bind)."""
-    flags = cpu_flags()
-    if dtype != torch.bfloat16 or device.type != "cpu":
+    activations on a CPU with AVX512-BF16 or AVX2 + FMA; float32 activations on one with AVX2 +
+    FMA; built here), and for bf16 schemes with int8 activations the VNNI kernel (where it
+    builds natively) and oneDNN's int8 matmul (one group per row; AMX-INT8 where the CPU has
+    it). Empty where none runs (a CPU without AVX2, a GPU): the quantized linears are then
+    dequantized once, at bind."""
+    flags = set(cpu_flags())
+    if dtype not in (torch.bfloat16, torch.float32) or device.type != "cpu":
         return []
-    if "avx512_bf16" not in flags and not {"avx2", "fma"} <= set(flags):
+    wide = {"avx2", "fma"} <= flags
+    if not wide and (dtype == torch.float32 or "avx512_bf16" not in flags):
         return []  # the kernel's instructions: its portable build would run, slowly
     try:
         kernel = CpuIntLinear.build()
     except KernelBuildError as exc:
         warnings.warn(f"{exc}; quantized linears dequantize in torch", stacklevel=3)
         return []
-    if kernel.path == "plain":  # the compiler lacks the instructions the CPU has
+    # The compiler must have the instructions the CPU has (else the build is a plain loop).
+    if (kernel.wide_path if dtype == torch.float32 else kernel.path) == "plain":
         return []
-    a16 = functools.partial(CpuIntLinearOp, kernel=kernel)
+    a16 = functools.partial(CpuIntLinearOp, kernel=kernel, dtype=dtype)
     found = [IntCandidate("int_a16", a16, _any_integer, _library(kernel), batch_invariant=True)]
+    if dtype == torch.float32:  # the int8-activation kernels take bf16 rows
+        return found
     if "avx512_vnni" in flags:  # else its build is a plain loop, never the faster
         try:
             a8 = CpuA8Linear.build()

@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
             loras = [LoRARequest(f"adapter{i % n}", i % n + 1, args.lora[i % n])
                      for i in range(len(prompts))]  # fmt: skip
         t0 = time.perf_counter()
-        outs = llm.generate(inputs, params, use_tqdm=False, lora_request=loras)
+        more = {"lora_request": loras} if loras else {}  # only vLLM's real LLM takes it
+        outs = llm.generate(inputs, params, use_tqdm=False, **more)
         wall = time.perf_counter() - t0
         return [list(o.outputs[0].token_ids) for o in outs], wall
 

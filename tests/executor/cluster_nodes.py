@@ -87,7 +87,7 @@ class KillsNodes(ReplicaPool):
         self.replacement_row_at: float | None = None
 
     def _call(self, method: str, keys: Any, columns: Any, kwargs: Any, on_output: Any,
-              on_step: Any) -> Any:  # fmt: skip
+              on_step: Any, named: Any = None) -> Any:  # fmt: skip
         first = len(self.replicas)
         doomed = {self.replicas[i].info["rank_nodes"][self.rank] for i in self.victims}
         rows = 0
@@ -116,7 +116,7 @@ class KillsNodes(ReplicaPool):
             if on_step is not None:
                 on_step(stats)
 
-        return super()._call(method, keys, columns, kwargs, killing, stepped)
+        return super()._call(method, keys, columns, kwargs, killing, stepped, named)
 
 
 def killing(cluster: Any, victims: tuple[int, ...], **settings: Any) -> type[KillsNodes]:

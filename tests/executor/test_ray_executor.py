@@ -111,7 +111,7 @@ class KillsReplicas(ReplicaPool):
     killed = False
 
     def _call(self, method: str, keys: Any, columns: Any, kwargs: Any, on_output: Any,
-              on_step: Any) -> Any:  # fmt: skip
+              on_step: Any, named: Any = None) -> Any:  # fmt: skip
         victims = range(len(self.replicas)) if self.victims is None else self.victims
         pids = [self.replicas[i].info["pid"] for i in victims]
 
@@ -122,7 +122,7 @@ class KillsReplicas(ReplicaPool):
                 self.killed = True
             on_output(out, index)
 
-        return super()._call(method, keys, columns, kwargs, killing, on_step)
+        return super()._call(method, keys, columns, kwargs, killing, on_step, named)
 
 
 class KillsReplicaZero(KillsReplicas):

@@ -90,6 +90,20 @@ def reference(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None) -> torch
     return y if bias is None else y + bias.double()
 
 
+def float32_error(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """e below: how far the kernel's float32 sums may be from the exact result."""
+    c = BIAS[kind_of(w)]
+    groups = torch.arange(w.in_features) // w.group_size
+    s = w.scales.double()[:, groups]
+    o = w.offsets.double()[:, groups]
+    terms = s.abs() * (w.values().double() + c) + (o - c * s).abs()
+    total = x.double().abs() @ terms.T
+    if bias is not None:
+        total = total + bias.double().abs()
+    length = min(w.group_size, w.in_features)
+    return 2.0**-24 * (length + w.num_groups + 4) * total
+
+
 def tolerance(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """float64 [M, N]: how far the kernel's bf16 result may be from the exact one.
 
@@ -100,17 +114,7 @@ def tolerance(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None) -> torch
     + 4) T (+ the bias's 2^-24) of the exact y, and its one rounding to bf16 adds at most half a
     bf16 step, 2^-8 |y|: |got - y| <= 2^-8 |y| + 2 e. A wrong nibble, group, offset sign or
     plane moves most results by about |y| itself."""
-    c = BIAS[kind_of(w)]
-    groups = torch.arange(w.in_features) // w.group_size
-    s = w.scales.double()[:, groups]
-    o = w.offsets.double()[:, groups]
-    terms = s.abs() * (w.values().double() + c) + (o - c * s).abs()
-    total = x.double().abs() @ terms.T
-    if bias is not None:
-        total = total + bias.double().abs()
-    length = min(w.group_size, w.in_features)
-    e = 2.0**-24 * (length + w.num_groups + 4) * total
-    return 2.0**-8 * reference(x, w, bias).abs() + 2 * e
+    return 2.0**-8 * reference(x, w, bias).abs() + 2 * float32_error(x, w, bias)
 
 
 def outside(got: torch.Tensor, x: torch.Tensor, w: IntWeight, b: torch.Tensor | None):
@@ -352,7 +356,7 @@ def test_launcher_rejects_mismatched_shapes(best):
     with pytest.raises(AssertionError):
         best.linear(torch.randn(3, 52).to(torch.bfloat16), packed, None)
     with pytest.raises(AssertionError):
-        best.linear(torch.randn(3, 48), packed, None)  # float32 input
+        best.linear(torch.randn(3, 48).half(), packed, None)  # float16 input
     with pytest.raises(AssertionError):
         best.linear(x, packed, torch.zeros(63))
     with pytest.raises(AssertionError):
@@ -361,3 +365,49 @@ def test_launcher_rejects_mismatched_shapes(best):
         best.linear(x, packed._replace(group_quads=8), None)  # 3 groups of scales, 2 of quads
     with pytest.raises(AssertionError):
         best.linear(x, packed._replace(scales=packed.scales.double()), None)
+
+
+def assert_float32_matches(got, x, w, b) -> None:
+    """float32 x and y: every element within the float32 sums' bound of the exact result (no
+    bf16 rounding at the end), and most far closer."""
+    assert got.dtype == torch.float32 and got.shape == (*x.shape[:-1], w.out_features)
+    want = reference(x, w, b)
+    err = (got.double() - want).abs()
+    bound = 2 * float32_error(x, w, b) + 2.0**-24 * want.abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize(("n", "k", "group"), [(64, 256, 32), (40, 70, "one"), (33, 35, 16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_activations_match_reference(kernel, bits, n, k, group, bias):
+    """A float32 engine's rows: float32 x in, float32 y out, on every build (the AVX-512 build
+    takes its AVX2 float32 tiles), with rows that hide NaN past their end."""
+    gen = torch.Generator().manual_seed(bits * 7 + n)
+    w = random_weight(bits, n, k, k if group == "one" else group, gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    storage = torch.randn(9, k + 3, generator=gen)
+    storage[:, k:] = float("nan")
+    x = storage[:, :k]
+    got = kernel.linear(x, pack_int_weight(w), b)
+    assert_float32_matches(got, x, w, b)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_float32_row_does_not_depend_on_the_batch(kernel, bits):
+    gen = torch.Generator().manual_seed(40 + bits)
+    w = random_weight(bits, 96, 130, 32, gen)
+    packed = pack_int_weight(w)
+    x = torch.randn(64, 130, generator=gen)
+    batch = kernel.linear(x, packed, None)
+    assert_float32_matches(batch, x, w, None)
+    assert_rows_independent(lambda rows: kernel.linear(rows, packed, None), x, batch)
+
+
+def test_a_corrupted_layout_fails_the_float32_bound(best):
+    gen = torch.Generator().manual_seed(41)
+    w = random_weight(4, 64, 128, 32, gen)
+    x = torch.randn(5, 128, generator=gen)
+    got = best.linear(x, corrupt(pack_int_weight(w), "offset sign"), None)
+    with pytest.raises(AssertionError):
+        assert_float32_matches(got, x, w, None)

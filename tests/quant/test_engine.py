@@ -78,19 +78,38 @@ def save_dense(tmp_path, hf, tokenizer):
     return folder
 
 
+WIDE = {"avx2", "fma"} <= cpu_flags()  # the int kernel's float32 tiles run here
+
+
 @pytest.mark.parametrize("case", ["gptq4_sym_g32", "ct_int4_asym_g32", "ct_w8a8"])
+@pytest.mark.parametrize("packed", [True, False])
 def test_a_float32_engine_runs_quantized_linears_as_hf_runs_the_dequantized_model(
-    tmp_path, tokenizer, case
+    tmp_path, tokenizer, case, packed
 ):
+    """quantized_weights=True: the weights stay packed, multiplied by the int kernel's float32
+    tiles (float32 rows in and out) where the CPU has AVX2 + FMA, else dequantized once at
+    bind; False: dequantized as they load. Either way HF's greedy tokens of the dequantized
+    model."""
     folder, hf = write_quantized(tmp_path, case)
     tokenizer.save_pretrained(folder)
-    llm = engine(folder, dtype="float32")
+    llm = engine(folder, dtype="float32", quantized_weights=packed)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], params)
     for out, prompt in zip(outs, PROMPTS, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, list(prompt), 8)
-    # No int kernel takes float32 rows: each weight was dequantized once, at bind.
-    held = [m for m in llm.engine.runner.model.modules() if isinstance(m, DequantizedLinear)]
+    model = llm.engine.runner.model
+    if packed and WIDE:
+        names = int_layers_as_reported(llm)
+        assert names == ["int_a16"] * 8
+        ints = [m for m in model.modules() if isinstance(m, CpuIntLinearOp)]
+        assert all(m.dtype == torch.float32 for m in ints)
+        fmt = {"gptq4_sym_g32": "gptq_int4", "ct_int4_asym_g32": "ct_int4", "ct_w8a8": "ct_w8a8"}
+        assert llm.stats["weight_formats"][fmt[case]] == 8
+        return
+    if not packed:  # dense from the load on
+        assert set(llm.stats["weight_formats"]) == {"f32"}
+        return
+    held = [m for m in model.modules() if isinstance(m, DequantizedLinear)]
     assert len(held) == 8 and all(m.weight_format == "f32" for m in held)
     assert all(m.rounds_rows == (case == "ct_w8a8") for m in held)
     assert llm.stats["weight_formats"]["f32"] >= 8
@@ -107,11 +126,12 @@ def test_int8_activations_compute_the_dequantized_model_on_int8_rounded_inputs(
     folder, hf = write_quantized(tmp_path, case)
     tokenizer.save_pretrained(folder)
     packers.quantize_linear_inputs(hf, LINEARS)
-    llm = engine(folder, dtype=dtype, int8_activations=True)
+    llm = engine(folder, dtype=dtype, int8_activations=True, quantized_weights=True)
     model = llm.engine.runner.model
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], params)
-    if dtype == "bfloat16":
+    packed = dtype == "bfloat16" or WIDE  # float32 rows: the int kernel's float32 tiles
+    if packed:
         assert len(int_layers_as_reported(llm)) == 8
     else:
         held = [m for m in model.modules() if isinstance(m, DequantizedLinear)]
@@ -120,7 +140,7 @@ def test_int8_activations_compute_the_dequantized_model_on_int8_rounded_inputs(
     for out, prompt in zip(outs, PROMPTS, strict=True):
         assert out.outputs[0].token_ids[:agree] == hf_greedy(hf, list(prompt), agree)
     fmt = {"gptq4_asym_desc_act_v2": "gptq_w4a8", "ct_int8_channel": "ct_w8a8"}[case]
-    assert llm.stats["weight_formats"][fmt if dtype == "bfloat16" else "f32"] >= 8
+    assert llm.stats["weight_formats"][fmt if packed else "f32"] >= 8
 
 
 @needs_kernel

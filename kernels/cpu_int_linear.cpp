@@ -220,7 +220,94 @@ constexpr int kDotRows = BATCHPAGE_INT_ROWS;
 const char* const kPath = "avx512_bf16";
 #endif  // BATCHPAGE_BF16_DOT
 
-#if defined(BATCHPAGE_AVX2)
+#if defined(BATCHPAGE_AVX512)
+// AVX-512F: pair p of one quad's half h (columns 16h .. 16h + 15) as 32-bit lanes holding the
+// 0x4300 | q pairs of (k even, k odd), as float32: w[0] (k even) = lane << 16, w[1] (k odd) =
+// lane & 0xFFFF0000; kind 8 adds the bit-7 terms in w[2], w[3]. The AVX2 tiles' sums, 16
+// columns an FMA.
+template <int KIND>
+inline void unpack16(const uint8_t* quad, int h, int p, __m512* w) {
+  const __m512i bf = _mm512_set1_epi16(0x4300), high = _mm512_set1_epi32(int(0xFFFF0000u));
+  auto split = [&](__m512i v, __m512* out) {
+    out[0] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    out[1] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+  };
+  const int64_t at = (KIND == 4 ? 0 : 64 * p) + 32 * h;
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(quad + at)));
+  if constexpr (KIND == 4) {
+    const __m512i nibble = p == 0 ? _mm512_and_si512(v, _mm512_set1_epi16(0x000F))
+                                  : _mm512_srli_epi16(v, 4);
+    split(_mm512_or_si512(nibble, bf), w);
+  } else if constexpr (KIND == 7) {
+    split(_mm512_or_si512(v, bf), w);
+  } else {
+    split(_mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(0x007F)), bf), w);
+    split(_mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(0x0080)), bf), w + 2);
+  }
+}
+
+// MR rows against one block, from x as float32 (`xf`, zero past K): per quad and half, the two
+// pairs' FMAs into one accumulator a row and half; the running totals stay in registers.
+template <int KIND, int MR>
+void tile_wide(const Problem& pr, int64_t row0, int64_t block) {
+  const int64_t kq = (pr.k + 3) / 4, bytes = quad_bytes(KIND);
+  const uint8_t* wb = pr.q + block * kq * bytes;
+  const float* sb = pr.scales + block * pr.groups * kCols;
+  const float* ob = pr.offsets + block * pr.groups * kCols;
+  const float* rows[MR];
+  for (int i = 0; i < MR; ++i) rows[i] = pr.xf + (row0 + i) * 4 * kq;
+  __m512 total[MR][2];
+  for (int i = 0; i < MR; ++i) total[i][0] = total[i][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < pr.groups; ++g) {
+    const int64_t t0 = g * pr.group_quads, t1 = std::min(kq, t0 + pr.group_quads);
+    __m512 acc[MR][2];
+    for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t t = t0; t < t1; ++t) {
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 2
+        for (int p = 0; p < 2; ++p) {
+          __m512 w[KIND == 8 ? 4 : 2];
+          unpack16<KIND>(wb + t * bytes, h, p, w);
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) {
+            const __m512 lo = _mm512_set1_ps(rows[i][4 * t + 2 * p]);
+            const __m512 hi = _mm512_set1_ps(rows[i][4 * t + 2 * p + 1]);
+            acc[i][h] = _mm512_fmadd_ps(lo, w[0], acc[i][h]);
+            acc[i][h] = _mm512_fmadd_ps(hi, w[1], acc[i][h]);
+            if constexpr (KIND == 8) {
+              acc[i][h] = _mm512_fmadd_ps(lo, w[2], acc[i][h]);
+              acc[i][h] = _mm512_fmadd_ps(hi, w[3], acc[i][h]);
+            }
+          }
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m512 s = _mm512_loadu_ps(sb + g * kCols + 16 * h);
+      const __m512 o = _mm512_loadu_ps(ob + g * kCols + 16 * h);
+      for (int i = 0; i < MR; ++i) {
+        const __m512 xs = _mm512_set1_ps(pr.xsum[(row0 + i) * pr.groups + g]);
+        total[i][h] = _mm512_fmadd_ps(o, xs, _mm512_fmadd_ps(s, acc[i][h], total[i][h]));
+      }
+    }
+  }
+  const int64_t col0 = block * kCols, cols = std::min<int64_t>(kCols, pr.n - col0);
+  for (int i = 0; i < MR; ++i) {
+    alignas(64) float out[kCols];
+    _mm512_store_ps(out, total[i][0]);
+    _mm512_store_ps(out + 16, total[i][1]);
+    for (int64_t c = 0; c < cols; ++c) {
+      const float b = pr.bias == nullptr ? 0.f : pr.bias[col0 + c];
+      store(pr, row0 + i, col0 + c, out[c] + b);
+    }
+  }
+}
+
+constexpr int kWideRows = 4;
+const char* const kWidePath = "avx512";
+
+#elif defined(BATCHPAGE_AVX2)
 // AVX2 + FMA: pair p of one quad's half h, columns 8c .. 8c + 7 (c < 2), as 32-bit lanes holding
 // the 0x4300 | q pairs of (k even, k odd), as float32: w[0] (k even) = lane << 16, w[1] (k odd)
 // = lane & 0xFFFF0000; kind 8 adds the bit-7 terms in w[2], w[3].

@@ -19,8 +19,8 @@ bf16 exponent's lowest), two vdpbf16ps into one accumulator, C = 256. 5- to 7-bi
 Without AVX512-BF16 the library builds an AVX2 + FMA path (the same sums widened to float32) or,
 without AVX2, a plain loop over the same layout (`native` is then False; `path` says which).
 float32 x (a float32 engine, which then keeps its quantized weights packed) always takes that
-float32 path, AVX2 where the build has it (`wide_path`), and gives float32 y: vdpbf16ps would
-round its activations to bf16.
+float32 path (AVX-512F or AVX2 where the build has them: `wide_path`) and gives float32 y:
+vdpbf16ps would round its activations to bf16.
 Act order (IntWeight.perm) is the caller's: it permutes x's columns, the kernel multiplies the
 stored columns.
 """
@@ -144,12 +144,14 @@ class CpuIntLinear:
 
     @property
     def path(self) -> str:
-        """The build's instructions: "avx512_bf16", "avx2" (AVX2 + FMA) or "plain"."""
+        """The build's instructions for bf16 x: "avx512_bf16", "avx512" (AVX-512F without
+        BF16: the float32 tiles), "avx2" (AVX2 + FMA) or "plain"."""
         return str(self._module.path())
 
     @property
     def wide_path(self) -> str:
-        """The build's instructions for float32 x: "avx2" (AVX2 + FMA) or "plain"."""
+        """The build's instructions for float32 x: "avx512" (AVX-512F), "avx2" (AVX2 + FMA)
+        or "plain"."""
         return str(self._module.wide_path())
 
     @property

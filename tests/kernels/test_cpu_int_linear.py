@@ -28,7 +28,8 @@ from batchpage.quant.int_weight import IntWeight, pack_nibbles
 FLAGS = cpu_flags()
 BUILDS = {  # path -> (extra compiler flags, the CPU flag it needs)
     "avx512_bf16": ((), "avx512_bf16"),
-    "avx2": (("-mno-avx512bf16",), "avx2"),
+    "avx512": (("-mno-avx512bf16",), "avx512f"),  # the float32 tiles, 16 lanes, for bf16 too
+    "avx2": (("-mno-avx512f",), "avx2"),
     "plain": (("-mno-avx2", "-mno-fma", "-mno-avx512f"), None),
 }
 
@@ -410,4 +411,21 @@ def test_a_corrupted_layout_fails_the_float32_bound(best):
     x = torch.randn(5, 128, generator=gen)
     got = best.linear(x, corrupt(pack_int_weight(w), "offset sign"), None)
     with pytest.raises(AssertionError):
+        assert_float32_matches(got, x, w, None)
+
+
+def test_float32_results_are_the_same_bits_on_every_fast_build():
+    """The AVX-512 and AVX2 float32 tiles sum each output in the same order: the same bits, and
+    the plain loop within the float32 bound."""
+    gen = torch.Generator().manual_seed(42)
+    w = random_weight(4, 96, 256, 64, gen)
+    packed = pack_int_weight(w)
+    x = torch.randn(7, 256, generator=gen)
+    outs = {}
+    for path, (_, needs) in BUILDS.items():
+        if needs is None or needs in FLAGS:
+            outs[path] = build(path).linear(x, packed, None)
+    fast = [outs[p] for p in ("avx512_bf16", "avx512", "avx2") if p in outs]
+    assert all(torch.equal(got, fast[0]) for got in fast)
+    for got in outs.values():
         assert_float32_matches(got, x, w, None)

@@ -11,6 +11,8 @@ of --rounds.
 
     python -m jobs.bench.lora --out jobs/bench/results/lora.json
     python -m jobs.bench.lora --dtype bfloat16 --systems batchpage,vllm --out ...
+    python -m jobs.bench.lora --model $(python -m jobs.bench.random_models 1b) \
+        --prompts random --dtype bfloat16      # a model without a chat template
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from jobs.bench import report
 from jobs.bench.engine_runs import load_llm, log, timed_generate
 from jobs.bench.hf_export import hf_folder_for
 from jobs.bench.vllm_cpu import run_vllm_cpu
-from jobs.bench.workloads import sharegpt_workload, write_request_file
+from jobs.bench.workloads import random_workload, sharegpt_workload, write_request_file
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -64,6 +66,12 @@ def main() -> None:
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--requests", type=int, default=64)
+    p.add_argument(
+        "--prompts",
+        choices=("sharegpt", "random"),
+        default="sharegpt",
+        help="random: 64-192 random ids, 64 out (a model without a chat template)",
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--systems", default="batchpage", help="batchpage, or batchpage,vllm")
     p.add_argument("--vllm-venv", default=None)
@@ -73,7 +81,10 @@ def main() -> None:
     env = report.environment()
     source = resolve_model_source(args.model)
     tokenizer = load_tokenizer(source)
-    work = sharegpt_workload(tokenizer, args.requests)
+    if args.prompts == "random":
+        work = random_workload(source.config.vocab_size, args.requests, (64, 192), 64)
+    else:
+        work = sharegpt_workload(tokenizer, args.requests)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.max_tokens]
     with tempfile.TemporaryDirectory() as tmp:
         loras = make_adapters(hf_folder_for(args.model), Path(tmp), args.adapters, args.rank)
@@ -106,7 +117,7 @@ def main() -> None:
             sides |= vllm_sides(args, work, [Path(r.lora_path) for r in loras], Path(tmp))
     ratio = sides["adapters"]["output_tok_s"] / sides["base"]["output_tok_s"]
     title = (f"{args.adapters} rank-{args.rank} adapters against the base model, "
-             f"{len(work.prompts)} ShareGPT prompts, {args.model} {args.dtype}")  # fmt: skip
+             f"{work.description}, {args.model} {args.dtype}")  # fmt: skip
     report.print_header(title, env)
     print("| side | out tok/s | wall s |\n|---|---:|---:|")
     for name, side in sides.items():

@@ -157,3 +157,23 @@ def test_ray_nodes_kills_nodes_and_loses_no_row(tmp_path, tiny_folder) -> None:
     assert float(row["lost noticed after s"]) > 0
     dead = table_with(tables, "dead address")
     assert [row["exit"] for row in dead] == ["2", "2"]
+
+
+def test_lora_adapters_against_the_base_model(tmp_path) -> None:
+    """jobs.bench.lora on the tiny model: PEFT adapters made, both sides timed on the same
+    prompts, the ratio printed and saved."""
+    done = run_bench("jobs.bench.random_models", "tiny")
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "lora.json"
+    done = run_bench(
+        "jobs.bench.lora", "--model", done.stdout.strip(), "--prompts", "random", "--requests",
+        "4", "--adapters", "2", "--rank", "4", "--rounds", "1", "--dtype", "float32",
+        "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    saved = json.loads(out.read_text())
+    assert set(saved["results"]) == {"base", "adapters"}
+    assert all(side["output_tok_s"] > 0 for side in saved["results"].values())
+    ratio = saved["results"]["adapters"]["output_tok_s"] / saved["results"]["base"]["output_tok_s"]
+    assert saved["ratio"] == pytest.approx(ratio)
+    assert f"adapters / base: {ratio:.2f}x" in done.stdout

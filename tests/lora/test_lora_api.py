@@ -131,3 +131,31 @@ def test_structured_outputs_hold_under_an_adapter(tiny, tmp_path):
     want = plain.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
     assert all(o.outputs[0].text in choices for o in got)
+
+
+def test_forked_samples_keep_their_adapter(tiny):
+    """n > 1 forks samples from the prompt's sequence after its prefill: each sample runs the
+    adapter (greedy: every sample is PEFT's greedy continuation), and the slots' integrity holds
+    while forks come and go."""
+    llm, _, peft, loras, _ = tiny
+    prompts = [[11, 12, 13, 14, 15], [60, 61]]
+    params = SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(prompts, params, lora_request=[loras[1], loras[0]], use_tqdm=False)
+    for out, prompt, model in zip(outs, prompts, [peft[1], peft[0]], strict=True):
+        want = hf_tokens(model, prompt, 6)
+        assert [c.token_ids for c in out.outputs] == [want] * 3
+
+
+def test_prompt_logprobs_are_the_adapters(tiny):
+    """prompt_logprobs of a row run under an adapter: PEFT's log-softmax at every prompt
+    position."""
+    llm, _, peft, loras, _ = tiny
+    prompt = [3, 17, 29, 41, 53, 67, 79, 83]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([prompt], params, lora_request=loras[0], use_tqdm=False)[0]
+    with torch.no_grad():
+        logp = torch.log_softmax(peft[0](torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None
+    for i in range(1, len(prompt)):
+        got = out.prompt_logprobs[i][prompt[i]]
+        assert got == pytest.approx(float(logp[i - 1, prompt[i]]), abs=2e-4)

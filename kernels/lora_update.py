@@ -131,8 +131,10 @@ def lora_apply(
     rows: torch.Tensor,  # int64 [N]: token rows, grouped
     groups: torch.Tensor,  # int64 [G, 3]: (slot, begin, end) into rows, on the host
     active: torch.Tensor,  # bool [S, targets]
+    tiles: torch.Tensor | None = None,  # row_tiles(groups) on y's device, if the caller has it
 ) -> None:
-    """cpu_lora.py's contract, on the device of y."""
+    """cpu_lora.py's contract, on the device of y. A caller that runs many linears with the
+    same groups (a step's) passes their `tiles` once made."""
     t, d_in = x.shape
     slots, rank = a.shape[0], bt[0].shape[1]
     device = y.device
@@ -146,11 +148,14 @@ def lora_apply(
     assert rows.dtype == torch.int64 and rows.is_contiguous() and rows.device == device
     assert groups.dtype == torch.int64 and groups.shape[1:] == (3,) and groups.device.type == "cpu"
     check_runnable(_shrink_kernel, device)
-    tiles = row_tiles(groups).to(device)
+    if tiles is None:
+        tiles = row_tiles(groups).to(device)
+    assert tiles.dtype == torch.int64 and tiles.shape[1:] == (3,) and tiles.device == device
     if not len(tiles):
         return
     h = torch.zeros(len(rows), len(bt) * rank, dtype=torch.float32, device=device)
-    active = active.to(device=device, dtype=torch.int8)
+    assert active.dtype == torch.bool and active.device == device, (active.dtype, active.device)
+    active = active.view(torch.int8)  # the same bytes
     common = dict(R_PAD=padded_dim(rank), BLOCK_M=BLOCK_M, PRECISION=dot_precision(y.dtype))
     _shrink_kernel[(len(tiles), len(bt))](
         x, a, h, rows, tiles, active, d_in, len(bt), rank, x.stride(0), a.stride(0), a.stride(1),

@@ -121,18 +121,24 @@ class KernelUpdate:
 
 
 class TritonUpdate:
-    """The Triton kernels (kernels/lora_update.py): two launches per target a linear a step."""
+    """The Triton kernels (kernels/lora_update.py): two launches per target a linear a step;
+    the step's row tiles made once, for its first linear."""
 
     def __init__(self) -> None:
-        from batchpage.kernels.lora_update import lora_apply
+        from batchpage.kernels.lora_update import lora_apply, row_tiles
 
-        self.lora_apply = lora_apply
+        self.lora_apply, self.row_tiles = lora_apply, row_tiles
+        self._index: torch.Tensor | None = None  # the step whose tiles these are
+        self._tiles = torch.zeros(0, 3, dtype=torch.int64)
 
     def __call__(self, layer: LoRALinear, x: torch.Tensor, y: torch.Tensor) -> None:
         step = layer.step
+        if self._index is not step.index:  # a new step (set makes a new index)
+            self._index, self._tiles = step.index, self.row_tiles(step.index).to(y.device)
         self.lora_apply(
-            y, x, layer.lora_a, layer.lora_bt, layer.starts, step.rows, step.index, layer.active
-        )
+            y, x, layer.lora_a, layer.lora_bt, layer.starts, step.rows, step.index, layer.active,
+            self._tiles,
+        )  # fmt: skip
 
 
 class LoRALinear(LinearOp):

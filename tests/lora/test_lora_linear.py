@@ -88,3 +88,25 @@ def test_reloading_a_slot_replaces_the_adapter_whole(update):
     step.set(torch.zeros(3, dtype=torch.int64))
     want = x @ weight.T + (x @ small[0].T) @ small[1].T
     torch.testing.assert_close(layer.forward(x), want)
+
+
+@pytest.mark.parametrize("update", ["torch", "kernel", "triton"])
+def test_one_update_serves_step_after_step(update):
+    """The same layer and update over steps whose rows and groups differ (an update may keep
+    what it made for a step, never for the next)."""
+    gen = torch.Generator().manual_seed(2)
+    step = AdapterStep()
+    weight = torch.randn(12, 6, generator=gen)
+    layer = LoRALinear(dense_linear(weight, None), [(0, 12)], 2, 3, torch.float32,
+                       torch.device("cpu"), step, make_update(update))  # fmt: skip
+    pieces = [(torch.randn(3, 6, generator=gen), torch.randn(12, 3, generator=gen)) for _ in "ab"]
+    for slot, piece in enumerate(pieces):
+        layer.load(slot, [piece])
+    for slots in ([0, 0, 1], [1, -1, 1, 0, 0, 0, 1], [1]):
+        x = torch.randn(len(slots), 6, generator=gen)
+        step.set(torch.tensor(slots))
+        want = x @ weight.T
+        for i, s in enumerate(slots):
+            if s >= 0:
+                want[i] += (x[i] @ pieces[s][0].T) @ pieces[s][1].T
+        torch.testing.assert_close(layer.forward(x), want, rtol=1e-5, atol=1e-5)

@@ -113,4 +113,4 @@ def _projections(layer: torch.nn.Module) -> list[tuple[torch.nn.Module, str, lis
             )
         )
         found.append((mlp, "down_proj", ["mlp.down_proj"], [mlp.hidden]))
-    return found  # fmt: skip
+    return found

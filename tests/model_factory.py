@@ -8,6 +8,7 @@ at random, so a mapping mistake anywhere changes the logits.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 from pathlib import Path
@@ -455,13 +456,43 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama_cpp_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of llama_cpp_permute: a GGUF's Llama q/k rows back in HF's order."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def add_gguf_tokenizer(w: gguf.GGUFWriter, tokenizer: PreTrainedTokenizerFast) -> None:
+    """A byte-level BPE (tiny_tokenizer) as llama.cpp's converter stores one: tokens by id,
+    special ones as control tokens, merges, pad id and chat template (bos and eos: write_gguf's
+    1 and 2, tiny_tokenizer's too). transformers rebuilds the same tokenizer from them."""
+    vocab = tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    special = set(tokenizer.all_special_tokens)
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])  # 3: CONTROL, 1: NORMAL
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_pad_token_id(tokenizer.pad_token_id)
+    w.add_chat_template(tokenizer.chat_template)
+
+
 @torch.no_grad()
 def write_gguf(
-    hf: PreTrainedModel, path: Path, arch: str, matrix_type: str = "F16", embed_type: str = "Q8_0"
+    hf: PreTrainedModel,
+    path: Path,
+    arch: str,
+    matrix_type: str = "F16",
+    embed_type: str = "Q8_0",
+    tokenizer: PreTrainedTokenizerFast | None = None,
 ) -> Path:
     """Write `hf` as a llama.cpp-style GGUF (norms F32, matrices matrix_type, token embedding
-    embed_type). `hf`'s own weights are rounded in place to what the file stores, so the two
-    models hold identical numbers afterwards."""
+    embed_type; with `tokenizer`, its vocabulary too: add_gguf_tokenizer). `hf`'s own weights
+    are rounded in place to what the file stores, so the two models hold identical numbers
+    afterwards."""
     cfg = hf.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -486,6 +517,8 @@ def write_gguf(
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if tokenizer is not None:
+        add_gguf_tokenizer(w, tokenizer)
     for name, p in hf.named_parameters():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -497,7 +530,7 @@ def write_gguf(
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             n_head = heads if ".q_proj." in name else kv_heads
             stored = gguf.quants.quantize(llama_cpp_permute(p.numpy(), n_head), qtype)
-        w.add_tensor(_gguf_name(name), stored, raw_dtype=qtype)
+        w.add_tensor(gguf_name(name), stored, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -524,7 +557,7 @@ def llama_cpp_rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
     return np.array(divisors, dtype=np.float32)
 
 
-def _gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str) -> str:
     if hf_name in _HF_TO_GGUF_TOP:
         return _HF_TO_GGUF_TOP[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)  # model.layers.N.<module>.<weight|bias>

@@ -13,6 +13,7 @@ import torch
 
 from batchpage import LLM, SamplingParams
 from batchpage.job import run_job
+from tests.fixtures.make_kquant_gguf import FIXTURE as KQUANT_GGUF
 from tests.job.test_loop import job, table, write_jsonl
 from tests.model_factory import HAS_SMOLLM2
 from tests.quant.test_engine import needs_kernel
@@ -92,22 +93,43 @@ def test_a_bf16_engine_keeps_each_ranks_share_on_the_int_kernel(tmp_path, tokeni
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
-# (K-quants have no quantizer in the gguf package to write a file with; their blocks decode to
-# the same IntWeight layout, tested in tests/quant/test_gguf_blocks.py.)
 @pytest.mark.parametrize(("matrix_type", "world"), [("Q4_1", 2), ("Q8_0", 4), ("Q4_0", 3)])
 def test_each_ranks_share_of_a_gguf_reassembles_its_weights(tmp_path, matrix_type, world):
     """Loaded for each rank, a GGUF's quantized linears are the whole model's cut by rows
     (q/k/v, gate/up) or by whole groups of inputs (o, down), and a tied model's Q8_0 table,
     the quantized head, by vocabulary rows padded (320 rows over 3 ranks: 107 each)."""
-    from batchpage.model.gguf_loader import load_gguf_model
-    from batchpage.model.shard import TensorShard
-    from batchpage.quant.linear import QuantLinear
     from tests.model_factory import build_hf_model, write_gguf
 
     heads = {3: 6, 2: 4, 4: 4}[world]  # query and K/V heads that the ranks split
     hf = build_hf_model("llama_gqa_tied", hidden_size=64 * heads, intermediate_size=512 * world,
                         num_attention_heads=heads, num_key_value_heads=heads)  # fmt: skip
     path = write_gguf(hf, tmp_path / "m.gguf", "llama", matrix_type=matrix_type)
+    assert shares_reassembled(path, world) == 4 * 2 + 1
+
+
+# K-quants: the gguf package cannot write them; llama.cpp's llama-quantize made this file.
+def test_each_ranks_share_of_a_kquant_gguf_reassembles_its_weights():
+    """The K-quant fixture over 2 ranks: Q4_K, Q5_K and Q6_K (groups of 16) linears, a q/k/v
+    of Q4_K q/k and Q6_K v, and the Q6_K tied head; o and down (256 inputs, one super-block)
+    cut in the middle of each super-block."""
+    assert shares_reassembled(KQUANT_GGUF, 2) == 4 * 3 + 1
+
+
+def test_a_kquant_gguf_over_two_ranks_gives_one_ranks_tokens() -> None:
+    one, two = _run(KQUANT_GGUF, 1), _run(KQUANT_GGUF, 2)
+    for a, b in zip(one, two, strict=True):
+        assert a.token_ids == b.token_ids
+        for lp_a, lp_b, token in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
+            assert abs(lp_a[token] - lp_b[token]) < 1e-4
+
+
+def shares_reassembled(path, world: int) -> int:
+    """Check each quantized linear of `path` against its `world` ranks' shares put back
+    together; the number checked."""
+    from batchpage.model.gguf_loader import load_gguf_model
+    from batchpage.model.shard import TensorShard
+    from batchpage.quant.linear import QuantLinear
+
     whole, _ = load_gguf_model(path, torch.float32, "cpu")
     shares = [load_gguf_model(path, torch.float32, "cpu", shard=TensorShard(r, world))[0]
               for r in range(world)]  # fmt: skip
@@ -128,7 +150,7 @@ def test_each_ranks_share_of_a_gguf_reassembles_its_weights(tmp_path, matrix_typ
             got = torch.cat([torch.cat(column) for column in zip(*pieces, strict=True)])
         assert torch.equal(got, want), name
         checked += 1
-    assert checked == 4 * 2 + 1
+    return checked
 
 
 @pytest.mark.slow

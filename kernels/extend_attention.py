@@ -8,9 +8,14 @@ block table. One program owns BLOCK_M consecutive q rows of one sequence and one
 streams K/V tiles up to its last row's position; only keys past a row's own position are masked.
 
 A sliding window W lets the row at position p see keys p - W < k <= p only (HF's semantics): a
-program starts its K/V walk at its first row's window start, so the blocks before it are never
-read, and masks the keys that fall out of each later row's window. A logit soft-cap c turns
-each score s into c * tanh(s / c) before the mask.
+program walks K/V from the tile holding its first row's window start and never reads a key
+before that start, and masks the keys that fall out of each row's window. A logit soft-cap c
+turns each score s into c * tanh(s / c) before the mask.
+
+A row's result is the same bits wherever its q tile starts (a prefill in one piece, in chunks,
+after a prefix-cache hit, or a decode row): K/V tiles start at multiples of BLOCK_N from
+position 0, the keys outside a row's window add exact zeros, and tl.dot computes each row on
+its own. So in batch-invariant mode the backend sends every row here (triton_backend.py).
 """
 
 from __future__ import annotations
@@ -90,8 +95,13 @@ def _extend_kernel(
 
     # Causal: keys up to the last row's position, the tile's own triangle and nothing after it.
     kv_end = tl.minimum(seq_len, prefix + (q_tile + 1) * BLOCK_M) if CAUSAL else seq_len
-    # Window: nothing before the first row's window start (the launcher refuses non-causal).
-    kv_start = tl.maximum(prefix + q_tile * BLOCK_M - window + 1, 0)
+    # Window: no key before the first row's window start is read (the launcher refuses
+    # non-causal). The walk's tiles still start at multiples of BLOCK_N from position 0, so a
+    # row adds its keys in the same tiles wherever its chunk began: a row's sums do not depend
+    # on how its prompt was split (batch_invariant). The keys of the first tile that fall
+    # before kv_lo are masked: not loaded, and outside every row's window.
+    kv_lo = tl.maximum(prefix + q_tile * BLOCK_M - window + 1, 0)
+    kv_start = kv_lo // BLOCK_N * BLOCK_N
     kv_head = head // group
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_ch
@@ -101,7 +111,7 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     for tile_start in range(kv_start, kv_end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
+        n_mask = (offs_n < kv_end) & (offs_n >= kv_lo)
         tok = paged_token_offsets(table_row, offs_n, n_mask, block_size, stride_cb, stride_cs)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)

@@ -2,7 +2,10 @@
 protocol (see backend.py and metadata.py for the contract).
 
 The plan picks the kernel for the step: the decode kernel when every sequence has exactly one new
-token, the extend kernel otherwise (it also serves decode rows mixed into a prefill step). Per
+token, the extend kernel otherwise (it also serves decode rows mixed into a prefill step). In
+batch-invariant mode every step goes to the extend kernel, whose rows are the same bits however
+a prompt was split and whatever the batch (extend_attention.py); the decode kernel splits a long
+context into as many partitions as the batch leaves room for. Per
 layer: write the new tokens' K/V into their slots, then one attention launch over the whole batch.
 Both kernels take the layer's sliding window (reading only the blocks inside it) and logit
 soft-cap, with the meaning backend.py gives them.
@@ -92,16 +95,18 @@ class TritonPagedAttention:
 
     num_splits: decode split-KV partitions, 0 = chosen per step from batch and context length
     (see paged_decode_attention.choose_num_splits), 1 = always single-pass.
+    batch_invariant: every step on the extend kernel (see the module's docstring).
     """
 
-    def __init__(self, num_splits: int = 0) -> None:
+    def __init__(self, num_splits: int = 0, batch_invariant: bool = False) -> None:
         self.num_splits = num_splits
+        self.batch_invariant = batch_invariant
 
     def plan(self, meta: AttentionMetadata) -> TritonStepAttention:
         kernel: Literal["decode", "extend", "none"]
         if meta.num_tokens == 0:
             kernel = "none"
-        elif meta.is_decode_only:
+        elif meta.is_decode_only and not self.batch_invariant:
             assert meta.num_tokens == meta.num_seqs, "decode steps carry one token per sequence"
             kernel = "decode"
         else:

@@ -30,13 +30,15 @@ class EngineConfig:
     attention_backend: str = "auto"
     # CPU matmuls (batchpage/ops/select.py): "auto" times every implementation that runs here
     # on each linear shape at bind and binds the fastest (cached on disk per CPU, torch and
-    # kernel); "avx512_bf16", "cpu_f32" and "onednn" force theirs; "torch" keeps F.linear. Quantized
-    # linears are measured among the int implementations under every choice but "torch".
+    # kernel); "avx512_bf16", "cpu_f32", "onednn" and "triton" (batch-invariant; a GPU's) force
+    # theirs; "torch" keeps F.linear. Quantized linears are measured among the int
+    # implementations under every choice but "torch".
     linear_backend: str = "auto"
     # Every row's logits the same bits whatever else its step holds (the other rows, how its
     # prompt was chunked, a prefix-cache hit, a preemption): linears and attention on kernels
-    # that sum in an order fixed by position (ops/select.py, attention/cpu_backend.py), at
-    # some cost in speed (BENCHMARKS.md). CPU attention kernels only, for now.
+    # that sum in an order fixed by position (ops/select.py, attention/cpu_backend.py; on a GPU
+    # the Triton matmul, norms and extend attention: ops/triton_linear.py, triton_backend.py),
+    # at some cost in speed (BENCHMARKS.md).
     batch_invariant: bool = False
     # A quantized checkpoint (AWQ, GPTQ, compressed-tensors, a GGUF file's Q4_0/Q4_1/Q8_0/K-quant
     # linears): True keeps its integer weights and runs them quantized (batchpage/quant), the
@@ -122,10 +124,10 @@ class EngineConfig:
                 "classifier_from_token must list two or more tokens (e.g. [no, yes]); got "
                 f"{tokens!r}"
             )
-        if self.batch_invariant and self.attention_backend in ("torch", "triton"):
+        if self.batch_invariant and self.attention_backend == "torch":
             raise ValueError(
-                f"batch_invariant=True runs on the CPU attention kernels, not "
-                f"attention_backend={self.attention_backend!r}: use attention_backend='auto'"
+                "batch_invariant=True runs on the C++ (CPU) or Triton (GPU) attention kernels, "
+                "not attention_backend='torch': use attention_backend='auto'"
             )
         at_least("block_size", 1)
         at_least("max_num_seqs", 1)

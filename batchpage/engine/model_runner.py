@@ -40,15 +40,11 @@ def make_attention_backend(
 ) -> AttentionBackend:
     """auto: Triton kernels on CUDA; on CPU the C++ attention kernels when they build here, else the
     torch implementation of the same layout (with a warning that says why). `batch_invariant`:
-    the C++ kernels in their batch-invariant mode, or an error that says why not."""
-    if batch_invariant and device.type != "cpu":
-        raise ValueError(
-            f"batch_invariant=True runs on the CPU attention kernels only, for now; got {device}"
-        )
+    the C++ or Triton kernels in their batch-invariant mode, or an error that says why not."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         from batchpage.attention.triton_backend import TritonPagedAttention
 
-        return TritonPagedAttention()
+        return TritonPagedAttention(batch_invariant=batch_invariant)
     from batchpage.attention.torch_backend import TorchPagedAttention
 
     if name == "torch":
@@ -66,6 +62,12 @@ def make_attention_backend(
             raise
         warnings.warn(f"{exc}; using attention_backend='torch'", stacklevel=2)
         return TorchPagedAttention()
+
+
+def uses_triton_kernels(attention: AttentionBackend) -> bool:
+    from batchpage.attention.triton_backend import TritonPagedAttention
+
+    return isinstance(attention, TritonPagedAttention)
 
 
 def uses_cpu_kernels(attention: AttentionBackend) -> bool:
@@ -298,6 +300,7 @@ def build_model_runner(
         rows,
         dense_ints,
         cfg.batch_invariant,
+        uses_triton_kernels(attention),
     )
     if cfg.enable_lora:  # an adapter updates gate and up before the activation: unfused
         ops = replace(ops, linear=replace(ops.linear, silu_mul=None))

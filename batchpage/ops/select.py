@@ -17,8 +17,9 @@ from batchpage.ops.layer_ops import LayerOps
 from batchpage.ops.linear import MEASURABLE_TORCH_LINEARS, TORCH_LINEARS, LinearMethod
 from batchpage.ops.measured_linear import ChoiceCache, MeasuredLinears, setup_key
 from batchpage.ops.onednn_linear import ONEDNN_LINEARS, onednn_packs
+from batchpage.ops.triton_linear import TRITON_LINEARS
 
-LINEAR_BACKENDS = ("auto", "avx512_bf16", "cpu_f32", "onednn", "torch")
+LINEAR_BACKENDS = ("auto", "avx512_bf16", "cpu_f32", "onednn", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,8 @@ def select_linears(
 ) -> tuple[LinearMethod, MeasuredLinears | None]:
     """The engine's `linear_backend`: "avx512_bf16" is the bf16 kernel (with SiLU(gate) * up
     fused into the gate/up linear) or raises; "cpu_f32" the float32 kernel or raises;
-    "onednn" is oneDNN's prepacked layout or raises;
+    "onednn" is oneDNN's prepacked layout or raises; "triton" the batch-invariant Triton
+    matmul (a GPU's, or a CPU's under Triton's interpreter: tests);
     "torch" keeps the dense weights and dequantizes quantized ones; "auto" measures, for each
     linear shape at bind, every one of them that can run here at the row counts `rows`, and
     binds the fastest (ops/measured_linear.py; the MeasuredLinears is returned for its report).
@@ -62,7 +64,10 @@ def select_linears(
     (ops/dequantized_linear.py). `dense_ints` (under "auto" only): a quantized layer's own
     dense form is a candidate too (the caller has checked that the memory allows it).
     `batch_invariant`: only implementations whose rows do not depend on the batch (each
-    output one fixed-order sum) are candidates; none for this dtype here raises, saying why."""
+    output one fixed-order sum) are candidates, on a GPU the Triton matmul; none for this
+    dtype here raises, saying why. Quantized layers that no int implementation takes are
+    dequantized once, at bind, on a CPU and in a batch-invariant engine (QuantLinear's own
+    path unpacks on every call and multiplies with torch)."""
     if choice not in LINEAR_BACKENDS:
         allowed = ", ".join(LINEAR_BACKENDS)
         raise ValueError(f"linear_backend must be one of {allowed}; got {choice!r}")
@@ -84,7 +89,7 @@ def select_linears(
     key = {**setup_key([*dense, *ints], dtype, rows), "dense_ints": str(dense_ints)}
     measured = MeasuredLinears(dense, dtype, rows, ChoiceCache(key), ints, dense_ints)
     method = measured.method()
-    if not ints and device.type == "cpu":  # dequantized once, then as the dense layers
+    if not ints and (device.type == "cpu" or batch_invariant):  # then as the dense layers
         method = replace(method, make_int=dequantized_linears(dtype, method.make))
     return method, measured
 
@@ -96,6 +101,8 @@ def _invariant(
     kept = [m for m in dense if m.batch_invariant]
     if kept:
         return kept
+    if device.type == "cuda":
+        return [TRITON_LINEARS]
     name = str(dtype).removeprefix("torch.")
     if choice != "auto":
         raise ValueError(
@@ -116,6 +123,8 @@ def _invariant(
 def _forced_linears(choice: str, dtype: torch.dtype, device: torch.device) -> LinearMethod:
     if choice == "torch":
         return TORCH_LINEARS
+    if choice == "triton":
+        return TRITON_LINEARS
     if choice == "cpu_f32":
         f32 = f32_kernel(dtype, device, required=True)
         assert f32 is not None
@@ -149,10 +158,15 @@ def _candidates(dtype: torch.dtype, device: torch.device) -> list[LinearMethod]:
     return [*found, MEASURABLE_TORCH_LINEARS]
 
 
-def select_layer_ops(cpu_kernels: bool) -> LayerOps:
+def select_layer_ops(cpu_kernels: bool, triton_norms: bool = False) -> LayerOps:
     """The C++ layer ops where the engine runs the C++ attention kernels (`cpu_kernels`): a CPU
     engine with attention_backend='torch' stays all torch. torch's, with a warning, when they do
-    not build here."""
+    not build here. `triton_norms`: a batch-invariant engine on the Triton attention kernels,
+    whose norms run one row per program (ops/triton_layer_ops.py)."""
+    if triton_norms:
+        from batchpage.ops.triton_layer_ops import TritonLayerOps
+
+        return TritonLayerOps()
     if not cpu_kernels:
         return LayerOps()
     from batchpage.kernels.cpu_build import KernelBuildError
@@ -175,10 +189,13 @@ def select_model_ops(
     rows: tuple[int, ...] = (1, 64),
     dense_ints: bool = False,
     batch_invariant: bool = False,
+    triton_attention: bool = False,
 ) -> ModelOps:
     """`rows`: the row counts a linear runs at that matter, where "auto" measures;
-    `dense_ints`, `batch_invariant`: see select_linears."""
+    `dense_ints`, `batch_invariant`: see select_linears; `triton_attention`: the engine runs
+    the Triton attention kernels."""
     linear, measured = select_linears(
         linear_backend, dtype, device, rows, dense_ints, batch_invariant
     )
-    return ModelOps(select_layer_ops(cpu_kernels), linear, comm or Collective(), measured)
+    layer = select_layer_ops(cpu_kernels, triton_norms=batch_invariant and triton_attention)
+    return ModelOps(layer, linear, comm or Collective(), measured)

@@ -12,8 +12,10 @@ The kernels' correctness on CUDA is the test suite's (tests/kernels, tests/atten
 (c) end-to-end engine throughput (batchpage.LLM) on a randomly initialised 1B-class Llama
     (Llama-3.2-1B shapes), paged KV (kv_allocator="paged") with and without CUDA graphs of
     decode steps (enforce_eager), and contiguous per-sequence reservations
-    (kv_allocator="static"), all with the Triton attention backend; each with its step time,
-    the parts of a step, and the step against the roofline of reading its weights and K/V.
+    (kv_allocator="static"), and paged with batch_invariant (the Triton matmul, norms and
+    extend attention), all with the Triton attention backend; each with its step time, the
+    parts of a step, the step against the roofline of reading its weights and K/V, and whether
+    its greedy tokens are the first configuration's.
     `--engine-max-seqs 512` measures the engine at 512 running.
 
 Results print as Markdown tables (ready for BENCHMARKS.md); --out also writes them as JSON.
@@ -243,6 +245,7 @@ def bench_engine(
     if kv_gib is not None:
         memory = dict(kv_cache_memory=int(kv_gib * 2**30))
     rows: list[Row] = []
+    first_tokens: list[list[int]] = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_random_llama(Path(tmp) / "llama", shape, dtype)
         weight_bytes = (folder / "model.safetensors").stat().st_size
@@ -250,7 +253,9 @@ def bench_engine(
             ("paged, CUDA graphs", dict(kv_allocator="paged")),
             ("paged, eager", dict(kv_allocator="paged", enforce_eager=True)),
             ("contiguous, CUDA graphs", dict(kv_allocator="static")),
-        ):
+            ("paged, CUDA graphs, batch_invariant", dict(kv_allocator="paged",
+                                                         batch_invariant=True)),
+        ):  # fmt: skip
             try:
                 llm = LLM(
                     model=str(folder), dtype=str(dtype).removeprefix("torch."),
@@ -267,7 +272,9 @@ def bench_engine(
             except Exception as exc:  # report and carry on with the other configuration
                 rows.append(dict(config=name, error=f"{type(exc).__name__}: {exc}"))
                 continue
-            generated = sum(len(o.outputs[0].token_ids) for o in outs)
+            tokens = [o.outputs[0].token_ids for o in outs]
+            first_tokens = first_tokens or tokens
+            generated = sum(len(t) for t in tokens)
             stats = llm.stats
             steps = max(1, stats["steps"])
             part_ms = {p: 1e3 * stats["step_time_s"][p] / steps for p in STEP_PARTS}
@@ -293,6 +300,9 @@ def bench_engine(
                     **{f"{p}_ms": v for p, v in part_ms.items()},
                     roofline_ms=roofline_ms,
                     step_over_roofline=step_ms / roofline_ms,
+                    same_greedy_as_first=sum(
+                        a == b for a, b in zip(tokens, first_tokens, strict=True)
+                    ),
                 )
             )
             del llm

@@ -65,6 +65,14 @@ def folder(folders) -> Path:
     return folders["llama"]
 
 
+# A GPU's batch-invariant kernels (Triton matmul, norms and extend attention), run here under
+# Triton's interpreter: float32 only (it has no bfloat16 arithmetic) and few, small examples.
+# The interpreter copies every tensor a kernel takes, the KV pool included, at each launch:
+# a pool of 128 blocks.
+TRITON = {"attention_backend": "triton", "linear_backend": "triton", "kv_cache_memory": 2**21}
+TRITON_SETTINGS = settings(SETTINGS, max_examples=3)
+
+
 def engine(folder: Path, dtype: str, **kw) -> LLM:
     kw.setdefault("kv_cache_memory", 2**24)
     kw.setdefault("max_model_len", 256)
@@ -81,31 +89,40 @@ class Case:
     variation: str
     budget: int  # max_num_batched_tokens
     seed: int | None  # sampled with this seed, else greedy
+    max_tokens: int = MAX_TOKENS
 
     def params(self) -> SamplingParams:
         if self.seed is None:
-            return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3,
+            return SamplingParams(temperature=0, max_tokens=self.max_tokens, logprobs=3,
                                   ignore_eos=True)  # fmt: skip
-        return SamplingParams(temperature=1.0, top_k=50, seed=self.seed, max_tokens=MAX_TOKENS,
-                              logprobs=3, ignore_eos=True)  # fmt: skip
+        return SamplingParams(temperature=1.0, top_k=50, seed=self.seed,
+                              max_tokens=self.max_tokens, logprobs=3, ignore_eos=True)  # fmt: skip
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> Case:
+def cases(
+    draw: st.DrawFn,
+    counts: tuple[int, ...] = (1, 3, 12, 40, 255),
+    longest: int = 70,
+    max_tokens: int = MAX_TOKENS,
+) -> Case:
+    """`counts`: how many other prompts there may be; `longest`: the longest target prompt
+    (the others' own tokens are at most 50 tokens beyond what they share with it)."""
     tokens = st.integers(3, VOCAB - 1)
-    target = draw(st.lists(tokens, min_size=1, max_size=70))
-    count = draw(st.sampled_from([1, 3, 12, 40, 255]))
+    target = draw(st.lists(tokens, min_size=1, max_size=longest))
+    count = draw(st.sampled_from(counts))
     rng = random.Random(draw(st.integers(0, 2**16)))
     others = []
     for _ in range(count):
-        own = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 50))]
+        own = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, min(50, longest)))]
         shared = target[: rng.randint(0, len(target))] if rng.random() < 0.3 else []
         others.append(shared + own)
     variation = draw(st.sampled_from(["batch", "reordered", "chunked", "warm_prefix",
                                       "recompute", "swap"]))  # fmt: skip
     budget = draw(st.sampled_from([7, 16, 33, 512])) if variation == "chunked" else 512
     seed = draw(st.one_of(st.none(), st.integers(0, 1000)))
-    return Case(target, others, draw(st.integers(0, count)), variation, budget, seed)
+    at = draw(st.integers(0, count))
+    return Case(target, others, at, variation, budget, seed, max_tokens)
 
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list:
@@ -118,8 +135,8 @@ def result(out) -> tuple:
     return (c.token_ids, [sorted(d.items()) for d in c.logprobs], c.cumulative_logprob)
 
 
-def variant_run(folder: Path, dtype: str, case: Case) -> tuple:
-    """The target's result under the case's variation."""
+def variant_run(folder: Path, dtype: str, case: Case, **kw) -> tuple:
+    """The target's result under the case's variation (`kw`: the engines' other options)."""
     params = case.params()
     batch = case.others[: case.at] + [case.target] + case.others[case.at :]
     at = case.at
@@ -129,14 +146,15 @@ def variant_run(folder: Path, dtype: str, case: Case) -> tuple:
         batch, at = [batch[i] for i in order], order.index(case.at)
     if case.variation in ("recompute", "swap"):
         # A pool that holds the longest request and a little more: the batch must preempt.
-        need = max(-(-(len(p) + MAX_TOKENS) // BLOCK) for p in batch) + 2
+        need = max(-(-(len(p) + case.max_tokens) // BLOCK) for p in batch) + 2
         per_block = 2 * 2 * 1 * 64 * BLOCK * torch.finfo(getattr(torch, dtype)).bits // 8
-        llm = engine(folder, dtype, kv_cache_memory=need * per_block,
-                     max_model_len=(need - 2) * BLOCK, preemption_mode=case.variation)  # fmt: skip
+        small = {"kv_cache_memory": need * per_block, "max_model_len": (need - 2) * BLOCK,
+                 "preemption_mode": case.variation}  # fmt: skip
+        llm = engine(folder, dtype, **{**kw, **small})
         llm.engine.scheduler.growth = None  # admit on the prompt alone, so the pool preempts
         got = run(llm, batch, params)[at]
         return result(got), llm.stats["preemptions"]
-    llm = engine(folder, dtype, max_num_batched_tokens=case.budget)
+    llm = engine(folder, dtype, max_num_batched_tokens=case.budget, **kw)
     if case.variation == "warm_prefix":
         run(llm, [case.target[: max(1, len(case.target) - 1)], *case.others[:2]], params)
     return result(run(llm, batch, params)[at]), 0
@@ -162,6 +180,20 @@ def test_a_rows_results_do_not_depend_on_its_batch(
     assert got == alone, case.variation
 
 
+@pytest.mark.parametrize("model", list(MODELS))
+@TRITON_SETTINGS
+@given(case=cases(counts=(1, 3, 6), longest=40, max_tokens=5))
+def test_on_the_triton_kernels_too(folders, alone_engines, model, case) -> None:
+    """The same property on a GPU's kernels: the Triton matmul, one-row norms and every row on
+    the extend attention kernel (what batch_invariant binds on CUDA)."""
+    folder = folders[model]
+    if (model, "triton") not in alone_engines:
+        alone_engines[model, "triton"] = engine(folder, "float32", prefix_caching=False, **TRITON)
+    alone = result(run(alone_engines[model, "triton"], [case.target], case.params())[0])
+    got, _ = variant_run(folder, "float32", case, **TRITON)
+    assert got == alone, case.variation
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_the_preempting_pool_preempts(folder, mode) -> None:
     """The variation above does what it says: its pool preempts the target's batch."""
@@ -183,10 +215,9 @@ def test_without_it_a_row_can_differ(folder) -> None:
     assert alone != among
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_attention_backends_without_the_mode_are_refused_before_loading(backend) -> None:
-    with pytest.raises(ValueError, match=f"not attention_backend='{backend}'"):
-        LLM("/nonexistent", batch_invariant=True, attention_backend=backend)
+def test_the_torch_attention_backend_is_refused_before_loading() -> None:
+    with pytest.raises(ValueError, match="not attention_backend='torch'"):
+        LLM("/nonexistent", batch_invariant=True, attention_backend="torch")
 
 
 def test_the_engine_binds_the_invariant_kernels(folder) -> None:
@@ -194,6 +225,22 @@ def test_the_engine_binds_the_invariant_kernels(folder) -> None:
     run(llm, [[5, 6, 7]], SamplingParams(max_tokens=1))
     assert llm.stats["linear_methods"] == {"*": "cpu_f32"}
     assert llm.engine.runner.attention.batch_invariant
+
+
+def test_the_triton_engine_binds_the_triton_kernels(folder) -> None:
+    """And its tokens are the C++ kernels' engine's (logprobs within float32 rounding)."""
+    llm = engine(folder, "float32", **TRITON)
+    target = [(3 * i) % 300 + 3 for i in range(30)]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    got = run(llm, [target], params)[0].outputs[0]
+    assert llm.stats["linear_methods"] == {"*": "triton"}
+    assert llm.engine.runner.attention.batch_invariant
+    assert llm.engine.model.bound.layer.name == "triton"
+    cpu = run(engine(folder, "float32"), [target], params)[0].outputs[0]
+    assert got.token_ids == cpu.token_ids
+    for mine, theirs in zip(got.logprobs, cpu.logprobs, strict=True):
+        assert mine.keys() == theirs.keys()
+        assert all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

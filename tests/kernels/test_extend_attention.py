@@ -128,3 +128,31 @@ def test_decode_rows_match_decode_kernel():
         case.q, case.k_cache, case.v_cache, case.seq_lens, case.block_table, tile_n=16
     )
     torch.testing.assert_close(ext, dec, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (21, None), (None, 30.0)])
+def test_a_row_is_the_same_bits_however_its_prompt_is_split(dtype, window, softcap):
+    """batch_invariant's attention: every position of a 70-token prompt gives the same bits
+    computed in one piece, in chunks that start mid-tile (as a chunked prefill or a prefix-cache
+    hit leaves them), and as decode rows of one token each beside other sequences."""
+    n, heads, kv_heads, head_dim, block_size = 70, 4, 2, 64, 8
+    case = make_paged_case([n], [n], heads, kv_heads, head_dim, block_size, dtype, device=DEVICE)
+    kw = {"sliding_window": window, "logit_softcap": softcap}
+
+    def rows(starts: list[int], ends: list[int]) -> torch.Tensor:
+        """Positions [s, e) of each piece, as sequences of one batch sharing the block table."""
+        q = torch.cat([case.q[s:e] for s, e in zip(starts, ends, strict=True)])
+        lens = [e - s for s, e in zip(starts, ends, strict=True)]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        table = case.block_table.expand(len(lens), -1).contiguous()
+        seq_lens = torch.tensor(ends, dtype=torch.int32, device=DEVICE)
+        return extend_attention(
+            q, case.k_cache, case.v_cache, cu.to(DEVICE), seq_lens, table, max(lens), **kw
+        )
+
+    whole = rows([0], [n])
+    assert torch.equal(rows([0, 7, 23, 40], [7, 23, 40, n]), whole)
+    assert torch.equal(rows([0, 33], [33, n]), whole)
+    decodes = [3, 16, 17, 38, 69]
+    assert torch.equal(rows(decodes, [p + 1 for p in decodes]), whole[decodes])

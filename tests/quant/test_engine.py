@@ -302,3 +302,15 @@ def test_fp8_weights_are_held_in_a_byte_and_run_as_hf_on_them(tmp_path, tokenize
     assert llm.stats["weight_bytes"] < dense.engine.weight_bytes
     with pytest.raises(ValueError, match="int8_activations needs integer weights.* fp8"):
         engine(folder, dtype=dtype, int8_activations=True)
+
+
+def test_fp8_weights_under_batch_invariant_are_dequantized_or_refused(tmp_path, tokenizer):
+    """FP8 kept as float8 is multiplied by torch (its order may follow the batch): refused in
+    one line before loading; dequantized at load it runs on the invariant float32 kernel."""
+    folder, _ = write_quantized(tmp_path, "fp8_block")
+    tokenizer.save_pretrained(folder)
+    with pytest.raises(ValueError, match="batch_invariant=True does not cover fp8.*false"):
+        engine(folder, dtype="float32", batch_invariant=True)
+    llm = engine(folder, dtype="float32", batch_invariant=True, quantized_weights=False)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2))
+    assert llm.stats["linear_methods"] == {"*": "cpu_f32"}

@@ -14,12 +14,19 @@
 //      into one accumulator give (q + 256) * x, C = 256. (Two nibble planes, 0x4300 | lo and
 //      0x4500 | hi, would take the same two vdpbf16ps and a shift more; converting q through
 //      float32 takes one vdpbf16ps but four conversions, slower for few rows.)
+//   9: FP8 e4m3 codes in bytes (W = s * fp8(q), o = 0), C = 0. A code is not an integer: in the
+//      vdpbf16ps tiles it becomes the float16 with bits (q & 0x80) << 8 | (q & 0x7F) << 7,
+//      exactly fp8(q) / 256 subnormals included, widened by vcvtph2ps and rounded to bf16
+//      (exact: four significant bits), the 256 folded into the group's scale (a 128-entry
+//      table through two vpermi2w measured slower on Zen 4); in the float32 tiles, the float32
+//      with bits (q & 0x80) << 24 | (q & 0x7F) << 20 (fp8(q) * 2^-120, a denormal for small
+//      codes) times 2^120, exact. The NaN code is read as 480.
 //
 // Layout, uint8 [NB][KQ][B] with NB = ceil(N / 32), KQ = ceil(K / 4) k-quads of one 32-column
-// block, B = 64 (kind 4) or 128 bytes. In one quad t, for pair p (k = 4t + 2p, 4t + 2p + 1),
+// block, B = 64 (kind 4) or 128 bytes (kinds 7, 8, 9). In one quad t, for pair p (k = 4t + 2p, 4t + 2p + 1),
 // half h (columns 16h .. 16h + 15) and lane l < 32, column 16h + l / 2 and k = 4t + 2p + l % 2:
 //   kind 4: byte 32h + l, pair 0 in the low nibble, pair 1 in the high;
-//   kind 7, 8: byte 64p + 32h + l.
+//   kind 7, 8, 9: byte 64p + 32h + l.
 // So _mm512_cvtepu8_epi16 of 32 bytes puts (k even, k odd) of 16 columns in the 16-bit halves
 // of 16 lanes: one vdpbf16ps operand against one 32-bit broadcast of x. Zero past N and K (x
 // is read as zero past K, so a padded q's 128 * x is 0). Scales and offsets: float32 [NB][G][32].
@@ -84,6 +91,16 @@ inline uint16_t round_bf16(float f) {
 inline float as_float(uint16_t bits) { return widen(bits); }
 inline float as_float(float f) { return f; }
 
+// An FP8 e4m3 code's value (kind 9): its bits placed in a float32's sign, exponent and top
+// mantissa bits give fp8 * 2^-120 (denormal below 2^-6), and the product with 2^120 is exact.
+constexpr float kFp8Rebias = 1.329227995784916e36f;  // 2^120
+inline float fp8_value(uint32_t q) {
+  const uint32_t bits = (q & 0x80u) << 24 | (q & 0x7Fu) << 20;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f * kFp8Rebias;
+}
+
 // y[r, c] = v, rounded once to y's dtype.
 inline void store(const Problem& pr, int64_t r, int64_t c, float v) {
   if (pr.y_f32)
@@ -127,7 +144,14 @@ inline void unpack(const uint8_t* quad, int h, __m512i* w) {
     for (int p = 0; p < 2; ++p) {
       const __m512i v =
           _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(quad + 64 * p + 32 * h)));
-      if constexpr (KIND == 7) {
+      if constexpr (KIND == 9) {  // float16 fp8 / 256, widened, then bf16 in the same lanes
+        const __m512i half = _mm512_or_si512(
+            _mm512_and_si512(_mm512_slli_epi16(v, 8), _mm512_set1_epi16(int16_t(0x8000))),
+            _mm512_and_si512(_mm512_slli_epi16(v, 7), _mm512_set1_epi16(0x3F80)));
+        const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
+        const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
+        w[p] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+      } else if constexpr (KIND == 7) {
         w[p] = _mm512_or_si512(v, bf);
       } else {
         w[p] = _mm512_ternarylogic_epi32(v, _mm512_set1_epi16(0x007F), bf, 0xEA);
@@ -186,7 +210,10 @@ void tile_dot(const Problem& pr, int64_t row0, int64_t block) {
         }
       }
     }
-    const __m512 s[2] = {_mm512_loadu_ps(sb + g * kCols), _mm512_loadu_ps(sb + g * kCols + 16)};
+    // kind 9's operands are fp8 / 256
+    const __m512 up = _mm512_set1_ps(KIND == 9 ? 256.f : 1.f);
+    const __m512 s[2] = {_mm512_mul_ps(up, _mm512_loadu_ps(sb + g * kCols)),
+                         _mm512_mul_ps(up, _mm512_loadu_ps(sb + g * kCols + 16))};
     const __m512 o[2] = {_mm512_loadu_ps(ob + g * kCols), _mm512_loadu_ps(ob + g * kCols + 16)};
     for (int i = 0; i < MR; ++i) {
       const __m512 xs = _mm512_set1_ps(pr.xsum[(row0 + i) * pr.groups + g]);
@@ -234,7 +261,17 @@ inline void unpack16(const uint8_t* quad, int h, int p, __m512* w) {
   };
   const int64_t at = (KIND == 4 ? 0 : 64 * p) + 32 * h;
   const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(quad + at)));
-  if constexpr (KIND == 4) {
+  if constexpr (KIND == 9) {  // the even code in bits 0-7 of a lane, the odd one in 16-23
+    const __m512i sign = _mm512_set1_epi32(int(0x80000000u)), mag = _mm512_set1_epi32(0x07F00000);
+    const __m512 up = _mm512_set1_ps(kFp8Rebias);
+    auto value = [&](__m512i s_bits, __m512i m_bits) {
+      const __m512i bits =
+          _mm512_or_si512(_mm512_and_si512(s_bits, sign), _mm512_and_si512(m_bits, mag));
+      return _mm512_mul_ps(up, _mm512_castsi512_ps(bits));
+    };
+    w[0] = value(_mm512_slli_epi32(v, 24), _mm512_slli_epi32(v, 20));
+    w[1] = value(_mm512_slli_epi32(v, 8), _mm512_slli_epi32(v, 4));
+  } else if constexpr (KIND == 4) {
     const __m512i nibble = p == 0 ? _mm512_and_si512(v, _mm512_set1_epi16(0x000F))
                                   : _mm512_srli_epi16(v, 4);
     split(_mm512_or_si512(nibble, bf), w);
@@ -320,7 +357,17 @@ inline void unpack8(const uint8_t* quad, int h, int c, int p, __m256* w) {
   };
   const int64_t at = (KIND == 4 ? 0 : 64 * p) + 32 * h + 16 * c;
   const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(quad + at)));
-  if constexpr (KIND == 4) {
+  if constexpr (KIND == 9) {  // the even code in bits 0-7 of a lane, the odd one in 16-23
+    const __m256i sign = _mm256_set1_epi32(int(0x80000000u)), mag = _mm256_set1_epi32(0x07F00000);
+    const __m256 up = _mm256_set1_ps(kFp8Rebias);
+    auto value = [&](__m256i s_bits, __m256i m_bits) {
+      const __m256i bits =
+          _mm256_or_si256(_mm256_and_si256(s_bits, sign), _mm256_and_si256(m_bits, mag));
+      return _mm256_mul_ps(up, _mm256_castsi256_ps(bits));
+    };
+    w[0] = value(_mm256_slli_epi32(v, 24), _mm256_slli_epi32(v, 20));
+    w[1] = value(_mm256_slli_epi32(v, 8), _mm256_slli_epi32(v, 4));
+  } else if constexpr (KIND == 4) {
     const __m256i nibble = p == 0 ? _mm256_and_si256(v, _mm256_set1_epi16(0x000F))
                                   : _mm256_srli_epi16(v, 4);
     split(_mm256_or_si256(nibble, bf), w);
@@ -402,9 +449,15 @@ inline uint32_t stored(const uint8_t* quad, int64_t c, int64_t kk) {  // q of co
   return quad[64 * p + 32 * h + lane];
 }
 
+template <int KIND>
+inline float weight(uint32_t q, float bias) {  // q + C, or kind 9's fp8 value
+  if constexpr (KIND == 9) return fp8_value(q);
+  return static_cast<float>(q) + bias;
+}
+
 template <int KIND, int MR>
 void tile_wide(const Problem& pr, int64_t row0, int64_t block) {
-  constexpr float kBias = KIND == 8 ? 256.f : 128.f;  // C
+  constexpr float kBias = KIND == 8 ? 256.f : KIND == 9 ? 0.f : 128.f;  // C
   const int64_t kq = (pr.k + 3) / 4, bytes = quad_bytes(KIND), col0 = block * kCols;
   const uint8_t* wb = pr.q + block * kq * bytes;
   for (int i = 0; i < MR; ++i) {
@@ -418,7 +471,7 @@ void tile_wide(const Problem& pr, int64_t row0, int64_t block) {
         for (int64_t kk = 0; kk < 4 && 4 * t + kk < pr.k; ++kk) {
           const float x = row[4 * t + kk];
           for (int64_t c = 0; c < kCols; ++c)
-            acc[c] += (static_cast<float>(stored<KIND>(wb + t * bytes, c, kk)) + kBias) * x;
+            acc[c] += weight<KIND>(stored<KIND>(wb + t * bytes, c, kk), kBias) * x;
         }
       const float* s = pr.scales + (block * pr.groups + g) * kCols;
       const float* o = pr.offsets + (block * pr.groups + g) * kCols;
@@ -468,6 +521,7 @@ template <bool DOT, int ROWS>
 void run_kind(const Problem& pr, int64_t kind, int64_t block) {
   if (kind == 4) run_block<4, DOT, ROWS>(pr, block);
   else if (kind == 7) run_block<7, DOT, ROWS>(pr, block);
+  else if (kind == 9) run_block<9, DOT, ROWS>(pr, block);
   else run_block<8, DOT, ROWS>(pr, block);
 }
 
@@ -476,7 +530,7 @@ void run_kind(const Problem& pr, int64_t kind, int64_t block) {
 const char* path() { return kPath; }
 const char* wide_path() { return kWidePath; }
 
-// out [M, N] = x [M, K] @ W.T + bias for W packed as `kind` (4, 7 or 8); x and out both bf16 or
+// out [M, N] = x [M, K] @ W.T + bias for W packed as `kind` (4, 7, 8 or 9); x and out both bf16 or
 // both float32; shapes and strides checked by the launcher.
 void linear(torch::Tensor out,                    // bf16 or float32 [M, N], dense
             torch::Tensor x,                      // out's dtype [M, K], rows dense

@@ -15,6 +15,8 @@ jobs.bench.int_linears`.
 Byte-stored q (5 to 8 bits) are one byte each; 8-bit q are split in the kernel into their low
 7 bits (0x4300 | lo7 = 128 + lo7) and bit 7 ((w & 0x80) | 0x4300 = 128 or 256, bit 7 being the
 bf16 exponent's lowest), two vdpbf16ps into one accumulator, C = 256. 5- to 7-bit q need one.
+FP8 e4m3 weights (W = s * fp8(q) per block of inputs) are their byte codes in the same layout,
+widened exactly in registers (the .cpp's kind 9), C = 0.
 
 Without AVX512-BF16 the library builds an AVX2 + FMA path (the same sums widened to float32) or,
 without AVX2, a plain loop over the same layout (`native` is then False; `path` says which).
@@ -40,8 +42,8 @@ SOURCE = Path(__file__).with_name("cpu_int_linear.cpp")  # shipped in the wheel 
 
 COLUMNS = 32  # a packed block's columns, kCols in the .cpp
 QUAD = 4  # k per packed quad
-BYTES_PER_QUAD = {4: 64, 7: 128, 8: 128}
-BIAS = {4: 128, 7: 128, 8: 256}  # C: what the kernel adds to every q, by kind
+BYTES_PER_QUAD = {4: 64, 7: 128, 8: 128, 9: 128}
+BIAS = {4: 128, 7: 128, 8: 256, 9: 0}  # C: what the kernel adds to every q, by kind
 
 
 class IntPacked(NamedTuple):
@@ -50,14 +52,20 @@ class IntPacked(NamedTuple):
     q: torch.Tensor  # uint8 [ceil(N / 32), ceil(K / 4), 64 (kind 4) or 128]
     scales: torch.Tensor  # float32 [ceil(N / 32), G, 32]
     offsets: torch.Tensor  # float32 [ceil(N / 32), G, 32]: offset - BIAS[kind] * scale
-    kind: int  # 4: 4-bit q; 7: q < 128 in bytes (5 to 7 bits); 8: 8-bit q
+    kind: int  # 4: 4-bit q; 7: q < 128 in bytes (5 to 7 bits); 8: 8-bit q; 9: FP8 e4m3 codes
     group_quads: int  # quads per group: group_size / 4, or ceil(K / 4) for one group
     in_features: int  # K
     out_features: int  # N
 
 
 def kind_of(w: IntWeight) -> int:
+    if w.float8:
+        return 9
     return 4 if w.storage_bits == 4 else (7 if w.bits <= 7 else 8)
+
+
+def stored_codes(w: IntWeight) -> torch.Tensor:  # int32 [N, K]: q, or FP8's byte codes
+    return w.packed.to(torch.int32) if w.float8 else w.values()
 
 
 def quad_layout(
@@ -96,7 +104,7 @@ def pack_int_weight(w: IntWeight) -> IntPacked:
     scales = w.scales.detach().cpu().float()
     offsets = w.offsets.detach().cpu().float() - BIAS[kind] * scales
     return IntPacked(
-        quad_layout(w.values().cpu(), kind).contiguous(),
+        quad_layout(stored_codes(w).cpu(), kind).contiguous(),
         per_block(scales),
         per_block(offsets),
         kind,
@@ -125,6 +133,8 @@ def dequantize_rows(
         at = torch.stack([lane, lane + 1, lane + 64, lane + 65], dim=1)
         q = packed.q[block[:, None, None], quads[None, :, None], at[:, None, :]].to(torch.int32)
     q = q.reshape(len(ids), -1)[:, :k]
+    if kind == 9:  # byte codes -> their FP8 values
+        q = q.to(torch.uint8).view(torch.float8_e4m3fn).float()
     groups = torch.arange(k, device=ids.device) // (QUAD * packed.group_quads)
     scales = packed.scales[block, :, col][:, groups]
     offsets = packed.offsets[block, :, col][:, groups] + BIAS[kind] * scales

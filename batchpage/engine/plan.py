@@ -53,7 +53,6 @@ def plan_engine(cfg: EngineConfig, source: ModelSource) -> EnginePlan:
         )
     world = cfg.tensor_parallel_size
     check_tensor_parallel(cfg, source, dtype)
-    check_batch_invariant(cfg, source)
     # Each rank holds every block for its share of the K/V heads; ranks on one host (a CPU)
     # share its memory, ranks on their own devices each have a device's.
     rank_cfg = shard_config(model_cfg, world)
@@ -88,18 +87,6 @@ def plan_engine(cfg: EngineConfig, source: ModelSource) -> EnginePlan:
 # What a worker process holds besides its share of the weights (the interpreter, torch, the
 # loaders): a worker's resident memory with the tests' tiny model, rounded up.
 WORKER_BASE_BYTES = 512 << 20
-
-
-def check_batch_invariant(cfg: EngineConfig, source: ModelSource) -> None:
-    """FP8 weights kept as float8 are widened and multiplied by torch on every call (no kernel
-    of fixed order takes them yet): refused under batch_invariant before any weight loads."""
-    quant = source.config.quant
-    if cfg.batch_invariant and quant is not None and not quant.integer and cfg.quantized_weights:
-        raise ValueError(
-            f"batch_invariant=True does not cover {quant.name} weights kept quantized (torch "
-            "multiplies them, in an order that depends on the batch): set "
-            "quantized_weights=false to dequantize them once at load"
-        )
 
 
 def check_tensor_parallel(cfg: EngineConfig, source: ModelSource, dtype: torch.dtype) -> None:

@@ -197,12 +197,7 @@ class CausalLM(nn.Module):
                 scheme = self.tied_quant.scheme
                 self.tied_head = method.make_int(weight, None, scheme, reads_rows=True)
                 self.tied_quant = None
-            # FP8 weights have no int kernel: their QuantLinear dequantizes in torch.
-            quantized = [
-                (n, m)
-                for n, m in self.named_modules()
-                if isinstance(m, QuantLinear) and m.scheme.integer
-            ]
+            quantized = [(n, m) for n, m in self.named_modules() if isinstance(m, QuantLinear)]
             for name, module in quantized:
                 parent, _, leaf = name.rpartition(".")
                 made = method.make_int(module.int_weight(), module.bias, module.scheme)

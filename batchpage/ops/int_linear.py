@@ -1,8 +1,8 @@
 """Integer-weight linears on the C++ int kernels: the CPU implementation of a quantized
 checkpoint's linears (QuantLinear, batchpage/quant/linear.py) for bfloat16 and float32
 activations (a float32 engine keeps its quantized weights packed too).
-A scheme with bf16 activations runs on kernels/cpu_int_linear.py (W4A16, W8A16); one with int8
-activations (W8A8, or any scheme under the engine option int8_activations) on
+A scheme with bf16 activations runs on kernels/cpu_int_linear.py (W4A16, W8A16, FP8 weights);
+one with int8 activations (W8A8, or any scheme under the engine option int8_activations) on
 kernels/cpu_a8_linear.py where the CPU has AVX512-VNNI, or on the A16 kernel fed the rows' int8
 values (exact in bf16) and scaled after, or on oneDNN (ops/onednn_int8_linear.py): the engine
 measures which is fastest for each shape (ops/measured_linear.py).
@@ -164,13 +164,14 @@ def _int8_activations(weight: IntWeight, scheme: QuantScheme) -> bool:
     return scheme.int8_activations
 
 
-def _any_integer(weight: IntWeight, scheme: QuantScheme) -> bool:
-    return scheme.integer
+def _a16_weights(weight: IntWeight, scheme: QuantScheme) -> bool:
+    """The A16 kernel's: every integer scheme, and FP8 e4m3 weights (widened in registers)."""
+    return scheme.integer or weight.float8
 
 
 def cpu_int_candidates(dtype: torch.dtype, device: torch.device) -> list[IntCandidate]:
     """The implementations of a quantized checkpoint's linears that run here, for measured
-    choice (ops/measured_linear.py): the A16 int kernel for every integer scheme (bfloat16
+    choice (ops/measured_linear.py): the A16 int kernel for every integer scheme and FP8 (bfloat16
     activations on a CPU with AVX512-BF16 or AVX2 + FMA; float32 activations on one with AVX2 +
     FMA; built here), and for bf16 schemes with int8 activations the VNNI kernel (where it
     builds natively) and oneDNN's int8 matmul (one group per row; AMX-INT8 where the CPU has
@@ -191,7 +192,7 @@ def cpu_int_candidates(dtype: torch.dtype, device: torch.device) -> list[IntCand
     if (kernel.wide_path if dtype == torch.float32 else kernel.path) == "plain":
         return []
     a16 = functools.partial(CpuIntLinearOp, kernel=kernel, dtype=dtype)
-    found = [IntCandidate("int_a16", a16, _any_integer, _library(kernel), batch_invariant=True)]
+    found = [IntCandidate("int_a16", a16, _a16_weights, _library(kernel), batch_invariant=True)]
     if dtype == torch.float32:  # the int8-activation kernels take bf16 rows
         return found
     if "avx512_vnni" in flags:  # else its build is a plain loop, never the faster

@@ -17,6 +17,7 @@ from batchpage.ops.layer_ops import LayerOps
 from batchpage.ops.linear import MEASURABLE_TORCH_LINEARS, TORCH_LINEARS, LinearMethod
 from batchpage.ops.measured_linear import ChoiceCache, MeasuredLinears, setup_key
 from batchpage.ops.onednn_linear import ONEDNN_LINEARS, onednn_packs
+from batchpage.ops.triton_int_linear import triton_int_candidates
 from batchpage.ops.triton_linear import TRITON_LINEARS
 
 LINEAR_BACKENDS = ("auto", "avx512_bf16", "cpu_f32", "onednn", "torch", "triton")
@@ -54,12 +55,14 @@ def select_linears(
     """The engine's `linear_backend`: "avx512_bf16" is the bf16 kernel (with SiLU(gate) * up
     fused into the gate/up linear) or raises; "cpu_f32" the float32 kernel or raises;
     "onednn" is oneDNN's prepacked layout or raises; "triton" the batch-invariant Triton
-    matmul (a GPU's, or a CPU's under Triton's interpreter: tests);
+    matmul (a GPU's, or a CPU's under Triton's interpreter: tests), its quantized linears on the
+    Triton int kernel;
     "torch" keeps the dense weights and dequantizes quantized ones; "auto" measures, for each
     linear shape at bind, every one of them that can run here at the row counts `rows`, and
     binds the fastest (ops/measured_linear.py; the MeasuredLinears is returned for its report).
     Every choice but "torch" runs a quantized checkpoint's linears on the int implementations
-    that run here (ops/int_linear.py), each layer on the one measured fastest for its shape;
+    that run here (ops/int_linear.py; on a GPU the Triton int kernel, ops/triton_int_linear.py),
+    each layer on the one measured fastest for its shape;
     on a CPU where none does (float32), their weights are dequantized once, at bind
     (ops/dequantized_linear.py). `dense_ints` (under "auto" only): a quantized layer's own
     dense form is a candidate too (the caller has checked that the memory allows it).
@@ -73,7 +76,10 @@ def select_linears(
         raise ValueError(f"linear_backend must be one of {allowed}; got {choice!r}")
     if choice == "torch" and not batch_invariant:
         return TORCH_LINEARS, None
-    ints = cpu_int_candidates(dtype, device)
+    if choice == "triton" or device.type == "cuda":
+        ints = triton_int_candidates(dtype)
+    else:
+        ints = cpu_int_candidates(dtype, device)
     if choice != "auto":
         dense = [_forced_linears(choice, dtype, device)]
     else:
@@ -85,7 +91,8 @@ def select_linears(
         )
     if dense == [MEASURABLE_TORCH_LINEARS]:
         dense = [TORCH_LINEARS]  # the only one: the dense Linear as loaded, not remade
-    dense_ints = dense_ints and choice == "auto" and bool(ints)
+    # (a layer's dense form is made on the dense candidates: not on torch's forced one)
+    dense_ints = dense_ints and choice == "auto" and bool(ints) and dense[0].make is not None
     key = {**setup_key([*dense, *ints], dtype, rows), "dense_ints": str(dense_ints)}
     measured = MeasuredLinears(dense, dtype, rows, ChoiceCache(key), ints, dense_ints)
     method = measured.method()

@@ -12,10 +12,11 @@ The kernels' correctness on CUDA is the test suite's (tests/kernels, tests/atten
 (c) end-to-end engine throughput (batchpage.LLM) on a randomly initialised 1B-class Llama
     (Llama-3.2-1B shapes), paged KV (kv_allocator="paged") with and without CUDA graphs of
     decode steps (enforce_eager), and contiguous per-sequence reservations
-    (kv_allocator="static"), and paged with batch_invariant (the Triton matmul, norms and
-    extend attention), all with the Triton attention backend; each with its step time, the
-    parts of a step, the step against the roofline of reading its weights and K/V, and whether
-    its greedy tokens are the first configuration's.
+    (kv_allocator="static"), paged with batch_invariant (the Triton matmul, norms and extend
+    attention), and the same shape as GPTQ int4 and FP8 checkpoints kept quantized (the Triton
+    int kernel), all with the Triton attention backend; each with its step time, the parts of
+    a step, the step against the roofline of reading its weights and K/V, and (on the same
+    weights) whether its greedy tokens are the first configuration's.
     `--engine-max-seqs 512` measures the engine at 512 running.
 
 Results print as Markdown tables (ready for BENCHMARKS.md); --out also writes them as JSON.
@@ -190,10 +191,13 @@ LLAMA_TINY = dict(
 )  # fmt: skip
 
 
-def write_random_llama(folder: Path, shape: dict[str, Any], dtype: torch.dtype) -> Path:
-    """A HF Llama folder of random weights (jobs/bench/random_models.py) with a word-level
-    tokenizer over the vocabulary: throughput does not depend on the values, prompts are token
-    ids, and nothing needs a dataset on the device machine."""
+def write_random_llama(
+    folder: Path, shape: dict[str, Any], dtype: torch.dtype, quant: dict[str, Any] | None = None
+) -> Path:
+    """A HF Llama folder of random weights (jobs/bench/random_models.py; with `quant`, its
+    linears GPTQ's or FP8's) with a word-level tokenizer over the vocabulary: throughput does
+    not depend on the values, prompts are token ids, and nothing needs a dataset on the device
+    machine."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -201,7 +205,17 @@ def write_random_llama(folder: Path, shape: dict[str, Any], dtype: torch.dtype) 
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
                                    eos_token="t2")  # fmt: skip
-    return write_llama(folder, shape, dtype, fast)
+    return write_llama(folder, shape, dtype, fast, quant)
+
+
+def quantized_configs(group: int) -> dict[str, dict[str, Any]]:
+    """GPTQ int4 and FP8 block checkpoints of the same shape, groups / blocks of `group`."""
+    return {
+        "GPTQ int4": {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True,
+                      "desc_act": False},
+        "FP8 block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                      "weight_block_size": [group, group]},
+    }  # fmt: skip
 
 
 def bytes_per_token(shape: dict[str, Any], dtype: torch.dtype) -> int:
@@ -247,15 +261,19 @@ def bench_engine(
     rows: list[Row] = []
     first_tokens: list[list[int]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = write_random_llama(Path(tmp) / "llama", shape, dtype)
-        weight_bytes = (folder / "model.safetensors").stat().st_size
-        for name, kwargs in (
-            ("paged, CUDA graphs", dict(kv_allocator="paged")),
-            ("paged, eager", dict(kv_allocator="paged", enforce_eager=True)),
-            ("contiguous, CUDA graphs", dict(kv_allocator="static")),
-            ("paged, CUDA graphs, batch_invariant", dict(kv_allocator="paged",
-                                                         batch_invariant=True)),
-        ):  # fmt: skip
+        dense = write_random_llama(Path(tmp) / "llama", shape, dtype)
+        configs: list[tuple[str, dict[str, Any], Path]] = [
+            ("paged, CUDA graphs", dict(kv_allocator="paged"), dense),
+            ("paged, eager", dict(kv_allocator="paged", enforce_eager=True), dense),
+            ("contiguous, CUDA graphs", dict(kv_allocator="static"), dense),
+            ("paged, CUDA graphs, batch_invariant",
+             dict(kv_allocator="paged", batch_invariant=True), dense),
+        ]  # fmt: skip
+        for fmt, quant in quantized_configs(32 if smoke else 128).items():
+            folder = write_random_llama(Path(tmp) / fmt.replace(" ", "_"), shape, dtype, quant)
+            configs.append((f"paged, CUDA graphs, {fmt}", dict(quantized_weights=True), folder))
+        for name, kwargs, folder in configs:
+            weight_bytes = (folder / "model.safetensors").stat().st_size
             try:
                 llm = LLM(
                     model=str(folder), dtype=str(dtype).removeprefix("torch."),
@@ -300,8 +318,10 @@ def bench_engine(
                     **{f"{p}_ms": v for p, v in part_ms.items()},
                     roofline_ms=roofline_ms,
                     step_over_roofline=step_ms / roofline_ms,
-                    same_greedy_as_first=sum(
-                        a == b for a, b in zip(tokens, first_tokens, strict=True)
+                    same_greedy_as_first=(
+                        sum(a == b for a, b in zip(tokens, first_tokens, strict=True))
+                        if folder == dense
+                        else None
                     ),
                 )
             )

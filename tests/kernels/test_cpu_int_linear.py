@@ -1,9 +1,10 @@
 """The integer weight-only linear kernel (kernels/cpu_int_linear.cpp) against a float64 torch
 reference (IntWeight.dequantize_stored and x in float64): the packed layout element by element,
-4-, 6- and 8-bit weights, groups of 32, 128 and one, every k, column and row tail, a bias, NaN
-after each row's end, results that do not depend on M, and corrupted layouts that must fail the
-tolerance. Every build runs on every CPU that can: AVX512-BF16, AVX2 + FMA (built with
--mno-avx512bf16) and the plain loop (-mno-avx2), all over the same layout."""
+4-, 6- and 8-bit weights and FP8 e4m3 codes (every one of them), groups of 32, 128 and one,
+every k, column and row tail, a bias, NaN after each row's end, results that do not depend on
+M, and corrupted layouts that must fail the tolerance. Every build runs on every CPU that can:
+AVX512-BF16, AVX2 + FMA (built with -mno-avx512bf16) and the plain loop (-mno-avx2), all over
+the same layout."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from batchpage.kernels.cpu_int_linear import (
     SOURCE,
     CpuIntLinear,
     IntPacked,
+    dequantize_rows,
     kind_of,
     pack_int_weight,
     quad_layout,
@@ -77,6 +79,22 @@ def random_weight(
     return IntWeight(packed, scales, offsets, bits, group_size, k)
 
 
+def random_fp8_weight(n: int, k: int, group_size: int, gen: torch.Generator) -> IntWeight:
+    """FP8 e4m3 codes uniform over the 254 that are not NaN (subnormals, zeros of both signs
+    and the largest, 448, among them), per-group scales as a block-scaled checkpoint's."""
+    codes = torch.randint(0, 256, (n, k), generator=gen).to(torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x80  # NaN -> -0
+    groups = -(-k // group_size)
+    scales = (torch.rand(n, groups, generator=gen) + 0.5) * k**-0.5 / 64
+    return IntWeight(codes, scales, torch.zeros(n, groups), 8, group_size, k, None, True)
+
+
+def stored_values(w: IntWeight) -> torch.Tensor:  # float64 [N, K]: q, or FP8's values
+    if w.float8:
+        return w.packed.view(torch.float8_e4m3fn).double()
+    return w.values().double()
+
+
 def rows_with_nan_after(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """bf16 [m, k] whose rows are k + 3 apart with NaN in between: a kernel reading past a row's
     end (an odd k's last pair, a partial quad) makes NaN."""
@@ -97,7 +115,7 @@ def float32_error(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None) -> t
     groups = torch.arange(w.in_features) // w.group_size
     s = w.scales.double()[:, groups]
     o = w.offsets.double()[:, groups]
-    terms = s.abs() * (w.values().double() + c) + (o - c * s).abs()
+    terms = s.abs() * (stored_values(w) + c).abs() + (o - c * s).abs()
     total = x.double().abs() @ terms.T
     if bias is not None:
         total = total + bias.double().abs()
@@ -429,3 +447,63 @@ def test_float32_results_are_the_same_bits_on_every_fast_build():
     assert all(torch.equal(got, fast[0]) for got in fast)
     for got in outs.values():
         assert_float32_matches(got, x, w, None)
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(64, 256, 128), (40, 70, "one"), (33, 35, 16)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_codes_match_reference(kernel, n, k, group, dtype, bias):
+    """FP8 block weights (kind 9): each code widened exactly in registers, on every build, for
+    bf16 and float32 rows that hide NaN past their end."""
+    gen = torch.Generator().manual_seed(n + k)
+    w = random_fp8_weight(n, k, k if group == "one" else group, gen)
+    packed = pack_int_weight(w)
+    assert packed.kind == 9
+    b = torch.randn(n, generator=gen) if bias else None
+    for m in (1, 5, 17):
+        storage = torch.randn(m, k + 3, generator=gen).to(dtype)
+        storage[:, k:] = float("nan")
+        x = storage[:, :k]
+        got = kernel.linear(x, packed, b)
+        assert not got.isnan().any()
+        if dtype == torch.float32:
+            assert_float32_matches(got, x, w, b)
+        else:
+            assert_matches(got, x, w, b)
+
+
+def test_every_fp8_code_reads_back_as_its_value(best):
+    """One column per code, a one-hot row per input: y is each code's value times its scale
+    (the rows a tied head's lookups read back too)."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    k = len(codes)
+    w = IntWeight(codes[None, :].repeat(32, 1), torch.full((32, 1), 0.5), torch.zeros(32, 1),
+                  8, k, k, None, True)  # fmt: skip
+    values = codes.view(torch.float8_e4m3fn).float() * 0.5
+    packed = pack_int_weight(w)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = best.linear(torch.eye(k, dtype=dtype), packed, None)
+        assert torch.equal(got[:, 0].float(), values.to(dtype).float())
+    rows = dequantize_rows(packed, torch.tensor([0, 31]))
+    assert torch.equal(rows, values.expand(2, -1))
+
+
+@pytest.mark.parametrize("how", ["k pairs transposed", "planes swapped", "wrong group"])
+def test_a_corrupted_fp8_layout_fails_the_tolerance(best, how):
+    gen = torch.Generator().manual_seed(len(how))
+    w = random_fp8_weight(64, 256, 128, gen)
+    packed = pack_int_weight(w)
+    x = torch.randn(8, 256, generator=gen).to(torch.bfloat16)
+    assert_matches(best.linear(x, packed, None), x, w, None)
+    wrong = best.linear(x, corrupt(packed, how), None)
+    assert outside(wrong, x, w, None).float().mean() > 0.5, how
+
+
+def test_an_fp8_row_does_not_depend_on_the_batch(kernel):
+    gen = torch.Generator().manual_seed(43)
+    w = random_fp8_weight(96, 130, 128, gen)
+    packed = pack_int_weight(w)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(64, 130, generator=gen).to(dtype)
+        batch = kernel.linear(x, packed, None)
+        assert_rows_independent(lambda rows: kernel.linear(rows, packed, None), x, batch)

@@ -281,22 +281,25 @@ def test_int8_activations_need_quantized_weights():
         LLM(model="smollm2", quantized_weights=False, int8_activations=True)
 
 
+@needs_kernel
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fp8_weights_are_held_in_a_byte_and_run_as_hf_on_them(tmp_path, tokenizer, dtype):
-    """FP8 block weights stay float8 codes (a byte each) in QuantLinear, which widens them in
-    torch on every device (no int kernel takes them), and the engine decodes as HF does on the
-    dequantized weights; int8_activations is refused for them."""
+    """FP8 block weights stay float8 codes (a byte each), in the int kernel's layout (widened
+    in registers, bf16 and float32 rows), and the engine decodes as HF does on the dequantized
+    weights; int8_activations is refused for them."""
     folder, hf = write_quantized(tmp_path, "fp8_block")
     tokenizer.save_pretrained(folder)
-    llm = engine(folder, dtype=dtype)
+    llm = engine(folder, dtype=dtype, quantized_weights=True)
     model = llm.engine.runner.model
-    held = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert len(held) == 8 and all(m.packed.dtype == torch.uint8 for m in held)
+    held = [m for m in model.modules() if isinstance(m, CpuIntLinearOp)]
+    assert len(held) == 8 and all(m.q.dtype == torch.uint8 and m.kind == 9 for m in held)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], params)
     agree = 6 if dtype == "float32" else 2  # bf16 activations: the first tokens, as above
     for out, prompt in zip(outs, PROMPTS, strict=True):
         assert out.outputs[0].token_ids[:agree] == hf_greedy(hf, list(prompt), agree)
+    assert int_layers_as_reported(llm) == ["int_a16"] * 8
     assert llm.stats["weight_formats"] == {"fp8": 8, dtype_format(getattr(torch, dtype)): 1}
     dense = engine(save_dense(tmp_path, hf, tokenizer), dtype=dtype)
     assert llm.stats["weight_bytes"] < dense.engine.weight_bytes
@@ -304,13 +307,39 @@ def test_fp8_weights_are_held_in_a_byte_and_run_as_hf_on_them(tmp_path, tokenize
         engine(folder, dtype=dtype, int8_activations=True)
 
 
-def test_fp8_weights_under_batch_invariant_are_dequantized_or_refused(tmp_path, tokenizer):
-    """FP8 kept as float8 is multiplied by torch (its order may follow the batch): refused in
-    one line before loading; dequantized at load it runs on the invariant float32 kernel."""
+@needs_kernel
+def test_fp8_weights_under_batch_invariant_run_packed_and_alike_in_any_batch(tmp_path, tokenizer):
+    """The int kernel's rows do not depend on the batch, FP8 codes included: a batch-invariant
+    engine keeps them packed, and a row alone is the same bits as among others."""
     folder, _ = write_quantized(tmp_path, "fp8_block")
     tokenizer.save_pretrained(folder)
-    with pytest.raises(ValueError, match="batch_invariant=True does not cover fp8.*false"):
-        engine(folder, dtype="float32", batch_invariant=True)
-    llm = engine(folder, dtype="float32", batch_invariant=True, quantized_weights=False)
-    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2))
-    assert llm.stats["linear_methods"] == {"*": "cpu_f32"}
+    llm = engine(folder, dtype="float32", batch_invariant=True, quantized_weights=True)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    target = {"prompt_token_ids": list(PROMPTS[0])}
+    alone = llm.generate([target], params)[0].outputs[0]
+    others = [{"prompt_token_ids": list(p)} for p in PROMPTS[1:]]
+    among = llm.generate([*others, target], params)[-1].outputs[0]
+    assert (among.token_ids, among.logprobs) == (alone.token_ids, alone.logprobs)
+    assert int_layers_as_reported(llm) == ["int_a16"] * 8
+
+
+@pytest.mark.parametrize(
+    "case", ["gptq4_asym_desc_act_v2", "awq4_g32", "ct_w8a8", "fp8_block", "ct_fp8_channel"]
+)
+def test_the_triton_int_kernel_runs_every_format_as_hf(tmp_path, tokenizer, case):
+    """A GPU's quantized linears (linear_backend=triton: here under Triton's interpreter, in
+    float32): every quantized layer on the Triton int kernel, held as stored, and HF's greedy
+    tokens of the dequantized weights."""
+    from batchpage.ops.triton_int_linear import TritonIntLinear
+
+    folder, hf = write_quantized(tmp_path, case)
+    tokenizer.save_pretrained(folder)
+    llm = engine(folder, dtype="float32", linear_backend="triton", quantized_weights=True)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], params)
+    for out, prompt in zip(outs, PROMPTS, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, list(prompt), 4)
+    model = llm.engine.runner.model
+    assert sum(isinstance(m, TritonIntLinear) for m in model.modules()) == 8
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    assert set(llm.stats["linear_methods"].values()) == {"triton", "triton_int"}

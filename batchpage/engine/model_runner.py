@@ -29,8 +29,8 @@ from batchpage.lora.model import LoRAModel
 from batchpage.lora.registry import AdapterRegistry
 from batchpage.model.causal_lm import BindReport, CausalLM
 from batchpage.ops.collective import Collective
+from batchpage.ops.quant_linear import QuantLinear
 from batchpage.ops.select import select_model_ops
-from batchpage.quant.linear import QuantLinear
 
 log = logging.getLogger(__name__)
 

@@ -38,9 +38,9 @@ from batchpage.model.score_head import make_score_head
 from batchpage.model.shard import TensorShard
 from batchpage.ops.collective import Collective
 from batchpage.ops.linear import Linear, LinearOp, dtype_format
+from batchpage.ops.quant_linear import QuantLinear
 from batchpage.ops.select import ModelOps
 from batchpage.ops.workspace import Workspace
-from batchpage.quant.linear import QuantLinear
 
 ShardKey = Hashable | None  # None: the whole parameter
 

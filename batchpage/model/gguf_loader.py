@@ -32,9 +32,9 @@ from batchpage.model.gguf_file import (
 )
 from batchpage.model.quant_layout import quantize_layout, whole_linears
 from batchpage.model.shard import TensorShard
+from batchpage.ops.quant_linear import QuantLinear
 from batchpage.quant.gguf_types import GGUF_INT_TYPES
 from batchpage.quant.int_weight import IntWeight, as_form
-from batchpage.quant.linear import QuantLinear
 from batchpage.quant.scheme import QuantScheme
 
 _TOP_LEVEL = {

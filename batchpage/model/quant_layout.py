@@ -20,8 +20,8 @@ from batchpage.model.config import UnsupportedModelError
 from batchpage.model.layers import MergedLinear, linear, merged_linear
 from batchpage.model.shard import ROW_PARALLEL
 from batchpage.ops.linear import Linear
+from batchpage.ops.quant_linear import QuantLinear
 from batchpage.quant.formats import decode_stream, quantized_prefixes
-from batchpage.quant.linear import QuantLinear
 from batchpage.quant.scheme import QuantScheme
 
 

@@ -1,5 +1,5 @@
 """Integer-weight linears on the C++ int kernels: the CPU implementation of a quantized
-checkpoint's linears (QuantLinear, batchpage/quant/linear.py) for bfloat16 and float32
+checkpoint's linears (QuantLinear, batchpage/ops/quant_linear.py) for bfloat16 and float32
 activations (a float32 engine keeps its quantized weights packed too).
 A scheme with bf16 activations runs on kernels/cpu_int_linear.py (W4A16, W8A16, FP8 weights);
 one with int8 activations (W8A8, or any scheme under the engine option int8_activations) on

@@ -128,7 +128,7 @@ def shares_reassembled(path, world: int) -> int:
     together; the number checked."""
     from batchpage.model.gguf_loader import load_gguf_model
     from batchpage.model.shard import TensorShard
-    from batchpage.quant.linear import QuantLinear
+    from batchpage.ops.quant_linear import QuantLinear
 
     whole, _ = load_gguf_model(path, torch.float32, "cpu")
     shares = [load_gguf_model(path, torch.float32, "cpu", shard=TensorShard(r, world))[0]

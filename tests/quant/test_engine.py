@@ -14,7 +14,7 @@ from batchpage.ops.dequantized_linear import DequantizedLinear
 from batchpage.ops.int_linear import CpuA8LinearOp, CpuIntLinearOp
 from batchpage.ops.linear import dtype_format
 from batchpage.ops.onednn_int8_linear import OneDnnInt8Linear
-from batchpage.quant.linear import QuantLinear
+from batchpage.ops.quant_linear import QuantLinear
 from tests.model_factory import hf_greedy
 from tests.quant import packers
 from tests.quant.test_formats import LINEARS, PROMPTS, write_quantized
@@ -260,7 +260,7 @@ def test_the_dense_form_is_offered_only_where_the_dense_copy_fits(monkeypatch) -
     no quantized linear never offers it."""
     from batchpage.engine import model_runner
     from batchpage.model.loader import load_model
-    from batchpage.quant.linear import QuantLinear
+    from batchpage.ops.quant_linear import QuantLinear
 
     model = load_model("smollm2", dtype="bfloat16").model
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)] + [model.tied_quant]

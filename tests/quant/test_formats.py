@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from batchpage.model.config import UnsupportedModelError
 from batchpage.model.loader import load_model, resolve_model_source
-from batchpage.quant.linear import QuantLinear
+from batchpage.ops.quant_linear import QuantLinear
 from tests.model_factory import (
     build_hf_model,
     hf_greedy,

@@ -100,12 +100,7 @@ class QuantLinear(LinearOp):
         return F.linear(x, dense, self.bias)
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        weight = self.int_weight()
-        rows = IntWeight(
-            weight.packed[ids], weight.scales[ids], weight.offsets[ids], weight.bits,
-            weight.group_size, weight.in_features, weight.perm, weight.float8,
-        )  # fmt: skip
-        return rows.dequantize(torch.float32)
+        return self.int_weight().dequantize_rows(ids)
 
     @property
     def weight_format(self) -> str:

@@ -69,12 +69,7 @@ class TritonIntLinear(LinearOp):
         return int_matmul(x, *args, fp8=self.fp8, bias=self.bias, out=out)
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        w = self._weight()
-        rows = IntWeight(
-            w.packed[ids], w.scales[ids], w.offsets[ids], w.bits, w.group_size,
-            w.in_features, w.perm, w.float8,
-        )  # fmt: skip
-        return rows.dequantize(torch.float32)
+        return self._weight().dequantize_rows(ids)
 
     @property
     def weight_format(self) -> str:

@@ -98,6 +98,14 @@ class IntWeight:
         dense[:, self.perm] = stored
         return dense
 
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:  # int64 [R] -> float32 [R, K]
+        """Rows `ids` of the dense weight (a tied head's lookups), only their bytes read."""
+        rows = IntWeight(
+            self.packed[ids], self.scales[ids], self.offsets[ids], self.bits, self.group_size,
+            self.in_features, self.perm, self.float8,
+        )  # fmt: skip
+        return rows.dequantize(torch.float32)
+
 
 def as_form(w: IntWeight, bits: int, group_size: int) -> IntWeight:
     """`w` in a wider form: values stored for `bits` (>= w.bits), groups of `group_size` (which

@@ -70,7 +70,7 @@ def folder(folders) -> Path:
 # The interpreter copies every tensor a kernel takes, the KV pool included, at each launch:
 # a pool of 128 blocks.
 TRITON = {"attention_backend": "triton", "linear_backend": "triton", "kv_cache_memory": 2**21}
-TRITON_SETTINGS = settings(SETTINGS, max_examples=3)
+TRITON_SETTINGS = settings(SETTINGS, max_examples=2)
 
 
 def engine(folder: Path, dtype: str, **kw) -> LLM:

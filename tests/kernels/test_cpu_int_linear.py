@@ -451,15 +451,14 @@ def test_float32_results_are_the_same_bits_on_every_fast_build():
 
 @pytest.mark.parametrize(("n", "k", "group"), [(64, 256, 128), (40, 70, "one"), (33, 35, 16)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("bias", [False, True])
-def test_fp8_codes_match_reference(kernel, n, k, group, dtype, bias):
+def test_fp8_codes_match_reference(kernel, n, k, group, dtype):
     """FP8 block weights (kind 9): each code widened exactly in registers, on every build, for
-    bf16 and float32 rows that hide NaN past their end."""
+    bf16 and float32 rows that hide NaN past their end (a bias on the even widths)."""
     gen = torch.Generator().manual_seed(n + k)
     w = random_fp8_weight(n, k, k if group == "one" else group, gen)
     packed = pack_int_weight(w)
     assert packed.kind == 9
-    b = torch.randn(n, generator=gen) if bias else None
+    b = torch.randn(n, generator=gen) if n % 2 == 0 else None
     for m in (1, 5, 17):
         storage = torch.randn(m, k + 3, generator=gen).to(dtype)
         storage[:, k:] = float("nan")

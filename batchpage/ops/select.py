@@ -68,9 +68,7 @@ def select_linears(
     dense form is a candidate too (the caller has checked that the memory allows it).
     `batch_invariant`: only implementations whose rows do not depend on the batch (each
     output one fixed-order sum) are candidates, on a GPU the Triton matmul; none for this
-    dtype here raises, saying why. Quantized layers that no int implementation takes are
-    dequantized once, at bind, on a CPU and in a batch-invariant engine (QuantLinear's own
-    path unpacks on every call and multiplies with torch)."""
+    dtype here raises, saying why."""
     if choice not in LINEAR_BACKENDS:
         allowed = ", ".join(LINEAR_BACKENDS)
         raise ValueError(f"linear_backend must be one of {allowed}; got {choice!r}")
@@ -96,7 +94,7 @@ def select_linears(
     key = {**setup_key([*dense, *ints], dtype, rows), "dense_ints": str(dense_ints)}
     measured = MeasuredLinears(dense, dtype, rows, ChoiceCache(key), ints, dense_ints)
     method = measured.method()
-    if not ints and (device.type == "cpu" or batch_invariant):  # then as the dense layers
+    if not ints and device.type == "cpu":  # dequantized once, then as the dense layers
         method = replace(method, make_int=dequantized_linears(dtype, method.make))
     return method, measured
 

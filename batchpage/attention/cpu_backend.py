@@ -104,14 +104,14 @@ class CpuPagedAttention:
         self.batch_invariant = batch_invariant
 
     def plan(self, meta: AttentionMetadata) -> CpuStepAttention:
-        lens = meta.query_lens_cpu
-        decode = [] if self.batch_invariant else [b for b, n in enumerate(lens) if n == 1]
-        if len(decode) == meta.num_seqs:
+        if meta.is_decode_only and not self.batch_invariant:
             none = torch.empty(0, dtype=torch.long)
             return CpuStepAttention(
                 self.kernel, self.prefill, meta, True, none, meta.block_tables, meta.seq_lens,
                 none.int(),
             )  # fmt: skip
+        lens = meta.query_lens_cpu
+        decode = [] if self.batch_invariant else [b for b, n in enumerate(lens) if n == 1]
         # A decode row is its sequence's only new row: it sees the sequence's whole context.
         starts = meta.query_start_loc.tolist()
         seqs = torch.tensor(decode, dtype=torch.long)

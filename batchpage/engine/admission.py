@@ -33,10 +33,36 @@ newest, as before.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from batchpage.engine.sequence import Sequence
+
+_UNBOUNDED = np.iinfo(np.int64).max // 2
+
+
+class OutputLimits(NamedTuple):
+    """What the growth estimate reads of each sequence, as arrays (the input batch keeps them
+    as columns of its running rows)."""
+
+    num_prompt: np.ndarray  # int64
+    max_tokens: np.ndarray  # int64; a huge number where there is none
+    min_tokens: np.ndarray  # int64
+    ignore_eos: np.ndarray  # bool
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> OutputLimits:
+        params = [s.request.params for s in seqs]
+        return cls(
+            np.array([s.num_prompt_tokens for s in seqs], dtype=np.int64),
+            np.array([p.max_tokens or _UNBOUNDED for p in params], dtype=np.int64),
+            np.array([p.min_tokens for p in params], dtype=np.int64),
+            np.array([p.ignore_eos for p in params], dtype=bool),
+        )
+
+    def take(self, rows: np.ndarray) -> OutputLimits:
+        return OutputLimits(*(column[rows] for column in self))
 
 
 @dataclass
@@ -59,18 +85,15 @@ class GrowthEstimate:
     def stepped(self, preempted: bool) -> None:
         self.ratio = 1.0 if preempted else max(self.floor, self.ratio - self.decay)
 
-    def expected_tokens(self, seqs: list[Sequence], max_model_len: int) -> np.ndarray:
-        """Tokens each of seqs is expected to still append (each needs a slot), its samples
-        not counted: int64 [len(seqs)], computed for all of them at once."""
-        params = [s.request.params for s in seqs]
-        num_tokens = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
-        output = num_tokens - np.array([s.num_prompt_tokens for s in seqs], dtype=np.int64)
-        unbounded = np.iinfo(np.int64).max // 2
-        budget = np.array([p.max_tokens or unbounded for p in params], dtype=np.int64)
-        remaining = np.minimum(max_model_len - num_tokens, budget - output).clip(min=0)
-        min_left = (np.array([p.min_tokens for p in params], dtype=np.int64) - output).clip(min=0)
-        ignore_eos = np.array([p.ignore_eos for p in params], dtype=bool)
-        certain = np.where(ignore_eos, remaining, np.minimum(remaining, min_left))
+    def expected_tokens(
+        self, num_tokens: np.ndarray, limits: OutputLimits, max_model_len: int
+    ) -> np.ndarray:
+        """Tokens each sequence (its length now, its limits) is expected to still append (each
+        needs a slot), its samples not counted: int64, computed for all of them at once."""
+        output = num_tokens - limits.num_prompt
+        remaining = np.minimum(max_model_len - num_tokens, limits.max_tokens - output).clip(min=0)
+        min_left = (limits.min_tokens - output).clip(min=0)
+        certain = np.where(limits.ignore_eos, remaining, np.minimum(remaining, min_left))
         share = max(self.ratio, self.certain_floor)
         expected = np.ceil(share * certain) + np.round(self.ratio * (remaining - certain))
         return expected.astype(np.int64)

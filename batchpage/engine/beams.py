@@ -14,8 +14,6 @@ sequences.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from batchpage.engine.beam_search import BeamGroup, beam_max_len
@@ -23,11 +21,6 @@ from batchpage.engine.scheduler import Scheduler
 from batchpage.engine.sequence import Request, SeqStatus, Sequence
 from batchpage.engine.sequence_factory import SequenceFactory
 from batchpage.metrics import RunStats
-
-
-class BeamStep(NamedTuple):
-    finished: list[Sequence]  # the n best hypotheses of each group that ended
-    left: list[Sequence]  # beams that left the running set (replaced, or their group ended)
 
 
 class Beams:
@@ -52,12 +45,15 @@ class Beams:
         )
         return self.factory.make(req, 0)
 
-    def advance(self, beams: list[Sequence], logits: torch.Tensor, stats: RunStats) -> BeamStep:
+    def advance(
+        self, beams: list[Sequence], logits: torch.Tensor, stats: RunStats
+    ) -> list[Sequence]:
         """One search step for the groups of `beams` (every live beam of each, contiguous and in
-        the group's order, as the scheduler runs them), logits [len(beams), V] their rows."""
+        the group's order, as the scheduler runs them), logits [len(beams), V] their rows.
+        Returns the n best hypotheses of each group that ended; the old beams have left the
+        running set (replaced by the next ones, or retired)."""
         logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
         finished: list[Sequence] = []
-        left: list[Sequence] = []
         start = 0
         while start < len(beams):
             req = beams[start].request
@@ -73,7 +69,6 @@ class Beams:
                 rows = rows.expand(search.width, -1)
             assert rows.shape[0] == search.width, "a beam group ran in part"
             choices = search.step(rows)
-            left += old
             if search.done:
                 self.scheduler.retire(old)
                 del self.groups[req]
@@ -88,7 +83,7 @@ class Beams:
                 child.token_ids = parent.token_ids + [choice.token]
                 children.append(child)
             self.scheduler.replace(old, children)
-        return BeamStep(finished, left)
+        return finished
 
     def _results(self, req: Request, search: BeamGroup, stats: RunStats) -> list[Sequence]:
         results = []

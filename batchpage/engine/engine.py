@@ -23,7 +23,7 @@ from batchpage.engine.beams import Beams
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.constraint import GrammarMasks, advance
 from batchpage.engine.grammar_cache import GrammarCache
-from batchpage.engine.kv_manager import KVCacheManager, blocks_for
+from batchpage.engine.kv_manager import KVCacheManager
 from batchpage.engine.model_runner import Peers, build_model_runner
 from batchpage.engine.plan import EnginePlan
 from batchpage.engine.pooling import PoolingType, add_chunk, pooled_vector, uses_score_head
@@ -103,14 +103,8 @@ class Engine:
         self.factory = SequenceFactory(
             tokenizer, self.eos_ids, plan.max_model_len, cfg.seed, self.reasoning
         )
-        # Rows for every running sequence, and slack so that rows are seldom reclaimed.
-        self.step_builder = StepBuilder(
-            capacity=cfg.max_num_seqs + max(8, cfg.max_num_seqs // 4),
-            max_blocks=blocks_for(plan.max_model_len, cfg.block_size),
-            block_size=cfg.block_size,
-            device=plan.device,
-            adapters=self.scheduler.adapters,
-        )
+        self.batch = self.scheduler.batch  # the running sequences' rows
+        self.step_builder = StepBuilder(self.batch, cfg.block_size, plan.device)
         self.beams = Beams(self.scheduler, self.factory, plan.max_model_len)
         self.stats = self._new_stats()
         self._started: set[int] = set()  # requests of this run that produced a token
@@ -175,14 +169,12 @@ class Engine:
         parts, clock = stats.step_time_s, time.perf_counter
         t0 = clock()
         out = self.scheduler.schedule()
-        if not out.scheduled:
+        if not len(out.rows):
             raise RuntimeError("the scheduler could not run any sequence: this is a bug")
         stats.preemptions += len(out.preempted)
         stats.swaps += len(out.swap_out)
-        for seq in out.preempted:
-            self.step_builder.release(seq)
         t1 = clock()
-        inputs = self.step_builder.build(out.scheduled, self.kv_manager.take_changed())
+        inputs = self.step_builder.build(out.rows, out.num_new)
         blocks_used = self.kv_manager.pool.num_used  # during the forward, before any frees
         t2 = clock()
         logits, prompt_logits, pooled = self.runner.execute(inputs, out)
@@ -193,23 +185,21 @@ class Engine:
         if prompt_logits is not None:
             self._score_prompts(inputs, prompt_logits)
         stats.prefill_tokens_computed += self.scheduler.update_from_output(out)
-        self.step_builder.batch.advance(inputs.rows, inputs.num_new)
         if self.pooling is not None:
             finished = self._pool(inputs, logits, pooled)
-        elif inputs.sample_seqs:
+        elif len(inputs.sample_rows):
             finished = self._sample(inputs, logits)
         else:
             finished = []
-        running = self.scheduler.running
+        computed, blocks = self.batch.held()
         stats.record_step(
-            num_running=len(running),
-            used_slots=sum(s.num_computed_tokens for s in running),
-            reserved_slots=sum(len(s.block_table) for s in running) * self.cfg.block_size,
+            num_running=len(self.scheduler.running),
+            used_slots=computed,
+            reserved_slots=blocks * self.cfg.block_size,
             blocks_used=blocks_used,
         )
         if self.check_integrity_each_step:
             self.scheduler.check_integrity()
-            self.step_builder.batch.check_integrity()
         self._finish_run_if_done()
         return finished
 
@@ -248,7 +238,7 @@ class Engine:
             assert pooled is not None
             seq.pool_total = add_chunk(seq.pool_total, start, pooled[row : row + n])
             row += n
-        seqs = inputs.sample_seqs
+        seqs = self.batch.seqs(inputs.sample_rows)
         if not seqs:
             return []
         pooling = self.pooling
@@ -266,80 +256,78 @@ class Engine:
             seq.finish_reason = "stop"
             self.stats.cached_prompt_tokens += seq.num_cached_tokens
             self.scheduler.finish(seq)
-            self.step_builder.release(seq)
-        return list(seqs)
+        return seqs
 
-    def _fork_samples(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
-        """A parent whose prompt is now computed forks its other samples: they share its blocks
-        and sample their first token from its logits row. Returns every sampling sequence and
-        its logits row."""
-        rows = list(range(len(seqs)))
-        all_seqs = list(seqs)
-        for row, parent in enumerate(seqs):
+    def _fork_samples(
+        self, rows: np.ndarray, logits: torch.Tensor
+    ) -> tuple[np.ndarray, torch.Tensor]:
+        """A parent whose prompt is now computed forks its other samples: they share its blocks,
+        take rows of their own and sample their first token from its logits row. Returns every
+        sampling row (rows, then the new ones) and their logits."""
+        batch = self.batch
+        new_rows: list[int] = []
+        parent_at: list[int] = []
+        for i in np.flatnonzero(batch.forking[rows]).tolist():
+            parent = batch.seq_at(int(rows[i]))
             for index in parent.pending_forks:
                 child = self.factory.make(parent.request, index)
                 self.kv_manager.fork(parent, child)
                 self.scheduler.add_forked(child)
-                all_seqs.append(child)
-                rows.append(row)
+                new_rows.append(child.row)
+                parent_at.append(i)
             parent.pending_forks = []
-        return all_seqs, rows
+            batch.forking[parent.row] = False
+        at = np.concatenate([np.arange(len(rows)), np.array(parent_at, dtype=np.int64)])
+        rows = np.concatenate([rows, np.array(new_rows, dtype=np.int64)])
+        return rows, logits.index_select(0, torch.from_numpy(at).to(logits.device))
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> list[Sequence]:
+        """Sample the rows whose sequences computed all their tokens, append the tokens to the
+        batch, and return the sequences the stop checks end. Plain greedy rows take their
+        argmax with no Python per row; only rows whose flags need it are read as sequences."""
         parts, clock = self.stats.step_time_s, time.perf_counter
         t0 = clock()
-        batch, sample_rows = self.step_builder.batch, inputs.sample_rows
-        seqs = inputs.sample_seqs
+        batch, rows = self.batch, inputs.sample_rows
         finished: list[Sequence] = []
-        beam = batch.beam[sample_rows]
+        beam = batch.beam[rows]
         if beam.any():  # the beams' rows go to their searches, the others are sampled
-            finished, seqs, sample_rows, logits = self._advance_beams(
-                seqs, sample_rows, logits, beam
-            )
-            if not seqs:
+            finished, rows, logits = self._advance_beams(rows, logits, beam)
+            if not len(rows):
                 parts["sample"] += clock() - t0
                 return finished
-        # A forked sample has its parent's request, so its parent's settings.
-        params_rows = sample_rows
-        if batch.forking[sample_rows].any():
-            seqs, rows = self._fork_samples(seqs)
-            batch.forking[sample_rows] = False
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-            params_rows = sample_rows[rows]
-        forced = self._forced_tokens(seqs)
-        if not forced and batch.plain_greedy[sample_rows].all():
+        if batch.forking[rows].any():
+            rows, logits = self._fork_samples(rows, logits)
+        forced = self._forced_tokens(rows)
+        if not forced and batch.plain_greedy[rows].all():
             result = sample_greedy(logits, self.argmax)
         else:
-            constrained = bool(batch.constrained[params_rows].any())
-            rows_params = batch.sampling.take(params_rows)
+            constrained = bool(batch.constrained[rows].any())
+            rows_params = batch.sampling.take(rows)
+            seqs = batch.seqs(rows)
             result = self._sample_rows(seqs, logits, forced, rows_params, constrained)
-        # The sampling rows' newest tokens (forked samples join the batch when they first run).
-        batch.append_tokens(sample_rows, result.token_ids[: len(sample_rows)])
+        batch.append_tokens(rows, result.token_ids)
         t1 = clock()
         parts["sample"] += t1 - t0
-        return finished + self._append(seqs, sample_rows, result, t1)
+        return finished + self._append(rows, result, t1)
 
     def _advance_beams(
-        self, seqs: list[Sequence], rows: np.ndarray, logits: torch.Tensor, beam: np.ndarray
-    ) -> tuple[list[Sequence], list[Sequence], np.ndarray, torch.Tensor]:
+        self, rows: np.ndarray, logits: torch.Tensor, beam: np.ndarray
+    ) -> tuple[list[Sequence], np.ndarray, torch.Tensor]:
         """One step of every beam search in the step (beams.py); returns its finished results,
-        and the sequences, batch rows and logits of the other rows, which sample."""
+        and the batch rows and logits of the other rows, which sample."""
         at = torch.from_numpy(np.flatnonzero(beam)).to(logits.device)
-        beams = [s for s, b in zip(seqs, beam.tolist(), strict=True) if b]
-        done = self.beams.advance(beams, logits.index_select(0, at), self.stats)
-        for seq in done.left:
-            self.step_builder.release(seq)
+        beams = self.batch.seqs(rows[beam])
+        finished = self.beams.advance(beams, logits.index_select(0, at), self.stats)
         keep = ~beam
-        others = [s for s, b in zip(seqs, beam.tolist(), strict=True) if not b]
         at = torch.from_numpy(np.flatnonzero(keep)).to(logits.device)
-        return done.finished, others, rows[keep], logits.index_select(0, at)
+        return finished, rows[keep], logits.index_select(0, at)
 
-    def _forced_tokens(self, seqs: list[Sequence]) -> dict[int, int]:
+    def _forced_tokens(self, rows: np.ndarray) -> dict[int, int]:
         """Row -> the token it must take: the end of thinking of rows past their budget."""
         if self.reasoning is None:
             return {}
         forced = {}
-        for row, seq in enumerate(seqs):
+        for row, seq in enumerate(self.batch.seqs(rows)):
             if seq.thinking is not None and (token := seq.thinking.forced_token) is not None:
                 forced[row] = token
         return forced
@@ -384,21 +372,20 @@ class Engine:
         advance(constraints, result.token_ids)
         return result
 
-    def _append(
-        self, seqs: list[Sequence], sample_rows: np.ndarray, result: SamplerOutput, t1: float
-    ) -> list[Sequence]:
-        """Each sequence takes its token; returns those the stop checks end. seqs: the step's
-        sampling sequences (their rows sample_rows), then any forked from them this step."""
-        stats = self.stats
-        stats.generated_tokens += len(seqs)
-        tokens = result.token_ids
-        for seq, token in zip(seqs, tokens, strict=True):
-            seq.token_ids.append(token)
-        batch = self.step_builder.batch
-        check = batch.rows_to_check(sample_rows, tokens[: len(sample_rows)])
-        check += range(len(sample_rows), len(seqs))  # forked samples: not in the batch yet
-        finished = [seqs[i] for i in check if self._check(seqs[i], result.logprobs[i])]
-        stats.step_time_s["stop_checks"] += time.perf_counter() - t1
+    def _append(self, rows: np.ndarray, result: SamplerOutput, t1: float) -> list[Sequence]:
+        """The stop checks of the rows that just took result's tokens (in the batch already):
+        Python only for the rows whose token needs it (InputBatch.rows_to_check); returns the
+        sequences that finish."""
+        self.stats.generated_tokens += len(rows)
+        batch = self.batch
+        check = batch.rows_to_check(rows, result.token_ids)
+        finished = []
+        if check:
+            logprobs = result.logprobs
+            for i, seq in zip(check, batch.seqs(rows[check]), strict=True):
+                if self._check(seq, logprobs[i]):
+                    finished.append(seq)
+        self.stats.step_time_s["stop_checks"] += time.perf_counter() - t1
         return finished
 
     def _check(self, seq: Sequence, logprobs: TopLogprobs | None) -> bool:
@@ -421,7 +408,6 @@ class Engine:
         decision = stop.catch_up(tokens)
         if (decision is not None or seq.constraint is not None) and self._stops(seq, decision):
             self.scheduler.finish(seq)
-            self.step_builder.release(seq)
             return True
         return False
 

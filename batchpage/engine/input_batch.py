@@ -1,17 +1,18 @@
 """The persistent input batch: the running sequences' per-row state, in preallocated columns.
 
-A sequence takes a row (a stable slot) when it is first scheduled and gives it back when it
-finishes or is preempted. The row is written when it joins and then only where its sequence
-changed: the computed count and the newest token move on with every step (`advance`,
-`append_tokens`: one vectorised write each for the whole step), and block tables are rewritten
-only for the sequences the KV cache manager reports changed (KVCacheManager.take_changed). So a
-step's inputs are gathers of these columns, never a rebuild from every sequence's lists
-(step_inputs.py).
+A sequence takes a row (a stable slot) when the scheduler admits it (`join`) and gives it back
+when it finishes or is preempted (`leave`). While it runs, its row is the one home of what
+changes every step: the computed count (`advance`, the scheduler's commit), the length, the
+newest token and the tokens taken since its list was last read (`append_tokens`), one
+vectorised write each for the whole step; Sequence reads them through the row. Block tables
+mirror the KV cache manager's and are rewritten only for the sequences it reports changed
+(KVCacheManager.take_changed). So a decode-only step is decided, built and committed from
+these columns with no Python per row (scheduler.py, step_inputs.py).
 
-A row is a mirror of its sequence, which stays the scheduler's record: `check_integrity`
-compares every row with its sequence. The columns are the seam later work plugs into (a row may
-compute several tokens in one step). A LoRA request's row carries its adapter's slot, which
-stays put while the row runs (engine/adapter_slots.py).
+The other columns are written once when a row joins: the flags that say which rows need Python
+(stop strings, grammar, thinking, logprobs, beams, forks) and the sampling settings. They are
+the seam later work plugs into (a row may compute several tokens in one step). A LoRA request's
+row carries its adapter's slot, which stays put while the row runs (engine/adapter_slots.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from batchpage.engine.adapter_slots import AdapterSlots
+from batchpage.engine.admission import OutputLimits
 from batchpage.engine.sampler import RowParams
 from batchpage.engine.sequence import Sequence
 
@@ -30,7 +32,8 @@ class InputBatch:
     (`num_prompt`, `stop_len`, `each_token`) and what the sampler reads (`plain_greedy`,
     `forking`, `beam`, `sampling`, `constrained`), and the LoRA slot the forward reads
     (`lora_slot`, -1: the base model). Set when a row joins; after that only `computed`,
-    `num_tokens`, `last_token`, the tables and `forking` change."""
+    `num_tokens`, `last_token`, the unread tokens, the tables and `forking` change. A free row
+    is zero in every column the scheduler sums (`computed`, `table_len`)."""
 
     def __init__(
         self, capacity: int, max_blocks: int, adapters: AdapterSlots | None = None
@@ -62,50 +65,110 @@ class InputBatch:
         empty = RowParams.of([])
         self.sampling = RowParams(*(np.zeros(capacity, dtype=c.dtype) for c in empty))
         self.constrained = np.zeros(capacity, dtype=bool)
+        # What admission's growth estimate reads (admission.OutputLimits).
+        no_rows = OutputLimits.of([])
+        self.limits = OutputLimits(*(np.zeros(capacity, dtype=c.dtype) for c in no_rows))
         self.adapters = adapters if adapters is not None else AdapterSlots(0)
         self.lora_slot = np.full(capacity, -1, dtype=np.int64)
         self.lora_rows = 0  # rows with an adapter: none, and a step reads no slot column
+        # The tokens each row took since its sequence's list was last read (Sequence.token_ids):
+        # tokens [synced, num_tokens) of the row are unread[row, : num_tokens - synced].
+        self.synced = np.zeros(capacity, dtype=np.int64)
+        self.unread = np.zeros((capacity, 16), dtype=np.int64)
         self._ending: set[int] = set()
         self._ending_ids = np.zeros(0, dtype=np.int64)
-        self._row: dict[int, int] = {}  # seq_id -> row
         self._seq: list[Sequence | None] = [None] * capacity
         self._free = list(range(capacity - 1, -1, -1))
 
     def __len__(self) -> int:
-        return len(self._row)
+        return self.capacity - len(self._free)
 
-    def rows(self, seqs: list[Sequence]) -> list[int]:
-        """The rows of seqs, in order; a sequence without one joins (its row written whole).
-        When no row is free, the rows of sequences outside `seqs` are given back first (a
-        sequence that comes back joins afresh)."""
-        rows = list(map(self._row.get, [s.seq_id for s in seqs]))
-        if None in rows:
-            for i, seq in enumerate(seqs):
-                if rows[i] is None:
-                    rows[i] = self._join(seq, seqs)
-        return rows  # type: ignore[return-value]
+    def seq_at(self, row: int) -> Sequence:
+        seq = self._seq[row]
+        assert seq is not None, f"row {row} is free"
+        return seq
+
+    def seqs(self, rows: np.ndarray) -> list[Sequence]:
+        """The sequences of rows, in order (Python per row: for the rows that need it)."""
+        at = self._seq
+        return [at[r] for r in rows.tolist()]  # type: ignore[misc]
+
+    def join(self, seq: Sequence) -> int:
+        """seq starts running: it takes a free row, written whole from it; from now on its
+        computed count and tokens live in the row."""
+        assert seq.batch is None, f"sequence {seq.seq_id} already holds a row"
+        if not self._free:
+            raise RuntimeError(f"more than {self.capacity} running sequences: this is a bug")
+        row = self._free.pop()
+        self._seq[row] = seq
+        tokens = seq.token_ids
+        self.computed[row] = seq.num_computed_tokens
+        self.num_tokens[row] = len(tokens)
+        self.synced[row] = len(tokens)
+        self.last_token[row] = tokens[-1]
+        self.reads_rows[row] = seq.reads_every_prompt_row
+        self.plain_greedy[row] = seq.plain_greedy
+        self.forking[row] = bool(seq.pending_forks)
+        self.beam[row] = seq.params.use_beam_search
+        for column, value in zip(self.sampling, RowParams.of([seq.params]), strict=True):
+            column[row] = value[0]
+        self.constrained[row] = seq.constraint is not None
+        for column, value in zip(self.limits, OutputLimits.of([seq]), strict=True):
+            column[row] = value[0]
+        slot = self.adapters.slot_of(seq.request.lora)
+        self.lora_slot[row] = slot
+        self.lora_rows += int(slot >= 0)
+        self._write_stop_columns(row, seq)
+        self._write_table(row, seq.block_table, 0)
+        seq.batch, seq.row = self, row
+        return row
 
     def leave(self, seq: Sequence) -> None:
-        """seq finished or was preempted: its row may go to another sequence."""
-        row = self._row.pop(seq.seq_id, None)
-        if row is not None:
-            self._clear(row)
+        """seq finished or was preempted: its computed count and tokens go back to it, and its
+        row may go to another sequence."""
+        assert seq.batch is self
+        row = seq.row
+        self.sync(row)
+        seq._computed = int(self.computed[row])
+        seq.batch, seq.row = None, -1
+        self._clear(row)
+
+    def held(self) -> tuple[int, int]:
+        """(tokens computed, block-table entries) of all running rows together (a free row is
+        zero in both)."""
+        return int(self.computed.sum()), int(self.table_len.sum())
+
+    def sync(self, row: int) -> None:
+        """Move the row's unread tokens into its sequence's list."""
+        n = int(self.num_tokens[row])
+        done = int(self.synced[row])
+        if n != done:
+            seq = self._seq[row]
+            assert seq is not None
+            seq._tokens += self.unread[row, : n - done].tolist()
+            self.synced[row] = n
 
     def refresh_tables(self, changed: list[Sequence]) -> None:
         """Rewrite the block-table rows of sequences whose tables changed. A table only grows
         or has its last entry replaced (copy-on-write) while its sequence holds a row: its
         blocks are freed only when it leaves."""
         for seq in changed:
-            row = self._row.get(seq.seq_id)
-            if row is not None and self._seq[row] is seq:
+            row = seq.row
+            if seq.batch is self:
                 self._write_table(row, seq.block_table, max(0, int(self.table_len[row]) - 1))
 
     def advance(self, rows: np.ndarray, num_new: np.ndarray) -> None:
         """The step computed num_new tokens of each of rows (distinct rows)."""
         self.computed[rows] += num_new
 
-    def append_tokens(self, rows: np.ndarray, tokens: list[int]) -> None:
+    def append_tokens(self, rows: np.ndarray, tokens: list[int] | np.ndarray) -> None:
         """Each of rows (distinct) took one new token."""
+        at = self.num_tokens[rows] - self.synced[rows]
+        if len(at) and int(at.max()) >= self.unread.shape[1]:
+            wider = np.zeros((self.capacity, 2 * self.unread.shape[1]), dtype=np.int64)
+            wider[:, : self.unread.shape[1]] = self.unread
+            self.unread = wider
+        self.unread[rows, at] = tokens
         self.last_token[rows] = tokens
         self.num_tokens[rows] += 1
 
@@ -118,34 +181,6 @@ class InputBatch:
         check |= n == self.num_prompt[rows] + 1
         check |= np.isin(np.asarray(tokens, dtype=np.int64), self._ending_ids)
         return np.flatnonzero(check).tolist()
-
-    def _join(self, seq: Sequence, step: list[Sequence]) -> int:
-        if not self._free:
-            keep = {s.seq_id for s in step}
-            for seq_id in [i for i in self._row if i not in keep]:
-                self._clear(self._row.pop(seq_id))
-        if not self._free:
-            raise RuntimeError(f"a step of more than {self.capacity} sequences: this is a bug")
-        row = self._free.pop()
-        self._row[seq.seq_id] = row
-        self._seq[row] = seq
-        tokens = seq.token_ids
-        self.computed[row] = seq.num_computed_tokens
-        self.num_tokens[row] = len(tokens)
-        self.last_token[row] = tokens[-1]
-        self.reads_rows[row] = seq.reads_every_prompt_row
-        self.plain_greedy[row] = seq.plain_greedy
-        self.forking[row] = bool(seq.pending_forks)
-        self.beam[row] = seq.params.use_beam_search
-        for column, value in zip(self.sampling, RowParams.of([seq.params]), strict=True):
-            column[row] = value[0]
-        self.constrained[row] = seq.constraint is not None
-        slot = self.adapters.slot_of(seq.request.lora)
-        self.lora_slot[row] = slot
-        self.lora_rows += int(slot >= 0)
-        self._write_stop_columns(row, seq)
-        self._write_table(row, seq.block_table, 0)
-        return row
 
     def _write_stop_columns(self, row: int, seq: Sequence) -> None:
         stop = seq.stop
@@ -166,6 +201,7 @@ class InputBatch:
     def _clear(self, row: int) -> None:
         self.block_tables[row, : self.table_len[row]] = 0
         self.table_len[row] = 0
+        self.computed[row] = self.num_tokens[row] = self.synced[row] = 0
         self.lora_rows -= int(self.lora_slot[row] >= 0)
         self.lora_slot[row] = -1
         self._seq[row] = None
@@ -183,22 +219,28 @@ class InputBatch:
         self.table_len[row] = n
 
     def check_integrity(self) -> None:
-        """Rows are in use or free, never both; each row in use holds exactly its sequence's
-        computed count, length, newest token and block table, zero past the table."""
-        assert len(self._row) + len(self._free) == self.capacity
-        assert set(self._row.values()).isdisjoint(self._free)
+        """Rows are in use or free, never both; a free row is zero where the scheduler sums;
+        each row in use is its sequence's (and it knows it), with its length, newest token,
+        unread tokens and block table, zero past the table."""
+        assert len(self._free) == len(set(self._free))
         assert self.lora_rows == int((self.lora_slot >= 0).sum())
+        used = [row for row in range(self.capacity) if self._seq[row] is not None]
+        assert len(used) + len(self._free) == self.capacity
+        assert not set(used) & set(self._free)
         for row in range(self.capacity):
             seq = self._seq[row]
             n = int(self.table_len[row])
             assert not self.block_tables[row, n:].any(), f"row {row}: stale padding"
             if seq is None:
-                assert row in self._free and n == 0 and self.lora_slot[row] == -1
+                assert n == 0 and self.lora_slot[row] == -1
+                assert self.computed[row] == self.num_tokens[row] == 0, f"row {row}: not zero"
                 continue
-            assert self._row[seq.seq_id] == row
-            assert self.computed[row] == seq.num_computed_tokens, f"row {row}: computed"
-            assert self.num_tokens[row] == seq.num_tokens, f"row {row}: num_tokens"
-            assert self.last_token[row] == seq.token_ids[-1], f"row {row}: last token"
+            assert seq.batch is self and seq.row == row, f"row {row}: not its sequence's"
+            unread = int(self.num_tokens[row] - self.synced[row])
+            assert len(seq._tokens) == self.synced[row] and unread >= 0, f"row {row}: length"
+            tail = self.unread[row, unread - 1] if unread else seq._tokens[-1]
+            assert self.last_token[row] == tail, f"row {row}: last token"
+            assert self.computed[row] <= self.num_tokens[row], f"row {row}: computed"
             assert self.reads_rows[row] == seq.reads_every_prompt_row
             assert self.plain_greedy[row] == seq.plain_greedy
             assert self.forking[row] == bool(seq.pending_forks), f"row {row}: forking"
@@ -206,5 +248,7 @@ class InputBatch:
             own = RowParams.of([seq.params])
             assert all(c[row] == v[0] for c, v in zip(self.sampling, own, strict=True))
             assert self.constrained[row] == (seq.constraint is not None)
+            limits = OutputLimits.of([seq])
+            assert all(c[row] == v[0] for c, v in zip(self.limits, limits, strict=True))
             assert self.lora_slot[row] == self.adapters.slot_of(seq.request.lora), "lora slot"
             assert self.block_tables[row, :n].tolist() == seq.block_table, f"row {row}: table"

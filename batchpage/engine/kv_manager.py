@@ -62,6 +62,9 @@ class KVCacheManager:
         self._locked: dict[int, RadixNode] = {}  # seq_id -> the tree node its prefix is locked at
         # Live sequences whose block tables changed since take_changed (the input batch's rows).
         self._changed: dict[int, Sequence] = {}
+        # Forked sequences that have not written since: their partly filled last block may be
+        # shared, so their next allocate may copy it (see shared_tails).
+        self._forked: dict[int, Sequence] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -116,6 +119,7 @@ class KVCacheManager:
         """Make room for seq's next num_new_tokens tokens; returns the block copies to apply.
         Raises OutOfBlocks, changing nothing, when the pool cannot give what it needs."""
         table, computed, bs = seq.block_table, seq.num_computed_tokens, self.block_size
+        self._forked.pop(seq.seq_id, None)  # from now on its last block is its own
         if (
             table
             and computed + num_new_tokens <= len(table) * bs
@@ -141,6 +145,13 @@ class KVCacheManager:
         seq.block_table.extend(self.pool.allocate(max(0, total - len(seq.block_table))))
         self._changed[seq.seq_id] = seq
         return copies
+
+    def shared_tails(self) -> list[Sequence]:
+        """The sequences whose next allocate may copy their last block although their next
+        tokens fit in their table (forked, and not allocated since). For every other sequence,
+        allocate does nothing while computed + new tokens fit in its blocks: the scheduler
+        calls it only for sequences that need more blocks or are listed here."""
+        return list(self._forked.values())
 
     def take_changed(self) -> list[Sequence]:
         """The live sequences whose block tables changed since the last call (allocated,
@@ -171,6 +182,8 @@ class KVCacheManager:
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
         self._changed[child.seq_id] = child
+        self._forked[parent.seq_id] = parent
+        self._forked[child.seq_id] = child
         if self.tree is not None and parent.seq_id in self._locked:
             node = self._locked[parent.seq_id]
             self.tree.lock(node)
@@ -188,6 +201,7 @@ class KVCacheManager:
         self.pool.release(seq.block_table)
         seq.block_table = []
         self._changed.pop(seq.seq_id, None)
+        self._forked.pop(seq.seq_id, None)
 
     def check_integrity(self, live: list[Sequence]) -> None:
         """The pool and tree are consistent and every reference has its holder."""
@@ -195,6 +209,12 @@ class KVCacheManager:
         if self.tree is not None:
             self.tree.check_integrity()
         assert set(self._locked) <= {s.seq_id for s in live}, "a lock outlived its sequence"
+        assert set(self._forked) <= {s.seq_id for s in live}, "a fork outlived its sequence"
+        for seq in live:  # the partly filled block a sequence writes next is shared only by forks
+            computed = seq.num_computed_tokens
+            if computed % self.block_size and seq.seq_id not in self._forked:
+                block = seq.block_table[computed // self.block_size]
+                assert self.pool.refcount(block) == 1, f"sequence {seq.seq_id}: shared tail"
         held: dict[int, int] = {}
         for seq in live:
             assert len(seq.block_table) >= blocks_for(seq.num_computed_tokens, self.block_size)

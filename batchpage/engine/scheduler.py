@@ -29,6 +29,7 @@ The scheduler owns the queues; the KVCacheManager owns the blocks.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -39,9 +40,10 @@ import numpy as np
 
 from batchpage.cache.block_pool import OutOfBlocks
 from batchpage.engine.adapter_slots import AdapterSlots
-from batchpage.engine.admission import Demand, GrowthEstimate
+from batchpage.engine.admission import Demand, GrowthEstimate, OutputLimits
 from batchpage.engine.beam_search import worst_case_blocks
 from batchpage.engine.config import EngineConfig
+from batchpage.engine.input_batch import InputBatch
 from batchpage.engine.kv_manager import (
     BlockCopy,
     KVCacheManager,
@@ -79,9 +81,16 @@ class Swap:
 @dataclass
 class SchedulerOutput:
     """The step's decision. The runner applies swap_out, then swap_in, then copies, then runs
-    the forward: a block freed by a swap-out may be reused in this very step."""
+    the forward: a block freed by a swap-out may be reused in this very step.
 
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    What runs is `rows` (each scheduled sequence's input batch row) and `num_new` (the tokens
+    each computes), beam searches first, then the other running sequences in admission order,
+    then those admitted this step. `scheduled` reads the same as sequences, for code that
+    wants them (tests, the simulator); a step's hot path never does."""
+
+    batch: InputBatch
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    num_new: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     copies: list[BlockCopy] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     swap_out: list[Swap] = field(default_factory=list)
@@ -89,9 +98,51 @@ class SchedulerOutput:
     # Adapters to copy into their slots before the forward (slot, adapter).
     lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
 
+    @functools.cached_property
+    def scheduled(self) -> list[ScheduledSeq]:
+        """(sequence, tokens) of each row; read it before the rows' sequences finish."""
+        seqs = self.batch.seqs(self.rows)
+        return [ScheduledSeq(s, n) for s, n in zip(seqs, self.num_new.tolist(), strict=True)]
+
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return int(self.num_new.sum())
+
+
+class _Picks:
+    """The rows a schedule() call picks, gathered in pieces: single rows (beams, admissions)
+    and whole arrays (the running decodes)."""
+
+    def __init__(self) -> None:
+        self.rows: list[np.ndarray] = []
+        self.num_new: list[np.ndarray] = []
+        self._one_rows: list[int] = []
+        self._one_new: list[int] = []
+
+    @property
+    def empty(self) -> bool:
+        return not (self.rows or self._one_rows)
+
+    def one(self, row: int, n: int) -> None:
+        self._one_rows.append(row)
+        self._one_new.append(n)
+
+    def many(self, rows: np.ndarray, num_new: np.ndarray) -> None:
+        self._flush()
+        self.rows.append(rows)
+        self.num_new.append(num_new)
+
+    def done(self, out: SchedulerOutput) -> None:
+        self._flush()
+        if self.rows:
+            out.rows = np.concatenate(self.rows)
+            out.num_new = np.concatenate(self.num_new)
+
+    def _flush(self) -> None:
+        if self._one_rows:
+            self.rows.append(np.array(self._one_rows, dtype=np.int64))
+            self.num_new.append(np.array(self._one_new, dtype=np.int64))
+            self._one_rows, self._one_new = [], []
 
 
 class Scheduler:
@@ -122,9 +173,13 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.schedule_order = schedule
         self.waiting: deque[Sequence] = deque()
-        # Beam-search sequences first (num_beams of them, each group's beams together), then
-        # the others in admission order.
+        # The running sequences, each holding a row of the batch: beam-search sequences first
+        # (num_beams of them, each group's beams together), then the others in admission
+        # order; `_rows` holds their rows in the same order.
+        max_len = max_model_len if max_model_len is not None else kv.num_blocks * kv.block_size
+        self.batch = InputBatch(max_num_seqs, blocks_for(max_len, kv.block_size), self.adapters)
         self.running: list[Sequence] = []
+        self._rows: list[int] = []
         self.num_beams = 0
         self.num_preemptions = 0
         self.num_swaps = 0
@@ -143,39 +198,34 @@ class Scheduler:
 
     def add_forked(self, child: Sequence) -> None:
         """A sample forked from a running sequence runs from the next step on."""
-        child.status = SeqStatus.RUNNING
-        child.admitted_once = True
         self.adapters.take(child.request.lora)  # resident: its parent runs it
-        self.running.append(child)
+        self._start(child, len(self.running))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _start(self, seq: Sequence, at: int) -> None:
+        """seq runs from now on, at position `at` of the running set, in a row of the batch."""
+        seq.status = SeqStatus.RUNNING
+        seq.admitted_once = True
+        row = self.batch.join(seq)
+        self.running.insert(at, seq)
+        self._rows.insert(at, row)
+
+    def _stop(self, at: int, status: SeqStatus) -> Sequence:
+        """The sequence at position `at` of the running set leaves it and its row."""
+        seq = self.running.pop(at)
+        del self._rows[at]
+        self.batch.leave(seq)
+        seq.status = status
+        self.adapters.give_back(seq.request.lora)
+        return seq
+
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self._schedule_beams(out)
-        i = self.num_beams
-        # Locals: this loop runs once per running sequence every step.
-        running, allocate, scheduled = self.running, self.kv.allocate, out.scheduled
-        while i < len(running) and budget > 0:
-            seq = running[i]
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            while True:
-                try:
-                    moves = allocate(seq, n)
-                    if moves:
-                        out.copies += moves
-                    break
-                except OutOfBlocks:  # allocate changed nothing: make room and try again
-                    victim = running.pop()
-                    self._preempt(victim, out)
-                    if victim is seq:
-                        break
-            if seq.status is not SeqStatus.RUNNING:
-                break
-            scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
-            i += 1
+        out = SchedulerOutput(self.batch)
+        picks = _Picks()
+        budget = self._schedule_beams(out, picks)
+        budget = self._schedule_running(out, picks, budget)
 
         # Admitting while preempting would only thrash: the pool is already short this step. But
         # when preemption left nothing to run, the queue's head (perhaps the victim) goes next.
@@ -184,7 +234,9 @@ class Scheduler:
         demand: Demand | None = None
         admitted: list[Sequence] = []
         deferred: list[Sequence] = []  # waiting a step for a block one admitted now computes
-        while (not out.preempted or not out.scheduled) and self.waiting and budget > 0:
+        while (not out.preempted or picks.empty) and self.waiting:
+            if budget <= 0:
+                break
             seq = self.waiting[0]
             # Samples forked from seq after its prefill count against max_num_seqs now.
             if len(self.running) + _copies(seq) > self.max_num_seqs:
@@ -196,12 +248,13 @@ class Scheduler:
             if not self.adapters.can_take(seq.request.lora):
                 break
             if seq.swapped_tokens:
-                if not self._swap_in(seq, budget, out):
+                chunk = self._swap_in(seq, budget, out)
+                if chunk is None:
                     break
             else:
                 if demand is None:
-                    demand = self._demand(self.running)
-                verdict = self._admit(seq, budget, demand, future, admitted, out)
+                    demand = self._demand()
+                verdict, chunk = self._admit(seq, budget, demand, future, admitted, out)
                 if verdict is Admit.WAITS:
                     deferred.append(self.waiting.popleft())
                     continue
@@ -210,25 +263,67 @@ class Scheduler:
             if demand is not None and future is not None:
                 demand.add(*future, copies=_copies(seq), held=len(seq.block_table))
             self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            seq.admitted_once = True
             load = self.adapters.take(seq.request.lora)
             if load is not None:
                 assert seq.request.lora is not None
                 out.lora_loads.append((load, seq.request.lora))
             if beam:
-                self.running.insert(self.num_beams, seq)
+                self._start(seq, self.num_beams)
                 self.num_beams += 1
             else:
-                self.running.append(seq)
+                self._start(seq, len(self.running))
+            picks.one(seq.row, chunk)
             admitted.append(seq)
-            budget -= out.scheduled[-1].num_new_tokens
+            budget -= chunk
         self.waiting.extendleft(reversed(deferred))
         if self.growth is not None:
             self.growth.stepped(preempted=bool(out.preempted))
+        picks.done(out)
+        self.batch.refresh_tables(self.kv.take_changed())
         return out
 
-    def _schedule_beams(self, out: SchedulerOutput) -> int:
+    def _schedule_running(self, out: SchedulerOutput, picks: _Picks, budget: int) -> int:
+        """Schedule the running sequences that are not beams, in admission order, each its next
+        tokens (a decode one, a prefill the next chunk) while the budget lasts; returns the
+        budget left. Decided from the batch's columns: only the rows whose next tokens do not
+        fit in blocks they own alone go to the KV manager one by one, and when it is out of
+        blocks the most recently admitted sequence is preempted until they fit."""
+        start = self.num_beams
+        if len(self.running) == start or budget <= 0:
+            return budget
+        batch, bs = self.batch, self.kv.block_size
+        rows = np.array(self._rows[start:], dtype=np.int64)
+        take = batch.num_tokens[rows] - batch.computed[rows]
+        served = np.cumsum(take)
+        count = int(np.searchsorted(served, budget, side="right"))  # served whole
+        if count < len(rows):
+            left = budget - (int(served[count - 1]) if count else 0)
+            if left > 0:  # the next one gets what is left
+                take[count] = left
+                count += 1
+        rows, take = rows[:count], take[:count]
+        short = batch.computed[rows] + take > batch.table_len[rows] * bs
+        tails = self.kv.shared_tails()
+        if tails:  # forked sequences whose partly filled last block may be shared
+            short |= np.isin(rows, [s.row for s in tails if s.batch is batch])
+        for i in np.flatnonzero(short).tolist():
+            if i >= count:
+                break
+            seq = self.running[start + i]
+            while True:
+                try:
+                    out.copies += self.kv.allocate(seq, int(take[i]))
+                    break
+                except OutOfBlocks:  # allocate changed nothing: make room and try again
+                    victim = self._preempt(out)
+                    count = min(count, len(self.running) - start)
+                    if victim is seq:
+                        break
+        if count:
+            picks.many(rows[:count], take[:count])
+        return budget - int(take[:count].sum())
+
+    def _schedule_beams(self, out: SchedulerOutput, picks: _Picks) -> int:
         """Schedule the beam searches' sequences, each group whole or not at all (a group whose
         beams do not all fit what is left of the budget waits a step); returns the budget left.
         A beam short of a block takes it from the most recently admitted other sequence."""
@@ -254,8 +349,8 @@ class Scheduler:
                                 "beam searches hold every block: admission reserves their worst "
                                 "case, so this is a bug"
                             ) from None
-                        self._preempt(running.pop(), out)
-                out.scheduled.append(ScheduledSeq(seq, n))
+                        self._preempt(out)
+                picks.one(seq.row, n)
                 budget -= n
         return budget
 
@@ -277,16 +372,14 @@ class Scheduler:
         the place of `old`, which leave; old's computed blocks go to the prefix cache."""
         at = self.running.index(old[0])
         assert self.running[at : at + len(old)] == old, "a group's beams run side by side"
-        self.running[at : at + len(old)] = new
-        self.num_beams += len(new) - len(old)
         for seq in new:
-            seq.status = SeqStatus.RUNNING
-            seq.admitted_once = True
             self.adapters.take(seq.request.lora)  # resident: old beams run it
-        for seq in old:
+        for _ in old:
+            seq = self._stop(at, SeqStatus.FINISHED)
             self.kv.free(seq)
-            seq.status = SeqStatus.FINISHED
-            self.adapters.give_back(seq.request.lora)
+        for i, seq in enumerate(new):
+            self._start(seq, at + i)
+        self.num_beams += len(new) - len(old)
 
     def retire(self, beams: list[Sequence]) -> None:
         """A finished beam group's beams leave the running set; their blocks go back."""
@@ -295,19 +388,26 @@ class Scheduler:
     def _future(self, seq: Sequence) -> tuple[int, int]:
         """(tokens seq takes slots for now, tokens it is expected to append)."""
         assert self.growth is not None and self.max_model_len is not None
-        return seq.num_tokens, int(self.growth.expected_tokens([seq], self.max_model_len)[0])
+        now = np.array([seq.num_tokens], dtype=np.int64)
+        to_come = self.growth.expected_tokens(now, OutputLimits.of([seq]), self.max_model_len)
+        return seq.num_tokens, int(to_come[0])
 
-    def _demand(self, seqs: list[Sequence]) -> Demand | None:
+    def _demand(self) -> Demand | None:
         """The running sequences' future, against which admission is checked (admission.py);
         each sample still to fork grows on its own. None: admission on the prompt alone."""
         if self.growth is None:
             return None
         assert self.max_model_len is not None
+        batch = self.batch
+        rows = np.array(self._rows, dtype=np.int64)
+        copies = np.ones(len(rows), dtype=np.int64)
+        for i in np.flatnonzero(batch.forking[rows]).tolist():
+            copies[i] += len(self.running[i].pending_forks)
+        now = batch.num_tokens[rows]
+        limits = batch.limits.take(rows)
+        to_come = self.growth.expected_tokens(now, limits, self.max_model_len)
         demand = Demand(self.kv.block_size)
-        copies = np.array([1 + len(s.pending_forks) for s in seqs], dtype=np.int64)
-        now = np.array([len(s.token_ids) for s in seqs], dtype=np.int64).repeat(copies)
-        to_come = self.growth.expected_tokens(seqs, self.max_model_len).repeat(copies)
-        demand.add_all(now, to_come, held=sum(len(s.block_table) for s in seqs))
+        demand.add_all(now.repeat(copies), to_come.repeat(copies), held=batch.held()[1])
         return demand
 
     def _fits(self, seq: Sequence, demand: Demand | None, future: tuple[int, int] | None) -> bool:
@@ -328,9 +428,9 @@ class Scheduler:
         future: tuple[int, int] | None,
         admitted: list[Sequence],
         out: SchedulerOutput,
-    ) -> Admit:
+    ) -> tuple[Admit, int]:
         """`future`: seq's (tokens now, tokens expected to come), None without admission by
-        growth."""
+        growth. Returns the verdict and, when admitted, the tokens seq computes this step."""
         cached = self.kv.lend_prefix(seq)
         n = seq.num_uncomputed_tokens
         chunk = min(n, budget)
@@ -346,25 +446,24 @@ class Scheduler:
         if verdict is not Admit.ADMITTED:
             self.kv.free(seq, cache=False)  # give the lent prefix back; it stays queued
             seq.num_computed_tokens = 0
-            return verdict
+            return verdict, 0
         if not seq.admitted_once:
             seq.num_cached_tokens = cached
         out.copies += self.kv.allocate(seq, chunk)
-        out.scheduled.append(ScheduledSeq(seq, chunk))
-        return verdict
+        return verdict, chunk
 
-    def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
-        """Readmit a swapped-out sequence: fresh blocks for its saved K/V, then its next token."""
+    def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
+        """Readmit a swapped-out sequence: fresh blocks for its saved K/V, then its next token.
+        Returns the tokens it computes this step; None: the pool has no room for it."""
         n = min(seq.num_tokens - seq.swapped_tokens, budget)
         if blocks_for(seq.swapped_tokens + n, self.kv.block_size) > self.kv.num_free_blocks:
-            return False
+            return None
         seq.num_computed_tokens = 0
         self.kv.allocate(seq, seq.swapped_tokens)
         out.swap_in.append(Swap(seq.seq_id, list(seq.block_table)))
         seq.num_computed_tokens, seq.swapped_tokens = seq.swapped_tokens, 0
         out.copies += self.kv.allocate(seq, n)
-        out.scheduled.append(ScheduledSeq(seq, n))
-        return True
+        return n
 
     def _waits_for_shared_prefix(self, seq: Sequence, admitted: list[Sequence]) -> bool:
         """Whether seq shares at least one more full block with a sequence admitted this step
@@ -387,44 +486,44 @@ class Scheduler:
                 return True
         return False
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, out: SchedulerOutput) -> Sequence:
+        """Preempt the most recently admitted running sequence; returns it."""
+        seq = self._stop(len(self.running) - 1, SeqStatus.WAITING)
         if self.preemption_mode == "swap" and seq.num_computed_tokens:
             out.swap_out.append(Swap(seq.seq_id, list(seq.block_table)))
             seq.swapped_tokens = seq.num_computed_tokens
             self.num_swaps += 1
         self.kv.free(seq)
         seq.num_computed_tokens = 0
-        seq.status = SeqStatus.WAITING
-        self.adapters.give_back(seq.request.lora)
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         self.num_preemptions += 1
+        return seq
 
     def update_from_output(self, out: SchedulerOutput) -> int:
         """The one place a step's computed tokens are committed (the engine's steps, beams
-        included, and the simulator's): each row's computed count moves on, and a row that was
-        prefilling publishes its computed full blocks to the prefix cache, so that sequences
-        admitted later hit them while it still runs. Whether a row was prefilling comes from
-        its state before the step (Sequence.is_prefilling), never from how many tokens it got.
-        Returns the tokens computed while prefilling: prompts, and what preempted sequences
-        recompute."""
-        prefill = 0
-        kv = self.kv
-        for s in out.scheduled:
-            seq = s.seq
-            prefilling = seq.is_prefilling
-            seq.num_computed_tokens += s.num_new_tokens
-            if prefilling:
-                prefill += s.num_new_tokens
-                kv.cache_progress(seq)
-        return prefill
+        included, and the simulator's): each row's computed count moves on, in one write for
+        the step, and a row that was prefilling publishes its computed full blocks to the
+        prefix cache, so that sequences admitted later hit them while it still runs. Whether a
+        row was prefilling comes from its state before the step (its prompt not all computed,
+        or more than its newest token to compute: Sequence.is_prefilling), never from how many
+        tokens it got. Returns the tokens computed while prefilling: prompts, and what
+        preempted sequences recompute."""
+        batch, rows, num_new = self.batch, out.rows, out.num_new
+        computed = batch.computed[rows]
+        prefilling = (computed < batch.num_prompt[rows]) | (computed < batch.num_tokens[rows] - 1)
+        batch.advance(rows, num_new)
+        if not prefilling.any():
+            return 0
+        if self.kv.tree is not None:
+            for row in rows[prefilling].tolist():
+                self.kv.cache_progress(batch.seq_at(row))
+        return int(num_new[prefilling].sum())
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished sequence out of the running set; its blocks go back at once."""
-        self.running.remove(seq)
+        self._stop(self.running.index(seq), SeqStatus.FINISHED)
         self.kv.free(seq)
-        seq.status = SeqStatus.FINISHED
-        self.adapters.give_back(seq.request.lora)
 
     def check_integrity(self) -> None:
         assert len(self.running) <= self.max_num_seqs
@@ -435,6 +534,10 @@ class Scheduler:
         groups = [s.request for s in self.running[:beams]]
         assert len(set(groups)) == len([r for r, _ in groupby(groups)]), "a group split"
         assert all(s.status is SeqStatus.WAITING and not s.block_table for s in self.waiting)
+        assert all(s.batch is None for s in self.waiting)
+        assert self._rows == [s.row for s in self.running], "rows out of order"
+        assert len(self.batch) == len(self.running)
+        self.batch.check_integrity()
         self.adapters.check_integrity(s.request.lora for s in self.running)
         self.kv.check_integrity(self.running)
 

@@ -7,9 +7,10 @@ it generated; `num_computed_tokens` of them have their K/V in the pool, through 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from batchpage.sampling_params import SamplingParams
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
     from batchpage.engine.constraint import Constraint
+    from batchpage.engine.input_batch import InputBatch
     from batchpage.engine.pooling import PoolingType
     from batchpage.engine.reasoning import ThinkingTracker
     from batchpage.engine.sampler import TopLogprobs
@@ -46,47 +48,107 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
 class Sequence:
-    seq_id: int
-    request: Request
-    sample_index: int
-    token_ids: list[int]
-    generator: torch.Generator | None
-    stop: StopChecker
-    num_prompt_tokens: int = 0
-    num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
-    block_table: list[int] = field(default_factory=list)
-    status: SeqStatus = SeqStatus.WAITING
-    admitted_once: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    text: str = ""
-    logprobs: list[TopLogprobs] | None = None
-    # With params.prompt_logprobs: None for the first prompt token, then one entry per token.
-    prompt_logprobs: list[TopLogprobs | None] | None = None
-    cumulative_logprob: float | None = None  # a beam-search result's: its tokens' logprobs summed
-    # Tokens whose K/V waits in host memory after a swap-out preemption (0: none).
-    swapped_tokens: int = 0
-    # Sample indices still to fork from this sequence once its prompt is computed (n > 1).
-    pending_forks: list[int] = field(default_factory=list)
-    # The grammar state of a request with structured_outputs; None when unconstrained.
-    constraint: Constraint | None = None
-    # With a reasoning parser, where the thinking ends and the answer begins; None when the
-    # output is all answer (no parser, or a prompt that closed the thinking already).
-    thinking: ThinkingTracker | None = None
-    # Its token is the argmax of the raw logits (read every step, set once), but on a step
-    # that forces its end of thinking (thinking.forced_token).
-    plain_greedy: bool = field(init=False)
-    # A pooling request's float32 running sum of the rows it reads (engine/pooling.py), then
-    # its output: the model's head on the pooled vector.
-    pool_total: torch.Tensor | None = None
-    pooled: torch.Tensor | None = None
+    """What the scheduler runs: one sample of a request. While it runs it holds a row of the
+    input batch (input_batch.py), which is then the one home of its computed count and of the
+    tokens it takes each step: `num_computed_tokens`, `num_tokens` and `token_ids` read through
+    the row (the tokens taken since the last read are moved into the list on that read), and a
+    token is appended with `append_token` (the engine appends a whole step's with
+    InputBatch.append_tokens), never to the list itself. Feature state (grammar, thinking,
+    pooling, logprobs) is set by its feature; the row flags tell a step which rows need it."""
 
-    def __post_init__(self) -> None:
-        self.num_prompt_tokens = len(self.token_ids)
-        self.plain_greedy = self.request.params.is_plain_greedy and self.constraint is None
+    __slots__ = (
+        "seq_id", "request", "sample_index", "_tokens", "generator", "stop",
+        "num_prompt_tokens", "_computed", "num_cached_tokens", "block_table", "status",
+        "admitted_once", "finish_reason", "stop_reason", "text", "logprobs", "prompt_logprobs",
+        "cumulative_logprob", "swapped_tokens", "pending_forks", "constraint", "thinking",
+        "plain_greedy", "pool_total", "pooled", "batch", "row",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        seq_id: int,
+        request: Request,
+        sample_index: int,
+        token_ids: list[int],
+        generator: torch.Generator | None,
+        stop: StopChecker,
+        constraint: Constraint | None = None,
+        thinking: ThinkingTracker | None = None,
+    ) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.sample_index = sample_index
+        self._tokens = token_ids
+        self.generator = generator
+        self.stop = stop
+        self.num_prompt_tokens = len(token_ids)
+        self._computed = 0  # while it holds no row; then the row's
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.block_table: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.admitted_once = False
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.text = ""
+        self.logprobs: list[TopLogprobs] | None = None
+        # With params.prompt_logprobs: None for the first prompt token, then one per token.
+        self.prompt_logprobs: list[TopLogprobs | None] | None = None
+        # A beam-search result's: its tokens' logprobs summed.
+        self.cumulative_logprob: float | None = None
+        # Tokens whose K/V waits in host memory after a swap-out preemption (0: none).
+        self.swapped_tokens = 0
+        # Sample indices still to fork from this sequence once its prompt is computed (n > 1).
+        self.pending_forks: list[int] = []
+        # The grammar state of a request with structured_outputs; None when unconstrained.
+        self.constraint = constraint
+        # With a reasoning parser, where the thinking ends and the answer begins; None when the
+        # output is all answer (no parser, or a prompt that closed the thinking already).
+        self.thinking = thinking
+        # Its token is the argmax of the raw logits (read every step, set once), but on a step
+        # that forces its end of thinking (thinking.forced_token).
+        self.plain_greedy = request.params.is_plain_greedy and constraint is None
+        # A pooling request's float32 running sum of the rows it reads (engine/pooling.py),
+        # then its output: the model's head on the pooled vector.
+        self.pool_total: torch.Tensor | None = None
+        self.pooled: torch.Tensor | None = None
+        # The input batch and row it holds while it runs (InputBatch.join / leave).
+        self.batch: InputBatch | None = None
+        self.row = -1
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.seq_id}, {self.status.value}, {self.num_tokens} tokens)"
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt and generated tokens. Read it, never append to it: see append_token."""
+        if self.batch is not None:
+            self.batch.sync(self.row)
+        return self._tokens
+
+    @token_ids.setter
+    def token_ids(self, tokens: list[int]) -> None:
+        assert self.batch is None, "a running sequence's tokens change through its row"
+        self._tokens = tokens
+
+    def append_token(self, token: int) -> None:
+        if self.batch is not None:
+            self.batch.append_tokens(np.array([self.row]), [token])
+        else:
+            self._tokens.append(token)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        batch = self.batch
+        return self._computed if batch is None else int(batch.computed[self.row])
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, n: int) -> None:
+        batch = self.batch
+        if batch is None:
+            self._computed = n
+        else:
+            batch.computed[self.row] = n
 
     @property
     def params(self) -> SamplingParams:
@@ -94,11 +156,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        batch = self.batch
+        return len(self._tokens) if batch is None else int(batch.num_tokens[self.row])
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -136,7 +199,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_prefilling(self) -> bool:
@@ -144,4 +207,4 @@ class Sequence:
         more than its newest token waits (what a preempted sequence recomputes). A decode row
         has only its newest token to compute, however many a step may give it."""
         computed = self.num_computed_tokens
-        return computed < self.num_prompt_tokens or computed < len(self.token_ids) - 1
+        return computed < self.num_prompt_tokens or computed < self.num_tokens - 1

@@ -17,9 +17,7 @@ import numpy as np
 import torch
 
 from batchpage.attention.metadata import AttentionMetadata
-from batchpage.engine.adapter_slots import AdapterSlots
 from batchpage.engine.input_batch import InputBatch
-from batchpage.engine.scheduler import ScheduledSeq
 from batchpage.engine.sequence import Sequence
 
 
@@ -29,7 +27,6 @@ class StepInputs:
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [N]: the last row of each sequence that samples
-    sample_seqs: list[Sequence]  # the N sequences that sample, in row order
     # Prompt logprobs: rows whose logits score the next prompt token, and who asked for them.
     prompt_rows: torch.Tensor  # int64 [P]
     prompt_targets: list[int]  # [P]: the prompt token each row scores
@@ -38,7 +35,7 @@ class StepInputs:
     pool_rows: torch.Tensor  # int64 [R]
     pool_owners: list[tuple[Sequence, int, int]]  # (sequence, chunk start, how many R rows)
     # The input batch's rows: of every scheduled sequence, with the tokens each computes, and
-    # of the N that sample.
+    # of the N that sample, in order (InputBatch.seqs gives their sequences).
     rows: np.ndarray  # int64 [B]
     num_new: np.ndarray  # int64 [B]
     sample_rows: np.ndarray  # int64 [N]
@@ -47,44 +44,27 @@ class StepInputs:
 
 
 class StepBuilder:
-    """Builds StepInputs; owns the persistent input batch (input_batch.py)."""
+    """Builds StepInputs from the scheduler's persistent input batch (input_batch.py)."""
 
-    def __init__(
-        self,
-        capacity: int,
-        max_blocks: int,
-        block_size: int,
-        device: torch.device,
-        adapters: AdapterSlots | None = None,
-    ) -> None:
-        """`adapters`: the scheduler's LoRA slots, which rows read when they join."""
-        self.batch = InputBatch(capacity, max_blocks, adapters)
+    def __init__(self, batch: InputBatch, block_size: int, device: torch.device) -> None:
+        self.batch = batch
         self.block_size = block_size
         self.device = torch.device(device)
 
-    def release(self, seq: Sequence) -> None:
-        """seq finished or was preempted: its row may go to another sequence."""
-        self.batch.leave(seq)
-
-    def build(self, scheduled: list[ScheduledSeq], changed: list[Sequence]) -> StepInputs:
-        """The step's tensors. `changed`: the sequences whose block tables changed since the last
-        build (KVCacheManager.take_changed)."""
+    def build(self, rows: np.ndarray, num_new: np.ndarray) -> StepInputs:
+        """The step's tensors: `rows` of the batch compute num_new tokens each (the scheduler's
+        decision, SchedulerOutput, with the batch's block tables brought up to date)."""
         batch, bs = self.batch, self.block_size
-        seqs = [s.seq for s in scheduled]
-        counts = [s.num_new_tokens for s in scheduled]
-        batch.refresh_tables(changed)
-        rows = np.array(batch.rows(seqs), dtype=np.int64)
-        num_new = np.array(counts, dtype=np.int64)
         start = batch.computed[rows]
         end = start + num_new
         newest = batch.num_tokens[rows]
-        query_start = np.zeros(len(counts) + 1, dtype=np.int64)
+        query_start = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(num_new, out=query_start[1:])
         total = int(query_start[-1])
-        if total == len(counts):  # one token a row: a row is its token
+        if total == len(rows):  # one token a row: a row is its token
             token_rows, positions = rows, start
         else:
-            entry = np.repeat(np.arange(len(counts)), num_new)  # each token's scheduled entry
+            entry = np.repeat(np.arange(len(rows)), num_new)  # each token's scheduled entry
             token_rows = rows[entry]
             positions = (start - query_start[:-1])[entry] + np.arange(total)
         slots = batch.block_tables[token_rows, positions // bs].astype(np.int64) * bs
@@ -92,23 +72,20 @@ class StepBuilder:
         input_ids = batch.last_token[token_rows]  # right for every row that computes its newest
         older = np.flatnonzero((num_new != 1) | (end != newest)).tolist()
         if older:
-            starts, first = start.tolist(), query_start.tolist()
+            starts, first, counts = start.tolist(), query_start.tolist(), num_new.tolist()
             for i in older:
                 a = starts[i]
-                input_ids[first[i] : first[i + 1]] = seqs[i].token_ids[a : a + counts[i]]
+                tokens = batch.seq_at(int(rows[i])).token_ids
+                input_ids[first[i] : first[i + 1]] = tokens[a : a + counts[i]]
         samples = end == newest  # all the sequence's tokens computed: it samples
         logits_indices = query_start[1:][samples] - 1
         sample_rows = rows[samples]
-        if len(sample_rows) == len(seqs):
-            sample_seqs = seqs
-        else:
-            sample_seqs = [seqs[i] for i in np.flatnonzero(samples).tolist()]
         reads = np.flatnonzero(batch.reads_rows[rows]).tolist()
-        prompt, pool = _rows_read(scheduled, reads, query_start.tolist())
+        prompt, pool = _rows_read(batch, rows, num_new, reads, query_start.tolist())
         prompt_rows, prompt_targets, prompt_owners = prompt
         pool_rows, pool_owners = pool
 
-        width = int(batch.table_len[rows].max()) if len(counts) else 0
+        width = int(batch.table_len[rows].max()) if len(rows) else 0
         tables = torch.from_numpy(batch.block_tables[rows, :width])  # a contiguous copy
         # Every integer input in one host tensor (one copy to a device), then views of it.
         read = [np.array(r, dtype=np.int64) for r in (prompt_rows, pool_rows)]
@@ -128,7 +105,7 @@ class StepBuilder:
             seq_lens=lens.to(torch.int32),
             block_tables=tables,
             block_size=bs,
-            query_lens_cpu=tuple(counts),
+            query_lens_cpu=tuple(num_new.tolist()),
             seq_lens_cpu=tuple(end.tolist()),
         )
         return StepInputs(
@@ -136,7 +113,6 @@ class StepBuilder:
             positions=pos,
             meta=meta,
             logits_indices=logits_rows,
-            sample_seqs=sample_seqs,
             prompt_rows=prompt_index,
             prompt_targets=prompt_targets,
             prompt_owners=prompt_owners,
@@ -154,18 +130,23 @@ _PoolRows = tuple[list[int], list[tuple[Sequence, int, int]]]
 
 
 def _rows_read(
-    scheduled: list[ScheduledSeq], reads: list[int], query_start: list[int]
+    batch: InputBatch,
+    rows: np.ndarray,
+    num_new: np.ndarray,
+    reads: list[int],
+    query_start: list[int],
 ) -> tuple[_PromptRows, _PoolRows]:
-    """The rows of the scheduled entries `reads` whose outputs their sequences read: prompt
-    logprobs (the rows, the prompt token each scores, and how many are each sequence's) and
-    MEAN / CLS pooling (the rows, and each sequence's chunk start and row count)."""
+    """The step rows of the scheduled entries `reads` (indices into rows) whose outputs their
+    sequences read: prompt logprobs (the rows, the prompt token each scores, and how many are
+    each sequence's) and MEAN / CLS pooling (the rows, and each sequence's chunk start and row
+    count)."""
     prompt_rows: list[int] = []
     prompt_targets: list[int] = []
     prompt_owners: list[tuple[Sequence, int]] = []
     pool_rows: list[int] = []
     pool_owners: list[tuple[Sequence, int, int]] = []
     for i in reads:
-        seq, n = scheduled[i]
+        seq, n = batch.seq_at(int(rows[i])), int(num_new[i])
         start = seq.num_computed_tokens
         end = start + n
         row0 = query_start[i] - start  # the step row of the sequence's position 0

@@ -107,7 +107,7 @@ def simulate(
     computed_prefill = 0
     while scheduler.has_unfinished():
         out = scheduler.schedule()
-        if not out.scheduled:
+        if not len(out.rows):
             raise RuntimeError("the scheduler could not run any sequence: this is a bug")
         result.preemptions += len(out.preempted)
         result.swaps += len(out.swap_out)
@@ -132,7 +132,7 @@ def simulate(
         for seq in finishing:
             done = seq.num_output_tokens + 1 >= targets[seq.seq_id]
             token = _EOS if done else _FIRST_OUTPUT_ID + seq.seq_id
-            seq.token_ids.append(token)
+            seq.append_token(token)
             result.generated_tokens += 1
             if seq.stop.append(token) is not None:
                 scheduler.finish(seq)
@@ -140,8 +140,9 @@ def simulate(
         result.steps += 1
         result.running_steps += len(running)
         result.peak_running = max(result.peak_running, len(running))
-        result.used_slot_steps += sum(s.num_computed_tokens for s in running)
-        result.reserved_slot_steps += sum(len(s.block_table) for s in running) * cfg.block_size
+        computed, blocks = scheduler.batch.held()
+        result.used_slot_steps += computed
+        result.reserved_slot_steps += blocks * cfg.block_size
     result.recomputed_tokens = computed_prefill - sum(first_prefill.values())
     return result
 

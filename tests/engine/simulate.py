@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from batchpage.engine.kv_manager import blocks_for
 from batchpage.engine.scheduler import Scheduler
 from batchpage.engine.sequence import Request, Sequence
+from batchpage.engine.stop_checker import StopChecker
 from batchpage.sampling_params import SamplingParams
 
 
@@ -22,14 +23,8 @@ def make_seq(i: int, prompt_len: int, params: SamplingParams | None = None) -> S
         prompt_token_ids=list(range(prompt_len)),
         params=params or SamplingParams(max_tokens=1),
     )
-    return Sequence(
-        seq_id=i,
-        request=req,
-        sample_index=0,
-        token_ids=list(range(prompt_len)),
-        generator=None,
-        stop=None,
-    )  # type: ignore[arg-type]
+    stop = StopChecker(lambda ids: "", req.params, prompt_len=prompt_len)
+    return Sequence(i, req, 0, list(range(prompt_len)), None, stop)
 
 
 @dataclass
@@ -59,7 +54,7 @@ def simulate(sched: Scheduler, targets: dict[int, int], max_steps: int = 100_000
         computed += out.num_tokens
         sched.update_from_output(out)
         for seq in sampling:
-            seq.token_ids.append(1000 + seq.num_tokens)
+            seq.append_token(1000 + seq.num_tokens)
             if seq.num_output_tokens == targets[seq.seq_id]:
                 sched.finish(seq)
         sched.check_integrity()

@@ -11,15 +11,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpage.engine.admission import Demand, GrowthEstimate
+from batchpage.engine.admission import Demand, GrowthEstimate, OutputLimits
 from batchpage.engine.kv_manager import KVCacheManager, blocks_for
 from batchpage.engine.scheduler import Scheduler
 from batchpage.sampling_params import SamplingParams
 from tests.engine.simulate import make_seq, simulate
 
 
+def _expected_all(g: GrowthEstimate, seqs: list, max_model_len: int) -> np.ndarray:
+    now = np.array([s.num_tokens for s in seqs], dtype=np.int64)
+    return g.expected_tokens(now, OutputLimits.of(seqs), max_model_len)
+
+
 def _expected(g: GrowthEstimate, seq) -> int:
-    return int(g.expected_tokens([seq], max_model_len=100)[0])
+    return int(_expected_all(g, [seq], 100)[0])
 
 
 def test_expected_tokens_follow_budget_ignore_eos_and_min_tokens() -> None:
@@ -80,7 +85,7 @@ def test_expected_tokens_of_many_equal_each_alone_by_the_formula(seqs, ratio) ->
         certain = remaining if p.ignore_eos else min(remaining, max(0, p.min_tokens - out))
         share = max(ratio, 0.5)
         want.append(math.ceil(share * certain) + round(ratio * (remaining - certain)))
-    assert g.expected_tokens(built, max_model_len=80).tolist() == want
+    assert _expected_all(g, built, 80).tolist() == want
 
 
 @settings(max_examples=200, deadline=None)

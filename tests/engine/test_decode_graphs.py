@@ -60,7 +60,7 @@ def test_padded_decode_equals_the_unpadded_step(folder: Path, backend: str, dtyp
     for batch in (5, 3, 1):  # padded to 8, 4 and 1 rows
         out = engine.scheduler.schedule()
         scheduled = out.scheduled[:batch]
-        inputs = engine.step_builder.build(scheduled, engine.kv_manager.take_changed())
+        inputs = engine.step_builder.build(out.rows[:batch], out.num_new[:batch])
         assert inputs.meta.is_decode_only and inputs.logits_indices.numel() == batch
         before = [t.clone() for t in (*runner.kv.k, *runner.kv.v)]
         want = runner.execute(inputs, out).logits
@@ -76,7 +76,7 @@ def test_padded_decode_equals_the_unpadded_step(folder: Path, backend: str, dtyp
             assert torch.equal(t[real], expected[real])
         for row, s in enumerate(scheduled):  # the step happened: its tokens are computed
             s.seq.num_computed_tokens += 1
-            s.seq.token_ids.append(int(want[row].argmax()))
+            s.seq.append_token(int(want[row].argmax()))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -7,12 +7,13 @@ sequence has its full output and every block is free.
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchpage.engine.admission import GrowthEstimate
 from batchpage.engine.kv_manager import KVCacheManager, blocks_for
-from batchpage.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from batchpage.engine.scheduler import Scheduler, SchedulerOutput
 from batchpage.engine.sequence import SeqStatus, Sequence
 from batchpage.sampling_params import SamplingParams
 from tests.engine.simulate import make_seq, simulate
@@ -87,14 +88,14 @@ def test_small_pool_preempts_the_newest_and_recovers():
     assert [s.seq.seq_id for s in out.scheduled] == [0, 1, 2]
     for s in out.scheduled:
         s.seq.num_computed_tokens += s.num_new_tokens
-        s.seq.token_ids.append(1)
+        s.seq.append_token(1)
     # Each now needs a third block at token 9: only the oldest two get one, the newest is
     # preempted and goes back to the front of the queue.
     for _ in range(2):
         out = sched.schedule()
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
-            s.seq.token_ids.append(1)
+            s.seq.append_token(1)
     assert sched.num_preemptions == 1
     assert seqs[2].status is SeqStatus.WAITING and seqs[2].num_computed_tokens == 0
     assert list(sched.waiting) == [seqs[2]]
@@ -112,7 +113,7 @@ def test_prefix_cache_serves_shared_prompts_and_defers_one_step():
     assert [s.seq for s in out.scheduled] == [a]
     a.num_computed_tokens += 10
     kv.cache_progress(a)
-    a.token_ids.append(1010)
+    a.append_token(1010)
     out = sched.schedule()
     assert [s.seq for s in out.scheduled] == [a, b]
     assert b.num_cached_tokens == 8 and out.scheduled[1].num_new_tokens == 2
@@ -137,7 +138,7 @@ def test_a_sequence_waiting_for_a_shared_block_does_not_hold_back_the_queue_behi
     for s in out.scheduled:
         s.seq.num_computed_tokens += s.num_new_tokens
         kv.cache_progress(s.seq)
-        s.seq.token_ids.append(1)
+        s.seq.append_token(1)
     out = sched.schedule()
     assert [s.seq for s in out.scheduled] == [a, c, d, b]
     assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
@@ -162,6 +163,8 @@ def test_prompt_scoring_sequences_with_a_shared_prefix_are_admitted_together() -
 
 class PublishLog:
     """A KV manager that records which sequences published their computed blocks."""
+
+    num_blocks, block_size, tree = 64, 4, "a prefix cache"
 
     def __init__(self) -> None:
         self.published: list[int] = []
@@ -192,8 +195,13 @@ def test_a_step_is_committed_by_each_rows_state_not_its_token_count() -> None:
         seq.num_computed_tokens = before
         seqs.append(seq)
     kv = PublishLog()
-    scheduled = [ScheduledSeq(seq, row[3]) for seq, row in zip(seqs, rows, strict=True)]
     scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)  # type: ignore[arg-type]
-    assert scheduler.update_from_output(SchedulerOutput(scheduled)) == sum(r[4] for r in rows)
+    batch = scheduler.batch
+    out = SchedulerOutput(
+        batch,
+        rows=np.array([batch.join(seq) for seq in seqs]),
+        num_new=np.array([row[3] for row in rows]),
+    )
+    assert scheduler.update_from_output(out) == sum(r[4] for r in rows)
     assert kv.published == [i for i, row in enumerate(rows) if row[4]]
     assert [s.num_computed_tokens for s in seqs] == [row[2] + row[3] for row in rows]

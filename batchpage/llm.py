@@ -14,6 +14,7 @@ from batchpage.engine.beam_search import worst_case_blocks
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.engine import BEAM_SEARCH_WITH_CONSTRAINT, Engine
 from batchpage.engine.plan import plan_engine
+from batchpage.engine.reasoning import reasoning_text
 from batchpage.engine.sampler import TopLogprobs
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.lora.request import LoRARequest
@@ -375,7 +376,7 @@ def _request_output(req: Request, seqs: list[Sequence]) -> RequestOutput:
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
                 logprobs=[_logprob_dict(lp) for lp in seq.logprobs] if seq.logprobs else None,
-                reasoning=seq.reasoning,
+                reasoning=reasoning_text(seq),
                 cumulative_logprob=seq.cumulative_logprob,
             )
         )

@@ -38,7 +38,7 @@ _SUMMED = (
 _PEAKS = ("peak_running", "peak_kv_blocks_used")
 # The parts of an engine step, timed apart (RunStats.step_time_s). On a device that runs
 # asynchronously (CUDA) the forward's time lands where the host first waits for its result.
-STEP_PARTS = ("schedule", "inputs", "forward", "sample", "stop_checks")
+STEP_PARTS = ("schedule", "inputs", "forward", "sample", "stop_checks", "commit")
 
 
 def tokens_per_s(tokens: int, seconds: float) -> float:

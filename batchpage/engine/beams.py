@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from batchpage.engine.beam_search import BeamGroup, beam_max_len
+from batchpage.engine.reasoning import ThinkingTracker
 from batchpage.engine.scheduler import Scheduler
 from batchpage.engine.sequence import Request, SeqStatus, Sequence
 from batchpage.engine.sequence_factory import SequenceFactory
@@ -94,10 +95,11 @@ class Beams:
             ended = bool(hyp.tokens) and hyp.tokens[-1] in search.eos_ids
             seq.finish_reason = "stop" if ended else "length"
             answer = hyp.tokens
-            if seq.thinking is not None:  # the split of a reasoning model's output
+            thinking = seq.feature(ThinkingTracker)
+            if thinking is not None:  # the split of a reasoning model's output
                 for token in hyp.tokens:
-                    seq.thinking.append(token)
-                begin = seq.thinking.answer_start
+                    thinking.append(token)
+                begin = thinking.answer_start
                 answer = hyp.tokens[begin:] if begin is not None else []
             skip = req.params.skip_special_tokens
             seq.text = self.factory.tokenizer.decode(answer, skip_special_tokens=skip)

@@ -21,13 +21,18 @@ import torch
 
 from batchpage.engine.beams import Beams
 from batchpage.engine.config import EngineConfig
-from batchpage.engine.constraint import GrammarMasks, advance
+from batchpage.engine.constraint import Constraint, GrammarMasks, advance
 from batchpage.engine.grammar_cache import GrammarCache
 from batchpage.engine.kv_manager import KVCacheManager
 from batchpage.engine.model_runner import Peers, build_model_runner
 from batchpage.engine.plan import EnginePlan
-from batchpage.engine.pooling import PoolingType, add_chunk, pooled_vector, uses_score_head
-from batchpage.engine.reasoning import allow_start_marker, force_tokens, resolve_markers
+from batchpage.engine.pooling import PoolingType, PoolSum, pooled_vector, uses_score_head
+from batchpage.engine.reasoning import (
+    ThinkingTracker,
+    allow_start_marker,
+    force_tokens,
+    resolve_markers,
+)
 from batchpage.engine.sampler import (
     RowParams,
     SamplerOutput,
@@ -185,12 +190,14 @@ class Engine:
         if prompt_logits is not None:
             self._score_prompts(inputs, prompt_logits)
         stats.prefill_tokens_computed += self.scheduler.update_from_output(out)
+        parts["commit"] += clock() - t3
         if self.pooling is not None:
             finished = self._pool(inputs, logits, pooled)
         elif len(inputs.sample_rows):
             finished = self._sample(inputs, logits)
         else:
             finished = []
+        t4 = clock()
         computed, blocks = self.batch.held()
         stats.record_step(
             num_running=len(self.scheduler.running),
@@ -198,6 +205,7 @@ class Engine:
             reserved_slots=blocks * self.cfg.block_size,
             blocks_used=blocks_used,
         )
+        parts["commit"] += clock() - t4
         if self.check_integrity_each_step:
             self.scheduler.check_integrity()
         self._finish_run_if_done()
@@ -236,7 +244,11 @@ class Engine:
         row = 0
         for seq, start, n in inputs.pool_owners:
             assert pooled is not None
-            seq.pool_total = add_chunk(seq.pool_total, start, pooled[row : row + n])
+            pool_sum = seq.feature(PoolSum)
+            if pool_sum is None:
+                pool_sum = PoolSum()
+                seq.attach(pool_sum)
+            pool_sum.add_chunk(start, pooled[row : row + n])
             row += n
         seqs = self.batch.seqs(inputs.sample_rows)
         if not seqs:
@@ -244,7 +256,7 @@ class Engine:
         pooling = self.pooling
         assert pooling is not None
         vectors = [
-            pooled_vector(pooling, s.pool_total, last_rows[i], s.num_prompt_tokens)
+            pooled_vector(pooling, _pool_total(s), last_rows[i], s.num_prompt_tokens)
             for i, s in enumerate(seqs)
         ]
         stacked = torch.stack([v.to(last_rows.dtype) for v in vectors])
@@ -252,7 +264,8 @@ class Engine:
             outputs = self.model.pool_head(stacked) if uses_score_head(self.task) else stacked
         outputs = outputs.float().cpu()
         for seq, out in zip(seqs, outputs, strict=True):
-            seq.pooled, seq.pool_total = out, None
+            seq.pooled = out
+            seq.detach(PoolSum)
             seq.finish_reason = "stop"
             self.stats.cached_prompt_tokens += seq.num_cached_tokens
             self.scheduler.finish(seq)
@@ -328,7 +341,8 @@ class Engine:
             return {}
         forced = {}
         for row, seq in enumerate(self.batch.seqs(rows)):
-            if seq.thinking is not None and (token := seq.thinking.forced_token) is not None:
+            thinking = seq.feature(ThinkingTracker)
+            if thinking is not None and (token := thinking.forced_token) is not None:
                 forced[row] = token
         return forced
 
@@ -344,10 +358,15 @@ class Engine:
         a grammar constrains any of them."""
         # Token histories cost a copy per row: build them only when a row's penalties read them.
         history = bool(rows.processed.any())
-        constraints = [s.active_constraint for s in seqs] if constrained else [None] * len(seqs)
+        thinking = [s.feature(ThinkingTracker) for s in seqs]
+        constraints = (
+            [_active_constraint(s, t) for s, t in zip(seqs, thinking, strict=True)]
+            if constrained
+            else [None] * len(seqs)
+        )
         token_mask = self.masks.fill(constraints) if constrained else None
         if token_mask is not None and self.reasoning is not None:
-            before = [i for i in token_mask.rows if (t := seqs[i].thinking) and t.may_open]
+            before = [i for i in token_mask.rows if (t := thinking[i]) and t.may_open]
             allow_start_marker(token_mask, before, self.reasoning.start_id)
         if forced:
             token_mask = force_tokens(token_mask, forced, len(seqs), self.masks.vocab_size)
@@ -365,9 +384,8 @@ class Engine:
         if not constrained:
             return result
         if self.reasoning is not None:  # a grammar takes answer tokens, not a start marker
-            for i, (seq, token) in enumerate(zip(seqs, result.token_ids, strict=True)):
-                thinking = seq.thinking
-                if constraints[i] is not None and thinking and not thinking.is_answer_token(token):
+            for i, (tracker, token) in enumerate(zip(thinking, result.token_ids, strict=True)):
+                if constraints[i] is not None and tracker and not tracker.is_answer_token(token):
                     constraints[i] = None
         advance(constraints, result.token_ids)
         return result
@@ -402,20 +420,22 @@ class Engine:
             if seq.logprobs is None:
                 seq.logprobs = []
             seq.logprobs.append(logprobs)
-        thinking, stop = seq.thinking, seq.stop
+        thinking, stop = seq.feature(ThinkingTracker), seq.stop
         if thinking is not None and thinking.append(token) and not stop.text_open:
             stop.open_text(tokens[-5:-1])  # the answer begins with this token
         decision = stop.catch_up(tokens)
-        if (decision is not None or seq.constraint is not None) and self._stops(seq, decision):
+        constraint = seq.feature(Constraint)
+        if (decision is not None or constraint is not None) and self._stops(
+            seq, constraint, decision
+        ):
             self.scheduler.finish(seq)
             return True
         return False
 
     @staticmethod
-    def _stops(seq: Sequence, decision: StopDecision | None) -> bool:
+    def _stops(seq: Sequence, constraint: Constraint | None, decision: StopDecision | None) -> bool:
         """After the stop checker's decision on the new token, a structured output's stop
         strings; when the sequence ends, set its finish reason and final text."""
-        constraint = seq.constraint
         text = None
         if (
             constraint is not None
@@ -431,6 +451,18 @@ class Engine:
         seq.finish_reason, seq.stop_reason = decision.finish_reason, decision.stop_reason
         seq.text = seq.stop.text if text is None else text
         return True
+
+
+def _pool_total(seq: Sequence) -> torch.Tensor | None:
+    pool_sum = seq.feature(PoolSum)
+    return None if pool_sum is None else pool_sum.total
+
+
+def _active_constraint(seq: Sequence, thinking: ThinkingTracker | None) -> Constraint | None:
+    """The constraint that masks seq's next token: none while it thinks."""
+    if thinking is not None and not thinking.answer_may_start:
+        return None
+    return seq.feature(Constraint)
 
 
 def _token_ids(tokenizer: Tokenizer, tokens: list[str]) -> list[int]:

@@ -21,6 +21,8 @@ import numpy as np
 
 from batchpage.engine.adapter_slots import AdapterSlots
 from batchpage.engine.admission import OutputLimits
+from batchpage.engine.constraint import Constraint
+from batchpage.engine.reasoning import ThinkingTracker
 from batchpage.engine.sampler import RowParams
 from batchpage.engine.sequence import Sequence
 
@@ -112,7 +114,7 @@ class InputBatch:
         self.beam[row] = seq.params.use_beam_search
         for column, value in zip(self.sampling, RowParams.of([seq.params]), strict=True):
             column[row] = value[0]
-        self.constrained[row] = seq.constraint is not None
+        self.constrained[row] = seq.feature(Constraint) is not None
         for column, value in zip(self.limits, OutputLimits.of([seq]), strict=True):
             column[row] = value[0]
         slot = self.adapters.slot_of(seq.request.lora)
@@ -189,8 +191,8 @@ class InputBatch:
         self.stop_len[row] = seq.num_prompt_tokens + (limit if limit is not None else 2**62)
         self.each_token[row] = (
             stop.follows_each_token
-            or seq.constraint is not None
-            or seq.thinking is not None
+            or seq.feature(Constraint) is not None
+            or seq.feature(ThinkingTracker) is not None
             or seq.params.logprobs is not None
         )
         ending = stop.ending_ids
@@ -247,7 +249,7 @@ class InputBatch:
             assert self.beam[row] == seq.params.use_beam_search, f"row {row}: beam"
             own = RowParams.of([seq.params])
             assert all(c[row] == v[0] for c, v in zip(self.sampling, own, strict=True))
-            assert self.constrained[row] == (seq.constraint is not None)
+            assert self.constrained[row] == (seq.feature(Constraint) is not None)
             limits = OutputLimits.of([seq])
             assert all(c[row] == v[0] for c, v in zip(self.limits, limits, strict=True))
             assert self.lora_slot[row] == self.adapters.slot_of(seq.request.lora), "lora slot"

@@ -17,6 +17,7 @@ runs on the pooled vectors of the requests that finished in the step, in one cal
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import torch
 
@@ -51,11 +52,18 @@ class PoolingType(enum.Enum):
 POOLING_TYPES = tuple(p.value for p in PoolingType)
 
 
-def add_chunk(total: torch.Tensor | None, start: int, rows: torch.Tensor) -> torch.Tensor:
-    """A sequence's running float32 sum [hidden] after a chunk starting at position `start`
-    (rows [n, hidden]); a chunk at position 0 starts over (a recompute after preemption)."""
-    chunk = rows.float().sum(0)
-    return chunk if start == 0 or total is None else total + chunk
+@dataclass
+class PoolSum:
+    """A pooling sequence's state (attached to it while its prompt is computed): the float32
+    running sum [hidden] of the rows it reads."""
+
+    total: torch.Tensor | None = None
+
+    def add_chunk(self, start: int, rows: torch.Tensor) -> None:
+        """Add a chunk starting at position `start` (rows [n, hidden]); a chunk at position 0
+        starts over (a recompute after preemption)."""
+        chunk = rows.float().sum(0)
+        self.total = chunk if start == 0 or self.total is None else self.total + chunk
 
 
 def pooled_vector(

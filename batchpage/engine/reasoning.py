@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import xgrammar as xgr
 
 from batchpage.engine.sampler import TokenMask
+
+if TYPE_CHECKING:
+    from batchpage.engine.sequence import Sequence as EngineSequence
 
 
 class ReasoningFormat(NamedTuple):
@@ -195,6 +198,20 @@ class ThinkingTracker:
             return None
         end = self.reasoning_end if self.reasoning_end is not None else len(output_ids)
         return list(output_ids[self.reasoning_start : end])
+
+
+def reasoning_text(seq: EngineSequence) -> str | None:
+    """The thinking's text of a sequence's output (no markers); None when it did not think."""
+    thinking = seq.feature(ThinkingTracker)
+    if thinking is None:
+        return None
+    ids = thinking.reasoning_ids(seq.output_token_ids)
+    if ids is None:
+        return None
+    if thinking.reasoning_end is None and seq.finish_reason == "stop" and ids:
+        ids = ids[:-1]  # the EOS or stop token that ended it while thinking
+    start = seq.num_prompt_tokens + thinking.reasoning_start
+    return seq.stop.decode_span(seq.token_ids[max(0, start - 4) : start], ids)
 
 
 def allow_start_marker(mask: TokenMask, rows: Sequence[int], start_id: int) -> None:

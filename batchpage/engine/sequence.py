@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -18,10 +18,8 @@ from batchpage.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
-    from batchpage.engine.constraint import Constraint
     from batchpage.engine.input_batch import InputBatch
     from batchpage.engine.pooling import PoolingType
-    from batchpage.engine.reasoning import ThinkingTracker
     from batchpage.engine.sampler import TopLogprobs
     from batchpage.engine.stop_checker import StopChecker
     from batchpage.lora.request import LoRARequest
@@ -42,6 +40,9 @@ class Request:
     lora: LoRARequest | None = None
 
 
+T = TypeVar("T")
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -54,15 +55,19 @@ class Sequence:
     tokens it takes each step: `num_computed_tokens`, `num_tokens` and `token_ids` read through
     the row (the tokens taken since the last read are moved into the list on that read), and a
     token is appended with `append_token` (the engine appends a whole step's with
-    InputBatch.append_tokens), never to the list itself. Feature state (grammar, thinking,
-    pooling, logprobs) is set by its feature; the row flags tell a step which rows need it."""
+    InputBatch.append_tokens), never to the list itself.
+
+    It holds scheduling state and its results (text, finish reason, logprobs, pooled output).
+    A feature's own state is attached by the feature (`attach`, `feature`: structured outputs'
+    Constraint, reasoning's ThinkingTracker, pooling's PoolSum), never a field here; the batch's
+    row flags tell a step which rows need it."""
 
     __slots__ = (
         "seq_id", "request", "sample_index", "_tokens", "generator", "stop",
         "num_prompt_tokens", "_computed", "num_cached_tokens", "block_table", "status",
         "admitted_once", "finish_reason", "stop_reason", "text", "logprobs", "prompt_logprobs",
-        "cumulative_logprob", "swapped_tokens", "pending_forks", "constraint", "thinking",
-        "plain_greedy", "pool_total", "pooled", "batch", "row",
+        "cumulative_logprob", "swapped_tokens", "pending_forks", "pooled", "batch", "row",
+        "_features",
     )  # fmt: skip
 
     def __init__(
@@ -73,8 +78,6 @@ class Sequence:
         token_ids: list[int],
         generator: torch.Generator | None,
         stop: StopChecker,
-        constraint: Constraint | None = None,
-        thinking: ThinkingTracker | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.request = request
@@ -100,21 +103,30 @@ class Sequence:
         self.swapped_tokens = 0
         # Sample indices still to fork from this sequence once its prompt is computed (n > 1).
         self.pending_forks: list[int] = []
-        # The grammar state of a request with structured_outputs; None when unconstrained.
-        self.constraint = constraint
-        # With a reasoning parser, where the thinking ends and the answer begins; None when the
-        # output is all answer (no parser, or a prompt that closed the thinking already).
-        self.thinking = thinking
-        # Its token is the argmax of the raw logits (read every step, set once), but on a step
-        # that forces its end of thinking (thinking.forced_token).
-        self.plain_greedy = request.params.is_plain_greedy and constraint is None
-        # A pooling request's float32 running sum of the rows it reads (engine/pooling.py),
-        # then its output: the model's head on the pooled vector.
-        self.pool_total: torch.Tensor | None = None
+        # A pooling request's output: the model's head on the pooled vector (engine/pooling.py).
         self.pooled: torch.Tensor | None = None
+        self._features: dict[type, object] = {}
         # The input batch and row it holds while it runs (InputBatch.join / leave).
         self.batch: InputBatch | None = None
         self.row = -1
+
+    def attach(self, state: object) -> None:
+        """Attach a feature's state for this sequence (at most one of each type)."""
+        self._features[type(state)] = state
+
+    def feature(self, kind: type[T]) -> T | None:
+        """The attached state of type `kind`; None when the feature does not follow it."""
+        return self._features.get(kind)  # type: ignore[return-value]
+
+    def detach(self, kind: type) -> None:
+        self._features.pop(kind, None)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Its token is the argmax of the raw logits (the row flag the sampler reads), but on a
+        step that forces its end of thinking (ThinkingTracker.forced_token)."""
+        params = self.request.params
+        return params.is_plain_greedy and params.structured_outputs is None
 
     def __repr__(self) -> str:
         return f"Sequence({self.seq_id}, {self.status.value}, {self.num_tokens} tokens)"
@@ -166,27 +178,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def reasoning(self) -> str | None:
-        """The thinking's text (no markers); None when the output did not think."""
-        if self.thinking is None:
-            return None
-        output = self.output_token_ids
-        ids = self.thinking.reasoning_ids(output)
-        if ids is None:
-            return None
-        if self.thinking.reasoning_end is None and self.finish_reason == "stop" and ids:
-            ids = ids[:-1]  # the EOS or stop token that ended it while thinking
-        start = self.num_prompt_tokens + self.thinking.reasoning_start
-        return self.stop.decode_span(self.token_ids[max(0, start - 4) : start], ids)
-
-    @property
-    def active_constraint(self) -> Constraint | None:
-        """The constraint that masks this sequence's next token: none while it thinks."""
-        if self.thinking is not None and not self.thinking.answer_may_start:
-            return None
-        return self.constraint
 
     @property
     def reads_every_prompt_row(self) -> bool:

@@ -75,8 +75,6 @@ class SequenceFactory:
             sample_index=sample_index,
             token_ids=list(req.prompt_token_ids),
             generator=gen,
-            constraint=constraint,
-            thinking=thinking,
             stop=StopChecker(
                 self.tokenizer.decoder(params.skip_special_tokens),
                 params,
@@ -90,6 +88,9 @@ class SequenceFactory:
                 text_open=thinking is None,
             ),
         )
+        for state in (constraint, thinking):
+            if state is not None:
+                seq.attach(state)
         if req.params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first prompt token has nothing before it
         self._next_id += 1

@@ -82,9 +82,25 @@ def timed_generate(llm: LLM, prompts: list[Any], params: Any, **kwargs: Any) -> 
 
 def run_greedy(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Any]:
     """Greedy with ignore_eos: each request generates exactly its max_tokens, so every system and
-    configuration produces the same number of tokens. `tokens`: each request's completion."""
+    configuration produces the same number of tokens. `tokens`: each request's completion;
+    `decode_parts`: the mean ms a step of each part of the steps that computed no prompt token
+    (decode-only: no admission's prefill), and `decode_steps` their count."""
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    run = timed_generate(llm, prompts, params)
+    marks: list[tuple[int, dict[str, float]]] = []
+
+    def on_step(stats: Any) -> None:
+        marks.append((stats.prefill_tokens_computed, dict(stats.step_time_s)))
+
+    run = timed_generate(llm, prompts, params, on_step=on_step)
+    decode = [
+        {part: b[part] - a.get(part, 0.0) for part in b}
+        for (p0, a), (p1, b) in zip(marks, marks[1:], strict=False)
+        if p1 == p0
+    ]
+    run["decode_steps"] = len(decode)
+    run["decode_parts"] = {
+        part: 1e3 * sum(d[part] for d in decode) / max(1, len(decode)) for part in marks[-1][1]
+    } if marks else {}  # fmt: skip
     run["tokens"] = [samples[0] for samples in run.pop("outputs")]
     if [len(t) for t in run["tokens"]] != list(max_tokens):
         raise RuntimeError("generated lengths differ from the targets")

@@ -124,7 +124,9 @@ def run_batchpage(
         log(f"batchpage {w.name} {dtype}: {run['output_tok_s']:.1f} output tok/s")
         results.append(PeerResult(
             "batchpage", w.name, dtype, run["wall_s"], len(w.prompts), w.prompt_tokens,
-            run["generated_tokens"], dict(enumerate(run["tokens"])), {"engine_stats": run["stats"]},
+            run["generated_tokens"], dict(enumerate(run["tokens"])),
+            {"engine_stats": run["stats"], "decode_steps": run["decode_steps"],
+             "decode_parts": run["decode_parts"]},
         ))  # fmt: skip
         del llm
         gc.collect()  # free this pool before the next engine allocates its own
@@ -297,8 +299,10 @@ def rounds_table(results: list[PeerResult]) -> str:
 
 
 def steps_table(results: list[PeerResult]) -> str:
-    """The parts of batchpage's steps in ms a step, from each run's engine stats."""
-    headers = ["dtype", "running", "peak running", "steps", "step ms",
+    """The parts of batchpage's steps in ms a step, from each run's engine stats: over all
+    steps, and over the decode-only ones (no prompt token computed: no admission, whose work
+    is once per request)."""
+    headers = ["dtype", "running", "steps", "peak running", "step ms",
                *(f"{p} ms" for p in STEP_PARTS), "own work ms"]  # fmt: skip
     rows = []
     for r in results:
@@ -307,8 +311,14 @@ def steps_table(results: list[PeerResult]) -> str:
             parts = [1e3 * stats["step_time_s"][p] / steps for p in STEP_PARTS]
             own = sum(v for p, v in zip(STEP_PARTS, parts, strict=True) if p != "forward")
             ms = [1e3 * stats["elapsed_s"] / steps, *parts, own]
-            rows.append([r.dtype, r.requests, stats["peak_running"], steps,
+            rows.append([r.dtype, r.requests, f"all {steps}", stats["peak_running"],
                          *(report.fmt(v, 2) for v in ms)])  # fmt: skip
+            decode = r.extra.get("decode_parts")
+            if decode:
+                parts = [decode.get(p, 0.0) for p in STEP_PARTS]
+                own = sum(v for p, v in zip(STEP_PARTS, parts, strict=True) if p != "forward")
+                rows.append([r.dtype, r.requests, f"decode-only {r.extra['decode_steps']}", "",
+                             "", *(report.fmt(v, 2) for v in [*parts, own])])  # fmt: skip
     return report.markdown_table(headers, rows)
 
 

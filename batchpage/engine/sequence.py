@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -18,7 +18,6 @@ from batchpage.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
-    from batchpage.engine.input_batch import InputBatch
     from batchpage.engine.pooling import PoolingType
     from batchpage.engine.sampler import TopLogprobs
     from batchpage.engine.stop_checker import StopChecker
@@ -41,6 +40,18 @@ class Request:
 
 
 T = TypeVar("T")
+
+
+class RowHome(Protocol):
+    """Where a running sequence's computed count and new tokens live: its row of the input
+    batch (engine/input_batch.py)."""
+
+    computed: np.ndarray
+    num_tokens: np.ndarray
+
+    def sync(self, row: int) -> None: ...
+
+    def append_tokens(self, rows: np.ndarray, tokens: list[int] | np.ndarray) -> None: ...
 
 
 class SeqStatus(enum.Enum):
@@ -107,7 +118,7 @@ class Sequence:
         self.pooled: torch.Tensor | None = None
         self._features: dict[type, object] = {}
         # The input batch and row it holds while it runs (InputBatch.join / leave).
-        self.batch: InputBatch | None = None
+        self.batch: RowHome | None = None
         self.row = -1
 
     def attach(self, state: object) -> None:

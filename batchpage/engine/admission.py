@@ -142,7 +142,10 @@ class Demand:
     def _inserted(self, now: int, to_come: int, copies: int) -> tuple[np.ndarray, np.ndarray]:
         """The arrays with `copies` of (now, to_come) inserted after the ties they meet."""
         at = int(np.searchsorted(-self._to_come, -to_come, side="right"))
+        # concatenate, not np.insert: the same arrays at a fraction of its per-call cost
+        to_come_new = np.full(copies, to_come, dtype=np.int64)
+        now_new = np.full(copies, now, dtype=np.int64)
         return (
-            np.insert(self._to_come, at, [to_come] * copies),
-            np.insert(self._now, at, [now] * copies),
+            np.concatenate((self._to_come[:at], to_come_new, self._to_come[at:])),
+            np.concatenate((self._now[:at], now_new, self._now[at:])),
         )

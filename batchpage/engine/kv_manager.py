@@ -95,22 +95,19 @@ class KVCacheManager:
         self._changed[seq.seq_id] = seq
         return m.num_tokens
 
-    def _needs_cow(self, seq: Sequence) -> bool:
+    def _needs_cow(self, table: list[int], computed: int) -> bool:
         # The next token lands in the last block when it is partly filled; it must be private.
-        table = seq.block_table
-        return (
-            bool(table)
-            and seq.num_computed_tokens % self.block_size != 0
-            and self.pool.refcount(table[-1]) > 1
-        )
+        return bool(table) and computed % self.block_size != 0 and self.pool.refcount(table[-1]) > 1
 
-    def _target_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        """The block table's length once the next num_new_tokens tokens have slots."""
-        return blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
+    def _target_blocks(self, computed: int, num_new_tokens: int) -> int:
+        """The block table's length once the next num_new_tokens tokens (after `computed`) have
+        slots."""
+        return blocks_for(computed + num_new_tokens, self.block_size)
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        total = self._target_blocks(seq, num_new_tokens)
-        return max(0, total - len(seq.block_table)) + int(self._needs_cow(seq))
+        table, computed = seq.block_table, seq.num_computed_tokens
+        total = self._target_blocks(computed, num_new_tokens)
+        return max(0, total - len(table)) + int(self._needs_cow(table, computed))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
@@ -128,21 +125,22 @@ class KVCacheManager:
             # Most decode steps: the next slots are in blocks the sequence owns alone. (A static
             # table holds its reserve from its first allocation on, so this holds there too.)
             return []
-        need = self.blocks_needed(seq, num_new_tokens)
-        if need > self.num_free_blocks:
-            free = self.num_free_blocks
+        cow = self._needs_cow(table, computed)
+        total = self._target_blocks(computed, num_new_tokens)
+        need = max(0, total - len(table)) + int(cow)
+        free = self.num_free_blocks
+        if need > free:
             raise OutOfBlocks(f"sequence {seq.seq_id} needs {need} blocks, {free} available")
         if need > self.pool.num_free:
             assert self.tree is not None
             self.tree.evict(need - self.pool.num_free)
         copies = []
-        if self._needs_cow(seq):
-            res = self.pool.cow(seq.block_table[-1])
+        if cow:
+            res = self.pool.cow(table[-1])
             assert res.copy_from is not None
             copies.append(BlockCopy(src=res.copy_from, dst=res.block))
-            seq.block_table[-1] = res.block
-        total = self._target_blocks(seq, num_new_tokens)
-        seq.block_table.extend(self.pool.allocate(max(0, total - len(seq.block_table))))
+            table[-1] = res.block
+        table.extend(self.pool.allocate(max(0, total - len(table))))
         self._changed[seq.seq_id] = seq
         return copies
 
@@ -233,8 +231,8 @@ class StaticKVCacheManager(KVCacheManager):
         super().__init__(num_blocks, block_size, prefix_caching=False)
         self.reserve = blocks_for(max_model_len, block_size)
 
-    def _target_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        return max(self.reserve, super()._target_blocks(seq, num_new_tokens))
+    def _target_blocks(self, computed: int, num_new_tokens: int) -> int:
+        return max(self.reserve, super()._target_blocks(computed, num_new_tokens))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         raise ValueError("kv_allocator=static shares no blocks: samples run as separate sequences")

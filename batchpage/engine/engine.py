@@ -34,10 +34,11 @@ from batchpage.engine.reasoning import (
     resolve_markers,
 )
 from batchpage.engine.sampler import (
-    RowParams,
+    Penalties,
     SamplerOutput,
     TopLogprobs,
     compute_logprobs,
+    draw_keys,
     sample,
     sample_greedy,
 )
@@ -314,10 +315,7 @@ class Engine:
         if not forced and batch.plain_greedy[rows].all():
             result = sample_greedy(logits, self.argmax)
         else:
-            constrained = bool(batch.constrained[rows].any())
-            rows_params = batch.sampling.take(rows)
-            seqs = batch.seqs(rows)
-            result = self._sample_rows(seqs, logits, forced, rows_params, constrained)
+            result = self._sample_rows(rows, logits, forced)
         batch.append_tokens(rows, result.token_ids)
         t1 = clock()
         parts["sample"] += t1 - t0
@@ -347,46 +345,48 @@ class Engine:
         return forced
 
     def _sample_rows(
-        self,
-        seqs: list[Sequence],
-        logits: torch.Tensor,
-        forced: dict[int, int],
-        rows: RowParams,
-        constrained: bool,
+        self, rows: np.ndarray, logits: torch.Tensor, forced: dict[int, int]
     ) -> SamplerOutput:
-        """`rows`: the sequences' sampling settings (their batch rows'); `constrained`: whether
-        a grammar constrains any of them."""
-        # Token histories cost a copy per row: build them only when a row's penalties read them.
-        history = bool(rows.processed.any())
-        thinking = [s.feature(ThinkingTracker) for s in seqs]
-        constraints = (
-            [_active_constraint(s, t) for s, t in zip(seqs, thinking, strict=True)]
-            if constrained
-            else [None] * len(seqs)
-        )
-        token_mask = self.masks.fill(constraints) if constrained else None
-        if token_mask is not None and self.reasoning is not None:
-            before = [i for i in token_mask.rows if (t := thinking[i]) and t.may_open]
-            allow_start_marker(token_mask, before, self.reasoning.start_id)
+        """Sample the batch rows `rows` (logits in their order), not all plain greedy: settings
+        and draw keys from the batch's columns; sequences are read only for the rows that
+        carry lists (penalties' token histories, grammars and their thinking)."""
+        batch, n = self.batch, len(rows)
+        params = batch.sampling.take(rows)
+        keys = draw_keys(batch.seed[rows], batch.num_tokens[rows])
+        processed = np.flatnonzero(params.processed).tolist()
+        penalties = None
+        if processed:
+            seqs = batch.seqs(rows[processed])
+            penalties = Penalties(
+                processed,
+                [s.params for s in seqs],
+                [s.token_ids[: s.num_prompt_tokens] for s in seqs],
+                [s.output_token_ids for s in seqs],
+                [self.eos_ids] * len(seqs),
+            )
+        constrained = np.flatnonzero(batch.constrained[rows]).tolist()
+        constraints: list[Constraint | None] = [None] * n
+        thinking: dict[int, ThinkingTracker] = {}
+        token_mask = None
+        if constrained:
+            for i, seq in zip(constrained, batch.seqs(rows[constrained]), strict=True):
+                tracker = seq.feature(ThinkingTracker)
+                if tracker is not None:
+                    thinking[i] = tracker
+                constraints[i] = _active_constraint(seq, tracker)
+            token_mask = self.masks.fill(constraints)
+            if token_mask is not None and self.reasoning is not None:
+                before = [i for i in token_mask.rows if (t := thinking.get(i)) and t.may_open]
+                allow_start_marker(token_mask, before, self.reasoning.start_id)
         if forced:
-            token_mask = force_tokens(token_mask, forced, len(seqs), self.masks.vocab_size)
-        result = sample(
-            logits,
-            params=[s.params for s in seqs],
-            generators=[s.generator for s in seqs],
-            prompt_ids=[s.token_ids[: s.num_prompt_tokens] if history else () for s in seqs],
-            output_ids=[s.output_token_ids if history else () for s in seqs],
-            eos_ids=[self.eos_ids] * len(seqs),
-            token_mask=token_mask,
-            argmax=self.argmax,
-            rows=rows,
-        )
+            token_mask = force_tokens(token_mask, forced, n, self.masks.vocab_size)
+        result = sample(logits, params, keys, penalties, token_mask, self.argmax)
         if not constrained:
             return result
-        if self.reasoning is not None:  # a grammar takes answer tokens, not a start marker
-            for i, (tracker, token) in enumerate(zip(thinking, result.token_ids, strict=True)):
-                if constraints[i] is not None and tracker and not tracker.is_answer_token(token):
-                    constraints[i] = None
+        # A grammar takes answer tokens, not a start marker.
+        for i, tracker in thinking.items():
+            if constraints[i] is not None and not tracker.is_answer_token(result.token_ids[i]):
+                constraints[i] = None
         advance(constraints, result.token_ids)
         return result
 

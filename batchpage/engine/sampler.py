@@ -20,12 +20,13 @@ Work is vectorised across rows from their settings as arrays (RowParams: the eng
 InputBatch keeps them as columns, written when a row joins); each processing step touches only
 the rows that need it, and a batch of plain greedy rows is a single argmax over the logits (the
 hot path). Python walks rows one by one only for what a row carries as lists: its logit_bias,
-penalties and min_tokens (their token histories), and its generator.
+penalties and min_tokens (their token histories: `Penalties`, given for those rows alone).
 
-Randomness: a sampled row draws its token with the exponential race (argmax of probs / E, E ~
-Exp(1) i.i.d. per token, which picks token i with probability probs[i]) using V noise values from
-that row's own generator. A seeded row therefore gets the same token whatever else shares its batch.
-Rows without a generator draw from torch's global RNG. Generators must live on the logits' device.
+Randomness: a sampled row draws its token by inverting its distribution's CDF at one uniform
+number, and that number is a counter-based hash (SplitMix64) of the row's seed and the
+position of the token it draws (`draw_keys`): no generator state, one vectorised pass for every
+sampled row. A row therefore gets the same token for the same logits whatever else shares its
+batch, and again when it is recomputed after preemption.
 """
 
 from __future__ import annotations
@@ -89,6 +90,49 @@ class RowParams(NamedTuple):
         return RowParams(*(column[rows] for column in self))
 
 
+class Penalties(NamedTuple):
+    """What the rows with logit_bias, min_tokens or penalties (RowParams.processed) read as
+    lists, one entry per such row: its logits row, params, prompt and output tokens, and the
+    ids that end it (masked under min_tokens unless ignore_eos)."""
+
+    rows: list[int]
+    params: list[SamplingParams]
+    prompt_ids: list[Sequence[int]]
+    output_ids: list[Sequence[int]]
+    eos_ids: list[Collection[int]]
+
+    @classmethod
+    def of(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        eos_ids: Sequence[Collection[int]] | None = None,
+    ) -> Penalties:
+        """Of every row that needs them, from lists with one entry per row."""
+        rows = [i for i, p in enumerate(params) if _needs_processing(p)]
+        eos = eos_ids if eos_ids is not None else [()] * len(params)
+        return cls(
+            rows,
+            [params[i] for i in rows],
+            [prompt_ids[i] for i in rows],
+            [output_ids[i] for i in rows],
+            [eos[i] for i in rows],
+        )
+
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def draw_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """uint64 [N]: the key of each row's draw, from its seed and the position of the token it
+    draws (a SplitMix64 step; numpy's uint64 arithmetic wraps)."""
+    x = seeds.astype(np.uint64) + (positions.astype(np.uint64) + np.uint64(1)) * _MIX
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 class SamplerOutput(NamedTuple):
     token_ids: list[int]  # one per row
     logprobs: list[TopLogprobs | None]  # None where the row's params.logprobs is None
@@ -96,40 +140,34 @@ class SamplerOutput(NamedTuple):
 
 def sample(
     logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-    prompt_ids: Sequence[Sequence[int]],
-    output_ids: Sequence[Sequence[int]],
-    eos_ids: Sequence[Collection[int]] | None = None,
+    rows: RowParams,
+    keys: np.ndarray,
+    penalties: Penalties | None = None,
     token_mask: TokenMask | None = None,
     argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    rows: RowParams | None = None,
 ) -> SamplerOutput:
     """Pick one token per row of ``logits`` [N, V]; the input tensor is never modified.
 
-    ``rows``: params as arrays (RowParams.of(params) when not given). ``argmax`` replaces
-    ``logits.argmax(dim=-1)`` on the all-greedy hot path (the CPU engine passes the C++ one of
-    kernels/cpu_layer_ops.py, same ties and NaN rule, and faster there).
+    ``rows``: each row's settings (RowParams); ``keys``: uint64 [N], each row's draw key
+    (draw_keys), read for sampled rows. ``penalties``: the lists of the rows RowParams.processed
+    marks (None when none is). ``argmax`` replaces ``logits.argmax(dim=-1)`` on the all-greedy
+    hot path (the CPU engine passes the C++ one of kernels/cpu_layer_ops.py, same ties and NaN
+    rule, and faster there).
 
     ``token_mask`` restricts its rows to the tokens it allows; the other rows are untouched, so
     they get the same token whether or not constrained rows share their batch.
-    ``eos_ids[i]`` are row i's end-of-sequence ids, masked (with params.stop_token_ids) while the
-    row is shorter than params.min_tokens; they are not masked when params.ignore_eos is set.
-    ``params``, ``prompt_ids`` and ``output_ids`` are only read for rows with logit_bias,
-    min_tokens or penalties.
     """
     n = logits.shape[0]
-    if not len(params) == len(generators) == len(prompt_ids) == len(output_ids) == n:
+    if not len(rows.greedy) == len(keys) == n:
         raise ValueError(
-            f"sample() needs one entry per logits row ({n}); got params={len(params)}, "
-            f"generators={len(generators)}, prompt_ids={len(prompt_ids)}, "
-            f"output_ids={len(output_ids)}"
+            f"sample() needs one entry per logits row ({n}); got rows={len(rows.greedy)}, "
+            f"keys={len(keys)}"
         )
-    if eos_ids is not None and len(eos_ids) != n:
-        raise ValueError(f"eos_ids needs one entry per logits row ({n}), got {len(eos_ids)}")
-    rows = RowParams.of(params) if rows is None else rows
-    eos = eos_ids if eos_ids is not None else [()] * n
-    all_greedy, process = bool(rows.greedy.all()), bool(rows.processed.any())
+    process = bool(rows.processed.any())
+    covered = penalties.rows if penalties is not None else []
+    if covered != np.flatnonzero(rows.processed).tolist():
+        raise ValueError("sample(): penalties must cover the rows RowParams.processed marks")
+    all_greedy = bool(rows.greedy.all())
     wants = bool((rows.logprobs >= 0).any())
     if all_greedy and not process and token_mask is None and not wants:
         return sample_greedy(logits, argmax)
@@ -141,9 +179,9 @@ def sample(
             work = work.clone() if work is logits else work
         if token_mask is not None:
             apply_token_mask(work, token_mask)
-        if process:
-            apply_penalties(work, params, prompt_ids, output_ids, eos, rows.processed)
-        tokens = _choose(work, rows, generators)
+        if penalties is not None:
+            apply_penalties(work, penalties)
+        tokens = _choose(work, rows, keys)
 
     logprobs: list[TopLogprobs | None] = [None] * n
     if wants:
@@ -172,9 +210,7 @@ def _needs_processing(p: SamplingParams) -> bool:
     )
 
 
-def _choose(
-    work: torch.Tensor, rows: RowParams, generators: Sequence[torch.Generator | None]
-) -> torch.Tensor:
+def _choose(work: torch.Tensor, rows: RowParams, keys: np.ndarray) -> torch.Tensor:
     if rows.greedy.all():
         return work.argmax(dim=-1)
     tokens = torch.empty(work.shape[0], dtype=torch.long, device=work.device)
@@ -186,7 +222,7 @@ def _choose(
     index = torch.from_numpy(random_rows).to(work.device)
     sub = work.index_select(0, index)  # a copy: filtering below never touches ``work``
     apply_filters(sub, rows.take(random_rows))
-    tokens[index] = _draw(sub.softmax(dim=-1), [generators[i] for i in random_rows.tolist()])
+    tokens[index] = _draw(sub.softmax(dim=-1), keys[random_rows])
     return tokens
 
 
@@ -203,18 +239,14 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
 # -- step 1-4: biases and penalties (greedy and sampled rows alike) ------------------------------
 
 
-def apply_penalties(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    prompt_ids: Sequence[Sequence[int]],
-    output_ids: Sequence[Sequence[int]],
-    eos_ids: Sequence[Collection[int]],
-    processed: np.ndarray | None = None,
-) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     """Apply logit_bias, min_tokens, repetition, presence and frequency penalties in place, in
-    the rows `processed` marks (RowParams.processed; all when None)."""
-    which = range(len(params)) if processed is None else np.flatnonzero(processed).tolist()
-    chosen = {i: params[i] for i in which}
+    the rows `penalties` covers."""
+    rows_of = penalties.rows
+    chosen = dict(zip(rows_of, penalties.params, strict=True))
+    prompt_ids = dict(zip(rows_of, penalties.prompt_ids, strict=True))
+    output_ids = dict(zip(rows_of, penalties.output_ids, strict=True))
+    eos_ids = dict(zip(rows_of, penalties.eos_ids, strict=True))
     rows, cols, vals = [], [], []
     for i, p in chosen.items():
         for token, bias in (p.logit_bias or {}).items():
@@ -339,19 +371,16 @@ def _top_k_top_p(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> 
     logits.scatter_(1, order, ordered)
 
 
-def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """One token per row with the exponential race; each row's noise comes from its generator."""
-    noise = torch.empty_like(probs)
-    shared = [i for i, g in enumerate(generators) if g is None]
-    if shared:
-        index = _long(shared, probs)
-        noise[index] = noise.new_empty((len(shared), probs.shape[1])).exponential_()
-    for i, generator in enumerate(generators):
-        if generator is not None:
-            noise[i].exponential_(generator=generator)
-    # Exp(1) can round to 0 in float32; a tiny floor keeps the division finite.
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+def _draw(probs: torch.Tensor, keys: np.ndarray) -> torch.Tensor:
+    """One token per row: the first whose cumulative probability passes u * total, u in [0, 1)
+    the top 24 bits of the row's key (exact in float32). Tokens of zero probability are never
+    drawn: u * total stays below the total, and a flat stretch of the CDF is passed over."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = (keys >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)
+    x = torch.from_numpy(u).to(cdf.device).unsqueeze(1) * total
+    x = torch.minimum(x, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 # -- logprobs -------------------------------------------------------------------------------------

@@ -334,10 +334,10 @@ def apply_filters(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
 
     vocab = logits.shape[1]
     top_k = np.where((rows.top_k > 0) & (rows.top_k < vocab), rows.top_k, vocab)
-    if (rows.top_p < 1.0).any():
-        _top_k_top_p(logits, top_k, rows.top_p)
-    elif (top_k < vocab).any():
+    if (top_k < vocab).any():
         _top_k(logits, top_k)
+    if (rows.top_p < 1.0).any():
+        _top_p(logits, rows.top_p)
 
     if rows.min_p.any():
         probs = logits.softmax(dim=-1)
@@ -357,11 +357,16 @@ def _top_k(logits: torch.Tensor, top_k: np.ndarray) -> None:
     logits.masked_fill_(logits < values.gather(1, k - 1), _NEG_INF)
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> None:
-    ordered, order = logits.sort(dim=-1)  # ascending
+def _top_p(logits: torch.Tensor, top_p: np.ndarray) -> None:
+    # Only the tokens top_k left can survive: sort those (the most any row kept), not the whole
+    # vocabulary. The -inf ones ahead of them add nothing to the cumulative sums.
     vocab = logits.shape[1]
-    kth = ordered.gather(1, vocab - torch.from_numpy(top_k).to(logits.device).unsqueeze(1))
-    ordered.masked_fill_(ordered < kth, _NEG_INF)
+    kept = int(torch.isfinite(logits).sum(dim=-1).max())
+    if kept < vocab:
+        values, index = logits.topk(kept, dim=-1)  # descending
+        ordered, order = values.flip(-1), index.flip(-1)
+    else:
+        ordered, order = logits.sort(dim=-1)  # ascending
     # Drop the least likely tokens while their total mass stays within 1 - top_p; the token that
     # crosses the threshold is kept, and so is the most likely one.
     cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)

@@ -83,9 +83,19 @@ def timed_generate(llm: LLM, prompts: list[Any], params: Any, **kwargs: Any) -> 
 def run_greedy(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, Any]:
     """Greedy with ignore_eos: each request generates exactly its max_tokens, so every system and
     configuration produces the same number of tokens. `tokens`: each request's completion;
-    `decode_parts`: the mean ms a step of each part of the steps that computed no prompt token
-    (decode-only: no admission's prefill), and `decode_steps` their count."""
+    `decode_parts` and `decode_steps` as timed_steps gives them."""
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    run = timed_steps(llm, prompts, params)
+    run["tokens"] = [samples[0] for samples in run.pop("outputs")]
+    if [len(t) for t in run["tokens"]] != list(max_tokens):
+        raise RuntimeError("generated lengths differ from the targets")
+    return run
+
+
+def timed_steps(llm: LLM, prompts: list[Any], params: Any) -> dict[str, Any]:
+    """timed_generate, and the parts of the steps that computed no prompt token (decode-only: no
+    admission's prefill): `decode_parts`, the mean ms a step of each part
+    (RunStats.step_time_s), and `decode_steps`, their count."""
     marks: list[tuple[int, dict[str, float]]] = []
 
     def on_step(stats: Any) -> None:
@@ -101,9 +111,6 @@ def run_greedy(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> dic
     run["decode_parts"] = {
         part: 1e3 * sum(d[part] for d in decode) / max(1, len(decode)) for part in marks[-1][1]
     } if marks else {}  # fmt: skip
-    run["tokens"] = [samples[0] for samples in run.pop("outputs")]
-    if [len(t) for t in run["tokens"]] != list(max_tokens):
-        raise RuntimeError("generated lengths differ from the targets")
     return run
 
 

@@ -64,6 +64,26 @@ def test_peers_running_n_times_the_parts_of_each_step(tmp_path) -> None:
     ]  # fmt: skip
 
 
+def test_sampled_against_greedy_rows(tmp_path) -> None:
+    """jobs.bench.sampled: greedy and sampled rows on the same prompts, every part of the
+    decode-only steps timed, own work their sum, every request generated in full."""
+    done = run_bench("jobs.bench.random_models", "tiny")
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "sampled.json"
+    model = done.stdout.strip()
+    done = run_bench("jobs.bench.sampled", "--model", model, "--smoke", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = table_with(markdown_tables(done.stdout), "own work ms")
+    assert [(r["running"], r["rows"]) for r in rows] == [("4", "greedy"), ("4", "sampled")]
+    parts = ("schedule", "inputs", "sample", "stop_checks", "commit")
+    for row in rows:
+        own = sum(float(row[f"{p} ms"]) for p in parts)
+        assert float(row["own work ms"]) == pytest.approx(own, abs=0.035)
+        assert int(row["decode-only steps"]) == 3  # 4 tokens: the first comes with the prompt
+    results = json.loads(out.read_text())["results"]
+    assert [r["generated_tokens"] for r in results] == [16, 16]
+
+
 @needs_smollm2
 @pytest.mark.slow  # the bundled model here and in HF transformers
 def test_bf16_fidelity_in_float32_matches_hf(tmp_path) -> None:

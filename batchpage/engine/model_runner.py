@@ -22,7 +22,7 @@ from batchpage.engine.config import EngineConfig
 from batchpage.engine.decode_graphs import DecodeGraphs, ladder
 from batchpage.engine.kv_manager import BlockCopy
 from batchpage.engine.plan import EnginePlan, available_memory
-from batchpage.engine.scheduler import SchedulerOutput, Swap
+from batchpage.engine.schedule_output import SchedulerOutput, Swap
 from batchpage.engine.step_inputs import StepInputs
 from batchpage.lora.adapter import LoRAAdapter
 from batchpage.lora.model import LoRAModel

@@ -24,17 +24,16 @@ LoRA adapters (engine/adapter_slots.py): a sequence is admitted only when its ad
 or a slot is idle, so the running set never needs more than max_loras adapters; a load it causes
 goes out with the step. Rows of one adapter share cached prefixes only among themselves
 (kv_manager.py), and the prefix order groups a batch by adapter first.
-The scheduler owns the queues; the KVCacheManager owns the blocks.
+The scheduler owns the queues and the running set's input batch (input_batch.py: a sequence
+joins it when admitted and leaves when it finishes or is preempted); the KVCacheManager owns the
+blocks. Its decision each step is a SchedulerOutput (schedule_output.py).
 """
 
 from __future__ import annotations
 
-import functools
 from collections import deque
-from dataclasses import dataclass, field
 from enum import Enum
 from itertools import groupby
-from typing import NamedTuple
 
 import numpy as np
 
@@ -45,13 +44,12 @@ from batchpage.engine.beam_search import worst_case_blocks
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.input_batch import InputBatch
 from batchpage.engine.kv_manager import (
-    BlockCopy,
     KVCacheManager,
     StaticKVCacheManager,
     blocks_for,
 )
+from batchpage.engine.schedule_output import Picks, SchedulerOutput, Swap
 from batchpage.engine.sequence import SeqStatus, Sequence
-from batchpage.lora.request import LoRARequest
 
 
 class Admit(Enum):
@@ -60,89 +58,6 @@ class Admit(Enum):
     ADMITTED = "admitted"
     WAITS = "waits"  # it shares an uncomputed block with one admitted this step
     NO_ROOM = "no room"  # the budget or the pool: nothing behind it goes either
-
-
-class ScheduledSeq(NamedTuple):
-    seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def completes_prefill(self) -> bool:
-        """After this step all of the sequence's tokens are computed: it samples a token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass(frozen=True)
-class Swap:
-    seq_id: int
-    blocks: list[int]  # the sequence's blocks, in block-table order
-
-
-@dataclass
-class SchedulerOutput:
-    """The step's decision. The runner applies swap_out, then swap_in, then copies, then runs
-    the forward: a block freed by a swap-out may be reused in this very step.
-
-    What runs is `rows` (each scheduled sequence's input batch row) and `num_new` (the tokens
-    each computes), beam searches first, then the other running sequences in admission order,
-    then those admitted this step. `scheduled` reads the same as sequences, for code that
-    wants them (tests, the simulator); a step's hot path never does."""
-
-    batch: InputBatch
-    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    num_new: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    copies: list[BlockCopy] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    swap_out: list[Swap] = field(default_factory=list)
-    swap_in: list[Swap] = field(default_factory=list)
-    # Adapters to copy into their slots before the forward (slot, adapter).
-    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
-
-    @functools.cached_property
-    def scheduled(self) -> list[ScheduledSeq]:
-        """(sequence, tokens) of each row; read it before the rows' sequences finish."""
-        seqs = self.batch.seqs(self.rows)
-        return [ScheduledSeq(s, n) for s, n in zip(seqs, self.num_new.tolist(), strict=True)]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.num_new.sum())
-
-
-class _Picks:
-    """The rows a schedule() call picks, gathered in pieces: single rows (beams, admissions)
-    and whole arrays (the running decodes)."""
-
-    def __init__(self) -> None:
-        self.rows: list[np.ndarray] = []
-        self.num_new: list[np.ndarray] = []
-        self._one_rows: list[int] = []
-        self._one_new: list[int] = []
-
-    @property
-    def empty(self) -> bool:
-        return not (self.rows or self._one_rows)
-
-    def one(self, row: int, n: int) -> None:
-        self._one_rows.append(row)
-        self._one_new.append(n)
-
-    def many(self, rows: np.ndarray, num_new: np.ndarray) -> None:
-        self._flush()
-        self.rows.append(rows)
-        self.num_new.append(num_new)
-
-    def done(self, out: SchedulerOutput) -> None:
-        self._flush()
-        if self.rows:
-            out.rows = np.concatenate(self.rows)
-            out.num_new = np.concatenate(self.num_new)
-
-    def _flush(self) -> None:
-        if self._one_rows:
-            self.rows.append(np.array(self._one_rows, dtype=np.int64))
-            self.num_new.append(np.array(self._one_new, dtype=np.int64))
-            self._one_rows, self._one_new = [], []
 
 
 class Scheduler:
@@ -223,7 +138,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(self.batch)
-        picks = _Picks()
+        picks = Picks()
         budget = self._schedule_beams(out, picks)
         budget = self._schedule_running(out, picks, budget)
 
@@ -282,7 +197,7 @@ class Scheduler:
         self.batch.refresh_tables(self.kv.take_changed())
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, picks: _Picks, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, picks: Picks, budget: int) -> int:
         """Schedule the running sequences that are not beams, in admission order, each its next
         tokens (a decode one, a prefill the next chunk) while the budget lasts; returns the
         budget left. Decided from the batch's columns: only the rows whose next tokens do not
@@ -323,7 +238,7 @@ class Scheduler:
             picks.many(rows[:count], take[:count])
         return budget - int(take[:count].sum())
 
-    def _schedule_beams(self, out: SchedulerOutput, picks: _Picks) -> int:
+    def _schedule_beams(self, out: SchedulerOutput, picks: Picks) -> int:
         """Schedule the beam searches' sequences, each group whole or not at all (a group whose
         beams do not all fit what is left of the budget waits a step); returns the budget left.
         A beam short of a block takes it from the most recently admitted other sequence."""

@@ -17,7 +17,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from batchpage.engine.config import EngineConfig
-from batchpage.engine.scheduler import SchedulerOutput, build_scheduler
+from batchpage.engine.schedule_output import SchedulerOutput
+from batchpage.engine.scheduler import build_scheduler
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.engine.stop_checker import StopChecker
 from batchpage.sampling_params import SamplingParams

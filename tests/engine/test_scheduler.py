@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from batchpage.engine.admission import GrowthEstimate
 from batchpage.engine.kv_manager import KVCacheManager, blocks_for
-from batchpage.engine.scheduler import Scheduler, SchedulerOutput
+from batchpage.engine.schedule_output import SchedulerOutput
+from batchpage.engine.scheduler import Scheduler
 from batchpage.engine.sequence import SeqStatus, Sequence
 from batchpage.sampling_params import SamplingParams
 from tests.engine.simulate import make_seq, simulate

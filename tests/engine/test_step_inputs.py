@@ -15,7 +15,7 @@ import torch
 from batchpage.cache.block_pool import OutOfBlocks
 from batchpage.engine.input_batch import InputBatch
 from batchpage.engine.kv_manager import KVCacheManager
-from batchpage.engine.scheduler import ScheduledSeq
+from batchpage.engine.schedule_output import ScheduledSeq
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.engine.step_inputs import StepBuilder, StepInputs
 from batchpage.engine.stop_checker import StopChecker

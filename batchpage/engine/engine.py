@@ -38,7 +38,6 @@ from batchpage.engine.sampler import (
     SamplerOutput,
     TopLogprobs,
     compute_logprobs,
-    draw_keys,
     sample,
     sample_greedy,
 )
@@ -348,11 +347,12 @@ class Engine:
         self, rows: np.ndarray, logits: torch.Tensor, forced: dict[int, int]
     ) -> SamplerOutput:
         """Sample the batch rows `rows` (logits in their order), not all plain greedy: settings
-        and draw keys from the batch's columns; sequences are read only for the rows that
-        carry lists (penalties' token histories, grammars and their thinking)."""
+        from the batch's columns; sequences are read for their generators, and for their lists
+        only in the rows that carry them (penalties' token histories, grammars and their
+        thinking)."""
         batch, n = self.batch, len(rows)
         params = batch.sampling.take(rows)
-        keys = draw_keys(batch.seed[rows], batch.num_tokens[rows])
+        generators = [s.generator for s in batch.seqs(rows)]
         processed = np.flatnonzero(params.processed).tolist()
         penalties = None
         if processed:
@@ -380,7 +380,7 @@ class Engine:
                 allow_start_marker(token_mask, before, self.reasoning.start_id)
         if forced:
             token_mask = force_tokens(token_mask, forced, n, self.masks.vocab_size)
-        result = sample(logits, params, keys, penalties, token_mask, self.argmax)
+        result = sample(logits, params, generators, penalties, token_mask, self.argmax)
         if not constrained:
             return result
         # A grammar takes answer tokens, not a start marker.

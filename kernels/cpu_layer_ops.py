@@ -11,7 +11,9 @@ is a visible share of a step. Each function here is one pass over its rows on to
 - silu_mul(gate_up): SiLU(gate) * up over the merged [gate | up] matmul output;
 - rope_(x, cos, sin): rotate-half rope in place on q and k's heads;
 - argmax(logits): each row's argmax, for the greedy sampler (once a step, not once a layer), in
-  the logits' own dtype.
+  the logits' own dtype;
+- race(probs, keys): each sampled row's token by the exponential race, its noise hashed from the
+  row's key in the same pass (no noise tensor, no generator per row).
 They compute in float32 and round to the tensors' dtype where the torch code rounds, so they
 match torch (model/layers.py, model/rope.py, the references) to float32 rounding in any dtype.
 """
@@ -121,4 +123,20 @@ class CpuLayerOps:
         out = torch.empty(x.shape[0], dtype=torch.int64)
         if x.shape[0]:
             self._module.argmax_rows(out, x)
+        return out
+
+    def race(
+        self,
+        probs: torch.Tensor,  # float32 [N, V], rows may be strided
+        keys: torch.Tensor,  # int64 [N]: each row's 32-bit draw key
+    ) -> torch.Tensor:  # int64 [N]
+        """Each row's token by the exponential race with counter-based noise: the v maximising
+        probs[v] / E(key, v) (engine/sampler.py's exponential_race is the reference, the noise
+        its race_noise)."""
+        assert probs.device.type == "cpu" and probs.dtype == torch.float32, probs.dtype
+        assert probs.dim() == 2 and probs.stride(1) == 1 and probs.shape[1] > 0, "rows: dense"
+        assert keys.dtype == torch.int64 and keys.shape == (probs.shape[0],), keys.shape
+        out = torch.empty(probs.shape[0], dtype=torch.int64)
+        if probs.shape[0]:
+            self._module.race_rows(out, probs, keys.contiguous())
         return out

@@ -38,6 +38,7 @@ from batchpage.engine.sampler import (
     SamplerOutput,
     TopLogprobs,
     compute_logprobs,
+    draw_keys,
     sample,
     sample_greedy,
 )
@@ -94,6 +95,8 @@ class Engine:
         self.weight_bytes = model.weight_bytes()  # after bind: in the layouts the ops keep
         # The all-greedy sampler's argmax: the bound layer ops' (the C++ one on the CPU kernels).
         self.argmax: Callable[[torch.Tensor], torch.Tensor] = built.argmax
+        # The sampled rows' draw: the bound layer ops' exponential race (C++ on the CPU kernels).
+        self.race: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = built.race
         # A pooling model's requests finish when their prompt is computed (pooling.py).
         self.task = plan.task
         self.pooling = None if plan.task == "generate" else PoolingType(cfg.pooling_type)
@@ -347,12 +350,11 @@ class Engine:
         self, rows: np.ndarray, logits: torch.Tensor, forced: dict[int, int]
     ) -> SamplerOutput:
         """Sample the batch rows `rows` (logits in their order), not all plain greedy: settings
-        from the batch's columns; sequences are read for their generators, and for their lists
-        only in the rows that carry them (penalties' token histories, grammars and their
-        thinking)."""
+        and draw keys from the batch's columns; sequences are read only for the rows that carry
+        lists (penalties' token histories, grammars and their thinking)."""
         batch, n = self.batch, len(rows)
         params = batch.sampling.take(rows)
-        generators = [s.generator for s in batch.seqs(rows)]
+        keys = draw_keys(batch.seed[rows], batch.num_tokens[rows])
         processed = np.flatnonzero(params.processed).tolist()
         penalties = None
         if processed:
@@ -380,7 +382,7 @@ class Engine:
                 allow_start_marker(token_mask, before, self.reasoning.start_id)
         if forced:
             token_mask = force_tokens(token_mask, forced, n, self.masks.vocab_size)
-        result = sample(logits, params, generators, penalties, token_mask, self.argmax)
+        result = sample(logits, params, keys, penalties, token_mask, self.argmax, self.race)
         if not constrained:
             return result
         # A grammar takes answer tokens, not a start marker.

@@ -67,6 +67,7 @@ class InputBatch:
         empty = RowParams.of([])
         self.sampling = RowParams(*(np.zeros(capacity, dtype=c.dtype) for c in empty))
         self.constrained = np.zeros(capacity, dtype=bool)
+        self.seed = np.zeros(capacity, dtype=np.int64)  # Sequence.seed: its draws' key
         # What admission's growth estimate reads (admission.OutputLimits).
         no_rows = OutputLimits.of([])
         self.limits = OutputLimits(*(np.zeros(capacity, dtype=c.dtype) for c in no_rows))
@@ -115,6 +116,7 @@ class InputBatch:
         for column, value in zip(self.sampling, RowParams.of([seq.params]), strict=True):
             column[row] = value[0]
         self.constrained[row] = seq.feature(Constraint) is not None
+        self.seed[row] = seq.seed
         for column, value in zip(self.limits, OutputLimits.of([seq]), strict=True):
             column[row] = value[0]
         slot = self.adapters.slot_of(seq.request.lora)
@@ -250,6 +252,7 @@ class InputBatch:
             own = RowParams.of([seq.params])
             assert all(c[row] == v[0] for c, v in zip(self.sampling, own, strict=True))
             assert self.constrained[row] == (seq.feature(Constraint) is not None)
+            assert self.seed[row] == seq.seed, f"row {row}: seed"
             limits = OutputLimits.of([seq])
             assert all(c[row] == v[0] for c, v in zip(self.limits, limits, strict=True))
             assert self.lora_slot[row] == self.adapters.slot_of(seq.request.lora), "lora slot"

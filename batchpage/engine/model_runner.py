@@ -251,6 +251,7 @@ class BuiltRunner(NamedTuple):
     runner: ModelRunner
     bind_report: BindReport
     argmax: Callable[[torch.Tensor], torch.Tensor]  # the bound layer ops' greedy argmax
+    race: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # and their sampled draw
     linear_methods: dict[str, str]  # the implementation bound per linear shape
 
 
@@ -325,4 +326,4 @@ def build_model_runner(
         log.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
     pooling = plan.task != "generate"
     runner = ModelRunner(model, kv, attention, graphs, pooling=pooling, peers=peers, lora=lora)
-    return BuiltRunner(runner, report, ops.layer.argmax, ops.linear_methods())
+    return BuiltRunner(runner, report, ops.layer.argmax, ops.layer.race, ops.linear_methods())

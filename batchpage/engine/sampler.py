@@ -20,17 +20,17 @@ Work is vectorised across rows from their settings as arrays (RowParams: the eng
 InputBatch keeps them as columns, written when a row joins); each processing step touches only
 the rows that need it, and a batch of plain greedy rows is a single argmax over the logits (the
 hot path). Python walks rows one by one only for what a row carries as lists: its logit_bias,
-penalties and min_tokens (their token histories: `Penalties`, given for those rows alone), and
-its generator.
+penalties and min_tokens (their token histories: `Penalties`, given for those rows alone).
 
 Randomness: a sampled row draws its token with the exponential race (argmax of probs / E, E ~
-Exp(1) i.i.d. per token, which picks token i with probability probs[i]) using V noise values from
-that row's own generator. A seeded row therefore gets the same token whatever else shares its
-batch, and a last-bit change of its logits (another tensor_parallel_size) moves its token only
-when two candidates' ratios tie that closely. (Inverting the CDF at one hashed uniform per row,
-with no generator, was tried: every token boundary of the CDF is then a place where a last-bit
-change flips the draw, and seeded samples of two ranks parted from one rank's.) Rows without a
-generator draw from torch's global RNG. Generators must live on the logits' device.
+Exp(1) i.i.d. per token, which picks token i with probability probs[i]). Its noise is
+counter-based: E[v] comes from a hash of the row's draw key and v (`race_noise`), the key from
+the row's seed and the position of the token it draws (`draw_keys`). No generator, no state:
+one pass for every sampled row (the CPU kernels' `race` computes the noise inside the argmax),
+the same token for the same logits whatever else shares the batch and after a recompute, and a
+last-bit change of the logits (another tensor_parallel_size) moves a token only when two
+candidates' ratios tie that closely. (A draw inverting the CDF at one hashed uniform was tried
+and dropped: every token boundary of a CDF is a place where a last-bit change flips it.)
 """
 
 from __future__ import annotations
@@ -125,6 +125,51 @@ class Penalties(NamedTuple):
         )
 
 
+_SPLITMIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+_M32 = 0xFFFFFFFF
+
+
+def draw_keys(seeds: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+    """int64 [N]: each row's 32-bit draw key, the top half of a SplitMix64 step over its seed
+    and the position of the token it draws (numpy's uint64 arithmetic wraps)."""
+    golden, m1, m2 = (np.uint64(c) for c in _SPLITMIX)
+    x = seeds.astype(np.uint64) + (positions.astype(np.uint64) + np.uint64(1)) * golden
+    x = (x ^ (x >> np.uint64(30))) * m1
+    x = (x ^ (x >> np.uint64(27))) * m2
+    x = x ^ (x >> np.uint64(31))
+    return torch.from_numpy((x >> np.uint64(32)).astype(np.int64))
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32), in int64 without overflow (c split in halves)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors of 32-bit values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 [N, vocab], Exp(1) per element: -log(u), u = ((h >> 9) + 0.5) / 2**23 (exact in
+    float32, in (0, 1)), h = fmix32(key ^ (v * 0x9E3779B9 mod 2**32))."""
+    tokens = _mul32(torch.arange(vocab, dtype=torch.int64, device=keys.device), 0x9E3779B9)
+    h = _fmix32(keys[:, None] ^ tokens[None, :])
+    u = ((h >> 9).to(torch.float32) + 0.5) * (2.0**-23)
+    return -torch.log(u)
+
+
+def exponential_race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """int64 [N]: each row's token v maximising probs[v] / race_noise[v] (the first on ties; a
+    token of zero probability never, while any has more): token v with probability probs[v].
+    The reference of the CPU kernels' `race` (kernels/cpu_layer_ops.cpp)."""
+    return (probs / race_noise(keys.to(probs.device), probs.shape[1])).argmax(dim=-1)
+
+
 class SamplerOutput(NamedTuple):
     token_ids: list[int]  # one per row
     logprobs: list[TopLogprobs | None]  # None where the row's params.logprobs is None
@@ -133,27 +178,28 @@ class SamplerOutput(NamedTuple):
 def sample(
     logits: torch.Tensor,
     rows: RowParams,
-    generators: Sequence[torch.Generator | None],
+    keys: torch.Tensor,
     penalties: Penalties | None = None,
     token_mask: TokenMask | None = None,
     argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    race: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = exponential_race,
 ) -> SamplerOutput:
     """Pick one token per row of ``logits`` [N, V]; the input tensor is never modified.
 
-    ``rows``: each row's settings (RowParams); ``generators``: each row's generator (None:
-    torch's global RNG), read for sampled rows. ``penalties``: the lists of the rows
+    ``rows``: each row's settings (RowParams); ``keys``: int64 [N], each row's draw key
+    (draw_keys), read for sampled rows. ``penalties``: the lists of the rows
     RowParams.processed marks (None when none is). ``argmax`` replaces
-    ``logits.argmax(dim=-1)`` on the all-greedy hot path (the CPU engine passes the C++ one of
-    kernels/cpu_layer_ops.py, same ties and NaN rule, and faster there).
+    ``logits.argmax(dim=-1)`` on the all-greedy hot path and ``race`` exponential_race (the CPU
+    engine passes the C++ ones of kernels/cpu_layer_ops.py, the same results and faster).
 
     ``token_mask`` restricts its rows to the tokens it allows; the other rows are untouched, so
     they get the same token whether or not constrained rows share their batch.
     """
     n = logits.shape[0]
-    if not len(rows.greedy) == len(generators) == n:
+    if not len(rows.greedy) == len(keys) == n:
         raise ValueError(
             f"sample() needs one entry per logits row ({n}); got rows={len(rows.greedy)}, "
-            f"generators={len(generators)}"
+            f"keys={len(keys)}"
         )
     process = bool(rows.processed.any())
     covered = penalties.rows if penalties is not None else []
@@ -173,7 +219,7 @@ def sample(
             apply_token_mask(work, token_mask)
         if penalties is not None:
             apply_penalties(work, penalties)
-        tokens = _choose(work, rows, generators)
+        tokens = _choose(work, rows, keys, race)
 
     logprobs: list[TopLogprobs | None] = [None] * n
     if wants:
@@ -203,7 +249,10 @@ def _needs_processing(p: SamplingParams) -> bool:
 
 
 def _choose(
-    work: torch.Tensor, rows: RowParams, generators: Sequence[torch.Generator | None]
+    work: torch.Tensor,
+    rows: RowParams,
+    keys: torch.Tensor,
+    race: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     if rows.greedy.all():
         return work.argmax(dim=-1)
@@ -216,7 +265,7 @@ def _choose(
     index = torch.from_numpy(random_rows).to(work.device)
     sub = work.index_select(0, index)  # a copy: filtering below never touches ``work``
     apply_filters(sub, rows.take(random_rows))
-    tokens[index] = _draw(sub.softmax(dim=-1), [generators[i] for i in random_rows.tolist()])
+    tokens[index] = race(sub.softmax(dim=-1), keys.index_select(0, index.cpu()))
     return tokens
 
 
@@ -368,21 +417,6 @@ def _top_p(logits: torch.Tensor, top_p: np.ndarray) -> None:
     drop[:, -1] = False
     ordered.masked_fill_(drop, _NEG_INF)
     logits.scatter_(1, order, ordered)
-
-
-def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """One token per row with the exponential race; each row's noise comes from its generator."""
-    noise = torch.empty_like(probs)
-    shared = [i for i, g in enumerate(generators) if g is None]
-    if shared:
-        index = _long(shared, probs)
-        noise[index] = noise.new_empty((len(shared), probs.shape[1])).exponential_()
-    for i, generator in enumerate(generators):
-        if generator is not None:
-            noise[i].exponential_(generator=generator)
-    # Exp(1) can round to 0 in float32; a tiny floor keeps the division finite.
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
 
 
 # -- logprobs -------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ class Sequence:
     row flags tell a step which rows need it."""
 
     __slots__ = (
-        "seq_id", "request", "sample_index", "_tokens", "generator", "stop",
+        "seq_id", "request", "sample_index", "_tokens", "seed", "stop",
         "num_prompt_tokens", "_computed", "num_cached_tokens", "block_table", "status",
         "admitted_once", "finish_reason", "stop_reason", "text", "logprobs", "prompt_logprobs",
         "cumulative_logprob", "swapped_tokens", "pending_forks", "pooled", "batch", "row",
@@ -87,14 +87,14 @@ class Sequence:
         request: Request,
         sample_index: int,
         token_ids: list[int],
-        generator: torch.Generator | None,
+        seed: int,
         stop: StopChecker,
     ) -> None:
         self.seq_id = seq_id
         self.request = request
         self.sample_index = sample_index
         self._tokens = token_ids
-        self.generator = generator  # a sampled sequence's own noise (None: greedy)
+        self.seed = seed  # its sampled tokens' draws are keyed by it (sampler.draw_keys)
         self.stop = stop
         self.num_prompt_tokens = len(token_ids)
         self._computed = 0  # while it holds no row; then the row's

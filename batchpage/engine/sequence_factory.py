@@ -1,11 +1,9 @@
-"""Makes the sequences of a request: their ids, seeded generators, stop checkers and, for a
+"""Makes the sequences of a request: their ids, sampling seeds, stop checkers and, for a
 request with structured_outputs, each sequence's own grammar matcher."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
-
-import torch
 
 from batchpage.engine.constraint import Constraint
 from batchpage.engine.reasoning import Phase, ReasoningMarkers, ThinkingTracker, prompt_phase
@@ -52,10 +50,6 @@ class SequenceFactory:
     def make(self, req: Request, sample_index: int) -> Sequence:
         """A fresh sequence for one sample of req, holding its prompt and no blocks."""
         params = req.params
-        gen = None
-        if not params.is_greedy:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(sequence_seed(params.seed, self.seed, req.index, sample_index))
         constraint = None
         if params.structured_outputs is not None:
             if req.grammar is None:
@@ -74,7 +68,7 @@ class SequenceFactory:
             request=req,
             sample_index=sample_index,
             token_ids=list(req.prompt_token_ids),
-            generator=gen,
+            seed=sequence_seed(params.seed, self.seed, req.index, sample_index),
             stop=StopChecker(
                 self.tokenizer.decoder(params.skip_special_tokens),
                 params,

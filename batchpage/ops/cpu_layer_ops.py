@@ -60,3 +60,11 @@ class CpuKernelLayerOps(LayerOps):
         if logits.shape[0]:
             self._raw.argmax_rows(out, logits)
         return out
+
+    def race(self, probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        if not (_rows(probs) and probs.dtype == torch.float32 and probs.shape[1] > 0):
+            return super().race(probs, keys)
+        out = torch.empty(probs.shape[0], dtype=torch.int64)
+        if probs.shape[0]:
+            self._raw.race_rows(out, probs, keys.contiguous())
+        return out

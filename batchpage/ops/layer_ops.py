@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchpage.engine.sampler import exponential_race
+
 
 def apply_rope(
     x: torch.Tensor,  # [T, H, D]
@@ -84,3 +86,10 @@ class LayerOps:
         logits: torch.Tensor,  # [N, V], any float dtype
     ) -> torch.Tensor:  # int64 [N]: the first maximum of each row (a NaN's, if it has one)
         return logits.argmax(dim=-1)
+
+    def race(
+        self,
+        probs: torch.Tensor,  # float32 [N, V]
+        keys: torch.Tensor,  # int64 [N]: each row's 32-bit draw key (sampler.draw_keys)
+    ) -> torch.Tensor:  # int64 [N]: each row's token by the exponential race
+        return exponential_race(probs, keys)

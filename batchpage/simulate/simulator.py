@@ -157,7 +157,7 @@ def _sequence(index: int, r: SimRequest, max_model_len: int) -> Sequence:
     ids = list(r.prompt_token_ids)
     request = Request(index, None, ids, params)
     stop = StopChecker(lambda _: "", params, (_EOS,), len(ids), max_model_len)
-    return Sequence(index, request, 0, list(ids), None, stop)
+    return Sequence(index, request, 0, list(ids), 0, stop)
 
 
 def _swap_seconds(out: SchedulerOutput, cost: StepCost, block_size: int) -> float:

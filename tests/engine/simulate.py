@@ -24,7 +24,7 @@ def make_seq(i: int, prompt_len: int, params: SamplingParams | None = None) -> S
         params=params or SamplingParams(max_tokens=1),
     )
     stop = StopChecker(lambda ids: "", req.params, prompt_len=prompt_len)
-    return Sequence(i, req, 0, list(range(prompt_len)), None, stop)
+    return Sequence(i, req, 0, list(range(prompt_len)), 0, stop)
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -21,6 +22,9 @@ from batchpage.engine.sampler import (
     apply_filters,
     apply_penalties,
     compute_logprobs,
+    draw_keys,
+    exponential_race,
+    race_noise,
     sample,
 )
 from batchpage.sampling_params import SamplingParams
@@ -37,14 +41,21 @@ def _random_ids(rows: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(0, VOCAB, (rows, length), generator=g).tolist()
 
 
-def _sample(logits, params, generators=None, prompt=None, output=None, eos=None, mask=None):
-    """sample() over per-row lists (generators None: torch's global RNG)."""
+def _keys(seeds, positions=None) -> torch.Tensor:
+    positions = np.zeros(len(seeds), dtype=np.int64) if positions is None else positions
+    return draw_keys(np.array(seeds, dtype=np.int64), np.asarray(positions, dtype=np.int64))
+
+
+def _sample(logits, params, seeds=None, prompt=None, output=None, eos=None, mask=None, at=None):
+    """sample() over per-row lists: row i's seed (default 1000 + i) drawing at position at[i]
+    (default 0)."""
     n = len(params)
+    seeds = [1000 + i for i in range(n)] if seeds is None else seeds
     penalties = Penalties.of(params, prompt or [[]] * n, output or [[]] * n, eos)
     return sample(
         logits,
         RowParams.of(params),
-        generators or [None] * n,
+        _keys(seeds, at),
         penalties if penalties.rows else None,
         token_mask=mask,
     )
@@ -187,9 +198,8 @@ def test_sampled_frequencies_match_filtered_distribution(params: SamplingParams)
     prompt = [[2, 3]]
     expected_logits = apply_penalties(row.clone(), Penalties.of([params], prompt, [[]]))
     expected = apply_filters(expected_logits, RowParams.of([params]))[0].softmax(-1)
-    # One call, many rows: each row has its own generator, so this also covers the per-row path.
-    generators = [torch.Generator().manual_seed(s) for s in range(draws)]
-    out = _sample(row.expand(draws, vocab), [params] * draws, generators, prompt * draws)
+    # One call, many rows, each with a seed of its own: the draws across rows.
+    out = _sample(row.expand(draws, vocab), [params] * draws, list(range(draws)), prompt * draws)
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=vocab).double()
     assert counts[expected == 0].sum() == 0, "a filtered-out token was sampled"
     kept = expected > 0
@@ -199,26 +209,28 @@ def test_sampled_frequencies_match_filtered_distribution(params: SamplingParams)
     assert chi2 < 46, (chi2, counts.tolist(), mean.tolist())
 
 
-def test_global_rng_rows_sample_the_distribution() -> None:
+def test_one_seeds_draws_at_successive_positions_sample_the_distribution() -> None:
+    """The draws of one sequence (one seed, the positions it samples at) follow its
+    distribution."""
     params = SamplingParams(temperature=1.0, top_k=3)
     row = _logits(1, vocab=8, seed=31)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        out = _sample(row.expand(3000, 8), [params] * 3000)
+    out = _sample(row.expand(3000, 8), [params] * 3000, [77] * 3000, at=np.arange(3000))
     expected = apply_filters(row.clone(), RowParams.of([params]))[0].softmax(-1)
     freq = torch.bincount(torch.tensor(out.token_ids), minlength=8).double() / 3000
     assert torch.allclose(freq, expected.double(), atol=0.04)
 
 
 def _decode_steps(batch: list[tuple[SamplingParams, int | None]], steps: int, logits_seed: int):
-    """Run ``steps`` sampling steps over a batch; return each row's tokens."""
-    generators = [None if s is None else torch.Generator().manual_seed(s) for _, s in batch]
+    """Run ``steps`` sampling steps over a batch (a row without a seed of its own takes its
+    place in the batch as one); return each row's tokens."""
+    seeds = [i if s is None else s for i, (_, s) in enumerate(batch)]
     params = [p for p, _ in batch]
     outputs: list[list[int]] = [[] for _ in batch]
     for step in range(steps):
         # Every row sees the same logits at a step, so only batch composition differs.
         logits = _logits(1, seed=logits_seed + step).expand(len(batch), VOCAB)
-        out = _sample(logits, params, generators, [[1, 2]] * len(batch), outputs)
+        at = [2 + step] * len(batch)  # after a prompt of two tokens
+        out = _sample(logits, params, seeds, [[1, 2]] * len(batch), outputs, at=at)
         for row, token in zip(outputs, out.token_ids, strict=True):
             row.append(token)
     return outputs
@@ -272,15 +284,15 @@ def test_compute_logprobs_for_prompt_positions() -> None:
 def test_half_precision_logits() -> None:
     logits = _logits(2, seed=52).to(torch.bfloat16)
     params = [SamplingParams(temperature=0, repetition_penalty=1.1), SamplingParams(top_p=0.5)]
-    out = _sample(logits, params, [torch.Generator().manual_seed(0)] * 2, [[1]] * 2, [[2]] * 2)
+    out = _sample(logits, params, [0, 0], [[1]] * 2, [[2]] * 2)
     assert all(0 <= t < VOCAB for t in out.token_ids)
 
 
 def test_mismatched_lengths_are_rejected() -> None:
     with pytest.raises(ValueError, match="one entry per logits row"):
-        sample(_logits(2), RowParams.of([SamplingParams()]), [None])
+        sample(_logits(2), RowParams.of([SamplingParams()]), _keys([0]))
     with pytest.raises(ValueError, match="penalties must cover"):
-        sample(_logits(1), RowParams.of([SamplingParams(presence_penalty=1.0)]), [None])
+        sample(_logits(1), RowParams.of([SamplingParams(presence_penalty=1.0)]), _keys([0]))
 
 
 def _random_token_mask(rows: int, masked: list[int], vocab: int, seed: int) -> tuple:
@@ -312,12 +324,9 @@ def test_token_mask_restricts_only_its_rows(vocab: int) -> None:
         SamplingParams(temperature=0, presence_penalty=1.0),
         SamplingParams(temperature=1.5, top_k=3),
     ]
-    gens = [torch.Generator().manual_seed(70 + i) for i in range(6)]
-    out = _sample(logits, params, gens, [[1]] * 6, [[2, 3]] * 6, mask=mask)
-    plain = _sample(
-        logits, params, [torch.Generator().manual_seed(70 + i) for i in range(6)], [[1]] * 6,
-        [[2, 3]] * 6,
-    )  # fmt: skip
+    seeds = [70 + i for i in range(6)]
+    out = _sample(logits, params, seeds, [[1]] * 6, [[2, 3]] * 6, mask=mask)
+    plain = _sample(logits, params, seeds, [[1]] * 6, [[2, 3]] * 6)
     assert torch.equal(logits, before)
     for r in range(6):
         if r in masked:
@@ -334,11 +343,48 @@ def test_token_mask_sampled_rows_follow_the_renormalised_distribution() -> None:
     mask, allowed = _random_token_mask(1, [0], VOCAB, seed=63)
     ids = sorted(allowed[0])
     want = logits[0, ids].softmax(-1)
-    g = torch.Generator().manual_seed(5)
     draws = 4000
     counts = torch.zeros(len(ids))
     params = [SamplingParams(temperature=1.0)]
-    for _ in range(draws):
-        token = _sample(logits, params, [g], mask=mask).token_ids[0]
+    for step in range(draws):
+        token = _sample(logits, params, [5], mask=mask, at=[step]).token_ids[0]
         counts[ids.index(token)] += 1
     assert torch.allclose(counts / draws, want, atol=0.03)
+
+
+def test_race_noise_is_exponential() -> None:
+    """The counter-based noise against Exp(1): its mean and the share past 1 and 3 over a
+    million values (keys across rows, tokens along them), and rows of other keys uncorrelated."""
+    noise = race_noise(_keys(range(1000), [3] * 1000), 1000).double()
+    assert noise.min() > 0
+    assert noise.mean().item() == pytest.approx(1.0, abs=0.005)
+    assert (noise > 1).double().mean().item() == pytest.approx(math.exp(-1), abs=0.002)
+    assert (noise > 3).double().mean().item() == pytest.approx(math.exp(-3), abs=0.001)
+    corr = torch.corrcoef(noise[:2])[0, 1].item()
+    assert abs(corr) < 0.15
+
+
+def test_a_row_drawn_alone_draws_the_same_in_a_batch() -> None:
+    """exponential_race depends on a row's own probabilities and key only."""
+    probs = _logits(9, seed=90).softmax(-1)
+    keys = _keys(range(9), range(9))
+    together = exponential_race(probs, keys).tolist()
+    assert together == [
+        exponential_race(probs[i : i + 1], keys[i : i + 1]).item() for i in range(9)
+    ]
+    assert exponential_race(probs.flip(0), keys.flip(0)).tolist() == together[::-1]
+
+
+def test_draw_keys_are_the_top_of_a_splitmix64_step() -> None:
+    """draw_keys against SplitMix64 written out in Python integers."""
+
+    def splitmix(seed: int, position: int) -> int:
+        mask = 2**64 - 1
+        x = (seed + (position + 1) * 0x9E3779B97F4A7C15) & mask
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        return (x ^ (x >> 31)) >> 32
+
+    seeds, positions = [0, 1, 2**62 + 5, 2**63 - 1], [0, 7, 4096, 123456]
+    got = draw_keys(np.array(seeds, dtype=np.int64), np.array(positions, dtype=np.int64))
+    assert got.tolist() == [splitmix(s, p) for s, p in zip(seeds, positions, strict=True)]

@@ -26,7 +26,7 @@ def _seq(seq_id: int, prompt: list[int], params: SamplingParams | None = None) -
     params = params or SamplingParams()
     req = Request(index=seq_id, prompt=None, prompt_token_ids=prompt, params=params)
     stop = StopChecker(lambda ids: "", params, prompt_len=len(prompt))
-    seq = Sequence(seq_id, req, 0, list(prompt), None, stop=stop)
+    seq = Sequence(seq_id, req, 0, list(prompt), 0, stop=stop)
     if params.prompt_logprobs is not None:
         seq.prompt_logprobs = [None]
     return seq

@@ -126,6 +126,28 @@ def test_argmax_matches_torch(ops, vocab, dtype):
     assert ops.argmax(torch.empty(0, vocab, dtype=dtype)).shape == (0,)
 
 
+@pytest.mark.parametrize("vocab", [49152, 1000, 37, 1])
+def test_race_matches_the_reference(ops, vocab):
+    """The C++ exponential race against sampler.exponential_race (the noise tensor, divide,
+    argmax in torch): random distributions, ones with zero-probability tokens (never drawn),
+    a one-hot row, strided rows; and through the bound layer ops."""
+    from batchpage.engine.sampler import draw_keys, exponential_race
+
+    gen = torch.Generator().manual_seed(vocab)
+    wide = torch.randn(12, vocab + 2, generator=gen).mul(3).softmax(-1)
+    probs = wide[:, 1 : vocab + 1]  # strided rows
+    probs[1, : vocab // 2] = 0.0  # half the vocabulary impossible
+    probs[2] = 0.0
+    probs[2, vocab // 3] = 1.0  # one-hot
+    keys = draw_keys(torch.arange(12).numpy(), torch.arange(12).mul(7).numpy())
+    expected = exponential_race(probs.contiguous(), keys)
+    assert torch.equal(ops.race(probs, keys), expected)
+    assert torch.equal(CpuKernelLayerOps(ops).race(probs, keys), expected)
+    assert expected[2].item() == vocab // 3
+    assert probs[1, expected[1]].item() > 0
+    assert ops.race(torch.empty(0, vocab), keys[:0]).shape == (0,)
+
+
 def test_launcher_rejects_bad_inputs(ops):
     x = torch.randn(4, 16)
     with pytest.raises(AssertionError):

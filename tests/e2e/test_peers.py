@@ -204,7 +204,9 @@ def test_peers_running_gives_each_batch_size_its_own_vllm_engine(tmp_path, tiny_
     ratios = table_with(markdown_tables(done.stdout), "vs vLLM-CPU")
     assert [r["workload"] for r in ratios] == ["running-2", "running-3"]
     steps = table_with(markdown_tables(done.stdout), "own work ms")
-    assert [r["running"] for r in steps] == ["2", "3"]
+    assert [(r["running"], r["steps"].split()[0]) for r in steps] == [
+        ("2", "all"), ("2", "decode-only"), ("3", "all"), ("3", "decode-only"),
+    ]  # fmt: skip
 
 
 def test_peers_stops_when_vllm_generates_other_lengths(tmp_path, tiny_folder) -> None:

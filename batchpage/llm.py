@@ -61,7 +61,6 @@ class LLM(PoolingMethods):
                 plan.dtype,
                 plan.device,
                 max_positions=plan.max_model_len,
-                quantized=cfg.quantized_weights is not False,
                 int8_activations=cfg.int8_activations,
                 shard=None if peers is None else peers.shard,
             )

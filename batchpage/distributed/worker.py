@@ -80,7 +80,6 @@ def load_share(spec: WorkerSpec) -> torch.nn.Module:
         spec.plan.dtype,
         spec.device,
         max_positions=spec.plan.max_model_len,
-        quantized=spec.cfg.quantized_weights is not False,
         int8_activations=spec.cfg.int8_activations,
         shard=TensorShard(spec.rank, spec.world),
     ).model

@@ -28,8 +28,8 @@ from batchpage.lora.adapter import LoRAAdapter
 from batchpage.lora.model import LoRAModel
 from batchpage.lora.registry import AdapterRegistry
 from batchpage.model.causal_lm import BindReport, CausalLM
+from batchpage.model.quant_layout import linears
 from batchpage.ops.collective import Collective
-from batchpage.ops.quant_linear import QuantLinear
 from batchpage.ops.select import select_model_ops
 
 log = logging.getLogger(__name__)
@@ -88,9 +88,7 @@ def dense_copy_fits(model: CausalLM, dtype: torch.dtype, device: torch.device) -
     """Whether the model's integer-quantized linears, every one held dense in `dtype`, take at
     most 1 / DENSE_COPY_SHARE of the memory available now (measured choice may then hold a
     layer dense where that is faster: ops/measured_linear.py)."""
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.scheme.integer]
-    if model.tied_quant is not None:
-        layers.append(model.tied_quant)
+    layers = [m for _, m in linears(model) if m.spec.scheme and m.spec.scheme.integer]
     if not layers:
         return False
     size = torch.empty((), dtype=dtype).element_size()
@@ -302,6 +300,7 @@ def build_model_runner(
         dense_ints,
         cfg.batch_invariant,
         uses_triton_kernels(attention),
+        dequantize=cfg.quantized_weights is False,
     )
     if cfg.enable_lora:  # an adapter updates gate and up before the activation: unfused
         ops = replace(ops, linear=replace(ops.linear, silu_mul=None))

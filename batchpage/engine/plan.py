@@ -96,10 +96,12 @@ def check_tensor_parallel(cfg: EngineConfig, source: ModelSource, dtype: torch.d
     if world == 1:
         return
     problems = []
+    # Only where every weight must stay quantized: else a share that is not whole groups loads
+    # dense (model/quant_layout.py rank_holds).
     quant = source.config.quant
-    if quant is not None:
+    if quant is not None and cfg.quantized_weights is True:
         problems += _quantized_split(quant, source.config, world)
-    if source.kind == "gguf" and cfg.quantized_weights:
+    if source.kind == "gguf" and cfg.quantized_weights is True:
         schemes = int_schemes(read_gguf_header(source.path), source.config).values()
         if schemes:  # its widest groups decide where the inputs may be cut
             problems += _quantized_split(max(schemes, key=lambda q: q.group_size or 0),
@@ -134,7 +136,9 @@ def _quantized_split(quant: QuantScheme, config: ModelConfig, world: int) -> lis
     inputs = {"o_proj": config.num_heads * config.head_dim, "down_proj": config.intermediate_size}
     return [
         f"{name}'s {k} inputs in groups of {group} ({k // group} groups) do not split into "
-        f"{world} shares of whole groups: use a tensor_parallel_size that divides {k // group}"
+        f"{world} shares of whole groups under quantized_weights=true: use a "
+        f"tensor_parallel_size that divides {k // group}, or quantized_weights=auto (those "
+        "shares then load dense)"
         for name, k in inputs.items()
         if k % (world * group)
     ]

@@ -26,19 +26,19 @@ from batchpage.cache.kv_cache import KVCache
 from batchpage.model.config import ModelConfig
 from batchpage.model.layers import (
     Attention,
-    GatedMLP,
     RMSNorm,
     TiedEmbedding,
     UsesLayerOps,
     VocabShardEmbedding,
     linear,
 )
+from batchpage.model.loaded_linear import LoadedLinear
 from batchpage.model.rope import RotaryEmbedding
 from batchpage.model.score_head import make_score_head
 from batchpage.model.shard import TensorShard
 from batchpage.ops.collective import Collective
-from batchpage.ops.linear import Linear, LinearOp, dtype_format
-from batchpage.ops.quant_linear import QuantLinear
+from batchpage.ops.linear import LinearOp, dtype_format
+from batchpage.ops.linear_method import LinearSpec, LinearWeights
 from batchpage.ops.select import ModelOps
 from batchpage.ops.workspace import Workspace
 
@@ -106,7 +106,7 @@ class CausalLM(nn.Module):
         # token_embd): that table as a quantized linear, which bind makes the tied head, as
         # llama.cpp multiplies it. Until bind the embedding holds a dequantized copy; bind
         # drops it, and lookups read the head's rows (TiedEmbedding).
-        self.tied_quant: QuantLinear | None = None
+        self.tied_quant: LinearOp | None = None
         self.bound: ModelOps | None = None  # set once, by bind
         self.comm = Collective()  # the tensor-parallel group's, set by bind
 
@@ -170,43 +170,24 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def bind(self, ops: ModelOps) -> BindReport:
-        """Bind the loaded model to the engine's ops, once: every dense linear becomes the
-        linear method's module (the lm_head included; a tied one gets a copy in that layout
-        beside the embedding table), every quantized one the method's integer module, each
-        SiLU-gated MLP's gate/up linear the fused one where the method fuses it, and every layer
-        computes through `ops.layer`. Call after load_weights: a method that repacks drops the
-        plain weights. Raises on a second call (a bound model's layers are no longer the dense
-        ones a method takes)."""
+        """Bind the loaded model to the engine's ops, once: every linear becomes the module the
+        linear method makes from its spec and loaded tensors (`LinearMethod.create`: the
+        lm_head included; a tied one gets a copy in the method's layout beside the embedding
+        table, unless torch's method multiplies the table itself), and every layer computes
+        through `ops.layer`. Call after load_weights: a method that repacks drops the loaded
+        tensors. Raises on a second call (a bound model holds no loaded linears)."""
         if self.bound is not None:
             raise RuntimeError("this model is bound already: bind it once, after loading")
         method = ops.linear
         quantized_table = self.tied_quant is not None
-        if method.silu_mul is not None:
-            for mlp in self.modules():
-                if not (isinstance(mlp, GatedMLP) and mlp.silu_gated):
-                    continue
-                gate_up = mlp.gate_up_proj
-                if isinstance(gate_up, Linear) and gate_up.bias is None:
-                    fused = method.silu_mul(gate_up.weight)
-                    if fused is not None:  # else the plain linear, made below
-                        mlp.gate_up_proj, mlp.gate_up_activated = fused, True
-        replaced, extra = 0, 0
-        if method.make_int is not None:
-            if self.tied_quant is not None:
-                weight = self.tied_quant.int_weight()
-                scheme = self.tied_quant.scheme
-                self.tied_head = method.make_int(weight, None, scheme, reads_rows=True)
-                self.tied_quant = None
-            quantized = [(n, m) for n, m in self.named_modules() if isinstance(m, QuantLinear)]
-            for name, module in quantized:
-                parent, _, leaf = name.rpartition(".")
-                made = method.make_int(module.int_weight(), module.bias, module.scheme)
-                setattr(self.get_submodule(parent), leaf, made)
-            replaced += len(quantized)
-        if self.tied_quant is not None:  # no integer kernel here: it dequantizes in torch
-            self.tied_head, self.tied_quant = self.tied_quant, None
+        loaded = [(n, m) for n, m in self.named_modules() if isinstance(m, LoadedLinear)]
+        for name, module in loaded:
+            parent, _, leaf = name.rpartition(".")
+            made = method.create(module.spec, module.weights())
+            setattr(self.get_submodule(parent), leaf, made)
+        extra = 0
         if quantized_table:  # lookups read the quantized head's rows; the dense copy goes
-            assert self.tied_head is not None
+            self.tied_head, self.tied_quant = self.tied_quant, None
             vocab = self.config.vocab_size
             self.embed_tokens = TiedEmbedding(
                 self.tied_head,
@@ -214,22 +195,17 @@ class CausalLM(nn.Module):
                 self.shard.vocab_start(vocab),
                 self.shard.vocab_rows(vocab),
             )
-        if method.make is not None:
-            dense = [(n, m) for n, m in self.named_modules() if isinstance(m, Linear)]
-            for name, module in dense:
-                parent, _, leaf = name.rpartition(".")
-                setattr(self.get_submodule(parent), leaf, method.make(module.weight, module.bias))
-            replaced += len(dense)
-            if self.lm_head is None and self.tied_head is None and not self.config.head.pools:
-                table = self.embed_tokens.weight
-                self.tied_head = method.make(table, None)
-                extra = table.numel() * table.element_size()
+        elif self.lm_head is None and method.make is not None and not self.config.head.pools:
+            table = self.embed_tokens.weight  # the head: a copy in the method's layout
+            spec = LinearSpec(table.shape[1], (table.shape[0],), False, table.dtype)
+            self.tied_head = method.create(spec, LinearWeights(table, None, None))
+            extra = table.numel() * table.element_size()
         for module in self.modules():
             if isinstance(module, UsesLayerOps):
                 module.ops, module.comm = ops.layer, ops.comm
         self.comm = ops.comm
         self.bound = ops
-        return BindReport(replaced, extra, self.weight_formats())
+        return BindReport(len(loaded), extra, self.weight_formats())
 
     def weight_bytes(self) -> int:
         """Bytes of weights this model holds, in whatever layout each layer keeps them (a

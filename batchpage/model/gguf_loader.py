@@ -1,12 +1,13 @@
 """Load a GGUF file (llama.cpp format) into its family's model.
 
-The linears' quantized tensors (Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K) stay
-quantized (`quantized=True`): decoded into IntWeight (batchpage/quant/gguf_blocks.py,
-gguf_kquants.py), they run on the integer kernels as a GPTQ checkpoint's do. Everything else
-(embeddings, norms, other types, and every tensor with `quantized=False`) is dequantized once
-at load time. Tensors are renamed to their HF names, then loaded as the family loads a HF
-checkpoint. llama.cpp's converter reorders the rows of the llama arch's attn_q and attn_k
-from HF's rotate-half layout to interleaved pairs; we undo that here.
+The linears' quantized tensors (Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K) stay quantized:
+decoded into IntWeight (batchpage/quant/gguf_blocks.py, gguf_kquants.py), they load as a GPTQ
+checkpoint's do, and the engine's linear method makes each one's module at bind (an int kernel, or
+the layer dequantized once). Everything else (embeddings, norms, other types, and a row-parallel
+linear whose tensor-parallel share is not whole blocks) is dequantized at load. Tensors are renamed
+to their HF names, then loaded as the family loads a HF checkpoint. llama.cpp's converter reorders
+the rows of the llama arch's attn_q and attn_k from HF's rotate-half layout to interleaved pairs; we
+undo that here.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from batchpage.model.gguf_file import (
     read_raw_rows,
     read_tensor,
 )
+from batchpage.model.loaded_linear import LoadedLinear
 from batchpage.model.quant_layout import quantize_layout, whole_linears
 from batchpage.model.shard import TensorShard
-from batchpage.ops.quant_linear import QuantLinear
+from batchpage.ops.linear_method import LinearSpec
 from batchpage.quant.gguf_types import GGUF_INT_TYPES
 from batchpage.quant.int_weight import IntWeight, as_form
 from batchpage.quant.scheme import QuantScheme
@@ -155,7 +157,6 @@ def load_gguf_model(
     dtype: torch.dtype,
     device: torch.device | str,
     max_positions: int | None = None,
-    quantized: bool = True,
     shard: TensorShard | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """The model (with `shard`, one tensor-parallel rank's share: its tensors decoded to
@@ -164,18 +165,16 @@ def load_gguf_model(
     cfg = gguf_config(path, header)
     check_declared_size(path, header, cfg)  # before sizes from the header allocate memory
     model = build_model(cfg, dtype, device, max_positions, shard)
-    schemes = whole_linears(model, int_schemes(header, cfg)) if quantized else {}
-    held = quantize_layout(model, schemes)
+    held = quantize_layout(model, whole_linears(model, int_schemes(header, cfg))).held
     embed = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
     form = None if embed is None else GGUF_INT_TYPES.get(embed.ggml_type)
-    if quantized and cfg.tie_word_embeddings and form is not None:
+    if cfg.tie_word_embeddings and form is not None:
         scheme = QuantScheme(
             "gguf", form.bits, form.group_size, symmetric=False, act_order=False, label=form.name
         )
         rows = cfg.vocab_size if shard is None else shard.vocab_rows(cfg.vocab_size)
-        model.tied_quant = QuantLinear(
-            cfg.hidden_size, (rows,), False, scheme, dtype, torch.device(device)
-        )
+        spec = LinearSpec(cfg.hidden_size, (rows,), False, dtype, scheme, reads_rows=True)
+        model.tied_quant = LoadedLinear(spec, device)
         held["tied_quant"] = scheme
     model.load_weights(_iter_tensors(path, header, cfg, held))
     return model.eval(), cfg

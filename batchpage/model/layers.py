@@ -14,19 +14,20 @@ writes into a buffer of the step's Workspace, and the residual stream is updated
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.nn.utils import skip_init
 
 from batchpage.attention.backend import StepAttention
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
 from batchpage.model.config import ModelConfig
+from batchpage.model.loaded_linear import LoadedLinear
 from batchpage.ops.collective import Collective
 from batchpage.ops.layer_ops import LayerOps
-from batchpage.ops.linear import Linear, LinearOp
+from batchpage.ops.linear import LinearOp
+from batchpage.ops.linear_method import LinearSpec
 from batchpage.ops.workspace import Workspace
 
 
@@ -65,41 +66,24 @@ class RMSNorm(UsesLayerOps):
         self.ops.add_rms_norm(out, residual, x, self.weight, self.eps)
 
 
-def linear(d_in: int, d_out: int, bias: bool, dtype: torch.dtype, device: torch.device) -> Linear:
-    # Inference only (as every parameter here): `apply` writes into given outputs.
-    layer = skip_init(Linear, d_in, d_out, bias=bias, dtype=dtype, device=device)
-    return layer.requires_grad_(False)
-
-
-class MergedLinear(Linear):
-    """One matmul for several projections stacked by output rows (q/k/v, gate/up). Shard i is
-    the rows of part i, so a checkpoint that stores the parts separately loads into them."""
-
-    def __init__(
-        self,
-        d_in: int,
-        part_sizes: Sequence[int],
-        bias: bool,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ):
-        super().__init__(d_in, sum(part_sizes), bias=bias, dtype=dtype, device=device)
-        self.part_sizes = tuple(part_sizes)
-
-    def shard_keys(self, leaf: str) -> list[Hashable]:
-        return list(range(len(self.part_sizes)))
-
-    def shard_view(self, leaf: str, key: Hashable) -> torch.Tensor:
-        assert isinstance(key, int)
-        start = sum(self.part_sizes[:key])
-        return getattr(self, leaf).narrow(0, start, self.part_sizes[key])
+def linear(
+    d_in: int, d_out: int, bias: bool, dtype: torch.dtype, device: torch.device
+) -> LoadedLinear:
+    return LoadedLinear(LinearSpec(d_in, (d_out,), bias, dtype), device)
 
 
 def merged_linear(
-    d_in: int, part_sizes: Sequence[int], bias: bool, dtype: torch.dtype, device: torch.device
-) -> MergedLinear:
-    layer = skip_init(MergedLinear, d_in, part_sizes, bias, dtype=dtype, device=device)
-    return layer.requires_grad_(False)
+    d_in: int,
+    part_sizes: Sequence[int],
+    bias: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    silu_gated: bool = False,
+) -> LoadedLinear:
+    """One matmul for several projections stacked by output rows (q/k/v, gate/up). Shard i is
+    the rows of part i, so a checkpoint that stores the parts separately loads into them."""
+    spec = LinearSpec(d_in, tuple(part_sizes), bias, dtype, silu_gated=silu_gated)
+    return LoadedLinear(spec, device)
 
 
 class GatedMLP(UsesLayerOps):
@@ -111,11 +95,9 @@ class GatedMLP(UsesLayerOps):
         super().__init__()
         self.hidden, self.intermediate = hidden, intermediate
         self.gate_up_proj: LinearOp = merged_linear(
-            hidden, (intermediate,) * 2, False, dtype, device
+            hidden, (intermediate,) * 2, False, dtype, device, silu_gated=self.silu_gated
         )
         self.down_proj: LinearOp = linear(intermediate, hidden, False, dtype, device)
-        # Set by CausalLM.bind when gate_up_proj returns SiLU(gate) * up itself.
-        self.gate_up_activated = False
 
     def forward(
         self,
@@ -123,7 +105,7 @@ class GatedMLP(UsesLayerOps):
         ws: Workspace,
     ) -> torch.Tensor:  # [T, hidden]: ws's "mlp_out" buffer where the down linear fills it
         act = ws.take("act", self.intermediate)
-        if self.gate_up_activated:
+        if self.gate_up_proj.activates:  # bound to a module that fuses the activation
             act = self.gate_up_proj.apply(x, act)
         else:
             gate_up = self.gate_up_proj.apply(x, ws.take("gate_up", 2 * self.intermediate))

@@ -25,7 +25,7 @@ from batchpage.model.gguf_file import read_gguf_header
 from batchpage.model.gguf_loader import load_gguf_model
 from batchpage.model.hf_checks import check_weights, read_shapes
 from batchpage.model.hf_loader import load_hf_model, read_hf_config, safetensors_files
-from batchpage.model.quant_layout import dequantize_layout, quantize_activations
+from batchpage.model.quant_layout import quantize_activations
 from batchpage.model.shard import TensorShard
 from batchpage.model.tokenizer import Tokenizer, check_hf_tokenizer_files
 
@@ -157,15 +157,15 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
-    quantized: bool = True,
     int8_activations: bool = False,
     shard: TensorShard | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer. max_positions sizes the RoPE tables (default: the model's
-    max_model_len); pass the engine's max_model_len. `quantized` keeps a quantized
-    checkpoint's integer weights (False: dequantized into `dtype` at load);
-    `int8_activations` makes their linears quantize each input row to int8 (W4A8, W8A8).
-    `shard`: load one tensor-parallel rank's share (the config returned is the whole model's)."""
+    max_model_len); pass the engine's max_model_len. A quantized checkpoint's linears hold its
+    integer (or FP8) weights, which the engine's linear method runs packed or dequantizes once, at
+    bind (quantized_weights); `int8_activations` makes their linears quantize each input row to int8
+    (W4A8, W8A8). `shard`: load one tensor-parallel rank's share (the config returned is the whole
+    model's)."""
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
     torch_dtype = resolve_dtype(dtype, source.config, device)
     # Stages a job's progress shows as they happen: weights take seconds to minutes.
@@ -173,12 +173,8 @@ def load_model(
     start = time.perf_counter()
     if source.kind == "hf":
         net, config = load_hf_model(source.path, torch_dtype, device, max_positions, shard)
-        if not quantized:
-            dequantize_layout(net)
     else:
-        net, config = load_gguf_model(
-            source.path, torch_dtype, device, max_positions, quantized, shard
-        )
+        net, config = load_gguf_model(source.path, torch_dtype, device, max_positions, shard)
     if int8_activations:
         quantize_activations(net)
     log.info("weights loaded in %.1f s", time.perf_counter() - start)

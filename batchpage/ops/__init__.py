@@ -7,10 +7,13 @@ A decoder layer is written once, against two small interfaces:
   torch implementation, which runs on any device and dtype; `CpuKernelLayerOps`
   (cpu_layer_ops.py) overrides the ops the C++ kernels serve.
 - `LinearOp` (linear.py): y = x @ W.T + b, applied into a workspace buffer where the
-  implementation can write one (`apply(x, out)`). A `LinearMethod` turns a loaded dense weight
-  into the implementation's module: torch's (the weight as it is), oneDNN's prepacked layout
-  (onednn_linear.py), or the AVX512-BF16 kernel's (bf16_linear.py, which also fuses SiLU(gate) *
-  up into the gate/up linear). Quantized and tensor-parallel linears are further `LinearOp`s.
+  implementation can write one (`apply(x, out)`). A `LinearMethod` (linear_method.py) makes
+  every linear's module once, from its spec and loaded tensors: a dense weight on torch (the
+  weight as it is), oneDNN's prepacked layout (onednn_linear.py), the AVX512-BF16 kernel's
+  (bf16_linear.py, which also fuses SiLU(gate) * up into the gate/up linear) or the float32
+  kernel's (f32_linear.py); a quantized one on the C++ or Triton int kernels (int_linear.py,
+  triton_int_linear.py), dequantized once (dequantized_linear.py), or torch's dequantize on
+  every call (quant_linear.py).
 
 select.py picks one implementation of each for an engine's device, dtype and options
 (`select_model_ops`); the model never inspects which one it got.

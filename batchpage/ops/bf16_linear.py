@@ -26,7 +26,8 @@ from batchpage.kernels.cpu_bf16_linear import (
     pack_weight,
 )
 from batchpage.kernels.cpu_build import KernelBuildError
-from batchpage.ops.linear import LinearMethod, LinearOp
+from batchpage.ops.linear import LinearOp
+from batchpage.ops.linear_method import LinearMethod
 
 
 def _checked_rows(x: torch.Tensor, in_features: int) -> None:
@@ -69,6 +70,8 @@ class Bf16SiluMulLinear(LinearOp):
     """SiLU(x @ gate.T) * (x @ up.T) for bfloat16 x from a merged [gate | up] weight without a
     bias, the activation in the kernel's epilogue: the same values as Bf16DotLinear followed by
     the C++ silu_mul, without the [T, 2I] product written and read back."""
+
+    activates = True
 
     def __init__(self, weight: torch.Tensor, kernel: CpuBf16Linear) -> None:
         super().__init__()

@@ -1,13 +1,13 @@
-"""Quantized weights where no integer kernel takes the engine's activations (a CPU engine in
-float32: the C++ int kernels multiply bfloat16 rows): each weight is dequantized once, at bind,
-into a dense linear of the engine's dtype.
+"""The one way a quantized weight is dequantized once: at bind, into a dense linear of the
+engine's dtype, where the engine is asked to (quantized_weights=False) or no integer kernel
+runs here (a CPU without AVX2 + FMA, a compiler that cannot build the kernels).
 
-QuantLinear's own torch path unpacks its whole weight on every call: a dense copy of the model
-allocated, faulted in and freed every step, which on a CPU costs far more than the matmuls.
-This keeps the dense copy instead (the memory of a checkpoint of that dtype) and multiplies at
-the dense kernels' speed, with the same values: W as IntWeight.dequantize gives it. A scheme
-with int8 activations keeps its rounding (the rows rounded to int8 values, multiplied, scaled
-after), as QuantLinear computes it.
+torch's own path (ops/quant_linear.py) unpacks its whole weight on every call: a dense copy of the
+model allocated, faulted in and freed every step, which on a CPU costs far more than the matmuls.
+This keeps the dense copy instead (the memory of a checkpoint of that dtype) and multiplies at the
+dense kernels' speed, with the same values: W as IntWeight.dequantize gives it. A scheme with int8
+activations keeps its rounding (the rows rounded to int8 values, multiplied, scaled after), as
+QuantLinear computes it.
 """
 
 from __future__ import annotations
@@ -16,13 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from batchpage.ops.linear import (
-    IntLinearMaker,
-    LinearMaker,
-    LinearOp,
-    dense_matmul,
-    dtype_format,
-)
+from batchpage.ops.linear import LinearOp, dense_linear
+from batchpage.ops.linear_method import IntLinearMaker, LinearMaker
 from batchpage.quant.activations import quantize_rows_int8
 from batchpage.quant.int_weight import IntWeight
 
@@ -30,32 +25,10 @@ if TYPE_CHECKING:  # the scheme module imports batchpage.model, which imports th
     from batchpage.quant.scheme import QuantScheme
 
 
-class HeldDense(LinearOp):
-    """A dense weight multiplied by torch, as the torch method's Linear, but not a `Linear`:
-    bind's dense pass, which remakes every Linear on the engine's method, leaves it as it is."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight = torch.nn.Parameter(weight, False)
-        self.bias = None if bias is None else torch.nn.Parameter(bias, False)
-
-    def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        return dense_matmul(x, self.weight, self.bias, out)
-
-    @property
-    def weight_format(self) -> str:
-        return dtype_format(self.weight.dtype)
-
-    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight[ids].float()
-
-
 class DequantizedLinear(LinearOp):
-    """A dense weight made from an IntWeight, multiplied by `make`'s module (default: torch,
-    HeldDense); it also gives back its rows (a tied model's embedding
-    lookups read them when the checkpoint's only table was quantized). Not a `Linear`, so a
-    dense method's `make` leaves it, and the embedding that reads its rows, as they are."""
+    """A dense weight made from an IntWeight, multiplied by `make`'s module (default: torch's
+    Linear); it also gives back its rows (a tied model's embedding lookups read them when the
+    checkpoint's only table was quantized)."""
 
     def __init__(
         self,
@@ -70,7 +43,7 @@ class DequantizedLinear(LinearOp):
         dense = weight.dequantize(torch.float32).to(dtype)
         bias = None if bias is None else bias.to(dtype)
         self.rounds_rows = rounds_rows  # the scheme's int8 activations: the bias after the scale
-        self.inner = (make or HeldDense)(dense, None if rounds_rows else bias)
+        self.inner = (make or dense_linear)(dense, None if rounds_rows else bias)
         self.bias = None if bias is None or not rounds_rows else torch.nn.Parameter(bias, False)
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -100,8 +73,8 @@ class DequantizedLinear(LinearOp):
 def dequantized_linears(dtype: torch.dtype, make: LinearMaker | None = None) -> IntLinearMaker:
     """The maker bind calls for each quantized linear: its DequantizedLinear in `dtype`, on
     `make`'s implementation (the engine's dense method: each shape's measured choice), or
-    torch's (HeldDense) where `make` is None or, for a layer whose rows are read, its module
-    cannot give them."""
+    torch's where `make` is None or, for a layer whose rows are read, its module cannot give
+    them."""
 
     def maker(
         weight: IntWeight, bias: torch.Tensor | None, scheme: QuantScheme, reads_rows: bool = False

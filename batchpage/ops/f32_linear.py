@@ -16,7 +16,8 @@ import torch
 
 from batchpage.kernels.cpu_build import KernelBuildError
 from batchpage.kernels.cpu_f32_linear import COLUMNS, CpuF32Linear, pack_weight
-from batchpage.ops.linear import LinearMethod, LinearOp
+from batchpage.ops.linear import LinearOp
+from batchpage.ops.linear_method import LinearMethod
 
 NAME = "cpu_f32"
 

@@ -1,5 +1,5 @@
 """Integer-weight linears on the C++ int kernels: the CPU implementation of a quantized
-checkpoint's linears (QuantLinear, batchpage/ops/quant_linear.py) for bfloat16 and float32
+checkpoint's linears (their IntWeight, batchpage/quant/int_weight.py) for bfloat16 and float32
 activations (a float32 engine keeps its quantized weights packed too).
 A scheme with bf16 activations runs on kernels/cpu_int_linear.py (W4A16, W8A16, FP8 weights);
 one with int8 activations (W8A8, or any scheme under the engine option int8_activations) on
@@ -7,7 +7,7 @@ kernels/cpu_a8_linear.py where the CPU has AVX512-VNNI, or on the A16 kernel fed
 values (exact in bf16) and scaled after, or on oneDNN (ops/onednn_int8_linear.py): the engine
 measures which is fastest for each shape (ops/measured_linear.py).
 
-Bind repacks each QuantLinear's IntWeight once into its kernel's layout and drops the loaded
+Bind repacks each linear's IntWeight once into its kernel's layout and drops the loaded
 form. Shapes are checked once, when a layer is made; `apply` calls the compiled kernel
 unchecked with the Workspace buffers the layers hand it (bf16, [T, width], dense rows).
 """
@@ -25,7 +25,8 @@ from batchpage.kernels import cpu_a8_linear, cpu_int_linear
 from batchpage.kernels.cpu_a8_linear import CpuA8Linear, pack_a8_weight
 from batchpage.kernels.cpu_build import KernelBuildError
 from batchpage.kernels.cpu_int_linear import CpuIntLinear, pack_int_weight
-from batchpage.ops.linear import IntCandidate, LinearOp
+from batchpage.ops.linear import LinearOp
+from batchpage.ops.linear_method import IntCandidate
 from batchpage.ops.onednn_int8_linear import onednn_int8_candidate
 from batchpage.quant.activations import quantize_rows_int8
 from batchpage.quant.int_weight import IntWeight

@@ -38,7 +38,9 @@ import torch.nn.functional as F
 
 from batchpage.cpu_info import cpu_flags, cpu_model
 from batchpage.fileio import atomic_write_text
-from batchpage.ops.linear import IntCandidate, LinearMethod, LinearOp
+from batchpage.ops.dequantized_linear import DequantizedLinear
+from batchpage.ops.linear import LinearOp
+from batchpage.ops.linear_method import IntCandidate, LinearMethod, torch_int_linear
 from batchpage.paths import cache_dir
 
 if TYPE_CHECKING:  # the scheme module imports batchpage.model, which imports the ops
@@ -200,7 +202,7 @@ class MeasuredLinears:
         return len(self.candidates) == 1
 
     def method(self) -> LinearMethod:
-        make_int = self.make_int if self.int_candidates else None
+        make_int = self.make_int if self.int_candidates else torch_int_linear
         if self.forced:
             (only,) = self.candidates.values()
             return replace(only, make_int=make_int)
@@ -261,10 +263,8 @@ class MeasuredLinears:
         def build(name: str) -> LinearOp:
             if name != DENSE:
                 return self.int_candidates[name].make(weight, bias, scheme)
-            # W as IntWeight.dequantize gives it, in the engine's dtype
-            dense = weight.dequantize(torch.float32).to(self.dtype)
-            made = self.make(dense, None if bias is None else bias.to(self.dtype))
-            if not reads_rows:
+            made = DequantizedLinear(weight, bias, self.dtype, False, self.make)
+            if not reads_rows or made.gives_rows():
                 return made
             return DenseWithRows(made, self.int_candidates[names[0]].make(weight, bias, scheme))
 

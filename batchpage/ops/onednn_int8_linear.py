@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from batchpage.ops.linear import IntCandidate, LinearOp
+from batchpage.ops.linear import LinearOp
+from batchpage.ops.linear_method import IntCandidate
 from batchpage.quant.activations import quantize_rows_int8
 from batchpage.quant.int_weight import IntWeight
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from batchpage.ops.linear import LinearMethod, LinearOp, dtype_format
+from batchpage.ops.linear import LinearOp, dtype_format
+from batchpage.ops.linear_method import LinearMethod
 
 
 class OneDnnLinear(LinearOp):

@@ -14,7 +14,7 @@ from batchpage.ops.dequantized_linear import dequantized_linears
 from batchpage.ops.f32_linear import f32_kernel, f32_linears
 from batchpage.ops.int_linear import cpu_int_candidates
 from batchpage.ops.layer_ops import LayerOps
-from batchpage.ops.linear import MEASURABLE_TORCH_LINEARS, TORCH_LINEARS, LinearMethod
+from batchpage.ops.linear_method import MEASURABLE_TORCH_LINEARS, TORCH_LINEARS, LinearMethod
 from batchpage.ops.measured_linear import ChoiceCache, MeasuredLinears, setup_key
 from batchpage.ops.onednn_linear import ONEDNN_LINEARS, onednn_packs
 from batchpage.ops.triton_int_linear import triton_int_candidates
@@ -51,6 +51,7 @@ def select_linears(
     rows: tuple[int, ...] = (1, 64),
     dense_ints: bool = False,
     batch_invariant: bool = False,
+    dequantize: bool = False,
 ) -> tuple[LinearMethod, MeasuredLinears | None]:
     """The engine's `linear_backend`: "avx512_bf16" is the bf16 kernel (with SiLU(gate) * up
     fused into the gate/up linear) or raises; "cpu_f32" the float32 kernel or raises;
@@ -68,11 +69,14 @@ def select_linears(
     dense form is a candidate too (the caller has checked that the memory allows it).
     `batch_invariant`: only implementations whose rows do not depend on the batch (each
     output one fixed-order sum) are candidates, on a GPU the Triton matmul; none for this
-    dtype here raises, saying why."""
+    dtype here raises, saying why. `dequantize` (quantized_weights=False): every quantized
+    layer is dequantized once, at bind, onto the dense method."""
     if choice not in LINEAR_BACKENDS:
         allowed = ", ".join(LINEAR_BACKENDS)
         raise ValueError(f"linear_backend must be one of {allowed}; got {choice!r}")
     if choice == "torch" and not batch_invariant:
+        if dequantize:
+            return replace(TORCH_LINEARS, make_int=dequantized_linears(dtype)), None
         return TORCH_LINEARS, None
     if choice == "triton" or device.type == "cuda":
         ints = triton_int_candidates(dtype)
@@ -94,7 +98,7 @@ def select_linears(
     key = {**setup_key([*dense, *ints], dtype, rows), "dense_ints": str(dense_ints)}
     measured = MeasuredLinears(dense, dtype, rows, ChoiceCache(key), ints, dense_ints)
     method = measured.method()
-    if not ints and device.type == "cpu":  # dequantized once, then as the dense layers
+    if dequantize or (not ints and device.type == "cpu"):  # then as the dense layers
         method = replace(method, make_int=dequantized_linears(dtype, method.make))
     return method, measured
 
@@ -195,12 +199,13 @@ def select_model_ops(
     dense_ints: bool = False,
     batch_invariant: bool = False,
     triton_attention: bool = False,
+    dequantize: bool = False,
 ) -> ModelOps:
     """`rows`: the row counts a linear runs at that matter, where "auto" measures;
-    `dense_ints`, `batch_invariant`: see select_linears; `triton_attention`: the engine runs
-    the Triton attention kernels."""
+    `dense_ints`, `batch_invariant`, `dequantize`: see select_linears; `triton_attention`: the
+    engine runs the Triton attention kernels."""
     linear, measured = select_linears(
-        linear_backend, dtype, device, rows, dense_ints, batch_invariant
+        linear_backend, dtype, device, rows, dense_ints, batch_invariant, dequantize
     )
     layer = select_layer_ops(cpu_kernels, triton_norms=batch_invariant and triton_attention)
     return ModelOps(layer, linear, comm or Collective(), measured)

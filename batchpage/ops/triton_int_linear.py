@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchpage.kernels.int_matmul import int_matmul
-from batchpage.ops.linear import IntCandidate, LinearOp
+from batchpage.ops.linear import LinearOp
+from batchpage.ops.linear_method import IntCandidate
 from batchpage.quant.activations import quantize_rows_int8
 from batchpage.quant.int_weight import IntWeight
 

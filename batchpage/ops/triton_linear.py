@@ -2,9 +2,9 @@
 linears when EngineConfig.batch_invariant is on, and `linear_backend="triton"` anywhere Triton
 runs (on a CPU only under its interpreter: tests).
 
-The weight stays as loaded ([out, in], the engine's dtype); a quantized checkpoint's weights are
-dequantized once, at bind, into the same layers (ops/select.py), since cuBLAS, which
-QuantLinear's torch path multiplies on, picks its algorithm from the row count.
+The weight stays as loaded ([out, in], the engine's dtype); a quantized checkpoint's weights run
+on the Triton int kernel (ops/triton_int_linear.py), whose tiles are fixed too: cuBLAS, which
+torch's dequantize-then-multiply runs on, picks its algorithm from the row count.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from batchpage.kernels.invariant_matmul import invariant_matmul
-from batchpage.ops.linear import LinearMethod, LinearOp, dtype_format
+from batchpage.ops.linear import LinearOp, dtype_format
+from batchpage.ops.linear_method import LinearMethod
 
 NAME = "triton"
 

@@ -7,8 +7,10 @@
 Each side is an engine loaded after the last is freed, its --runs back to back: tensor_parallel_size
 1 with every torch thread of this process, and each of --worlds, whose ranks share the host's
 cores (a thread each on two cores). Per side and R: the median decode step (over every step of
-every run), and for N > 1 ranks the step message rank 0 broadcasts to the others: its bytes
-and the milliseconds the broadcast took, per step, read from the engine's workers. The same
+every run), rank 0's forward part of it (the step message, its forward, its all-reduces) and
+the time it spends inside the all-reduces (the wire's latency and the wait for the slowest
+rank), and for N > 1 ranks the step message rank 0 broadcasts to the others: its bytes and the
+milliseconds the broadcast took, per step, read from the engine's workers. The same
 greedy tokens on every side are counted too (float32: the all-reduce changes only the order of
 a sum).
 """
@@ -25,8 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from batchpage import SamplingParams
 from batchpage.model.loader import resolve_model_source
-from jobs.bench.engine_runs import decode_steps, load_llm
+from batchpage.ops.collective import GroupCollective
+from jobs.bench.engine_runs import load_llm
 from jobs.bench.random_models import random_model_folder
 from jobs.bench.report import (
     environment,
@@ -56,12 +60,17 @@ def run_side(model: str, world: int, running: int, args: Any, vocab: int) -> dic
     prompts = prompts_for(running, vocab)
     steps, tokens, sent = [], None, []
     peers = llm.engine.runner.peers
+    forward, reduce, reduces = [], [], []
     for run in range(args.runs):
         before = (
             None if peers is None else (peers.sent.messages, peers.sent.bytes, peers.sent.seconds)
         )
-        result = decode_steps(llm, prompts, args.steps)
+        with ReduceClock() as clock:
+            result = decode_parts(llm, prompts, args.steps, clock)
         steps += result["step_s"]
+        forward += result["forward_s"]
+        reduce += result["reduce_s"]
+        reduces += result["reduces"]
         tokens = result["tokens"]
         if peers is not None and before is not None:
             n = peers.sent.messages - before[0]
@@ -73,7 +82,57 @@ def run_side(model: str, world: int, running: int, args: Any, vocab: int) -> dic
         "step_ms": statistics.median(steps) * 1e3,
         "message_bytes": statistics.median(b for b, _ in sent) if sent else None,
         "message_ms": statistics.median(s for _, s in sent) * 1e3 if sent else None,
+        "forward_ms": statistics.median(forward) * 1e3,
+        "in_all_reduce_ms": statistics.median(reduce) * 1e3,
+        "all_reduces": statistics.median(reduces),
         "tokens": tokens,
+    }
+
+
+class ReduceClock:
+    """Rank 0's time inside the group's all-reduces (the wire's latency and the wait for the
+    slowest rank), while in a `with` block: GroupCollective.all_reduce_ timed in this process."""
+
+    def __init__(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def __enter__(self) -> ReduceClock:
+        self.plain = GroupCollective.all_reduce_
+        clock = self
+
+        def timed(group: GroupCollective, x: torch.Tensor) -> torch.Tensor:
+            start = time.perf_counter()
+            out = clock.plain(group, x)
+            clock.seconds += time.perf_counter() - start
+            clock.calls += 1
+            return out
+
+        GroupCollective.all_reduce_ = timed  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        GroupCollective.all_reduce_ = self.plain  # type: ignore[method-assign]
+
+
+def decode_parts(llm: Any, prompts: list[list[int]], steps: int, clock: ReduceClock) -> dict:
+    """decode_steps' pure decode steps, with rank 0's forward part (the step message, its
+    forward and its all-reduces) and its time inside the all-reduces, per step."""
+    marks: list[tuple[float, int, int, float, float, int]] = []
+
+    def on_step(stats: Any) -> None:
+        marks.append((time.perf_counter(), stats.prefill_tokens_computed, stats.generated_tokens,
+                      stats.step_time_s["forward"], clock.seconds, clock.calls))  # fmt: skip
+
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False, on_step=on_step)
+    pure = [(a, b) for a, b in zip(marks, marks[1:], strict=False)
+            if b[1] == a[1] and b[2] - a[2] == len(prompts)]  # fmt: skip
+    return {
+        "step_s": [b[0] - a[0] for a, b in pure],
+        "forward_s": [b[3] - a[3] for a, b in pure],
+        "reduce_s": [b[4] - a[4] for a, b in pure],
+        "reduces": [b[5] - a[5] for a, b in pure],
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
     }
 
 
@@ -138,12 +197,15 @@ def main(argv: list[str] | None = None) -> None:
         same = sum(a == b for a, b in zip(r["tokens"], base["tokens"], strict=True))
         rows.append([
             r["world"], r["running"], fmt(r["step_ms"], 2), fmt(base["step_ms"] / r["step_ms"], 2),
+            fmt(r["forward_ms"], 2), fmt(r["in_all_reduce_ms"], 2), fmt(r["all_reduces"], 0),
             "-" if r["message_bytes"] is None else f"{r['message_bytes']:,.0f}",
             "-" if r["message_ms"] is None else fmt(r["message_ms"], 3),
             f"{same}/{len(r['tokens'])}",
         ])  # fmt: skip
     print_header("Tensor parallelism: decode steps against one rank", env, f"model {model}")
-    headers = ["ranks", "running", "step ms", "TP=1 / this", "message bytes", "message ms", "same"]
+    headers = ["ranks", "running", "step ms", "TP=1 / this", "rank 0 forward ms",
+               "in all-reduces ms", "all-reduces", "message bytes", "message ms",
+               "same"]  # fmt: skip
     print(markdown_table(headers, rows))
     cfg = resolve_model_source(model).config
     reduce_ms = all_reduce_ms(cfg.hidden_size, args.running)

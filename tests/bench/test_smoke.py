@@ -126,6 +126,10 @@ def test_tensor_parallel_against_one_rank(tmp_path) -> None:
     assert (one["world"], two["world"]) == (1, 2) and one["message_bytes"] is None
     assert reduce["running"] == 4 and reduce["all_reduce_ms"] > 0
     assert two["message_bytes"] > 0 and two["step_ms"] > 0
+    # rank 0's forward holds its all-reduces: two a layer of the tiny model's two, and the
+    # embedding's; one rank runs none
+    assert two["all_reduces"] == 5 and one["all_reduces"] == 0 == one["in_all_reduce_ms"]
+    assert 0 < two["in_all_reduce_ms"] < two["forward_ms"] < two["step_ms"]
     (_, row) = table_with(markdown_tables(done.stdout), "message bytes")
     assert row["ranks"] == "2" and row["same"] == "4/4"
 

@@ -3,8 +3,8 @@ its weights decoded to IntWeight's row-major layout, as a dense weight's are, an
 give one rank's greedy tokens (float32: logprobs within the dense tests' 1e-4). Under GPTQ's
 act order the row-parallel linears are held dense (their groups span the whole input). W8A8
 quantizes each rank's share of a row-parallel input with a scale of its own (as vLLM does), so
-its logprobs move by more; shapes that do not split into whole groups are refused in one line
-before any worker starts."""
+its logprobs move by more; shapes that do not split into whole groups load dense, or under
+quantized_weights=true are refused in one line before any worker starts."""
 
 from __future__ import annotations
 
@@ -52,12 +52,29 @@ def test_a_quantized_checkpoint_over_several_ranks_gives_one_ranks_tokens(
             assert abs(lp_a[token] - lp_b[token]) < tolerance
 
 
-def test_shapes_that_do_not_split_into_whole_groups_are_refused(tmp_path, tokenizer) -> None:
-    """The tiny model's down_proj reads 96 inputs: 3 groups of 32, which 2 ranks cannot share."""
+def test_shapes_that_do_not_split_into_whole_groups_load_dense_or_are_refused(
+    tmp_path, tokenizer
+) -> None:
+    """The tiny model's down_proj reads 96 inputs: 3 groups of 32, which 2 ranks cannot share.
+    quantized_weights=true refuses it in one line; auto loads each rank's down_proj share dense
+    (the rest quantized) and gives one rank's tokens."""
     folder, _ = write_quantized(tmp_path, "awq4_g32")
     tokenizer.save_pretrained(folder)
     with pytest.raises(ValueError, match=r"down_proj's 96 inputs in groups of 32 \(3 groups\)"):
-        LLM(str(folder), dtype="float32", tensor_parallel_size=2)
+        LLM(str(folder), dtype="float32", tensor_parallel_size=2, quantized_weights=True)
+    args = dict(block_size=4, max_model_len=64, kv_cache_memory=2**22, dtype="float32")
+    prompts = [{"prompt_token_ids": list(p)} for p in PROMPTS]
+    outs = {}
+    for world in (1, 2):
+        llm = LLM(str(folder), tensor_parallel_size=world, linear_backend="torch", **args)
+        outs[world] = llm.generate(prompts, GREEDY, use_tqdm=False)
+        formats = llm.stats["weight_formats"]
+        assert formats == ({"awq_int4": 8, "f32": 1} if world == 1 else {"awq_int4": 6, "f32": 3})
+    for a, b in zip(outs[1], outs[2], strict=True):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        for lp_a, lp_b, token in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
+            assert abs(lp_a[token] - lp_b[token]) < 1e-4
 
 
 def test_a_quantized_job_over_two_ranks_writes_one_ranks_rows(tmp_path, tokenizer) -> None:
@@ -127,25 +144,25 @@ def shares_reassembled(path, world: int) -> int:
     """Check each quantized linear of `path` against its `world` ranks' shares put back
     together; the number checked."""
     from batchpage.model.gguf_loader import load_gguf_model
+    from batchpage.model.quant_layout import linears
     from batchpage.model.shard import TensorShard
-    from batchpage.ops.quant_linear import QuantLinear
 
     whole, _ = load_gguf_model(path, torch.float32, "cpu")
     shares = [load_gguf_model(path, torch.float32, "cpu", shard=TensorShard(r, world))[0]
               for r in range(world)]  # fmt: skip
     checked = 0
-    for name, module in whole.named_modules():
-        if not isinstance(module, QuantLinear):
+    for name, module in linears(whole):
+        if module.spec.scheme is None:
             continue
-        want = module.int_weight().dequantize(torch.float64)
-        parts = [s.get_submodule(name).int_weight().dequantize(torch.float64) for s in shares]
+        want = module.weights().quant.dequantize(torch.float64)
+        parts = [s.get_submodule(name).weights().quant.dequantize(torch.float64) for s in shares]
         if name.endswith(("o_proj", "down_proj")):
             got = torch.cat(parts, dim=1)
         elif name == "tied_quant":
             got = torch.cat(parts)[: want.shape[0]]
             assert not torch.cat(parts)[want.shape[0] :].any()  # the padding rows
         else:  # merged q/k/v and gate/up: each part's rows, part by part
-            sizes = [s.get_submodule(name).part_sizes for s in shares]
+            sizes = [s.get_submodule(name).spec.part_sizes for s in shares]
             pieces = [p.split(list(z)) for p, z in zip(parts, sizes, strict=True)]
             got = torch.cat([torch.cat(column) for column in zip(*pieces, strict=True)])
         assert torch.equal(got, want), name

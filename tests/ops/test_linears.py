@@ -15,10 +15,12 @@ from batchpage import LLM, SamplingParams
 from batchpage.cpu_info import cpu_flags
 from batchpage.model.hf_loader import load_hf_model
 from batchpage.model.layers import GatedMLP
+from batchpage.model.loaded_linear import LoadedLinear
 from batchpage.ops.bf16_linear import Bf16DotLinear, Bf16SiluMulLinear, bf16_linears
 from batchpage.ops.f32_linear import F32KernelLinear
 from batchpage.ops.layer_ops import LayerOps
-from batchpage.ops.linear import TORCH_LINEARS, Linear
+from batchpage.ops.linear import Linear
+from batchpage.ops.linear_method import TORCH_LINEARS, torch_int_linear
 from batchpage.ops.onednn_linear import ONEDNN_LINEARS, OneDnnLinear, onednn_packs
 from batchpage.ops.select import ModelOps, select_linears
 from tests.gemma_factory import GEMMA_VARIANTS, build_gemma
@@ -93,8 +95,8 @@ def test_prepacked_model_matches_transformers(tmp_path, variant):
     packed = load_hf_model(tmp_path, torch.float32, "cpu", 128)[0]
     report = packed.bind(ModelOps(LayerOps(), ONEDNN_LINEARS))
 
-    assert not any(isinstance(m, nn.Linear) for m in packed.modules())
-    linears = sum(isinstance(m, nn.Linear) for m in plain.modules())
+    assert not any(isinstance(m, (nn.Linear, LoadedLinear)) for m in packed.modules())
+    linears = sum(isinstance(m, LoadedLinear) for m in plain.modules())
     tied = plain.lm_head is None
     assert report.linears == linears
     assert report.weight_formats == {"f32": linears + tied}
@@ -140,6 +142,8 @@ def test_linear_backend_choice():
         wide = {"avx2", "fma"} <= flags
         int_kernel = wide or (dtype == torch.bfloat16 and "avx512_bf16" in flags)
         assert (auto.make_int == measured.make_int) == int_kernel
+        dequantizing, _ = select_linears("auto", dtype, CPU, dequantize=True)
+        assert dequantizing.make_int.__qualname__.startswith("dequantized_linears")
         if int_kernel:
             assert "int_a16" in measured.int_candidates
             a8 = dtype == torch.bfloat16 and "avx512_vnni" in flags  # it takes bf16 rows
@@ -177,7 +181,7 @@ def test_linear_backend_choice():
                 select_linears(name, dtype, CPU, batch_invariant=True)
         if onednn_packs(dtype, CPU):
             onednn, report = select_linears("onednn", dtype, CPU)
-            assert replace(onednn, make_int=None) == ONEDNN_LINEARS and report.forced
+            assert replace(onednn, make_int=torch_int_linear) == ONEDNN_LINEARS and report.forced
         else:
             with pytest.raises(ValueError, match="linear_backend='onednn' cannot pack"):
                 select_linears("onednn", dtype, CPU)
@@ -222,16 +226,15 @@ def test_bf16_dot_model_matches_unpacked(tmp_path, variant):
     plain = load_hf_model(tmp_path, torch.bfloat16, "cpu", 128)[0]
     packed = load_hf_model(tmp_path, torch.bfloat16, "cpu", 128)[0]
     report = packed.bind(ModelOps(LayerOps(), bf16_linears(best_kernel())))
-    assert not any(isinstance(m, nn.Linear) for m in packed.modules())
+    assert not any(isinstance(m, (nn.Linear, LoadedLinear)) for m in packed.modules())
     mlps = [m for m in packed.modules() if isinstance(m, GatedMLP)]
-    assert all(m.gate_up_activated == m.silu_gated for m in mlps)  # none in Mixtral
+    assert all(m.gate_up_proj.activates == m.silu_gated for m in mlps)  # none in Mixtral
     assert all(
         isinstance(m.gate_up_proj, Bf16SiluMulLinear if m.silu_gated else Bf16DotLinear)
         for m in mlps
     )
-    linears = sum(isinstance(m, nn.Linear) for m in plain.modules())
-    fused = sum(m.silu_gated for m in mlps)
-    assert report.linears == linears - fused  # the fused gate/up linears are made apart
+    linears = sum(isinstance(m, LoadedLinear) for m in plain.modules())
+    assert report.linears == linears  # the fused gate/up linears among them
     assert report.weight_formats == {"bf16": linears + (plain.lm_head is None)}
     ids = random_ids(45, seed=1)
     ref = hf_logits(hf, ids)

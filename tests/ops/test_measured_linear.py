@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 import batchpage.ops.measured_linear as measured_linear
 from batchpage import LLM, SamplingParams
-from batchpage.ops.linear import MEASURABLE_TORCH_LINEARS, LinearMethod, dense_linear
+from batchpage.ops.dequantized_linear import DequantizedLinear
+from batchpage.ops.linear import LinearOp, dense_linear
+from batchpage.ops.linear_method import MEASURABLE_TORCH_LINEARS, LinearMethod, torch_int_linear
 from batchpage.ops.measured_linear import (
     UNFUSED,
     ActivatedLinear,
@@ -49,8 +51,8 @@ def test_fastest_is_the_best_geometric_mean_of_relative_times(seed: int) -> None
     assert fastest({"x": [1.0, 2.0, 3.0], "y": [1.1, 200.0, 3.3]}) == "x"
 
 
-class Tagged(torch.nn.Module):
-    """A fake candidate's layer: F.linear, tagged with its candidate's name."""
+class Tagged(LinearOp):
+    """A fake candidate's layer: F.linear, tagged with its candidate's name (no weight_rows)."""
 
     def __init__(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -80,6 +82,8 @@ def speeds(monkeypatch):
         for name, module in modules.items():
             if isinstance(module, DenseWithRows):
                 module = module.dense
+            if isinstance(module, DequantizedLinear):
+                module = module.inner
             inner = isinstance(module, ActivatedLinear)
             tag = module.inner.name + "+act" if inner else module.name
             calls.append(tag)
@@ -204,7 +208,7 @@ def test_one_candidate_is_forced_unmeasured(tmp_path: Path, speeds) -> None:
     m = MeasuredLinears([only], torch.float32, (1,), ChoiceCache({}, tmp_path))
     method = m.method()
     assert m.forced and method.make is only.make and method.silu_mul is only.silu_mul
-    assert method.make_int is None and calls == [] and m.choices == {}
+    assert method.make_int is torch_int_linear and calls == [] and m.choices == {}
 
 
 class FakeInt:
@@ -220,7 +224,7 @@ class FakeInt:
 
 
 def int_candidate(name: str, rows: bool = True):
-    from batchpage.ops.linear import IntCandidate
+    from batchpage.ops.linear_method import IntCandidate
 
     return IntCandidate(name, lambda w, b, s: FakeInt(name, w), lambda w, s: True, "v1", rows)
 
@@ -254,12 +258,12 @@ def test_a_quantized_layer_is_held_dense_only_where_allowed_and_faster(
     head = m.method().make_int(w, None, scheme, reads_rows=True)
     # Not the one whose rows are slow: dense for the matmul, the int module for the rows.
     assert isinstance(head, DenseWithRows)
-    assert head.dense.name == "a" and head.rows.name == "i16"
+    assert head.dense.inner.name == "a" and head.rows.name == "i16"  # the dense: dequantized once
     table["slow_rows"] = 9.0
     fresh = measured(dense_ints=True)
     fresh.cache.path.unlink()
     layer = fresh.method().make_int(w, None, scheme)
-    assert layer.name == "a" and fresh.choices == {"gptq_int4:6x8/8": "dense", "6x8": "a"}
+    assert layer.inner.name == "a" and fresh.choices == {"gptq_int4:6x8/8": "dense", "6x8": "a"}
     x = torch.randn(3, 8)
     torch.testing.assert_close(layer.apply(x, None), F.linear(x, w.dequantize(torch.float32)))
     off = measured(dense_ints=False)  # another cache key: measured again, without dense

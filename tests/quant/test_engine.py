@@ -245,10 +245,9 @@ def test_quantized_weights_true_keeps_every_layer_packed() -> None:
     is refused naming them."""
     llm = LLM("smollm2", dtype="bfloat16", kv_cache_memory=2**24, quantized_weights=True)
     assert llm.engine.bind_report.weight_formats == {"q4_1": 120, "q8_0": 1}
-    from batchpage.model.loader import load_model
+    from batchpage.model.loader import resolve_model_source
 
-    dense = load_model("smollm2", dtype="bfloat16", quantized=False).model
-    bf16_bytes = 2 * sum(p.numel() for p in dense.parameters())  # the tied table once
+    bf16_bytes = 2 * resolve_model_source("smollm2").num_weights  # the tied table once
     assert llm.engine.weight_bytes < 0.5 * bf16_bytes
     with pytest.raises(ValueError, match="quantized_weights must be true, false or auto"):
         LLM("smollm2", quantized_weights="packed")
@@ -259,11 +258,12 @@ def test_the_dense_form_is_offered_only_where_the_dense_copy_fits(monkeypatch) -
     engine's dtype must take at most 1 / DENSE_COPY_SHARE of the memory available; a model with
     no quantized linear never offers it."""
     from batchpage.engine import model_runner
+    from batchpage.model.loaded_linear import LoadedLinear
     from batchpage.model.loader import load_model
-    from batchpage.ops.quant_linear import QuantLinear
 
     model = load_model("smollm2", dtype="bfloat16").model
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)] + [model.tied_quant]
+    layers = [m for m in model.modules() if isinstance(m, LoadedLinear) and m.spec.scheme]
+    assert len(layers) == 121 and model.tied_quant in layers
     dense = sum(m.out_features * m.in_features * 2 for m in layers)  # bf16 bytes
     cpu = torch.device("cpu")
     for free, fits in [
@@ -272,8 +272,9 @@ def test_the_dense_form_is_offered_only_where_the_dense_copy_fits(monkeypatch) -
     ]:
         monkeypatch.setattr(model_runner, "available_memory", lambda device, free=free: free)
         assert model_runner.dense_copy_fits(model, torch.bfloat16, cpu) == fits
-    plain = load_model("smollm2", dtype="bfloat16", quantized=False).model
-    assert not model_runner.dense_copy_fits(plain, torch.bfloat16, cpu)
+    for layer in layers:
+        layer.hold(None)  # dense, as a float checkpoint's
+    assert not model_runner.dense_copy_fits(model, torch.bfloat16, cpu)
 
 
 def test_int8_activations_need_quantized_weights():

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from batchpage.model.config import UnsupportedModelError
 from batchpage.model.loader import load_model, resolve_model_source
-from batchpage.ops.quant_linear import QuantLinear
+from batchpage.model.quant_layout import linears
 from tests.model_factory import (
     build_hf_model,
     hf_greedy,
@@ -190,7 +190,7 @@ def test_each_format_loads_its_exact_weights_and_runs_as_hf_on_them(tmp_path, to
     tokenizer.save_pretrained(folder)
     loaded = load_model(str(folder), dtype="float32")
     model = loaded.model
-    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    quantized = {n: m for n, m in linears(model) if m.spec.scheme is not None}
     assert len(quantized) == 4 * 2  # qkv, o, gate_up, down in each of two layers
     for name, module in quantized.items():
         layer, kind = name.split(".")[1], name.rsplit(".", 1)[-1]
@@ -203,7 +203,7 @@ def test_each_format_loads_its_exact_weights_and_runs_as_hf_on_them(tmp_path, to
             for p in parts.get(kind, (kind,))
         ]
         want = torch.cat([hf.get_parameter(n).detach().double() for n in hf_names])
-        got = module.int_weight().dequantize(torch.float64)
+        got = module.weights().quant.dequantize(torch.float64)
         assert torch.equal(got, want), (case, name, (got - want).abs().max())
     for prompt in PROMPTS:
         assert paged_greedy(model, prompt, 8) == hf_greedy(hf, prompt, 8), (case, prompt)
@@ -215,9 +215,9 @@ def test_a_gptq_lm_head_loads_quantized(tmp_path, tokenizer):
     folder, hf = write_quantized(tmp_path, "gptq4_sym_g32", quantize_head=True)
     tokenizer.save_pretrained(folder)
     model = load_model(str(folder), dtype="float32").model
-    assert isinstance(model.lm_head, QuantLinear)
+    assert model.lm_head.spec.scheme is not None
     want = hf.get_parameter("lm_head.weight").detach().double()
-    assert torch.equal(model.lm_head.int_weight().dequantize(torch.float64), want)
+    assert torch.equal(model.lm_head.weights().quant.dequantize(torch.float64), want)
     assert paged_greedy(model, PROMPTS[0], 8) == hf_greedy(hf, PROMPTS[0], 8)
 
 
@@ -235,7 +235,7 @@ def test_awq_packed_in_plain_order_is_not_read_as_awq(tmp_path, tokenizer):
     model = load_model(str(folder), dtype="float32").model
     got = model.layers[0].self_attn.o_proj
     want = hf.get_parameter("model.layers.0.self_attn.o_proj.weight").detach().double()
-    assert not torch.equal(got.int_weight().dequantize(torch.float64), want)
+    assert not torch.equal(got.weights().quant.dequantize(torch.float64), want)
 
 
 def test_act_orders_that_differ_within_a_merged_linear_are_refused(tmp_path, tokenizer):

@@ -24,7 +24,8 @@ from batchpage.engine.model_runner import ForwardStep, build_model_runner
 from batchpage.engine.plan import EnginePlan
 from batchpage.model.loader import ModelSource, load_model
 from batchpage.model.shard import TensorShard
-from batchpage.ops.collective import GroupCollective, broadcast_object, open_group
+from batchpage.ops.collective import broadcast_object, open_group
+from batchpage.ops.shm_collective import shared_memory_collective
 
 LOADED = "loaded"
 
@@ -92,9 +93,8 @@ def run_steps(spec: WorkerSpec, model: torch.nn.Module, host: str) -> None:
     plan = replace(spec.plan, device=spec.device)
     store = dist.TCPStore(spec.store_host, spec.store_port, spec.world, is_master=False)
     forward, control = open_group(store, spec.rank, spec.world, spec.device, host)
-    runner = build_model_runner(
-        model, spec.cfg, plan, comm=GroupCollective(forward, spec.world)
-    ).runner
+    comm = shared_memory_collective(store, forward, spec.rank, spec.world, spec.device)
+    runner = build_model_runner(model, spec.cfg, plan, comm=comm).runner
     while (step := broadcast_object(control, None, spec.rank)) is not None:
         runner.run(to_device(step, spec.device))
 

@@ -33,6 +33,7 @@ from batchpage.engine.plan import EnginePlan
 from batchpage.model.loader import ModelSource
 from batchpage.model.shard import TensorShard
 from batchpage.ops.collective import GroupCollective, broadcast_object, open_group
+from batchpage.ops.shm_collective import shared_memory_collective
 
 # Loading a share of a large checkpoint takes minutes; a worker silent for longer is stuck.
 LOAD_TIMEOUT_S = 3600.0
@@ -129,7 +130,7 @@ class TensorParallelWorkers:
             raise WorkerDied(problem)
         forward, control = open_group(self.store, 0, self.world, device, self.ranks.store_host)
         self._control.append(control)
-        self._comm = GroupCollective(forward, self.world)
+        self._comm = shared_memory_collective(self.store, forward, 0, self.world, device)
         return self._comm
 
     def send(self, step: ForwardStep) -> None:

@@ -29,8 +29,9 @@ import torch.multiprocessing as mp
 
 from batchpage import SamplingParams
 from batchpage.model.loader import resolve_model_source
-from batchpage.ops.collective import GroupCollective
-from jobs.bench.engine_runs import load_llm
+from batchpage.ops.collective import Collective, GroupCollective
+from batchpage.ops.shm_collective import shared_memory_collective
+from jobs.bench.engine_runs import load_llm, parse_options
 from jobs.bench.random_models import random_model_folder
 from jobs.bench.report import (
     environment,
@@ -55,6 +56,7 @@ def run_side(model: str, world: int, running: int, args: Any, vocab: int) -> dic
         max_num_seqs=running,
         max_num_batched_tokens=running * 24,
         kv_cache_memory=args.kv_cache_mib << 20,
+        **parse_options(args.both, "--both"),
     )
     llm = load_llm(model, f"TP={world}", **options)
     prompts = prompts_for(running, vocab)
@@ -65,7 +67,7 @@ def run_side(model: str, world: int, running: int, args: Any, vocab: int) -> dic
         before = (
             None if peers is None else (peers.sent.messages, peers.sent.bytes, peers.sent.seconds)
         )
-        with ReduceClock() as clock:
+        with ReduceClock(None if peers is None else type(peers.comm)) as clock:
             result = decode_parts(llm, prompts, args.steps, clock)
         steps += result["step_s"]
         forward += result["forward_s"]
@@ -91,27 +93,32 @@ def run_side(model: str, world: int, running: int, args: Any, vocab: int) -> dic
 
 class ReduceClock:
     """Rank 0's time inside the group's all-reduces (the wire's latency and the wait for the
-    slowest rank), while in a `with` block: GroupCollective.all_reduce_ timed in this process."""
+    slowest rank), while in a `with` block: the all_reduce_ of `kind`, rank 0's collective's
+    class (gloo's or shared memory's), timed in this process."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: type[Collective] | None) -> None:
+        self.kind = kind
         self.seconds, self.calls = 0.0, 0
 
     def __enter__(self) -> ReduceClock:
-        self.plain = GroupCollective.all_reduce_
+        if self.kind is None:  # one rank: nothing to time
+            return self
+        self.plain = self.kind.all_reduce_
         clock = self
 
-        def timed(group: GroupCollective, x: torch.Tensor) -> torch.Tensor:
+        def timed(group: Collective, x: torch.Tensor) -> torch.Tensor:
             start = time.perf_counter()
             out = clock.plain(group, x)
             clock.seconds += time.perf_counter() - start
             clock.calls += 1
             return out
 
-        GroupCollective.all_reduce_ = timed  # type: ignore[method-assign]
+        self.kind.all_reduce_ = timed  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        GroupCollective.all_reduce_ = self.plain  # type: ignore[method-assign]
+        if self.kind is not None:
+            self.kind.all_reduce_ = self.plain  # type: ignore[method-assign]
 
 
 def decode_parts(llm: Any, prompts: list[list[int]], steps: int, clock: ReduceClock) -> dict:
@@ -137,26 +144,32 @@ def decode_parts(llm: Any, prompts: list[list[int]], steps: int, clock: ReduceCl
 
 
 def _time_all_reduce(rank: int, port: int, shapes: list[tuple[int, int]], out: Any) -> None:
-    """One rank of two: the median seconds of an all-reduce of each shape over gloo, the
-    collective a tensor-parallel forward runs twice a layer."""
+    """One rank of two: the median seconds of an all-reduce of each shape over gloo and through
+    the shared-memory segment (the collective a tensor-parallel forward runs twice a layer)."""
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False)
     group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=60))
+    ways = [GroupCollective(group, 2),
+            shared_memory_collective(store, group, rank, 2, torch.device("cpu"))]  # fmt: skip
     medians = []
     for shape in shapes:
         x = torch.randn(shape)
-        samples = []
-        for _ in range(40):
-            start = time.perf_counter()
-            group.allreduce([x]).wait()
-            samples.append(time.perf_counter() - start)
-        medians.append(statistics.median(samples[5:]))
+        pair = []
+        for comm in ways:
+            samples = []
+            for _ in range(40):
+                start = time.perf_counter()
+                comm.all_reduce_(x)
+                samples.append(time.perf_counter() - start)
+            pair.append(statistics.median(samples[5:]))
+        medians.append(pair)
     if rank == 0:
         out.put(medians)
 
 
-def all_reduce_ms(hidden: int, running: list[int]) -> list[float]:
-    """Milliseconds of one all-reduce of [R, hidden] float32 between two processes."""
+def all_reduce_ms(hidden: int, running: list[int]) -> list[list[float]]:
+    """Milliseconds of one all-reduce of [R, hidden] float32 between two processes: gloo's,
+    shared memory's."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with socket.socket() as s:
@@ -169,7 +182,7 @@ def all_reduce_ms(hidden: int, running: list[int]) -> list[float]:
     medians = queue.get(timeout=300)
     for p in procs:
         p.join()
-    return [m * 1e3 for m in medians]
+    return [[m * 1e3 for m in pair] for pair in medians]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -181,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--kv-cache-mib", type=int, default=512)
+    p.add_argument("--both", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="engine options for every side, e.g. quantized_weights=true")  # fmt: skip
     args = p.parse_args(argv)
     if args.smoke:
         args.running, args.steps, args.runs, args.kv_cache_mib = [4], 3, 1, 32
@@ -210,14 +225,16 @@ def main(argv: list[str] | None = None) -> None:
     cfg = resolve_model_source(model).config
     reduce_ms = all_reduce_ms(cfg.hidden_size, args.running)
     per_step = 2 * cfg.num_layers + 1  # each layer's two, and the embedding's
-    print(f"\nAll-reduce of [R, {cfg.hidden_size}] float32 between two processes (gloo):\n")
+    print(f"\nAll-reduce of [R, {cfg.hidden_size}] float32 between two processes:\n")
     print(markdown_table(
-        ["running", "one all-reduce ms", f"x {per_step} a step, ms"],
-        [[r, fmt(m, 3), fmt(m * per_step, 1)]
-         for r, m in zip(args.running, reduce_ms, strict=True)],
+        ["running", "gloo ms", f"x {per_step} a step, ms", "shared memory ms",
+         f"x {per_step} a step, ms"],
+        [[r, fmt(g, 3), fmt(g * per_step, 1), fmt(m, 3), fmt(m * per_step, 1)]
+         for r, (g, m) in zip(args.running, reduce_ms, strict=True)],
     ))  # fmt: skip
-    for r, m in zip(args.running, reduce_ms, strict=True):
-        results.append({"running": r, "all_reduce_ms": m, "all_reduces_a_step": per_step})
+    for r, (g, m) in zip(args.running, reduce_ms, strict=True):
+        results.append({"running": r, "all_reduce_ms": g, "shm_all_reduce_ms": m,
+                        "all_reduces_a_step": per_step})  # fmt: skip
     for r in results:
         r.pop("tokens", None)
     save_results(args.out, env, results, args)

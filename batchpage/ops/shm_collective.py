@@ -123,9 +123,13 @@ def shared_memory_collective(
         segment = None
         if offer and path.parent.is_dir():
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, size)
-            segment = mmap.mmap(fd, size)
-            os.close(fd)
+            try:  # its pages reserved now: a full /dev/shm (a container's 64 MiB) says so here
+                os.posix_fallocate(fd, 0, size)  # rather than as a SIGBUS at the first write
+                segment = mmap.mmap(fd, size)
+            except OSError:
+                path.unlink()
+            finally:
+                os.close(fd)
         store.set("shm/offer", f"{path}\n{_host_id()}" if segment is not None else "")
         answers = [store.get(f"shm/answer/{r}").decode() for r in range(1, world)]
         if segment is not None:

@@ -114,26 +114,19 @@ def shared_memory_collective(
 ) -> GroupCollective:
     """The forward's collective for a group every rank joins: a SharedMemoryCollective where
     every rank is a CPU rank on this x86-64 host, else the gloo (or NCCL) group's. Every rank
-    must call it, in the same group; rank 0 creates the segment, the others map it, and it is
-    unlinked once all have (so that no rank's end can leak it)."""
+    must call it, in the same group; rank 0 creates the segment, the others map it (or decline:
+    then every rank keeps the group's), and it is unlinked once all have answered."""
     offer = device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64")
     size = world * LINE * 8 + 2 * world * SLOT_BYTES
     if rank == 0:
         path = Path("/dev/shm") / f"batchpage-tp-{uuid.uuid4().hex}"
-        segment = None
-        if offer and path.parent.is_dir():
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:  # its pages reserved now: a full /dev/shm (a container's 64 MiB) says so here
-                os.posix_fallocate(fd, 0, size)  # rather than as a SIGBUS at the first write
-                segment = mmap.mmap(fd, size)
-            except OSError:
-                path.unlink()
-            finally:
-                os.close(fd)
-        store.set("shm/offer", f"{path}\n{_host_id()}" if segment is not None else "")
-        answers = [store.get(f"shm/answer/{r}").decode() for r in range(1, world)]
-        if segment is not None:
-            path.unlink()  # every rank that was to map it has answered
+        segment = _create(path, size) if offer and path.parent.is_dir() else None
+        try:
+            store.set("shm/offer", f"{path}\n{_host_id()}" if segment is not None else "")
+            answers = [store.get(f"shm/answer/{r}").decode() for r in range(1, world)]
+        finally:
+            if segment is not None:  # every rank that was to map it has answered (or failed)
+                path.unlink(missing_ok=True)
         use = segment is not None and all(a == "mapped" for a in answers)
         store.set("shm/use", "1" if use else "0")
         if use:
@@ -142,14 +135,43 @@ def shared_memory_collective(
         return GroupCollective(group, world)
     offer_text = store.get("shm/offer").decode()
     segment = None
-    if offer_text:
+    if offer_text and device.type == "cpu":
         path, host = offer_text.split("\n", 1)
-        if host == _host_id() and device.type == "cpu":
-            fd = os.open(path, os.O_RDWR)
-            segment = mmap.mmap(fd, size)
-            os.close(fd)
+        if host == _host_id():
+            segment = _map(Path(path), size)
     store.set(f"shm/answer/{rank}", "mapped" if segment is not None else "declined")
     if store.get("shm/use").decode() == "1":
         assert segment is not None
         return SharedMemoryCollective(group, world, rank, segment)
     return GroupCollective(group, world)
+
+
+def _create(path: Path, size: int) -> mmap.mmap | None:
+    """A new zeroed segment of `size` bytes at `path`, its pages reserved now (a full /dev/shm,
+    a container's 64 MiB, says so here rather than as a SIGBUS at the first write); None where
+    it cannot be made (the file is then gone)."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError:
+        return None
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size)
+    except OSError:
+        path.unlink(missing_ok=True)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _map(path: Path, size: int) -> mmap.mmap | None:
+    """Rank 0's segment mapped here; None where this rank cannot see it (a host name and boot
+    shared by containers whose /dev/shm differ)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        return mmap.mmap(fd, size) if os.fstat(fd).st_size == size else None
+    finally:
+        os.close(fd)

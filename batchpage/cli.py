@@ -3,6 +3,7 @@
     batchpage run dataset=evals ...        is  python -m batchpage.run dataset=evals ...
     batchpage lm-eval --tasks ...          is  python -m batchpage.lm_eval --tasks ...
     batchpage build-kernels                is  python -m batchpage.kernels.build_all
+    batchpage export-hf smollm2 out/hf     is  python -m batchpage.model.hf_export smollm2 out/hf
 
 Each subcommand gets the arguments after its name exactly as its module's own command line
 would, so Hydra's flags (-m, --cfg job, --help) and lm-eval's pass through unchanged.
@@ -35,6 +36,10 @@ COMMANDS = {
         "batchpage.kernels.build_all",
         "build the C++ CPU kernels now (needs g++), so the first job does not wait for them",
     ),
+    "export-hf": Command(
+        "batchpage.model.hf_export",
+        "write a GGUF model as a Hugging Face folder (to make a LoRA adapter for it with PEFT)",
+    ),
 }
 
 
@@ -58,7 +63,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     # The module reads its arguments from sys.argv, as under `python -m`.
     sys.argv = [f"batchpage {name}", *rest]
-    importlib.import_module(command.module).main()
+    try:
+        module = importlib.import_module(command.module)
+    except ModuleNotFoundError as e:
+        if (e.name or "batchpage").partition(".")[0] == "batchpage":
+            raise  # a module of ours missing is a broken install: the traceback says where
+        # An optional extra that is not installed: its message names the install command.
+        print(f"batchpage {name}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    module.main()
 
 
 if __name__ == "__main__":

@@ -43,7 +43,8 @@ except ModuleNotFoundError as exc:
     if (exc.name or "").split(".")[0] != "lm_eval":
         raise  # lm_eval is there but broken: its own error says more
     raise ModuleNotFoundError(
-        "batchpage.lm_eval needs lm-evaluation-harness: pip install 'batchpage[lm_eval]'"
+        "batchpage.lm_eval needs lm-evaluation-harness: pip install 'batchpage[lm_eval]'",
+        name="lm_eval",  # what is missing, for the console script (cli.py)
     ) from exc
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from batchpage.distributed.workers import WorkerDied
 from batchpage.job import JobConfigError, JobResult, run_job
-from batchpage.job.config import JobConfig, register_configs
+from batchpage.job.config import JobConfig, register_configs, to_job
 from batchpage.job.dry_run import dry_run
 
 _MAX_NAME = 120  # file systems allow 255 bytes a name; leave room
@@ -63,8 +63,8 @@ def sweep_subdir(override_dirname: str, num: int) -> str:
 def compose_job(overrides: Sequence[str] = ()) -> JobConfig:
     """The JobConfig that `python -m batchpage.run <overrides>` would run, for scripts (jobs/)
     and tests. output_dir stays None unless an override sets it. Raises Hydra's errors for an
-    unknown key or preset, and ValueError for a bad engine value."""
-    return OmegaConf.to_object(_compose(overrides))  # type: ignore[return-value]
+    unknown key or preset, and ValueError for a bad engine value or a stray `+` key."""
+    return to_job(_compose(overrides))
 
 
 def _compose(overrides: Sequence[str]) -> DictConfig:
@@ -94,8 +94,8 @@ def sigterm_raises() -> Iterator[None]:
 
 def _app(cfg: DictConfig) -> None:
     try:
-        job: JobConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    except ValueError as e:  # EngineConfig checks its values when built
+        job = to_job(cfg)
+    except ValueError as e:  # a stray `+` key; EngineConfig checks its values when built
         _fail(str(e))
     job.output_dir = output_dir_for(job.output_dir)
     try:
@@ -130,28 +130,33 @@ POOLED = {"embed": "embedded", "classify": "classified", "reward": "scored", "sc
 
 def summary(result: JobResult) -> str:
     """The lines the job prints when it ends: for a generation job its finish reasons and
-    generated tokens, for a pooling job the prompt tokens it read."""
-    m = result.metrics
+    generated tokens, for a pooling job the prompt tokens it read. Tokens, rates and wall time
+    are this run's own (result.this_run): a resumed run does not repeat an earlier run's."""
+    m = result.this_run
     done = "generated" if result.task == "generate" else POOLED[result.task]
     lines = [
         f"{result.rows} rows ({result.rows_generated} {done}, {result.rows_resumed} resumed, "
         f"{result.errors} with errors) -> {result.output_dir / 'completions.parquet'}",
     ]
-    tail = f"prefix hit rate {m['prefix_hit_rate']:.0%}, wall time {m['wall_s']:.1f} s"
     if result.task == "generate":
         counts = sorted(result.finish_reasons.items())
         reasons = ", ".join(f"{k} {v}" for k, v in counts)
         if result.errors:
             reasons += f"{', ' if reasons else ''}error {result.errors}"
-        lines += [
-            f"finish reasons: {reasons or 'none'}",
-            f"{m['generated_tokens']} tokens generated at {m['output_tokens_per_s']:.1f} tok/s, "
-            + tail,
-        ]
+        lines.append(f"finish reasons: {reasons or 'none'}")
+    when = " this run" if result.rows_resumed else ""
+    tail = f"prefix hit rate {m['prefix_hit_rate']:.0%}, wall time {m['wall_s']:.1f} s"
+    if not result.rows_generated:
+        lines.append(f"no rows {done} this run, wall time {m['wall_s']:.1f} s")
+    elif result.task == "generate":
+        lines.append(
+            f"{m['generated_tokens']} tokens generated{when} at "
+            f"{m['output_tokens_per_s']:.1f} tok/s, {tail}"
+        )
     else:
         lines.append(
-            f"{m['prompt_tokens']} prompt tokens read at {m['total_tokens_per_s']:.1f} tok/s, "
-            + tail
+            f"{m['prompt_tokens']} prompt tokens read{when} at "
+            f"{m['total_tokens_per_s']:.1f} tok/s, {tail}"
         )
     if result.first_error:
         lines.append(f"first error: {result.first_error}")
@@ -162,9 +167,11 @@ def summary(result: JobResult) -> str:
         lines.append(f"--- {sample['id']}\n{shown}")
     if result.score is not None:
         s = result.score
+        kept = f", {s['reused']} verdicts kept from before" if s["reused"] else ""
         lines.append(
             f"{s['scorer']} pass@1 {s['pass_at_1']:.1%} ({s['passed']} of {s['samples']} "
-            f"samples passed, {s['problems']} problems) -> scores.parquet"
+            f"samples passed, {s['problems']} problems; {s['checked']} checked this run{kept}) "
+            "-> scores.parquet"
         )
         if s["unconfined"]:
             lines.append(f"sandbox was partial here: {'; '.join(s['unconfined'])}")
@@ -246,7 +253,7 @@ def _check_overrides(args: list[str]) -> None:
                 f"{_quoted(key, value)}; to run one job per value, add -m"
             )
     try:
-        OmegaConf.to_object(_compose(args))
+        to_job(_compose(args))
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         # Hydra wraps OmegaConf's error, whose first line says what is wrong; full_key says where.
         cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e

@@ -448,6 +448,11 @@ class BeamSearchParams:
                 f"BeamSearchParams.temperature={self.temperature}: beams are ranked by the "
                 "model's logprobs; set temperature=0"
             )
+        # Checked here, by its own name: it becomes both n and beam_width below, and
+        # SamplingParams would name n, which this caller never gave.
+        width = _as_int("BeamSearchParams.beam_width", self.beam_width)
+        if width < 1:
+            raise ValueError(f"BeamSearchParams.beam_width must be >= 1, got {width}")
         return SamplingParams(
             n=self.beam_width,
             use_beam_search=True,

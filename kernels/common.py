@@ -30,6 +30,9 @@ import triton  # noqa: E402  (after the interpreter switch above)
 import triton.language as tl  # noqa: E402
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
+# Whether the kernels run in Triton's interpreter (see `dot`): fixed when the module loads, as
+# Triton's own choice is.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 # Smallest tile edge tl.dot accepts on NVIDIA GPUs (M, N and K must each be >= 16).
 MIN_DOT = 16
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -90,6 +93,21 @@ def check_block_table(block_table: torch.Tensor, batch: int, device: torch.devic
 
 
 @triton.jit
+def dot(a, b, DOT_PRECISION: tl.constexpr):
+    """a @ b in float32 ([M, K] @ [K, N]), each output summed over k the same way whatever its
+    row's place in the tile: what batch invariance needs of tl.dot. On a GPU that is tl.dot. In
+    the interpreter tl.dot is numpy's matmul, whose BLAS may not: OpenBLAS's AVX2 kernels sum
+    some rows of a tile in another order than others, so a row alone (a decode row at the tile's
+    top) and the same row mid-tile (a chunk of a prompt) came out different in their last bits
+    on an AVX2 CPU. There the products are summed over k in order, one row as any other."""
+    if INTERPRETED:
+        products = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+        return tl.sum(products, axis=1)
+    else:
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def paged_token_offsets(
     table_row_ptr,  # int32 [max_blocks]: one sequence's block table row
     offs_n,  # [BLOCK_N] token positions in the sequence
@@ -123,7 +141,7 @@ def softmax_step(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION)
     return acc, m_new, l_i
 
 

@@ -1,18 +1,21 @@
-"""Building the C++ CPU kernels (cpu_paged_decode.cpp, cpu_layer_ops.cpp) with torch's JIT
-extension loader: once per source and build environment, into torch's extension folder
-($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), where later builds find them.
+"""Building the C++ CPU kernels (cpu_paged_decode.cpp, cpu_layer_ops.cpp, ...) with torch's JIT
+extension loader, once per content: every environment on a machine shares one build.
 
-The build folder is keyed by everything that changes the library or that torch's loader writes
-into the folder's build.ninja: the sources' content, the torch build, the compiler, the compiler
-and linker flags, the include and library paths (torch's and Python's) and the CPU. Any checkout
-or environment with the same inputs reuses one build; an environment whose inputs differ (a
-second venv, whose torch headers lie in another folder) gets its own folder. Without the paths in
-the key, two venvs sharing the extension folder rewrote each other's build.ninja, and ninja, which
-rebuilds when a command changes, recompiled the other's kernels at every start.
+A library is named by a hash of what it is made of and nothing else (extension_name): its
+sources and the headers they include, the compiler flags, the instruction-set level it is
+compiled for (batchpage.cpu_info.isa_level: CPUs of one level share a build, and
+BATCHPAGE_CPU_ISA builds for a lower one), the torch build (version, commit, C++ ABI), the
+Python ABI, and the compiler's version. Paths are not in it: a second venv with the same torch,
+Python and compiler loads the first one's library. It lies in
+<torch's extension folder>/batchpage/<name>.so ($TORCH_EXTENSIONS_DIR, default
+~/.cache/torch_extensions, where torch keeps the extensions it builds).
 
-A build never runs unannounced: it logs "building ..." before and "built ... in N s" after,
-whether the library is missing or ninja finds it out of date (a source or header newer than the
-library: torch reinstalled in place).
+A library that is there is loaded directly, as a Python extension module: nothing is checked
+against a build file, so nothing rebuilds it unasked (torch's loader, which lets ninja decide,
+rebuilt the kernels whenever another environment had written its own paths into the build file).
+A missing one is built into a fresh folder beside the cache and renamed into place, under a
+lock: processes that start together build it once, and none loads half a file. A build never
+runs unannounced: it logs "building ..." before and "built ... in N s" after.
 
 The build needs a C++ compiler with OpenMP (g++) and ninja; `build_extension` raises
 KernelBuildError, with the compiler's message, when that is impossible.
@@ -20,31 +23,45 @@ KernelBuildError, with the compiler's message, when that is impossible.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import shutil
 import subprocess
 import sysconfig
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from batchpage.cpu_info import isa_level
 from batchpage.user_log import heartbeat
 
 HERE = Path(__file__).parent
 # Included by the kernels (8- and 16-lane vectors, the vector exp); shipped in the wheel too.
 HEADERS = (HERE / "cpu_vec.h",)
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
-# `ninja -n` reads a few small files; far longer means something is wrong (then: announce).
-DRY_RUN_TIMEOUT_S = 60.0
+# Each level's instructions (batchpage.cpu_info.ISA_LEVELS), on x86-64's baseline: the kernels'
+# vector paths are chosen by these macros, so one build serves every CPU of the level.
+_X86_AVX2 = ("-march=x86-64", "-mavx2", "-mfma", "-mf16c")
+_X86_AVX512 = (*_X86_AVX2, "-mavx512f", "-mavx512cd", "-mavx512bw", "-mavx512dq", "-mavx512vl")
+ISA_CFLAGS = {
+    "portable": ("-march=x86-64",),
+    "avx2": _X86_AVX2,
+    "avx512": _X86_AVX512,
+    "avx512_vnni": (*_X86_AVX512, "-mavx512vnni"),
+    "avx512_bf16": (*_X86_AVX512, "-mavx512vnni", "-mavx512bf16"),
+}
+COMPILER_QUERY_TIMEOUT_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -53,51 +70,59 @@ class KernelBuildError(RuntimeError):
     pass
 
 
-def _cpu_flags() -> str:
-    """The instruction sets -march=native compiles for: a library built on another CPU (a
-    shared cache folder) must not be loaded here."""
+def level_cflags(level: str) -> tuple[str, ...]:
+    """The compiler flags of an instruction-set level; none off x86-64, where only the portable
+    level exists and the compiler's default target is it."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ()
+    return ISA_CFLAGS[level]
+
+
+def compiler_version(compiler: str) -> str:
+    """The first line of `compiler --version` ("c++ (GCC) 14.2.1 ..."), "" when it does not
+    run (the build then fails with torch's message)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+        done = subprocess.run(
+            [compiler, "--version"],
+            capture_output=True,
+            text=True,
+            timeout=COMPILER_QUERY_TIMEOUT_S,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.partition("\n")[0].strip()
 
 
 @dataclasses.dataclass(frozen=True)
 class BuildInputs:
-    """Everything besides the sources that changes the library or that torch's loader names in
-    build.ninja (there, any change of a command makes ninja rebuild). `cflags` and `ldflags` are
-    exactly what the build passes to the loader; the paths are those the loader writes."""
+    """Everything besides the sources that makes the library what it is, and nothing that
+    differs between two environments whose libraries would be the same (paths)."""
 
-    torch_build: str  # torch's version and commit: its headers, ABI and link libraries
-    compiler: str  # as build.ninja names it ($CXX or c++)
-    compiler_path: str  # what that name runs here: another venv may put another c++ on PATH
+    torch_build: str  # version, commit and C++ ABI: the headers, ABI and libraries linked
+    python_abi: str  # the extension module's (SOABI: version, build, platform)
+    compiler: str  # as torch's loader runs it ($CXX or c++)
+    compiler_version: str  # `compiler --version`'s first line
+    isa: str  # the instruction-set level (batchpage.cpu_info.ISA_LEVELS)
     cflags: tuple[str, ...]
     ldflags: tuple[str, ...]
-    include_paths: tuple[str, ...]  # torch's include folders, then Python's
-    library_paths: tuple[str, ...]  # torch's lib folder (-L)
-    cpu: str  # the instruction sets -march=native targets
 
     @classmethod
-    def here(cls, cflags: Sequence[str] = ()) -> BuildInputs:
-        """This process's inputs, with `cflags` after the kernels' own flags."""
+    def here(cls, cflags: Sequence[str] = (), isa: str | None = None) -> BuildInputs:
+        """This process's inputs, with `cflags` after the kernels' own flags; `isa`: for that
+        level rather than this process's (ValueError if the CPU lacks it)."""
         from torch.utils import cpp_extension
 
         compiler = cpp_extension.get_cxx_compiler()
-        found = shutil.which(compiler)
-        # The same path that torch's loader writes for Python.h (posix_prefix: see its comment).
-        python_include = sysconfig.get_path("include", scheme="posix_prefix")
+        level = isa_level(isa).name
+        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
         return cls(
-            torch_build=f"{torch.__version__} {torch.version.git_version}",
+            torch_build=f"{torch.__version__} {torch.version.git_version} cxx11abi={abi}",
+            python_abi=str(sysconfig.get_config_var("SOABI") or platform.python_version()),
             compiler=compiler,
-            compiler_path=os.path.realpath(found) if found else "",
-            cflags=(*CFLAGS, *cflags),
+            compiler_version=compiler_version(compiler),
+            isa=level,
+            cflags=(*CFLAGS, *level_cflags(level), *cflags),
             ldflags=LDFLAGS,
-            include_paths=(*cpp_extension.include_paths(), python_include),
-            library_paths=tuple(cpp_extension.library_paths()),
-            cpu=_cpu_flags(),
         )
 
     def key_parts(self) -> list[bytes]:
@@ -106,17 +131,25 @@ class BuildInputs:
 
 
 def extension_name(prefix: str, sources: list[bytes], inputs: BuildInputs | None = None) -> str:
-    """The library's name, and its build folder's, in the extension folder. It changes with the
-    sources (the kernel and the headers it includes) and with every build input (default: this
-    process's, BuildInputs.here()), so that an edited kernel is rebuilt rather than an old
-    library reloaded, and an environment with other inputs builds beside, never over, another's
-    library. Equal arguments give equal names in any process."""
+    """The library's name in the cache. It changes with the sources (the kernel and the headers
+    it includes) and with every build input (default: this process's, BuildInputs.here()), so
+    that an edited kernel is rebuilt rather than an old library loaded; equal contents and
+    inputs give equal names in any process and any environment."""
     parts = [*sources, *(inputs or BuildInputs.here()).key_parts()]
     key = hashlib.sha256()
     for part in parts:  # length-prefixed: no two lists of parts hash the same bytes
         key.update(len(part).to_bytes(8, "little"))
         key.update(part)
     return f"{prefix}_{key.hexdigest()[:12]}"
+
+
+def cache_folder() -> Path:
+    """Where the libraries lie: batchpage/ in torch's extension folder ($TORCH_EXTENSIONS_DIR,
+    else torch's default, ~/.cache/torch_extensions)."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / "batchpage"
 
 
 def _put_ninja_on_path() -> None:
@@ -131,140 +164,142 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
-def _build_folder(name: str) -> Path:
-    """torch's folder for extension `name` ($TORCH_EXTENSIONS_DIR/<python>_<device>/<name>),
-    created if missing."""
+def _import(name: str, library: Path) -> ModuleType:
+    """The extension module in `library`, whose init function is named for `name`."""
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{library} is not an extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextmanager
+def _locked(path: Path, what: str) -> Iterator[None]:
+    """Held by one process at a time (an advisory lock on `path`): the others wait for it,
+    saying so."""
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that is building %s", what)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _supported(compiler: str, flags: tuple[str, ...]) -> tuple[str, ...]:
+    """`flags` less the ones the compiler does not know (an older g++ has no -mavx512bf16):
+    the kernel then builds its path without those instructions, as the bf16 linear reports."""
+
+    def known(some: Sequence[str]) -> bool:
+        try:
+            done = subprocess.run(
+                [compiler, "-Werror", *some, "-E", "-x", "c++", "-"],
+                input="",
+                capture_output=True,
+                text=True,
+                timeout=COMPILER_QUERY_TIMEOUT_S,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return True  # then the build says what is wrong
+        return done.returncode == 0
+
+    if known(flags):
+        return flags
+    kept = tuple(f for f in flags if known([f]))
+    log.warning("%s does not know %s: built without them", compiler, set(flags) - set(kept))
+    return kept
+
+
+def _build(
+    source: Path, files: dict[str, bytes], name: str, inputs: BuildInputs, verbose: bool
+) -> ModuleType:
+    """Compile into a fresh folder beside the cache, move the library into the cache and load
+    it. Another process may have put it there meanwhile: the newer file replaces it (the same
+    content), and a process that loaded the older one keeps its copy."""
     from torch.utils import cpp_extension
 
-    return Path(cpp_extension._get_build_directory(name, verbose=False))
-
-
-def _stage_sources(folder: Path, files: dict[str, bytes]) -> Path:
-    """Copies the sources into `folder/src` and returns that folder. torch's loader writes the
-    sources' paths into build.ninja, and ninja rebuilds whenever a path there changes: built from
-    the checkout's own files, two checkouts sharing one extension folder would rebuild each
-    other's library at every start. Staged under the folder that the content hash names, the
-    paths are the same from any checkout. A file already staged with the same bytes is left as
-    it is (ninja also rebuilds when a source is newer than the library)."""
-    staged = folder / "src"
-    staged.mkdir(parents=True, exist_ok=True)
-    for file_name, data in files.items():
-        target = staged / file_name
-        try:
-            if target.read_bytes() == data:
-                continue
-        except OSError:
-            pass
-        # Renamed into place: a process building at the same time never reads half a file.
-        temp = staged / f".{file_name}.{os.getpid()}.tmp"
-        temp.write_bytes(data)
-        os.replace(temp, target)
-    return staged
-
-
-def _ninja_has_work(folder: Path) -> bool:
-    """Whether ninja, run on the folder's build.ninja, would compile or link: the staleness
-    check that torch's loader leaves to ninja (an object missing, a source or an included header
-    newer than the library, a command changed since the library was built). Asked with a dry run,
-    which writes nothing. True when ninja cannot answer: better a needless announcement than a
-    silent build."""
-    ninja = shutil.which("ninja")
-    if ninja is None:
-        return False  # the load fails at once, with torch's message: nothing to announce
-    try:
-        done = subprocess.run(
-            [ninja, "-n", "-C", str(folder)],
-            capture_output=True,
-            text=True,
-            timeout=DRY_RUN_TIMEOUT_S,
+    cache = cache_folder()
+    with tempfile.TemporaryDirectory(prefix=f".{name}.", dir=cache) as scratch:
+        staged = Path(scratch) / "src"
+        staged.mkdir()
+        for file_name, data in files.items():
+            (staged / file_name).write_bytes(data)
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(staged / source.name)],
+            extra_include_paths=[str(staged)],
+            extra_cflags=list(_supported(inputs.compiler, inputs.cflags)),
+            extra_ldflags=list(inputs.ldflags),
+            build_directory=scratch,
+            verbose=verbose,
         )
-    except (OSError, subprocess.SubprocessError):
-        return True
-    return done.returncode != 0 or "ninja: no work to do." not in done.stdout
-
-
-def _build_reason(folder: Path, name: str) -> str | None:
-    """Why loading `name` from `folder` will compile, or None when it only loads the library.
-    Since the folder's key covers every input that build.ninja names, the build file that the
-    loader writes is the one already there; what is left to check is the library and ninja's own
-    view of it."""
-    if not (folder / f"{name}.so").is_file() or not (folder / "build.ninja").is_file():
-        return "once, then cached"
-    if _ninja_has_work(folder):
-        return "again: a file it is built from is newer than the library"
-    return None
-
-
-def _identity(path: Path) -> tuple[int, int] | None:
-    """The file's inode and modification time (None if missing): a rebuilt library differs."""
-    try:
-        stat = path.stat()
-    except OSError:
-        return None
-    return stat.st_ino, stat.st_mtime_ns
+        built = Path(module.__file__ or "")
+        # torch's loader renames a second build of one name in a process (name_v1): that one
+        # stays out of the cache, whose file must hold `name`'s init function.
+        if built.name == f"{name}.so":
+            os.replace(built, cache / built.name)
+    return module
 
 
 def build_extension(
-    source: Path, prefix: str, what: str, verbose: bool = False, cflags: tuple[str, ...] = ()
+    source: Path,
+    prefix: str,
+    what: str,
+    verbose: bool = False,
+    cflags: tuple[str, ...] = (),
+    isa: str | None = None,
 ) -> ModuleType:
-    """Compile (on first use, or when ninja finds the build out of date) or load the extension
-    built from `source`. `what` names it in messages ("the CPU paged-decode kernel"). `cflags`
-    add to the compiler's flags (tests build a kernel's portable path with -mno-... on any CPU).
-    Every compile logs "building <what>, <name> (...)" before it and "built <what> in N s"
-    after it on this module's logger."""
-    from torch.utils import cpp_extension
-
-    _put_ninja_on_path()
+    """Load the library built from `source` from the cache, or compile it there first. `what`
+    names it in messages ("the CPU paged-decode kernel"). `cflags` add to the compiler's flags;
+    `isa` builds for that level instead of this process's (tests run a kernel's AVX2 or
+    portable path on any CPU that has it, in the very build such a CPU loads). Every compile
+    logs "building <what>, <name> (...)" before it and "built <what> in N s" after it on this
+    module's logger."""
     try:
-        texts = [source.read_bytes(), *(h.read_bytes() for h in HEADERS)]
+        files = {f.name: f.read_bytes() for f in (source, *HEADERS)}
     except OSError as exc:
         raise KernelBuildError(
             f"the source of {what} is missing ({exc}): reinstall batchpage, whose wheel ships "
             "kernels/*.cpp and *.h; attention_backend='torch' runs without it"
         ) from exc
-    inputs = BuildInputs.here(cflags)
-    name = extension_name(prefix, texts, inputs)
     try:
-        folder = _build_folder(name)
-        names = [source.name, *(h.name for h in HEADERS)]
-        staged = _stage_sources(folder, dict(zip(names, texts, strict=True)))
+        inputs = BuildInputs.here(cflags, isa)
+    except ValueError as exc:  # BATCHPAGE_CPU_ISA names no level this CPU has
+        raise KernelBuildError(f"cannot build {what}: {exc}") from exc
+    name = extension_name(prefix, list(files.values()), inputs)
+    library = cache_folder() / f"{name}.so"
+    if library.is_file():
+        try:
+            return _import(name, library)
+        except ImportError as exc:
+            log.warning("%s does not load (%s): building it again", library, exc)
+    _put_ninja_on_path()
+    try:
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(library.with_suffix(".lock"), what):
+            if library.is_file():  # built by the process that held the lock
+                try:
+                    return _import(name, library)
+                except ImportError:
+                    pass  # the same broken file: build it again
+            log.info("building %s, %s for %s (about 45 s on 2 cores; once, then cached)",
+                     what, name, inputs.isa)  # fmt: skip
+            started = time.perf_counter()
+            with heartbeat(log, f"building {what}"):
+                module = _build(source, files, name, inputs, verbose)
     except OSError as exc:
         raise KernelBuildError(
-            f"cannot write {what}'s build folder under torch's extension folder ({exc}): set "
-            "TORCH_EXTENSIONS_DIR to a writable folder; attention_backend='torch' runs without it"
+            f"cannot build {what} in {library.parent} ({exc}): set TORCH_EXTENSIONS_DIR to "
+            "a writable folder; attention_backend='torch' runs without it"
         ) from exc
-    library = folder / f"{name}.so"
-    before = _identity(library)
-    reason = _build_reason(folder, name)
-    if reason:  # `make setup` builds every kernel ahead (python -m batchpage.kernels.build_all)
-        log.info("building %s, %s (about 45 s on 2 cores; %s)", what, name, reason)
-    started = time.perf_counter()
-    try:
-        with heartbeat(log, f"building {what}") if reason else contextlib.nullcontext():
-            module = cpp_extension.load(
-                name=name,
-                sources=[str(staged / source.name)],
-                extra_include_paths=[str(staged)],
-                extra_cflags=list(inputs.cflags),
-                extra_ldflags=list(inputs.ldflags),
-                build_directory=str(folder),
-                verbose=verbose,
-            )
-    except (RuntimeError, OSError, ImportError) as exc:
+    except (RuntimeError, ImportError) as exc:
         raise KernelBuildError(
             f"could not build {what} ({name}): {exc}. It needs g++ with OpenMP and ninja "
             "(pip install ninja); attention_backend='torch' runs without them"
         ) from exc
-    elapsed = time.perf_counter() - started
-    if reason:
-        log.info("built %s in %.0f s", what, elapsed)
-    elif _identity(library) != before:
-        # The checks above missed a rebuild (a build input outside the key): still say it.
-        log.warning(
-            "built %s in %.0f s: torch's loader rebuilt %s unannounced, although its build "
-            "looked current",
-            what,
-            elapsed,
-            name,
-        )
+    log.info("built %s in %.0f s", what, time.perf_counter() - started)
     return module

@@ -29,7 +29,11 @@
 //   kind 7, 8, 9: byte 64p + 32h + l.
 // So _mm512_cvtepu8_epi16 of 32 bytes puts (k even, k odd) of 16 columns in the 16-bit halves
 // of 16 lanes: one vdpbf16ps operand against one 32-bit broadcast of x. Zero past N and K (x
-// is read as zero past K, so a padded q's 128 * x is 0). Scales and offsets: float32 [NB][G][32].
+// is read as zero past K, so a padded q's 128 * x is 0). Scales and offsets: [NB][G][32], float32
+// (the offsets o - C * s), or float16 where every s and o is exact in it (a GGUF file's are),
+// which halves their share of the bytes a step reads; then the offsets are o itself (o - C * s
+// seldom is exact in float16) and the kernel takes C * s off once per group and column, in
+// float32, the same value as the float32 layout's (C * s is exact).
 // A group is `group_quads` quads (group_size / 4, or all KQ for one group).
 //
 // Work as in cpu_bf16_linear.cpp: column blocks split over torch's threads, rows too where
@@ -63,8 +67,9 @@ struct Problem {
   const uint16_t* x;     // bf16 bits [M, K], rows `x_stride` apart (the vdpbf16ps tiles)
   int64_t x_stride;
   const uint8_t* q;      // packed [NB][KQ][bytes]
-  const float* scales;   // [NB][G][32]
-  const float* offsets;  // [NB][G][32]: o - C * s
+  const void* scales;    // [NB][G][32], float32, or float16 where `half_params`
+  const void* offsets;   // [NB][G][32]: float32 o - C * s, or float16 o where `half_params`
+  bool half_params;
   const float* xsum;     // [M][G]: each row's x summed over each group, float32
   const float* xf;       // the wide tiles: [M][4 * KQ], x as float32, zero past K
   const float* bias;     // [N] or nullptr
@@ -76,6 +81,27 @@ struct Problem {
 };
 
 inline int64_t quad_bytes(int kind) { return kind == 4 ? 64 : 128; }
+
+template <int KIND>
+constexpr float kAdded = KIND == 8 ? 256.f : KIND == 9 ? 0.f : 128.f;  // C
+
+// Scale and offset (o - C * s) of column `c` of group `g` of `block`, in float32.
+template <int KIND>
+inline void group_param(const Problem& pr, int64_t block, int64_t g, int64_t c, float& s,
+                        float& o) {
+  const int64_t i = (block * pr.groups + g) * kCols + c;
+  if (!pr.half_params) {
+    s = static_cast<const float*>(pr.scales)[i];
+    o = static_cast<const float*>(pr.offsets)[i];
+    return;
+  }
+  const auto widen16 = [](const void* base, int64_t at) {
+    const uint16_t bits = static_cast<const uint16_t*>(base)[at];
+    return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  };
+  s = widen16(pr.scales, i);
+  o = std::fma(-kAdded<KIND>, s, widen16(pr.offsets, i));
+}
 
 inline float widen(uint32_t bits16) {
   const uint32_t u = bits16 << 16;
@@ -130,6 +156,26 @@ void prepare_rows(const Problem& pr, const T* x, int64_t x_stride, float* xsum, 
   });
 }
 
+#if defined(BATCHPAGE_AVX512)
+// 16 columns' scales and offsets (o - C * s) from column `c` of group `g` of `block`.
+template <int KIND>
+inline void group_params16(const Problem& pr, int64_t block, int64_t g, int64_t c, __m512& s,
+                           __m512& o) {
+  const int64_t i = (block * pr.groups + g) * kCols + c;
+  if (!pr.half_params) {
+    s = _mm512_loadu_ps(static_cast<const float*>(pr.scales) + i);
+    o = _mm512_loadu_ps(static_cast<const float*>(pr.offsets) + i);
+    return;
+  }
+  const auto widen16 = [i](const void* base) {
+    const uint16_t* at = static_cast<const uint16_t*>(base) + i;
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+  };
+  s = widen16(pr.scales);
+  o = _mm512_fnmadd_ps(_mm512_set1_ps(kAdded<KIND>), s, widen16(pr.offsets));
+}
+#endif
+
 #ifdef BATCHPAGE_BF16_DOT
 // The two (or, kind 8, four) vdpbf16ps operands of one quad's half h: pair 0's into w[0] (and
 // w[2]), pair 1's into w[1] (and w[3]).
@@ -167,8 +213,6 @@ void tile_dot(const Problem& pr, int64_t row0, int64_t block) {
   constexpr int kOps = KIND == 8 ? 4 : 2;  // operands per half and quad
   const int64_t kq = (pr.k + 3) / 4, full = pr.k / 4, bytes = quad_bytes(KIND);
   const uint8_t* wb = pr.q + block * kq * bytes;
-  const float* sb = pr.scales + block * pr.groups * kCols;
-  const float* ob = pr.offsets + block * pr.groups * kCols;
   const uint16_t* rows[MR];
   uint16_t last[MR][4] = {};
   for (int i = 0; i < MR; ++i) {
@@ -212,9 +256,11 @@ void tile_dot(const Problem& pr, int64_t row0, int64_t block) {
     }
     // kind 9's operands are fp8 / 256
     const __m512 up = _mm512_set1_ps(KIND == 9 ? 256.f : 1.f);
-    const __m512 s[2] = {_mm512_mul_ps(up, _mm512_loadu_ps(sb + g * kCols)),
-                         _mm512_mul_ps(up, _mm512_loadu_ps(sb + g * kCols + 16))};
-    const __m512 o[2] = {_mm512_loadu_ps(ob + g * kCols), _mm512_loadu_ps(ob + g * kCols + 16)};
+    __m512 s[2], o[2];
+    for (int h = 0; h < 2; ++h) {
+      group_params16<KIND>(pr, block, g, 16 * h, s[h], o[h]);
+      s[h] = _mm512_mul_ps(up, s[h]);
+    }
     for (int i = 0; i < MR; ++i) {
       const __m512 xs = _mm512_set1_ps(pr.xsum[(row0 + i) * pr.groups + g]);
       for (int h = 0; h < 2; ++h) {
@@ -289,8 +335,6 @@ template <int KIND, int MR>
 void tile_wide(const Problem& pr, int64_t row0, int64_t block) {
   const int64_t kq = (pr.k + 3) / 4, bytes = quad_bytes(KIND);
   const uint8_t* wb = pr.q + block * kq * bytes;
-  const float* sb = pr.scales + block * pr.groups * kCols;
-  const float* ob = pr.offsets + block * pr.groups * kCols;
   const float* rows[MR];
   for (int i = 0; i < MR; ++i) rows[i] = pr.xf + (row0 + i) * 4 * kq;
   __m512 total[MR][2];
@@ -321,8 +365,8 @@ void tile_wide(const Problem& pr, int64_t row0, int64_t block) {
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m512 s = _mm512_loadu_ps(sb + g * kCols + 16 * h);
-      const __m512 o = _mm512_loadu_ps(ob + g * kCols + 16 * h);
+      __m512 s, o;
+      group_params16<KIND>(pr, block, g, 16 * h, s, o);
       for (int i = 0; i < MR; ++i) {
         const __m512 xs = _mm512_set1_ps(pr.xsum[(row0 + i) * pr.groups + g]);
         total[i][h] = _mm512_fmadd_ps(o, xs, _mm512_fmadd_ps(s, acc[i][h], total[i][h]));
@@ -379,6 +423,24 @@ inline void unpack8(const uint8_t* quad, int h, int c, int p, __m256* w) {
   }
 }
 
+// 8 columns' scales and offsets (o - C * s) from column `c` of group `g` of `block`.
+template <int KIND>
+inline void group_params8(const Problem& pr, int64_t block, int64_t g, int64_t c, __m256& s,
+                          __m256& o) {
+  const int64_t i = (block * pr.groups + g) * kCols + c;
+  if (!pr.half_params) {
+    s = _mm256_loadu_ps(static_cast<const float*>(pr.scales) + i);
+    o = _mm256_loadu_ps(static_cast<const float*>(pr.offsets) + i);
+    return;
+  }
+  const auto widen16 = [i](const void* base) {
+    const uint16_t* at = static_cast<const uint16_t*>(base) + i;
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+  };
+  s = widen16(pr.scales);
+  o = _mm256_fnmadd_ps(_mm256_set1_ps(kAdded<KIND>), s, widen16(pr.offsets));
+}
+
 // MR rows against one block, from x as float32 (`xf`, zero past K): per quad, four 8-column
 // slices, MR * 4 accumulators of 16 ymm; the running totals live in memory, touched once per
 // group.
@@ -386,8 +448,6 @@ template <int KIND, int MR>
 void tile_wide(const Problem& pr, int64_t row0, int64_t block) {
   const int64_t kq = (pr.k + 3) / 4, bytes = quad_bytes(KIND);
   const uint8_t* wb = pr.q + block * kq * bytes;
-  const float* sb = pr.scales + block * pr.groups * kCols;
-  const float* ob = pr.offsets + block * pr.groups * kCols;
   const float* rows[MR];
   for (int i = 0; i < MR; ++i) rows[i] = pr.xf + (row0 + i) * 4 * kq;
   alignas(32) float total[MR][kCols] = {};
@@ -418,8 +478,8 @@ void tile_wide(const Problem& pr, int64_t row0, int64_t block) {
       }
     }
     for (int c8 = 0; c8 < 4; ++c8) {
-      const __m256 s = _mm256_loadu_ps(sb + g * kCols + 8 * c8);
-      const __m256 o = _mm256_loadu_ps(ob + g * kCols + 8 * c8);
+      __m256 s, o;
+      group_params8<KIND>(pr, block, g, 8 * c8, s, o);
       for (int i = 0; i < MR; ++i) {
         const __m256 xs = _mm256_set1_ps(pr.xsum[(row0 + i) * pr.groups + g]);
         float* tp = total[i] + 8 * c8;
@@ -457,7 +517,7 @@ inline float weight(uint32_t q, float bias) {  // q + C, or kind 9's fp8 value
 
 template <int KIND, int MR>
 void tile_wide(const Problem& pr, int64_t row0, int64_t block) {
-  constexpr float kBias = KIND == 8 ? 256.f : KIND == 9 ? 0.f : 128.f;  // C
+  constexpr float kBias = kAdded<KIND>;
   const int64_t kq = (pr.k + 3) / 4, bytes = quad_bytes(KIND), col0 = block * kCols;
   const uint8_t* wb = pr.q + block * kq * bytes;
   for (int i = 0; i < MR; ++i) {
@@ -473,11 +533,12 @@ void tile_wide(const Problem& pr, int64_t row0, int64_t block) {
           for (int64_t c = 0; c < kCols; ++c)
             acc[c] += weight<KIND>(stored<KIND>(wb + t * bytes, c, kk), kBias) * x;
         }
-      const float* s = pr.scales + (block * pr.groups + g) * kCols;
-      const float* o = pr.offsets + (block * pr.groups + g) * kCols;
       const float xs = pr.xsum[r * pr.groups + g];
-      for (int64_t c = 0; c < kCols; ++c)
-        total[c] = std::fma(o[c], xs, std::fma(s[c], acc[c], total[c]));
+      for (int64_t c = 0; c < kCols; ++c) {
+        float s, o;
+        group_param<KIND>(pr, block, g, c, s, o);
+        total[c] = std::fma(o, xs, std::fma(s, acc[c], total[c]));
+      }
     }
     for (int64_t c = 0; c < std::min<int64_t>(kCols, pr.n - col0); ++c) {
       const float b = pr.bias == nullptr ? 0.f : pr.bias[col0 + c];
@@ -535,8 +596,8 @@ const char* wide_path() { return kWidePath; }
 void linear(torch::Tensor out,                    // bf16 or float32 [M, N], dense
             torch::Tensor x,                      // out's dtype [M, K], rows dense
             torch::Tensor q,                      // uint8 [NB, ceil(K / 4), 64 or 128]
-            torch::Tensor scales,                 // float32 [NB, G, 32]
-            torch::Tensor offsets,                // float32 [NB, G, 32]: o - C * s
+            torch::Tensor scales,                 // float32 or float16 [NB, G, 32]
+            torch::Tensor offsets,                // scales' dtype [NB, G, 32]: o - C * s, or o
             c10::optional<torch::Tensor> bias,    // float32 [N]
             int64_t kind, int64_t group_quads) {
   const int64_t m = x.size(0), groups = scales.size(1);
@@ -553,8 +614,9 @@ void linear(torch::Tensor out,                    // bf16 or float32 [M, N], den
   const Problem pr{x16,
                    x.stride(0),
                    q.data_ptr<uint8_t>(),
-                   scales.data_ptr<float>(),
-                   offsets.data_ptr<float>(),
+                   scales.data_ptr(),
+                   offsets.data_ptr(),
+                   scales.scalar_type() == at::kHalf,
                    xsum.data(),
                    xf.empty() ? nullptr : xf.data(),
                    bias.has_value() ? bias->data_ptr<float>() : nullptr,

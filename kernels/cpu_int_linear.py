@@ -9,8 +9,9 @@ blocks, 64 bytes per quad at 4 bits), and turns them into bf16 operands of AVX51
 vdpbf16ps in registers without an integer-to-float conversion: the bf16 with bits 0x4300 | q
 is 128 + q exactly for q < 128. Per group, acc = sum (q + C) * x, and the scale and the offset
 enter once per group and column, y += s * acc + (o - C * s) * sum(x over the group); the packing
-stores o - C * s. Measured against the bf16 kernel and F.linear: `python -m
-jobs.bench.int_linears`.
+stores o - C * s in float32, or, where every s and o is a float16 value (a GGUF file's), s and o
+in float16, from which the kernel makes the same o - C * s. Measured against the bf16 kernel
+and F.linear: `python -m jobs.bench.int_linears`.
 
 Byte-stored q (5 to 8 bits) are one byte each; 8-bit q are split in the kernel into their low
 7 bits (0x4300 | lo7 = 128 + lo7) and bit 7 ((w & 0x80) | 0x4300 = 128 or 256, bit 7 being the
@@ -50,8 +51,10 @@ class IntPacked(NamedTuple):
     """An IntWeight in the kernel's layout (cpu_int_linear.cpp's header)."""
 
     q: torch.Tensor  # uint8 [ceil(N / 32), ceil(K / 4), 64 (kind 4) or 128]
-    scales: torch.Tensor  # float32 [ceil(N / 32), G, 32]
-    offsets: torch.Tensor  # float32 [ceil(N / 32), G, 32]: offset - BIAS[kind] * scale
+    scales: torch.Tensor  # float32 or float16 [ceil(N / 32), G, 32]
+    # scales' dtype [ceil(N / 32), G, 32]: float32 offset - BIAS[kind] * scale, or float16 offset
+    # (the kernel takes BIAS[kind] * scale off, in float32: the same value)
+    offsets: torch.Tensor
     kind: int  # 4: 4-bit q; 7: q < 128 in bytes (5 to 7 bits); 8: 8-bit q; 9: FP8 e4m3 codes
     group_quads: int  # quads per group: group_size / 4, or ceil(K / 4) for one group
     in_features: int  # K
@@ -64,8 +67,8 @@ def kind_of(w: IntWeight) -> int:
     return 4 if w.storage_bits == 4 else (7 if w.bits <= 7 else 8)
 
 
-def stored_codes(w: IntWeight) -> torch.Tensor:  # int32 [N, K]: q, or FP8's byte codes
-    return w.packed.to(torch.int32) if w.float8 else w.values()
+def stored_codes(w: IntWeight) -> torch.Tensor:  # uint8 [N, K]: q, or FP8's byte codes
+    return w.packed if w.float8 else w.codes()
 
 
 def quad_layout(
@@ -77,7 +80,8 @@ def quad_layout(
     4), or byte 64p + 32h + l holds it (kinds 7 and 8); zero past N and K."""
     n, k = q.shape
     blocks, quads = -(-n // COLUMNS), -(-k // QUAD)
-    padded = F.pad(q.to(torch.int32), (0, QUAD * quads - k, 0, blocks * COLUMNS - n))
+    # In bytes: every q fits one, and a bind repacks every layer through here.
+    padded = F.pad(q.to(torch.uint8), (0, QUAD * quads - k, 0, blocks * COLUMNS - n))
     # [NB, 2h, 16c, KQ, 2p, 2kk] -> [NB, KQ, p, h, c, kk]
     split = padded.reshape(blocks, 2, COLUMNS // 2, quads, 2, 2).permute(0, 3, 4, 1, 2, 5)
     if kind == 4:
@@ -97,12 +101,17 @@ def pack_int_weight(w: IntWeight) -> IntPacked:
     blocks = -(-n // COLUMNS)
     group_quads = w.group_size // QUAD if groups > 1 else -(-k // QUAD)
 
-    def per_block(t: torch.Tensor) -> torch.Tensor:  # float32 [N, G] -> [NB, G, 32]
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [NB, G, 32]
         padded = F.pad(t, (0, 0, 0, blocks * COLUMNS - n))
         return padded.reshape(blocks, COLUMNS, groups).transpose(1, 2).contiguous()
 
-    scales = w.scales.detach().cpu().float()
-    offsets = w.offsets.detach().cpu().float() - BIAS[kind] * scales
+    scales, offsets = w.scales.detach().cpu().float(), w.offsets.detach().cpu().float()
+    if _exact_in_half(scales) and _exact_in_half(offsets):
+        # A GGUF's scales and offsets are float16 in the file: held so, they take half the bytes
+        # of float32 ones, which every step reads with the values
+        scales, offsets = scales.half(), offsets.half()
+    else:
+        offsets = offsets - BIAS[kind] * scales
     return IntPacked(
         quad_layout(stored_codes(w).cpu(), kind).contiguous(),
         per_block(scales),
@@ -112,6 +121,10 @@ def pack_int_weight(w: IntWeight) -> IntPacked:
         k,
         n,
     )
+
+
+def _exact_in_half(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.half().float(), t))
 
 
 def dequantize_rows(
@@ -136,8 +149,10 @@ def dequantize_rows(
     if kind == 9:  # byte codes -> their FP8 values
         q = q.to(torch.uint8).view(torch.float8_e4m3fn).float()
     groups = torch.arange(k, device=ids.device) // (QUAD * packed.group_quads)
-    scales = packed.scales[block, :, col][:, groups]
-    offsets = packed.offsets[block, :, col][:, groups] + BIAS[kind] * scales
+    scales = packed.scales[block, :, col][:, groups].float()
+    offsets = packed.offsets[block, :, col][:, groups].float()
+    if packed.scales.dtype == torch.float32:  # o - C * s: C * s back on (exact)
+        offsets = offsets + BIAS[kind] * scales
     return scales * q + offsets
 
 
@@ -192,8 +207,9 @@ class CpuIntLinear:
         assert packed.q.dtype == torch.uint8 and packed.q.is_contiguous()
         assert packed.q.shape == (blocks, quads, BYTES_PER_QUAD[packed.kind]), packed.q.shape
         assert groups == -(-quads // packed.group_quads), (groups, quads, packed.group_quads)
+        assert packed.scales.dtype in (torch.float32, torch.float16), packed.scales.dtype
         for t in (packed.scales, packed.offsets):
-            assert t.dtype == torch.float32 and t.is_contiguous(), t.dtype
+            assert t.dtype == packed.scales.dtype and t.is_contiguous(), t.dtype
             assert t.shape == (blocks, groups, COLUMNS), (t.shape, blocks, groups)
         if bias is not None:
             assert bias.dtype == torch.float32 and bias.shape == (n,), (bias.dtype, bias.shape)

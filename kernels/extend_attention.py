@@ -14,8 +14,8 @@ turns each score s into c * tanh(s / c) before the mask.
 
 A row's result is the same bits wherever its q tile starts (a prefill in one piece, in chunks,
 after a prefix-cache hit, or a decode row): K/V tiles start at multiples of BLOCK_N from
-position 0, the keys outside a row's window add exact zeros, and tl.dot computes each row on
-its own. So in batch-invariant mode the backend sends every row here (triton_backend.py).
+position 0, the keys outside a row's window add exact zeros, and common.dot computes each row
+the same way wherever it sits in the tile. So in batch-invariant mode the backend sends every row here (triton_backend.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from batchpage.kernels.common import (
     check_block_table,
     check_kv_cache,
     check_runnable,
+    dot,
     dot_precision,
     kernel_softcap,
     kernel_window,
@@ -115,7 +116,7 @@ def _extend_kernel(
         tok = paged_token_offsets(table_row, offs_n, n_mask, block_size, stride_cb, stride_cs)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = dot(q, tl.trans(k), DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP:
             s = soft_cap(s, softcap)
         valid = n_mask[None, :]

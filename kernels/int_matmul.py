@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 # common first: it turns Triton's interpreter on where there is no CUDA, before triton loads.
-from batchpage.kernels.common import check_runnable, dot_precision
+from batchpage.kernels.common import check_runnable, dot, dot_precision
 from batchpage.kernels.invariant_matmul import DTYPES, tiles
 
 # isort: split
@@ -84,7 +84,7 @@ def _int_matmul_kernel(
         s = tl.load(s_ptr + g_off, mask=wk_mask, other=0.0)
         o = tl.load(o_ptr + g_off, mask=wk_mask, other=0.0)
         w = (s * value + o).to(x.dtype)
-        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
+        acc += dot(x, w, DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     y_off = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]

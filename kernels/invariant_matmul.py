@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 # common first: it turns Triton's interpreter on where there is no CUDA, before triton loads.
-from batchpage.kernels.common import check_runnable, dot_precision
+from batchpage.kernels.common import check_runnable, dot, dot_precision
 
 # isort: split
 import triton
@@ -58,7 +58,7 @@ def _matmul_kernel(
         k_mask = k < K
         x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+        acc += dot(x, tl.trans(w), DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y_off = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]

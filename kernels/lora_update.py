@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 # common first: it turns Triton's interpreter on where there is no CUDA, before triton loads.
-from batchpage.kernels.common import check_runnable, dot_precision, padded_dim
+from batchpage.kernels.common import check_runnable, dot, dot_precision, padded_dim
 
 # isort: split
 import triton
@@ -68,7 +68,7 @@ def _shrink_kernel(
                     mask=in_tile[:, None] & (k < d_in)[None, :], other=0.0)  # fmt: skip
         a = tl.load(a_base + k[:, None], mask=(k < d_in)[:, None] & (offs_r < rank)[None, :],
                     other=0.0)  # fmt: skip
-        acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision=PRECISION)
+        acc += dot(x.to(tl.float32), a.to(tl.float32), PRECISION)
     h = h_ptr + offs_m[:, None] * stride_hn + (target * rank + offs_r)[None, :]
     tl.store(h, acc, mask=in_tile[:, None] & (offs_r < rank)[None, :])
 
@@ -105,7 +105,7 @@ def _expand_kernel(
                 mask=in_tile[:, None] & (offs_r < rank)[None, :], other=0.0)  # fmt: skip
     b = tl.load(b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :],
                 mask=(offs_r < rank)[:, None] & (offs_n < size)[None, :], other=0.0)  # fmt: skip
-    delta = tl.dot(h, b.to(tl.float32), input_precision=PRECISION)
+    delta = dot(h, b.to(tl.float32), PRECISION)
     y = y_ptr + rows[:, None] * stride_yt + start + offs_n[None, :]
     mask = in_tile[:, None] & (offs_n < size)[None, :]
     old = tl.load(y, mask=mask, other=0.0).to(tl.float32)

@@ -29,6 +29,7 @@ from batchpage.kernels.common import (
     check_block_table,
     check_kv_cache,
     check_runnable,
+    dot,
     dot_precision,
     kernel_softcap,
     kernel_window,
@@ -98,7 +99,7 @@ def _attend_partition(
         tok = paged_token_offsets(table_row, offs_n, n_mask, block_size, stride_cb, stride_cs)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, BLOCK_N]
+        s = dot(q, tl.trans(k), DOT_PRECISION) * qk_scale  # [G, BLOCK_N]
         if HAS_SOFTCAP:
             s = soft_cap(s, softcap)
         s = tl.where(n_mask[None, :], s, float("-inf"))

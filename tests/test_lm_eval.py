@@ -11,18 +11,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import lm_eval
-import lm_eval.evaluator
 import pytest
-from lm_eval.api.instance import Instance
-from lm_eval.api.registry import get_model
-from lm_eval.models.huggingface import HFLM
-from lm_eval.models.utils import postprocess_generated_text
-from lm_eval.tasks import TaskManager
 
-from batchpage import LLM, SamplingParams
-from batchpage.lm_eval import BatchpageLM
-from tests.model_factory import build_hf_model, save_hf_folder, thinking_tokenizer
+from tests.extras import require
+
+require("lm_eval", "lm-eval")  # before lm_eval's imports: a missing extra skips or fails
+# isort: split
+import lm_eval  # noqa: E402
+import lm_eval.evaluator  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.api.registry import get_model  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+from lm_eval.models.utils import postprocess_generated_text  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from batchpage import LLM, SamplingParams  # noqa: E402
+from batchpage.lm_eval import BatchpageLM  # noqa: E402
+from tests.model_factory import build_hf_model, save_hf_folder, thinking_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # Short, so that few-shot contexts get truncated and each perplexity text spans several windows.

@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from batchpage.sampling_params import SamplingParams, StructuredOutputsParams
+from batchpage.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 
 def test_defaults_match_vllm() -> None:
@@ -98,6 +98,16 @@ def test_beam_search() -> None:
     assert (
         SamplingParams(use_beam_search=True, beam_width=5, early_stopping="never").beam_width == 5
     )
+
+
+@pytest.mark.parametrize(("width", "shown"), [(0, "0"), (-2, "-2"), (1.5, "1.5"), ("3", "'3'")])
+def test_beam_search_params_name_their_own_field(width: object, shown: str) -> None:
+    """BeamSearchParams has no `n`: a bad beam_width is refused under its own name."""
+    with pytest.raises(ValueError) as err:
+        BeamSearchParams(beam_width=width, max_tokens=4).to_sampling_params()  # type: ignore[arg-type]
+    said = str(err.value)
+    assert said.startswith("BeamSearchParams.beam_width must be") and said.endswith(shown), said
+    assert BeamSearchParams(beam_width=2, max_tokens=4).to_sampling_params().n == 2
 
 
 def test_replace_validates_and_rejects_unknown_fields() -> None:

@@ -18,12 +18,17 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from tests.extras import require
 from tests.model_factory import HAS_SMOLLM2
 
 ROOT = Path(__file__).resolve().parents[1]
+# The modules that import an optional extra at their top, with the extra's module and name: each
+# is imported from the wheel by a test of its own that needs the extra (tests/extras.py).
+EXTRA_MODULES = {"batchpage.lm_eval": ("lm_eval", "lm_eval")}
 
-# Run inside the installed folder's Python: import every module of the installed package, each
-# from that folder; the bundled model on two prompts; a tiny model over two ranks against one.
+# Run inside the installed folder's Python: import every module of the installed package (but
+# EXTRA_MODULES), each from that folder; the bundled model on two prompts; a tiny model over two
+# ranks against one.
 PROBE = textwrap.dedent(
     """
     import importlib, json, sys
@@ -141,7 +146,7 @@ def test_the_wheel_holds_every_module_and_its_data(installed: Path) -> None:
 def test_the_installed_wheel_runs_outside_the_checkout(
     installed: Path, tiny_folder: Path, tmp_path: Path
 ) -> None:
-    modules = json.dumps(sorted(package_modules()))
+    modules = json.dumps(sorted(package_modules() - EXTRA_MODULES.keys()))
     done = subprocess.run(
         [sys.executable, "-c", PROBE, str(installed), str(tiny_folder), modules],
         capture_output=True,
@@ -178,6 +183,25 @@ def test_the_installed_wheel_runs_outside_the_checkout(
     table = pq.read_table(tmp_path / "out" / "completions.parquet").to_pylist()
     assert [r["id"] for r in table] == ["r0", "r1", "r2"]
     assert all(r["completion"] and r["error"] is None for r in table)
+
+
+@pytest.mark.parametrize("module", sorted(EXTRA_MODULES))
+def test_a_module_that_needs_an_extra_imports_from_the_wheel(
+    installed: Path, tmp_path: Path, module: str
+) -> None:
+    require(*EXTRA_MODULES[module])
+    probe = "import importlib, sys; print(importlib.import_module(sys.argv[1]).__file__)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe, module],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env_for(installed),
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = Path(done.stdout.strip().splitlines()[-1]).resolve()
+    assert found.is_relative_to(installed.resolve()), f"imported from outside the wheel: {found}"
 
 
 def test_the_console_script_lists_its_commands(installed: Path, tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ by BlockPool (block_pool.py); this module only owns the memory and knows how big
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,22 @@ def bytes_per_block(
     """K and V of every layer for block_size tokens."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor none of whose pages is touched yet: a private anonymous mapping,
+    which the kernel fills with zero pages as each is first written. A pool of gigabytes written
+    with zeros at setup faults every page in before the first step, though a run may use few of
+    its blocks; this way each page is faulted in when a block on it is first written. Huge pages
+    are requested before any write (see host_memory.py)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if not nbytes:
+        return torch.zeros(shape, dtype=dtype)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # The tensor holds a reference to the mapping, which is unmapped when the tensor is freed.
+    t = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+    advise_huge_pages(t)
+    return t
 
 
 @dataclass
@@ -40,11 +58,10 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
 
         def pool() -> torch.Tensor:
-            # One allocation per layer keeps each layer's pool contiguous for the kernels. On a
-            # CPU, huge pages are requested before the first write (see host_memory.py).
-            t = torch.empty(shape, dtype=dtype, device=device)
-            advise_huge_pages(t)
-            return t.zero_()
+            # One allocation per layer keeps each layer's pool contiguous for the kernels.
+            if torch.device(device).type == "cpu":
+                return _untouched_zeros(shape, dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
 
         k = [pool() for _ in range(num_layers)]
         v = [pool() for _ in range(num_layers)]

@@ -71,7 +71,9 @@ class Row:
     """One input row. `error` set means: do not generate, write the row with this error."""
 
     index: int  # global position in the input; resume is keyed on it
-    id: str | None  # the id column's value as text, or str(index); None: a batch line without one
+    # The id column's value as text, or str(index); None: a batch line without one, or an
+    # unreadable line of an input with an id column.
+    id: str | None
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None  # system_prompt already prepended
     system_prompt: str | None = None  # set for plain prompts only (chats carry it inside)
@@ -121,7 +123,9 @@ def make_row(
     max_prompt_bytes: a longer prompt (a chat: its contents together) is the row's error.
     """
     if isinstance(rec, str):
-        return Row(index=index, id=str(index), error=rec)
+        # The line's id is unknown: null, rather than the row index, which may be another
+        # row's id. Without an id column every row's id is its index.
+        return Row(index=index, id=None if id_column else str(index), error=rec)
     text_column = messages_column if messages_column is not None else prompt_column or ""
     errors, bad = _unencodable_columns(
         index,

@@ -337,7 +337,9 @@ def _check_ids(
     fmt: str, files: list[Path], spec: DatasetSpec, column: str, auto: bool = False
 ) -> None:
     """Ids key the output rows: refuse duplicates, and nulls (which would fall back to the row
-    index and could collide with a real id), naming the first few. One pass over the column.
+    index and could collide with a real id), naming the first few. One pass over the column. A
+    line the reader could not parse (not UTF-8, not JSON, too long) has no id to check: it is
+    that row's error, with a null id (rows.make_row).
     `auto`: the column is the row id by its name, not because dataset.id_column names it."""
     seen: dict[str, int] = {}
     duplicates: list[str] = []
@@ -348,7 +350,9 @@ def _check_ids(
     for index, rec in enumerate(records):
         if spec.limit is not None and index >= spec.limit:
             break
-        value = rec.get(column) if isinstance(rec, dict) else None
+        if isinstance(rec, str):
+            continue
+        value = rec.get(column)
         if value is None:
             nulls.append(index)
             continue

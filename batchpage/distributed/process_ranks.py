@@ -4,6 +4,8 @@ device (the driver's + rank) or sharing the host's cores. Implements workers.py'
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import pickle
 import select
@@ -16,7 +18,11 @@ from typing import IO
 import torch
 
 from batchpage.distributed.worker import LOADED, WorkerSpec, rank_device
-from batchpage.engine.plan import EnginePlan
+from batchpage.engine.plan import EnginePlan, ranks_over_cores
+
+log = logging.getLogger(__name__)
+
+TERM_S = 2.0  # from SIGTERM to SIGKILL for a rank that is still running
 
 
 class ProcessRanks:
@@ -35,6 +41,9 @@ class ProcessRanks:
         cls, spec: Callable[[int, str, torch.device], WorkerSpec], plan: EnginePlan, world: int
     ) -> ProcessRanks:
         """spec(rank, store_host, device): that rank's WorkerSpec."""
+        crowded = ranks_over_cores(world) if plan.device.type == "cpu" else None
+        if crowded is not None:
+            log.warning(crowded)
         procs = []
         for rank in range(1, world):
             worker = spec(rank, cls.store_host, rank_device(plan, rank))
@@ -71,18 +80,31 @@ class ProcessRanks:
         """Where ranks 1.. run: this host, each."""
         return [os.uname().nodename] * len(self.procs)
 
-    def stop(self) -> None:
-        """Wait a moment for the ranks to return (told to, or their group broke), then kill
-        those still running."""
-        deadline = time.monotonic() + 5.0
+    def stop(self, wait_s: float) -> None:
+        """Wait up to wait_s for the ranks to return (told to, or their group broke), then
+        SIGTERM those still running (a rank blocked in a collective ends at once: it keeps the
+        default action) and SIGKILL any still there TERM_S later."""
+        _wait_all(self.procs, wait_s)
         for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in _wait_all(self.procs, TERM_S):
+            proc.kill()
+            proc.wait()
+        for proc in self.procs:
             if proc.stdout is not None:
                 proc.stdout.close()
+
+
+def _wait_all(
+    procs: list[subprocess.Popen[bytes]], timeout_s: float
+) -> list[subprocess.Popen[bytes]]:
+    """Wait up to timeout_s, all together, for the processes to exit; those still running."""
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    return [proc for proc in procs if proc.poll() is None]
 
 
 def _read_line(proc: subprocess.Popen[bytes], deadline: float) -> str:

@@ -11,6 +11,8 @@ actors are this process's children: Ray ends them when it dies.
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -76,7 +78,7 @@ class RayRanks:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
-            ray.init(include_dashboard=False, logging_level="WARNING")
+            ray_init(include_dashboard=False, logging_level="WARNING")
         group, owned, first = get_current_placement_group(), None, 1
         if group is None:
             bundle = {"CPU": float(threads), **({"GPU": 1.0} if plan.device.type == "cuda" else {})}
@@ -150,19 +152,33 @@ class RayRanks:
         """The Ray node id each of ranks 1.. runs on."""
         return list(self.node_ids)
 
-    def stop(self) -> None:
-        """Wait a moment for the ranks to return (told to, or their group broke), then end the
-        actors and the placement group this engine made."""
+    def stop(self, wait_s: float) -> None:
+        """Wait up to wait_s for the ranks to return (told to, or their group broke), then end
+        the actors and the placement group this engine made."""
         import ray
 
         with contextlib.suppress(Exception):  # Ray may already be shut down (interpreter exit)
-            if self.serving:
-                ray.wait(self.serving, num_returns=len(self.serving), timeout=5.0)
+            if self.serving and wait_s > 0:
+                ray.wait(self.serving, num_returns=len(self.serving), timeout=wait_s)
             for actor in self.actors:
                 ray.kill(actor)
             if self.owned is not None:
                 ray.util.remove_placement_group(self.owned)
         self.actors, self.owned = [], None
+
+
+def ray_init(**kwargs: Any) -> None:
+    """ray.init(**kwargs), the process's SIGTERM handler kept: called from the main thread,
+    ray.init puts in its own, which exits at once (status 15, or an abort in Ray's teardown),
+    where a job's (run.py) saves its rows, ends the replicas and exits 143."""
+    import ray
+
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        ray.init(**kwargs)
+    finally:
+        if threading.current_thread() is threading.main_thread() and handler is not None:
+            signal.signal(signal.SIGTERM, handler)
 
 
 def ray_cause(error: Exception) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -135,6 +136,10 @@ def _driver_gone(driver: int, grace_s: float = 1.0) -> bool:
 
 
 def main() -> None:
+    # Ctrl-C in a terminal reaches every process of the foreground group: the driver alone acts
+    # on it (it tells its ranks to return, or ends them), so no rank stops on its own first.
+    # SIGTERM keeps its default action: it is how the driver ends a rank inside a collective.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Run as __main__, this file's classes are not the ones the spec was pickled with: take
     # them from the module under its own name.
     from batchpage.distributed import worker

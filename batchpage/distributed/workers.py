@@ -9,12 +9,16 @@ own; `join` waits for every one to say it loaded (or fails with its error), then
 group; each step `send` broadcasts the step's ForwardStep, one message, and every rank runs
 the same forward, its collectives entered in the same order by all. A rank that dies makes
 the next collective fail: `failure` turns that into one error naming the rank. `close` stops
-the ranks (also at garbage collection and interpreter exit).
+the ranks (also at garbage collection and interpreter exit): ranks waiting for the next step are
+told to return; ranks inside a step rank 0 left (Ctrl-C or SIGTERM mid-forward: they wait in a
+collective rank 0 will never enter, and any message would be read as that collective's data)
+are ended at once, so an interrupted job exits within seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -37,6 +41,10 @@ from batchpage.ops.shm_collective import shared_memory_collective
 
 # Loading a share of a large checkpoint takes minutes; a worker silent for longer is stuck.
 LOAD_TIMEOUT_S = 3600.0
+# Closing: how long the None step may take to reach the ranks, then how long the ranks told have
+# to return before they are ended (a rank waiting for a step receives it at once).
+TELL_S = 2.0
+RETURN_S = 3.0
 
 
 class WorkerDied(RuntimeError):
@@ -57,6 +65,14 @@ class Sent:
         self.seconds += seconds
 
 
+@dataclass
+class GroupState:
+    """What closing needs to know of the group (the finalizer must not hold the workers)."""
+
+    control: dist.ProcessGroup | None = None  # the host-message group, once joined
+    in_step: bool = False  # a step was sent that rank 0 has not finished
+
+
 class Ranks(Protocol):
     """Where ranks 1..world-1 run, and how they are watched."""
 
@@ -74,8 +90,9 @@ class Ranks(Protocol):
     def nodes(self) -> list[str]:
         """Where each of ranks 1.. runs (a host name, or a Ray node id)."""
 
-    def stop(self) -> None:
-        """Wait a moment for the ranks to return, then end those still running."""
+    def stop(self, wait_s: float) -> None:
+        """Wait up to wait_s for the ranks to return (0: they were not told to), then end those
+        still running: asked first, killed when they are still there after a moment."""
 
 
 class TensorParallelWorkers:
@@ -91,9 +108,8 @@ class TensorParallelWorkers:
         self.sent = Sent()
         self.shard = TensorShard(0, world)
         self._comm: GroupCollective | None = None  # set by join
-        # [the control group] once joined: what the finalizer tells the ranks to stop on.
-        self._control: list[dist.ProcessGroup] = []
-        self._finalizer = weakref.finalize(self, _stop, ranks, self._control)
+        self._group = GroupState()
+        self._finalizer = weakref.finalize(self, _stop, ranks, self._group)
 
     @property
     def comm(self) -> GroupCollective:
@@ -129,27 +145,31 @@ class TensorParallelWorkers:
             self.close()
             raise WorkerDied(problem)
         forward, control = open_group(self.store, 0, self.world, device, self.ranks.store_host)
-        self._control.append(control)
+        self._group.control = control
         self._comm = shared_memory_collective(self.store, forward, 0, self.world, device)
         return self._comm
 
     def send(self, step: ForwardStep) -> None:
-        assert self._control, "join the group before sending steps"
+        assert self._group.control is not None, "join the group before sending steps"
+        self._group.in_step = True  # from its first byte: a message cut short is out of step
         start = time.perf_counter()
-        size = broadcast_object(self._control[0], to_device(step, torch.device("cpu")), 0)
+        size = broadcast_object(self._group.control, to_device(step, torch.device("cpu")), 0)
         self.sent.add(size, time.perf_counter() - start)
 
     @contextlib.contextmanager
     def rank_threads(self) -> Iterator[None]:
-        if self.threads is None:
-            yield
-            return
+        """Rank 0's threads while it runs a step (sent, then its own forward). Only a step
+        that returns here is finished on every rank; one left by an exception (an interrupt)
+        leaves the group out of step."""
         before = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
         try:
             yield
         finally:
-            torch.set_num_threads(before)
+            if self.threads is not None:
+                torch.set_num_threads(before)
+        self._group.in_step = False
 
     def failure(self, error: Exception) -> Exception:
         """The error for a failed collective: WorkerDied naming the ranks that died (waiting a
@@ -172,11 +192,24 @@ class TensorParallelWorkers:
         self._finalizer()
 
 
-def _stop(ranks: Ranks, control: list[dist.ProcessGroup]) -> None:
-    """A None step tells live ranks to return; those that do not (blocked in a collective
-    whose peer died, or still loading) are ended."""
-    if control and not ranks.dead():
-        with contextlib.suppress(RuntimeError):  # a rank went meanwhile: ended below
-            broadcast_object(control[0], None, 0)
-    control.clear()
-    ranks.stop()
+def _stop(ranks: Ranks, group: GroupState) -> None:
+    """A None step tells live ranks waiting for the next step to return; the others (inside a
+    step rank 0 left, blocked in a collective whose peer died, still loading) and any that do
+    not return in time are ended."""
+    control, group.control = group.control, None
+    told = control is not None and not group.in_step and not ranks.dead() and _tell_stop(control)
+    ranks.stop(RETURN_S if told else 0.0)
+
+
+def _tell_stop(control: dist.ProcessGroup) -> bool:
+    """Broadcast the None step; False when it failed or took longer than TELL_S (a rank that is
+    not receiving: the broadcast, left in its thread, fails once that rank is ended)."""
+    sent = threading.Event()
+
+    def tell() -> None:
+        with contextlib.suppress(RuntimeError):  # a rank went meanwhile: it is ended anyway
+            broadcast_object(control, None, 0)
+            sent.set()
+
+    threading.Thread(target=tell, name="batchpage-tp-stop", daemon=True).start()
+    return sent.wait(TELL_S)

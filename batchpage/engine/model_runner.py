@@ -31,6 +31,7 @@ from batchpage.model.causal_lm import BindReport, CausalLM
 from batchpage.model.quant_layout import linears
 from batchpage.ops.collective import Collective
 from batchpage.ops.select import select_model_ops
+from batchpage.user_log import heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +305,11 @@ def build_model_runner(
     )
     if cfg.enable_lora:  # an adapter updates gate and up before the activation: unfused
         ops = replace(ops, linear=replace(ops.linear, silu_mul=None))
-    report = model.bind(ops)
+    # Every linear repacked (a quantized one dequantized, where its dense form was chosen), and
+    # on a new setup each shape measured first: the longest step between the weights and the
+    # first step.
+    with heartbeat(log, "making the linears"):
+        report = model.bind(ops)
     lora = None
     if cfg.enable_lora:
         lora = LoRAModel(model, cfg.max_loras, cfg.max_lora_rank, plan.dtype)

@@ -19,6 +19,7 @@ from batchpage.model.gguf_file import read_gguf_header
 from batchpage.model.gguf_loader import int_schemes
 from batchpage.model.loader import ModelSource, resolve_dtype
 from batchpage.model.shard import shard_config
+from batchpage.ops.select import check_batch_invariant
 from batchpage.quant.scheme import QuantScheme
 
 
@@ -51,6 +52,8 @@ def plan_engine(cfg: EngineConfig, source: ModelSource) -> EnginePlan:
             "positions (max_position_embeddings, extended by its rope scaling): lower "
             "max_model_len"
         )
+    if cfg.batch_invariant:  # refused here, not once the weights are bound
+        check_batch_invariant(cfg.linear_backend, dtype, device)
     world = cfg.tensor_parallel_size
     check_tensor_parallel(cfg, source, dtype)
     # Each rank holds every block for its share of the K/V heads; ranks on one host (a CPU)
@@ -144,17 +147,22 @@ def _quantized_split(quant: QuantScheme, config: ModelConfig, world: int) -> lis
     ]
 
 
+def ranks_over_cores(world: int) -> str | None:
+    """What to tell the user when `world` ranks on this host's CPU outnumber its cores (the
+    process's affinity): they still run (each rank gets one thread at least), only slower than
+    fewer. None when they do not. The ranks' starter logs it, once per engine."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if not cores or world <= cores:
+        return None
+    return (
+        f"tensor_parallel_size={world} puts {world} ranks on {cores} cores: they share them, "
+        f"which runs slower than tensor_parallel_size<={cores} on this CPU"
+    )
+
+
 def _host_room_for_ranks(world: int, weight_bytes: int) -> list[str]:
     """On a CPU the ranks share the host: refused when the workers and the weights do not fit
-    its available memory. More ranks than cores still run (each rank gets one thread at least),
-    only slower than fewer: a warning."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if cores and world > cores:
-        warnings.warn(
-            f"tensor_parallel_size={world} puts {world} ranks on {cores} cores: they share them, "
-            f"which runs slower than tensor_parallel_size<={cores} on this CPU",
-            stacklevel=3,
-        )
+    its available memory (more ranks than cores only run slower: `ranks_over_cores`)."""
     need = (world - 1) * WORKER_BASE_BYTES + weight_bytes
     free = available_host_memory()
     if need <= free:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchpage.distributed.ray_ranks import ray_init
 from batchpage.executor.config import ExecutorConfig
 
 INSTALL_HINT = "pip install 'batchpage[ray]'"
@@ -67,7 +68,7 @@ def connect(cfg: ExecutorConfig) -> Connection:
         return Connection(cfg.address, owned=True)
     cpus, gpus = local_resources()
     refuse_unless_room(cfg, cpus, gpus, "this machine", "join a cluster with executor.address=auto")
-    ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **quiet)
+    ray_init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **quiet)
     return Connection("local", owned=True)
 
 

@@ -4,6 +4,9 @@ adapter folder.
 Named adapters get lora_int_ids 1..N in name order; a folder named by a row gets the next id
 when first seen, so every row of one adapter shares its id (its slot and its cached prefixes).
 Named adapters' files are part of the job's fingerprint: a changed adapter is another job.
+They are read and checked before the model loads (all but their fit to the base model, which
+the engine checks when it reads them): a named adapter that cannot run is the job's error (exit
+2), one that a row names by its folder is that row's error.
 """
 
 from __future__ import annotations
@@ -12,15 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from batchpage.fileio import file_digest
-from batchpage.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+from batchpage.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError, read_adapter
 from batchpage.lora.request import LoRARequest
 
 
 class JobAdapters:
-    def __init__(self, named: dict[str, str]) -> None:
-        """`named`: model.loras, name -> adapter folder. ValueError (one line, the fix) for a
-        folder without PEFT's two files."""
+    def __init__(self, named: dict[str, str], max_rank: int) -> None:
+        """`named`: model.loras, name -> adapter folder; `max_rank`: the engine's max_lora_rank.
+        ValueError (one line, the fix) for a folder without PEFT's two files, or an adapter
+        read_adapter refuses (the base model's shapes are checked when the engine reads it)."""
         for name, path in sorted(named.items()):
+            if not isinstance(path, str):  # a nested dict gets past Hydra's merge of a dict
+                raise ValueError(f"model.loras.{name} must be an adapter folder, got {path!r}")
             folder = Path(path)
             missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / f).is_file()]
             if missing:
@@ -28,6 +34,10 @@ class JobAdapters:
                     f"model.loras.{name}={path}: {' and '.join(missing)} not found there; give "
                     "the folder PEFT's save_pretrained wrote"
                 )
+            try:
+                read_adapter(LoRARequest(name, 1, path), None, max_rank=max_rank)
+            except AdapterError as exc:
+                raise ValueError(f"model.loras.{name}: {exc}") from None
         self._by_name = {
             name: LoRARequest(name, i + 1, str(path))
             for i, (name, path) in enumerate(sorted(named.items()))

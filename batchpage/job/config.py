@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 from batchpage.data.spec import DatasetSpec
 from batchpage.engine.config import EngineConfig
 from batchpage.executor.config import ExecutorConfig
@@ -146,6 +148,40 @@ class JobConfig:
             raise ValueError(f"flush_seconds={self.flush_seconds} must be a number of seconds > 0")
 
 
+def to_job(cfg: DictConfig) -> JobConfig:
+    """The JobConfig of a composed config. Raises ValueError for a key that no field of its
+    group has: Hydra's `+key=value` opens the group to add it, and OmegaConf would then set it
+    on the dataclass as a stray attribute that nothing reads (a typo run silently). A group
+    that is a mapping (model.loras) takes any key. Also ValueError for a bad value (each
+    group checks its own when built)."""
+    stray = _stray_keys(cfg, "")
+    if stray:
+        key, group = stray[0]
+        name = key.rpartition(".")[2]
+        raise ValueError(
+            f"{key}: Key {name!r} not in {group!r}; `+` adds keys to a mapping, not to a "
+            "group of fixed fields"
+        )
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def _stray_keys(node: DictConfig, prefix: str) -> list[tuple[str, str]]:
+    """(full key, its group's class name) of every key of a typed group that its dataclass
+    has no field for, in the config's order."""
+    kind = OmegaConf.get_type(node)
+    fields = {f.name for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else None
+    found = []
+    for key in node:
+        full = f"{prefix}{key}"
+        if fields is not None and key not in fields:
+            found.append((full, kind.__name__))  # type: ignore[union-attr]
+            continue
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            found += _stray_keys(child, f"{full}.")
+    return found
+
+
 def register_configs() -> None:
     """Register the schema as `job_schema` (conf/config.yaml lists it first in its defaults).
 
@@ -154,7 +190,12 @@ def register_configs() -> None:
     """
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="job_schema", node=JobConfig)
+    schema = OmegaConf.structured(JobConfig)
+    # model.loras' keys are names the user picks: Hydra merges `model.loras={a: /p/a}` into the
+    # node, which struct mode (set on the whole config) would refuse key by key. Values stay
+    # typed.
+    OmegaConf.set_struct(schema.model.loras, False)
+    ConfigStore.instance().store(name="job_schema", node=schema)
 
 
 def to_plain(cfg: JobConfig) -> dict[str, Any]:

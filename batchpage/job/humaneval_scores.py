@@ -2,8 +2,11 @@
 
 The `code` column of completions.parquet is what gets checked: for the instruct style the code
 taken from the reply's code block, for the completion style the completion itself (the body that
-follows the prompt). scores.parquet then holds one row per sample with its verdict, and the
-summary (pass@1) goes to run.json and the command line.
+follows the prompt). scores.parquet then holds one row per sample with its verdict and the check
+id of the program it ran (humaneval.check_id), and the summary (pass@1) goes to run.json and the
+command line. A rerun into the same output_dir runs only the programs whose check id the previous
+scores.parquet lacks (rows generated since, or a changed completion); the others keep their
+verdict, so resuming a finished job scores nothing again. overwrite=true deletes the file.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from batchpage.data.readers import open_records
 from batchpage.data.spec import DatasetInfo, DatasetSpec
 from batchpage.fileio import atomic_path
 from batchpage.output.files import SCORES_FILE
+from batchpage.scoring.sandbox import Limits, Outcome, Status
 
 __all__ = [
     "SCORERS",
@@ -29,6 +33,18 @@ __all__ = [
 ]
 
 SCORERS = ("humaneval",)
+
+
+SCORES_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("passed", pa.bool_()),
+        ("status", pa.string()),
+        ("reason", pa.string()),
+        ("unconfined", pa.list_(pa.string())),  # what the sandbox could not confine for it
+        ("check_id", pa.string()),  # None: no completion, nothing ran
+    ]
+)
 
 
 def code_schema(n: int) -> pa.Schema:
@@ -86,7 +102,6 @@ def score_output(output_dir: Path, scorer: str, workers: int = 2) -> dict[str, A
     if scorer != "humaneval":
         raise ValueError(f"score={scorer!r} is unknown; use one of {SCORERS}")
     from batchpage.scoring.humaneval import load_problems, score
-    from batchpage.scoring.sandbox import Limits
 
     table = pq.read_table(output_dir / "completions.parquet")
     column = "code" if "code" in table.column_names else "completion"
@@ -96,14 +111,18 @@ def score_output(output_dir: Path, scorer: str, workers: int = 2) -> dict[str, A
     ):
         samples = code if isinstance(code, list) else [code]
         pairs += [(task_id, c) for c in samples]
-    report = score(pairs, load_problems(), Limits(), workers=workers)
+    known = previous_verdicts(output_dir / SCORES_FILE)
+    report = score(pairs, load_problems(), Limits(), workers=workers, known=known)
     scores = pa.table(
         {
             "id": [r.task_id for r in report.results],
             "passed": [r.passed for r in report.results],
             "status": [r.outcome.status.value for r in report.results],
             "reason": [r.outcome.reason for r in report.results],
-        }
+            "unconfined": [list(r.outcome.unconfined) for r in report.results],
+            "check_id": [r.check_id for r in report.results],
+        },
+        schema=SCORES_SCHEMA,
     )
     with atomic_path(output_dir / SCORES_FILE) as tmp:
         pq.write_table(scores, tmp)
@@ -113,5 +132,24 @@ def score_output(output_dir: Path, scorer: str, workers: int = 2) -> dict[str, A
         "problems": report.problems,
         "samples": len(report.results),
         "passed": sum(r.passed for r in report.results),
+        "checked": report.checked,  # programs run in the sandbox by this run
+        "reused": report.reused,  # verdicts kept from the previous scores.parquet
         "unconfined": list(report.unconfined),
     }
+
+
+def previous_verdicts(path: Path) -> dict[str, Outcome]:
+    """The verdicts of an earlier scoring by check id; none from a file that is missing,
+    unreadable or written before check ids were kept (every sample is then checked again)."""
+    try:
+        table = pq.read_table(path, columns=["check_id", "status", "reason", "unconfined"])
+    except (OSError, pa.ArrowException):  # FileNotFoundError included: the first scoring
+        return {}
+    verdicts: dict[str, Outcome] = {}
+    statuses = {s.value: s for s in Status}
+    for rec in table.to_pylist():
+        status = statuses.get(rec["status"])
+        if rec["check_id"] and status is not None:
+            unconfined = tuple(rec["unconfined"] or ())
+            verdicts[rec["check_id"]] = Outcome(status, rec["reason"] or "", "", unconfined)
+    return verdicts

@@ -161,6 +161,7 @@ def _run(
         reasons,
         samples,
         score,
+        this_run=run.figures(),
     )
 
 

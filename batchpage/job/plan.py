@@ -86,7 +86,7 @@ class JobPlan:
 def plan_job(cfg: JobConfig) -> JobPlan:
     """Validate dataset, sampling, model and KV pool; raise JobConfigError with the fix."""
     try:
-        if cfg.output_dir:
+        if cfg.output_dir and not cfg.dry_run:  # a dry run writes nothing there
             _check_apart(Path(cfg.output_dir), cfg.dataset.path)
         info = validate(cfg.dataset)
         params = cfg.sampling.to_params()
@@ -195,7 +195,7 @@ def _adapters(cfg: JobConfig, engine_cfg: EngineConfig, task: str) -> JobAdapter
             f"dataset.lora_column in a pooling job (engine.task={task}) is not supported yet: "
             "use LLM.embed / classify with lora_request, or drop dataset.lora_column"
         )
-    return JobAdapters(dict(cfg.model.loras))
+    return JobAdapters(dict(cfg.model.loras), engine_cfg.max_lora_rank)
 
 
 def _check_sampling(

@@ -32,6 +32,9 @@ class JobResult:
     finish_reasons: dict[str, int] = field(default_factory=dict)  # generation rows without error
     samples: list[dict[str, Any]] = field(default_factory=list)  # a few finished rows
     score: dict[str, Any] | None = None  # with cfg.score: the scorer's summary
+    # This invocation's own figures (ThisRun.figures): what the summary says this run did. The
+    # totals above include earlier runs, whose rates a resumed run must not repeat as its own.
+    this_run: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,11 @@ class ThisRun:
     rows_resumed: int
     stats: RunStats
     rows_by_adapter: dict[str, int] = field(default_factory=dict)  # with dataset.lora_column
+
+    def figures(self) -> dict[str, Any]:
+        """Its metrics (the names of run.json's) with its wall time; zeros when it generated
+        nothing (every row resumed)."""
+        return {**self.stats.as_dict(), "wall_s": self.wall_s}
 
 
 def resolved_settings(plan: JobPlan, llm: Any | None) -> dict[str, Any]:

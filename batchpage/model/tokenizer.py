@@ -222,18 +222,23 @@ def check_hf_tokenizer_files(folder: Path) -> None:
 
 
 def _cache_entry(gguf_path: Path, cache_dir: Path | None) -> Path | None:
-    """Where the converted tokenizer of this exact file (path, size, mtime) and transformers
-    version lives; None when caching is disabled."""
+    """Where the converted tokenizer of this file's header and this transformers version lives;
+    None when caching is disabled. The key is the header's bytes (everything before the tensor
+    data: the vocabulary and every setting the conversion reads), not the file's path or time,
+    so another copy of the file (the same model installed in a second environment) reuses it."""
     import transformers
+
+    from batchpage.model.gguf_file import read_gguf_header
 
     if cache_dir is None:
         if os.environ.get("BATCHPAGE_CACHE") == "":
             return None
         cache_dir = batchpage_cache_dir()
-    st = gguf_path.stat()
-    key = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
-    return cache_dir / "tokenizers" / f"{gguf_path.stem}-{digest}"
+    header_bytes = read_gguf_header(gguf_path).data_start
+    key = hashlib.sha256(transformers.__version__.encode() + b"\0")
+    with open(gguf_path, "rb") as f:
+        key.update(f.read(header_bytes))
+    return cache_dir / "tokenizers" / f"{gguf_path.stem}-{key.hexdigest()[:20]}"
 
 
 def _generation_config_eos(folder: Path) -> list[int]:

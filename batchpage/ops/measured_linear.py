@@ -282,6 +282,8 @@ class MeasuredLinears:
         if chosen in names:
             self.choices[shape] = chosen
             return build(chosen)
+        # Seconds per shape where it must measure (a new CPU, torch or kernel): say which.
+        log.info("measuring the linears of shape %s: %s", shape, ", ".join(names))
         start = time.perf_counter()
         made = {name: build(name) for name in names}
         by_rows = [time_linears(made, r, in_f, self.dtype) for r in self.rows]

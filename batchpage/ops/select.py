@@ -82,10 +82,7 @@ def select_linears(
         ints = triton_int_candidates(dtype)
     else:
         ints = cpu_int_candidates(dtype, device)
-    if choice != "auto":
-        dense = [_forced_linears(choice, dtype, device)]
-    else:
-        dense = _candidates(dtype, device)
+    dense = _dense(choice, dtype, device)
     if batch_invariant:
         dense, ints = (
             _invariant(choice, dense, dtype, device),
@@ -101,6 +98,21 @@ def select_linears(
     if dequantize or (not ints and device.type == "cpu"):  # then as the dense layers
         method = replace(method, make_int=dequantized_linears(dtype, method.make))
     return method, measured
+
+
+def check_batch_invariant(choice: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Raise the ValueError that binding a batch-invariant engine's linears would (the
+    `linear_backend` forced, or the `dtype` here, has no batch-invariant implementation), from
+    the config alone: engine/plan.py calls it before any weight loads."""
+    _invariant(choice, _dense(choice, dtype, device), dtype, device)
+
+
+def _dense(choice: str, dtype: torch.dtype, device: torch.device) -> list[LinearMethod]:
+    """The dense candidates of `linear_backend=choice`: the forced one, or (auto) every one
+    that runs here."""
+    if choice != "auto":
+        return [_forced_linears(choice, dtype, device)]
+    return _candidates(dtype, device)
 
 
 def _invariant(

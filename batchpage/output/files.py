@@ -100,7 +100,7 @@ class ResultRow:
     """One output row. An error row has `error` set and no completion."""
 
     index: int
-    id: str | None  # None only for an OpenAI Batch line without a custom_id
+    id: str | None  # None: a line without a readable id (see data.rows.Row.id)
     prompt: str | None = None
     completion: str | list[str] | None = None
     finish_reason: str | list[str] | None = None

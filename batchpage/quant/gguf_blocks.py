@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from batchpage.quant.int_weight import IntWeight, pack_nibbles
+from batchpage.quant.int_weight import IntWeight
 
 # raw uint8 [N, row bytes], K -> IntWeight
 BlockDecoder = Callable[[np.ndarray, int], IntWeight]
@@ -40,15 +40,26 @@ def _nibble_values(qs: np.ndarray) -> torch.Tensor:  # uint8 [N, blocks, 16] -> 
     return torch.cat([q & 0xF, q >> 4], dim=2).reshape(q.shape[0], -1)
 
 
+def _repack_nibbles(qs: np.ndarray) -> torch.Tensor:  # uint8 [N, blocks, 16] -> [N, blocks * 16]
+    """A block's 16 bytes (value j < 16 in byte j's low nibble, j + 16 in its high one) in
+    IntWeight's packing (values 2i and 2i + 1 in byte i's low and high nibbles), byte pairs
+    recombined without unpacking every value: bytes a = qs[2i], b = qs[2i + 1] give byte i
+    (a & 0xF) | (b << 4) and byte i + 8 (a >> 4) | (b & 0xF0)."""
+    even, odd = qs[:, :, 0::2], qs[:, :, 1::2]
+    low = (even & 0x0F) | (odd << 4)
+    high = (even >> 4) | (odd & 0xF0)
+    return torch.from_numpy(np.concatenate([low, high], axis=2).reshape(qs.shape[0], -1))
+
+
 def decode_q4_0(raw: np.ndarray, k: int) -> IntWeight:
     b = _blocks(raw, k, 18)
     d = _f16(b, 0)
-    return IntWeight(pack_nibbles(_nibble_values(b[:, :, 2:])), d, -8 * d, 4, 32, k)
+    return IntWeight(_repack_nibbles(b[:, :, 2:]), d, -8 * d, 4, 32, k)
 
 
 def decode_q4_1(raw: np.ndarray, k: int) -> IntWeight:
     b = _blocks(raw, k, 20)
-    return IntWeight(pack_nibbles(_nibble_values(b[:, :, 4:])), _f16(b, 0), _f16(b, 2), 4, 32, k)
+    return IntWeight(_repack_nibbles(b[:, :, 4:]), _f16(b, 0), _f16(b, 2), 4, 32, k)
 
 
 def decode_q8_0(raw: np.ndarray, k: int) -> IntWeight:

@@ -69,25 +69,33 @@ class IntWeight:
             tensors.append(self.perm)
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def values(self) -> torch.Tensor:  # int32 [N, K]: q, in stored column order
+    def codes(self) -> torch.Tensor:  # uint8 [N, K]: q, in stored column order
+        """Every q in a byte. The nibbles are split in uint8: a bind dequantizes every layer
+        through this, and a wider integer would take several times the memory traffic."""
         assert not self.float8, "FP8 codes are not integers: read them with dequantize"
         if self.storage_bits == 8:
-            return self.packed.to(torch.int32)
-        low, high = (self.packed & 0xF).to(torch.int32), (self.packed >> 4).to(torch.int32)
-        return torch.stack([low, high], dim=2).reshape(self.out_features, -1)[:, : self.in_features]
+            return self.packed
+        pairs = torch.stack([self.packed & 0xF, self.packed >> 4], dim=2)
+        return pairs.view(self.out_features, -1)[:, : self.in_features]
+
+    def values(self) -> torch.Tensor:  # int32 [N, K]: q, in stored column order
+        return self.codes().to(torch.int32)
 
     def dequantize_stored(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """[N, K] in stored column order (W[:, perm] under act order)."""
         if self.float8:
             values = self.packed.view(torch.float8_e4m3fn).to(dtype)
         else:
-            values = self.values().to(dtype)
+            values = self.codes().to(dtype)
         n, k, groups = self.out_features, self.in_features, self.num_groups
         padded = groups * self.group_size
-        # [N, G, group]: each group's scale and offset broadcast over it, no [N, K] gathers
-        values = torch.nn.functional.pad(values, (0, padded - k)).view(n, groups, -1)
-        scales, offsets = self.scales.to(dtype)[:, :, None], self.offsets.to(dtype)[:, :, None]
-        return (scales * values + offsets).view(n, padded)[:, :k]
+        if padded != k:  # a last group cut short: padded to a whole one
+            values = torch.nn.functional.pad(values, (0, padded - k))
+        # [N, G, group]: each group's scale and offset broadcast over it, no [N, K] gathers;
+        # in place, so that the one [N, K] of `dtype` is written once per operation
+        grouped = values.reshape(n, groups, -1)
+        grouped.mul_(self.scales.to(dtype)[:, :, None]).add_(self.offsets.to(dtype)[:, :, None])
+        return grouped.view(n, padded)[:, :k]
 
     def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """[N, K] in the checkpoint's column order: the dense weight this stands for."""

@@ -1,10 +1,7 @@
-"""A GGUF model as a Hugging Face safetensors folder, for peers that cannot read GGUF.
-
-The weights are batchpage's own dequantization of the GGUF (the tensors its loader copies into
-the model, already under HF names), written in float32, so every system loads identical numbers
-and casts them to the run's dtype itself. config.json and the tokenizer files come from
-transformers' GGUF reader, the format peers expect. The folder is cached and rebuilt when the
-GGUF file changes.
+"""A GGUF model as a Hugging Face safetensors folder, for peers that cannot read GGUF: the
+package's export (batchpage/model/hf_export.py, `batchpage export-hf`) in float32, so every system
+loads identical numbers and casts them to the run's dtype itself, cached and rebuilt when the GGUF
+file changes.
 """
 
 from __future__ import annotations
@@ -13,11 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
-
-from batchpage.model.gguf_config import gguf_config
-from batchpage.model.gguf_file import read_gguf_header
-from batchpage.model.gguf_loader import _iter_tensors
+from batchpage.model.hf_export import export_hf
 from batchpage.model.loader import ModelSource, resolve_model_source
 from batchpage.paths import cache_dir
 from jobs.bench.report import log
@@ -34,7 +27,9 @@ def hf_folder_for(model: str, root: Path | None = None) -> Path:
     stamp = _stamp(source)
     if (folder / STAMP).is_file() and json.loads((folder / STAMP).read_text()) == stamp:
         return folder
-    export_gguf(source, folder)
+    log(f"exporting {source.path.name} as a float32 HF folder in {folder}")
+    shutil.rmtree(folder, ignore_errors=True)
+    export_hf(source.path, folder)
     (folder / STAMP).write_text(json.dumps(stamp))
     return folder
 
@@ -42,31 +37,3 @@ def hf_folder_for(model: str, root: Path | None = None) -> Path:
 def _stamp(source: ModelSource) -> dict[str, object]:
     stat = source.path.stat()
     return {"gguf": str(source.path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-
-
-def export_gguf(source: ModelSource, folder: Path) -> None:
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer
-
-    log(f"exporting {source.path.name} as a float32 HF folder in {folder}")
-    header = read_gguf_header(source.path)
-    cfg = gguf_config(source.path, header)
-    tensors = {
-        name: t.to(torch.float32).contiguous()
-        for name, t in _iter_tensors(source.path, header, cfg, held={})
-    }
-    config = AutoConfig.from_pretrained(source.path.parent, gguf_file=source.path.name)
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)  # tied: the loader reads embed_tokens for both
-    elif "lm_head.weight" not in tensors:
-        raise ValueError(f"{source.path}: untied embeddings but no output.weight tensor")
-    config.dtype = torch.float32
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(tmp)
-    tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)  # whole or absent: an interrupted export leaves only the .tmp folder

@@ -16,6 +16,8 @@ Markdown tables go to stdout, progress to stderr.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -31,12 +33,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from safetensors.numpy import save_file
 
 from batchpage.output import work_dir
+from jobs.bench.random_models import random_model_folder
 from jobs.bench.report import command_line, cpu_model, log, markdown_table, parser
 from jobs.gguf_fuzz import load_outcome, mutate, random_mutations, tiny_gguf
+from tests.executor.cluster_nodes import descendants, running
 
 ROOT = Path(__file__).resolve().parents[2]
 FINAL = "completions.parquet"
@@ -200,6 +206,20 @@ def _nested(levels: int) -> str:
     return '{"type": "array", "items": ' * (levels - 1) + '{"type": "integer"}' + "}" * (levels - 1)
 
 
+def _adapter(folder: Path, value: float = 0.01, **config: object) -> str:
+    """A PEFT LoRA folder, rank 4 on layer 0's q_proj, one weight `value`, `config` over its
+    adapter_config.json. Any model's job refuses it the same: model.loras are checked before
+    the model loads, without fitting their shapes to it."""
+    folder.mkdir(exist_ok=True)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    a, b = np.full((4, 64), 0.01, np.float32), np.full((64, 4), 0.01, np.float32)
+    b[0, 0] = value
+    save_file({key.format("A"): a, key.format("B"): b}, str(folder / "adapter_model.safetensors"))
+    fields = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    (folder / "adapter_config.json").write_text(json.dumps({**fields, **config}))
+    return str(folder)
+
+
 def simple_cases(w: Path) -> list[tuple[str, list[str], bool]]:
     """(label, the job's extra overrides, whether the case brings its own dataset) of the inputs
     that are run once; their files are written into the folder `w` first."""
@@ -225,6 +245,13 @@ def simple_cases(w: Path) -> list[tuple[str, list[str], bool]]:
 
     def gguf(name: str, edits: dict[str, int]) -> list[str]:
         return [f"model.path={tiny_gguf(w / name, edits)}"]
+
+    lora = ["dataset.lora_column=adapter", "engine.enable_lora=true",
+            data("lora.jsonl", json.dumps({"prompt": "x", "adapter": "b"}))]  # fmt: skip
+    adapter_ok = _adapter(w / "adapter_ok")
+
+    def loras(name: str, value: float = 0.01, **config: object) -> list[str]:
+        return [*lora, f"model.loras={{a: {adapter_ok}, b: {_adapter(w / name, value, **config)}}}"]
 
     return [
         ("invalid UTF-8 in one JSONL line",
@@ -272,6 +299,20 @@ def simple_cases(w: Path) -> list[tuple[str, list[str], bool]]:
          [f"dataset.path={own_folder}", f"output_dir={own_folder}"], True),
         ("engine.tensor_parallel_size=64 on this CPU",
          ["engine.tensor_parallel_size=64", "engine.quantized_weights=false"], False),
+        ("invalid UTF-8 in one JSONL line, with an id column",
+         [data("utf8_ids.jsonl", '{"id": "a", "prompt": "x"}', b'{"id": "b", "prompt": "\xff"}')],
+         True),
+        ("a misspelled key added with + (+sampling.max_tokenz=3)", ["+sampling.max_tokenz=3"],
+         False),
+        ("dry_run=true, no output_dir, run from the input's folder",
+         ["dry_run=true", "output_dir=null", data("dry.jsonl", add)], True),
+        ("engine.batch_invariant=true, engine.linear_backend=torch",
+         ["engine.batch_invariant=true", "engine.linear_backend=torch"], False),
+        ("model.loras={a: ..., b: ...}, b's weights NaN", loras("nan", float("nan")), True),
+        ("model.loras={a: ..., b: ...}, b's weights infinite", loras("inf", float("inf")), True),
+        ("a LoRA adapter_config.json with r=8, tensors of rank 4", loras("rank", r=8), True),
+        ("a LoRA adapter_config.json targeting modules the model lacks",
+         loras("targets", target_modules=["qkv"]), True),
     ]  # fmt: skip
 
 
@@ -309,6 +350,7 @@ def run_cases(job: list[str], clean: Path, w: Path, jobs: int = 1) -> list[Outco
     outcomes.append(
         _changing_input("rewrite", "input rewritten in place mid-run", own, w, _rewrite)
     )
+    outcomes += signal_cases(w)
     return [Outcome(o.case, o.exit_code, _short(o.message, w), o.rows_as_clean) for o in outcomes]
 
 
@@ -421,6 +463,73 @@ def _changing_input(
         for i in pq.read_table(s)["index"].to_pylist()
     }
     return Outcome(label, proc.returncode, said, f"{len(kept)} rows kept")
+
+
+# --- signals -----------------------------------------------------------------------------------
+
+SIGNAL_PATIENCE_S = 60.0  # past this a signalled job counts as hung: it and its processes killed
+SIGNAL_GONE_S = 10.0  # after its exit, for the processes it started (Ray's) to end
+
+
+def signal_cases(workdir: Path) -> list[Outcome]:
+    """SIGINT and SIGTERM sent mid-generation to the driver of a job over two tensor-parallel
+    ranks and to one over two Ray replicas (skipped without Ray), on the tiny random model
+    (jobs.bench.random_models, which splits over 2 ranks), each compared with a clean run."""
+    prompts = (json.dumps({"prompt": f"def f{i}(x):"}) for i in range(256))
+    base = [
+        f"dataset.path={_write(workdir / 'signals.jsonl', *prompts)}",
+        f"model.path={random_model_folder('tiny')}", "engine.dtype=float32",
+        "dataset.window_rows=16", "sampling.max_tokens=128", "sampling.ignore_eos=true",
+        "flush_rows=1", "progress=false",
+    ]  # fmt: skip
+    clean = workdir / "signals_clean"
+    code, said, _ = _run("signals_clean", [*base, f"output_dir={clean}"], workdir)
+    if code != 0:
+        return [Outcome("signals: the clean run", code, said, "-")]
+    setups = [("2 tensor-parallel ranks", ["engine.tensor_parallel_size=2"])]
+    if importlib.util.find_spec("ray") is not None:
+        setups.append(("executor=ray, 2 replicas", ["executor=ray", "executor.num_replicas=2"]))
+    runs = [
+        (sig, label, extra) for label, extra in setups for sig in (signal.SIGINT, signal.SIGTERM)
+    ]
+    return [
+        _signalled(sig, label, [*base, *extra], clean, workdir / f"signal{i}")
+        for i, (sig, label, extra) in enumerate(runs)
+    ]
+
+
+def _signalled(sig: int, label: str, job: list[str], clean: Path, out: Path) -> Outcome:
+    """`job` sent `sig` once its first shard is written: its exit code, the seconds to its exit,
+    its processes still running after it (tensor-parallel workers, Ray's), then the rerun's rows
+    against the clean run's."""
+    case = f"{signal.Signals(sig).name} mid-generation, {label}"
+    log_file = out.parent / f"{out.name}.log"
+    proc = start_job([*job, f"output_dir={out}"], out.parent, log_file)
+    while proc.poll() is None and not shards(out):
+        time.sleep(0.01)
+    if proc.poll() is not None:
+        return Outcome(case, proc.returncode, "(the job ended before the signal)", "-")
+    started = descendants(proc.pid)
+    sent = time.monotonic()
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=SIGNAL_PATIENCE_S)
+    except subprocess.TimeoutExpired:
+        for pid in [proc.pid, *running(descendants(proc.pid))]:
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    seconds = time.monotonic() - sent
+    gone_by = time.monotonic() + SIGNAL_GONE_S
+    while running(started) and time.monotonic() < gone_by:
+        time.sleep(0.1)
+    lines = log_file.read_text(errors="replace").splitlines()
+    said = next((line for line in lines if "finished rows are saved" in line), "(no message)")
+    left = len(running(started))
+    message = f"exit after {seconds:.1f} s, {left} of its {len(started)} processes left; {said}"
+    again, _, _ = _run(f"{out.name}_rerun", [*job, f"output_dir={out}"], out.parent)
+    rows = str(compare(clean, out)) if again == 0 else f"rerun exit {again}"
+    return Outcome(case, proc.returncode, message, rows)
 
 
 # --- GGUF fuzzing and the report ---------------------------------------------------------------

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from tests.extras import require
 from tests.kernels.bench_smoke import markdown_tables, run_bench, table_with
 from tests.model_factory import HAS_SMOLLM2
 
@@ -178,7 +179,7 @@ def test_ray_nodes_kills_nodes_and_loses_no_row(tmp_path, tiny_folder) -> None:
     both dead addresses exit 2 (the replacement case's path is tests/executor/test_ray_nodes).
     Twelve windows of two rows, at most two held by a replica at once: the victim still has
     windows to lose when the second row arrives, however fast its node is."""
-    pytest.importorskip("ray")
+    require("ray", "ray")
     done = run_bench(
         "jobs.bench.ray_nodes", "--model", str(tiny_folder), "--rows", "24", "--max-tokens", "8",
         "--cases", "killed", "--workdir", str(tmp_path), timeout=600,

@@ -165,7 +165,8 @@ def test_tsv(tmp_path: Path) -> None:
 
 
 def test_hf_save_to_disk_and_load_dataset(tmp_path: Path) -> None:
-    datasets = pytest.importorskip("datasets")
+    import datasets
+
     ds = datasets.Dataset.from_dict({"question": ["q0", "q1", "q2"], "max_tokens": [1, 2, None]})
     ds.save_to_disk(str(tmp_path / "single"))
     got = rows(DatasetSpec(path=str(tmp_path / "single"), prompt_column="question"))
@@ -187,7 +188,6 @@ def test_hf_save_to_disk_and_load_dataset(tmp_path: Path) -> None:
 
 
 def test_json_array_file_goes_through_hf(tmp_path: Path) -> None:
-    pytest.importorskip("datasets")
     f = tmp_path / "arr.json"
     f.write_text(json.dumps([{"prompt": "a"}, {"prompt": "b"}]))
     assert validate(DatasetSpec(path=str(f))).format == "hf"
@@ -367,7 +367,8 @@ def test_fingerprint_follows_content_not_limit(tmp_path: Path) -> None:
 
 
 def test_spec_is_a_valid_structured_config() -> None:
-    omegaconf = pytest.importorskip("omegaconf")
+    import omegaconf
+
     cfg = omegaconf.OmegaConf.structured(DatasetSpec)
     cfg.path, cfg.override_columns, cfg.limit = "my.parquet", ["max_tokens"], 10
     spec = omegaconf.OmegaConf.to_object(cfg)

@@ -144,3 +144,46 @@ def test_csv_cells_that_are_not_utf8(tmp_path: Path) -> None:
     assert rows[1].error.startswith("row 1, column 'prompt': byte 0xff at 4 is not UTF-8")
     assert rows[2].error.startswith("row 2, column 'meta': byte 0xfe at 0")
     assert rows[0].extra == {"meta": "a"} and rows[2].extra == {"meta": None}
+
+
+def test_a_jsonl_line_that_is_not_utf8_is_that_rows_error_with_or_without_ids(
+    tmp_path: Path,
+) -> None:
+    """With an id column (named `id`, or chosen by dataset.id_column) as without one, the line
+    is that row's error, as the reader words it, and every other row is read; its id is null
+    where the input has ids (the row index might be another row's id)."""
+    lines = [
+        b'{"id": "a", "key": "a", "prompt": "hello"}',
+        b'{"id": "b", "key": "b", "prompt": "\xff"}',
+        b'{"id": "c", "key": "c", "prompt": "world"}',
+    ]
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b"\n".join(lines) + b"\n")
+    said = "d.jsonl line 2 is not valid UTF-8: fix or re-encode that line"
+    for spec, ids in [
+        (DatasetSpec(path=str(data)), ["a", None, "c"]),
+        (DatasetSpec(path=str(data), id_column="key"), ["a", None, "c"]),
+        (DatasetSpec(path=str(data), keep_columns=[]), ["a", None, "c"]),
+    ]:
+        rows = list(iter_rows(spec))
+        assert [r.error for r in rows] == [None, said, None]
+        assert [r.id for r in rows] == ids and [r.prompt for r in rows] == ["hello", None, "world"]
+    plain = tmp_path / "plain.jsonl"
+    plain.write_bytes(b'{"prompt": "hello"}\n{"prompt": "\xff"}\n{"prompt": "world"}\n')
+    rows = list(iter_rows(DatasetSpec(path=str(plain))))
+    assert [r.error for r in rows] == [None, said.replace("d.jsonl", "plain.jsonl"), None]
+    assert [r.id for r in rows] == ["0", "1", "2"]
+
+
+def test_a_jsonl_line_that_is_not_utf8_in_a_job_with_ids_exits_0(
+    tmp_path: Path, tiny_folder
+) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b'{"id": "a", "prompt": "hello"}\n{"id": "b", "prompt": "\xff"}\n')
+    out = tmp_path / "out"
+    proc = cli(tiny_job_args(data, tiny_folder, out), tmp_path, stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    got = table(out)
+    assert [r["id"] for r in got] == ["a", None] and got[0]["completion"]
+    assert got[1]["error"] == "d.jsonl line 2 is not valid UTF-8: fix or re-encode that line"

@@ -220,7 +220,8 @@ def test_ranks_that_do_not_fit_the_hosts_memory_start_no_worker(
     tmp_path: Path, tokenizer, monkeypatch
 ) -> None:
     """tensor_parallel_size=64 on a CPU: 63 workers would not fit; refused naming the size that
-    would, before any worker process starts. More ranks than cores only warns."""
+    would, before any worker process starts. More ranks than cores only warns (logged when the
+    ranks start: tests/job/test_run_cli.py)."""
     import batchpage.distributed.process_ranks as workers
     import batchpage.engine.plan as plan
     from batchpage.model.loader import resolve_model_source
@@ -235,11 +236,12 @@ def test_ranks_that_do_not_fit_the_hosts_memory_start_no_worker(
         _engine(folder, 4)
     assert started == []
     monkeypatch.setattr(plan.os, "sched_getaffinity", lambda _: {0})  # one core
-    with pytest.warns(UserWarning, match="puts 2 ranks on 1 cores"):
-        plan.check_tensor_parallel(
-            plan.EngineConfig(tensor_parallel_size=2), resolve_model_source(str(folder)),
-            torch.float32,
-        )  # fmt: skip
+    plan.check_tensor_parallel(
+        plan.EngineConfig(tensor_parallel_size=2), resolve_model_source(str(folder)),
+        torch.float32,
+    )  # fmt: skip
+    assert (plan.ranks_over_cores(2) or "").startswith("tensor_parallel_size=2 puts 2 ranks on 1 ")
+    assert plan.ranks_over_cores(1) is None
     # Ranks that run as Ray actors are placed where the cluster has room, not on this host.
     plan.check_tensor_parallel(
         plan.EngineConfig(tensor_parallel_size=4, distributed_executor_backend="ray"),

@@ -71,6 +71,21 @@ def test_the_reliability_benchmark_on_the_tiny_model(tmp_path: Path, tiny_folder
         "output_dir is the dataset's folder": ("2", "overlaps the input folder"),
         "engine.tensor_parallel_size=64 on this CPU": ("2", "tensor_parallel_size=64"),
         "a JSONL column first seen on line 1,200": ("0", "column 'late' carried"),
+        # #69: a bad line with ids is its row's error; `+` keys are checked; a dry run writes
+        # nothing (so overlaps nothing); batch_invariant's refusals come before loading.
+        "invalid UTF-8 in one JSONL line, with an id column": (
+            "0",
+            "utf8_ids.jsonl line 2 is not valid UTF-8",
+        ),
+        "a misspelled key added with + (+sampling.max_tokenz=3)": (
+            "2",
+            "Key 'max_tokenz' not in 'SamplingConfig'",
+        ),
+        "dry_run=true, no output_dir, run from the input's folder": ("0", ""),
+        "engine.batch_invariant=true, engine.linear_backend=torch": (
+            "2",
+            "cannot run linear_backend='torch'",
+        ),
     }
     bad = {row["input"]: row for row in table_with(found, "first line of the message")}
     assert set(expected) <= set(bad)

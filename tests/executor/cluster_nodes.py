@@ -1,6 +1,7 @@
 """A multi-node Ray cluster on this machine (ray.cluster_utils.Cluster: a head with no CPUs, so
 every replica runs on a worker node, each node a raylet of its own) and the loss of whole nodes
-mid-job, for the tests and for jobs/bench/ray_nodes.py."""
+mid-job, for the tests and for jobs/bench/ray_nodes.py; a process's descendants and which of
+them still run (tests/distributed/test_signals.py, jobs/bench/reliability.py)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,16 @@ def descendants(pid: int) -> list[int]:
         found += children
         todo += children
     return found
+
+
+def running(pids: list[int]) -> list[int]:
+    """The pids among `pids` still running (a zombie, ended but not yet reaped, is not)."""
+    alive = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                alive.append(pid)
+    return alive
 
 
 class KillsNodes(ReplicaPool):

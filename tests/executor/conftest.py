@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from tests.extras import require
+
 
 @pytest.fixture(scope="module")
 def ray_instance():
-    ray = pytest.importorskip("ray", reason="pip install 'batchpage[ray]'")
+    ray = require("ray", "ray")
     if not ray.is_initialized():
         # A private instance, whatever else runs on the machine (a `ray start` cluster).
         ray.init(

@@ -21,6 +21,7 @@ from batchpage.executor.ray_cluster import cluster_address, connect
 from batchpage.job import JobConfigError, run_job
 from batchpage.run import compose_job
 from tests.executor.jobs import job, job_args, write_rows
+from tests.extras import require
 from tests.model_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,7 +73,7 @@ def test_without_ray_the_job_stops_before_anything_loads(tmp_path, monkeypatch) 
 
 
 def test_a_local_instance_too_small_for_the_replicas_is_refused() -> None:
-    ray = pytest.importorskip("ray")
+    ray = require("ray", "ray")
     if ray.is_initialized():
         pytest.skip("a Ray instance is already running in this process")
     with pytest.raises(ValueError, match="lower executor.num_replicas"):
@@ -110,7 +111,7 @@ def test_an_address_that_does_not_answer_is_one_line_within_the_timeout(
     address: str, timeout_s: float, problem: str, monkeypatch
 ) -> None:
     """Through the job's pre-flight (executor_factory), which ray.init never reaches here."""
-    ray = pytest.importorskip("ray")
+    ray = require("ray", "ray")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     if address.startswith("10."):  # this machine's network may answer any address
         monkeypatch.setattr(socket, "create_connection", _silent)
@@ -140,7 +141,7 @@ def test_auto_dials_what_ray_would(tmp_path, monkeypatch) -> None:
 
 def test_a_dead_cluster_address_stops_the_job_with_exit_2_before_anything(tmp_path) -> None:
     """Before the dataset or the model is even looked at (neither exists here)."""
-    pytest.importorskip("ray")
+    require("ray", "ray")
     port = _closed_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)
@@ -159,7 +160,7 @@ def test_a_port_that_accepts_but_never_answers_stops_the_job_within_the_timeout(
     """A stuck head (or another service on the port) takes the connection, so the pre-flight's
     probe passes, and ray.init would retry without a limit: joining is given up after
     executor.connect_timeout_s, exit 2, one line, before any model loads."""
-    pytest.importorskip("ray")
+    require("ray", "ray")
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "Hello"}\n')
     tokenizer = tiny_tokenizer()

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.executor.jobs import job_args, ray_args, run_json, write_rows
+from tests.extras import require
 
 ROOT = Path(__file__).resolve().parents[2]
 CONNECT = (
@@ -60,7 +61,7 @@ def local_cpus() -> int:
 
 @pytest.fixture(scope="module")
 def ray_head() -> Iterator[Head]:
-    pytest.importorskip("ray", reason="pip install 'batchpage[ray]'")
+    require("ray", "ray")
     temp = tempfile.mkdtemp(prefix="bp-ray-", dir="/tmp")  # short: Ray's socket paths
     port, cpus = free_port(), local_cpus() + 1
     ports = {

@@ -23,12 +23,13 @@ from tests.executor.jobs import (
     shard_indices,
     write_rows,
 )
+from tests.extras import require
 
 
 @pytest.fixture
 def cluster(request) -> Iterator[Any]:
     """Nodes as the test's `nodes` mark says (node deaths noticed fast: FAST_DEATH)."""
-    ray = pytest.importorskip("ray", reason="pip install 'batchpage[ray]'")
+    ray = require("ray", "ray")
     assert not ray.is_initialized()
     nodes = start_cluster(request.node.get_closest_marker("nodes").args[0], FAST_DEATH)
     yield nodes

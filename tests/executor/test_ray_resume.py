@@ -15,6 +15,7 @@ import pytest
 
 from batchpage.job import run_job
 from tests.executor.jobs import compared, job, job_args, ray_args, shard_indices, write_rows
+from tests.extras import require
 from tests.job.test_run_cli import cli, hooked_cli, pause_after
 
 ROWS = 40
@@ -45,7 +46,7 @@ def wait_for_pause(proc: subprocess.Popen, stdout: Path, stderr: Path) -> None:
 
 @pytest.mark.slow
 def test_driver_killed_then_rerun_equals_a_clean_run(tmp_path, tiny_folder) -> None:
-    pytest.importorskip("ray", reason="pip install 'batchpage[ray]'")
+    require("ray", "ray")
     data = write_rows(tmp_path / "d.jsonl", ROWS)
     out = tmp_path / "out"
     args = job_args(data, tiny_folder, out, "flush_rows=2", "sampling.max_tokens=8", *ray_args())

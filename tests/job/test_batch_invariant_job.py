@@ -10,8 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+import pytest
+import torch
 
-from batchpage.job import run_job
+import batchpage.llm as llm_module
+from batchpage.job import JobConfigError, run_job
+from batchpage.ops import select
 from batchpage.run import compose_job
 from tests.job.test_loop import write_jsonl
 
@@ -83,3 +87,35 @@ def test_the_same_bytes_however_the_job_is_cut(tmp_path, tiny_folder) -> None:
     for out in rest:
         assert answers(out) == answers(first)
         assert columns(out) == columns(first)
+
+
+@pytest.mark.parametrize(
+    ("extra", "backend", "dtype"),
+    [
+        (["engine.linear_backend=torch"], "torch", torch.float32),
+        (["engine.linear_backend=onednn"], "onednn", torch.float32),
+        (["engine.dtype=bfloat16"], "auto", torch.bfloat16),
+    ],
+)
+def test_what_batch_invariant_cannot_run_is_refused_before_the_weights_load(
+    tmp_path, tiny_folder, monkeypatch, extra: list[str], backend: str, dtype: torch.dtype
+) -> None:
+    """A forced backend whose rows depend on the batch, or bf16 on a CPU without AVX512-BF16
+    (its kernel made unavailable here): the job stops with the words binding the linears would
+    say (the reference), and no weight is read."""
+    monkeypatch.setattr(select, "bf16_dot_kernel", lambda *a, **k: None)
+
+    def no_weights(*a: Any, **k: Any) -> None:
+        raise AssertionError("the weights were loaded before the refusal")
+
+    monkeypatch.setattr(llm_module, "load_model", no_weights)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError) as bound:
+        select.select_linears(backend, dtype, cpu, batch_invariant=True)
+    data = write_jsonl(tmp_path / "batch.jsonl", requests(2))
+    cfg = compose_job(args(data, tiny_folder, tmp_path / "out", "engine.device=cpu", *extra))
+    with pytest.raises(JobConfigError) as err:
+        run_job(cfg)
+    assert str(err.value) == str(bound.value)
+    if backend == "torch":
+        assert str(err.value).startswith("batch_invariant=True cannot run linear_backend='torch'")

@@ -11,7 +11,7 @@ import pytest
 
 from batchpage.job import run_job
 from batchpage.job.humaneval_scores import SCORES_FILE, code_of, score_output
-from batchpage.run import compose_job
+from batchpage.run import compose_job, summary
 from batchpage.scoring.humaneval import load_problems
 
 
@@ -62,6 +62,14 @@ def test_a_job_with_score_writes_code_and_scores(tmp_path, tiny_folder, monkeypa
     report = json.loads((tmp_path / "out" / "run.json").read_text())
     assert report["metrics"]["score"]["scorer"] == "humaneval"
     assert len(pq.read_table(tmp_path / "out" / SCORES_FILE)) == 2
+    assert (result.score["checked"], result.score["reused"]) == (2, 0)
+
+    # The rerun resumes both rows and keeps both verdicts: nothing runs in the sandbox again.
+    again = run_job(cfg, lambda *a, **k: pytest.fail("the model must not load"))
+    assert again.score is not None and (again.score["checked"], again.score["reused"]) == (0, 2)
+    assert "(0 of 2 samples passed, 2 problems; 0 checked this run, 2 verdicts kept" in summary(
+        again
+    )
 
 
 def test_an_unknown_scorer_is_refused_before_the_model_loads(tmp_path) -> None:
@@ -111,3 +119,59 @@ def test_humaneval_ids_in_a_users_own_file_are_scorable(tmp_path, monkeypatch) -
     cfg = compose_job(["score=humaneval", f"dataset.path={path}", "dataset.id_column=task_id"])
     assert plan_job(cfg).info.id_column == "task_id"
     assert plan_job(compose_job(["score=humaneval", "dataset.limit=2"])).info.preset == "evals"
+
+
+def test_a_rescoring_runs_only_new_or_changed_samples(tmp_path, problems, monkeypatch) -> None:
+    """The second scoring of a grown completions.parquet runs in the sandbox only the rows added
+    since and the row whose code changed; the others keep their verdicts, and the file equals a
+    scoring from scratch. Counted at the sandbox's entry point."""
+    from batchpage.scoring import humaneval
+
+    ran: list[str] = []
+    real = humaneval.run_python
+
+    def counting(program: str, limits=None):
+        ran.append(program)
+        return real(program, limits)
+
+    monkeypatch.setattr(humaneval, "run_python", counting)
+    right = {t: problems[t]["canonical_solution"] for t in problems}
+    wrong = "    return None\n"
+
+    def write(folder, rows: list[tuple[str, str | None]]) -> None:
+        folder.mkdir(exist_ok=True)
+        ids, codes = zip(*rows, strict=True)
+        table = pa.table({"id": list(ids), "completion": ["x"] * len(ids), "code": list(codes)})
+        pq.write_table(table, folder / "completions.parquet")
+
+    first = [("HumanEval/0", right["HumanEval/0"]), ("HumanEval/2", wrong), ("HumanEval/4", None)]
+    out = tmp_path / "out"
+    write(out, first)
+    summary = score_output(out, "humaneval")
+    assert len(ran) == 2 and (summary["checked"], summary["reused"]) == (2, 0)
+
+    # Two rows generated since, and HumanEval/2's code changed (now right).
+    grown = [
+        first[0],
+        ("HumanEval/2", right["HumanEval/2"]),
+        first[2],
+        ("HumanEval/7", right["HumanEval/7"]),
+        ("HumanEval/8", wrong),
+    ]
+    write(out, grown)
+    ran.clear()
+    again = score_output(out, "humaneval")
+    assert len(ran) == 3 and (again["checked"], again["reused"]) == (3, 1)
+    entry = problems["HumanEval/0"]["entry_point"]
+    assert not any(f"check({entry})" in p for p in ran)  # the unchanged row did not run again
+
+    write(tmp_path / "fresh", grown)
+    ran.clear()
+    fresh = score_output(tmp_path / "fresh", "humaneval")
+    assert len(ran) == 4
+    assert {k: again[k] for k in ("pass_at_1", "passed", "samples", "problems")} == {
+        k: fresh[k] for k in ("pass_at_1", "passed", "samples", "problems")
+    }
+    kept = pq.read_table(out / SCORES_FILE).to_pylist()
+    assert kept == pq.read_table(tmp_path / "fresh" / SCORES_FILE).to_pylist()
+    assert [s["passed"] for s in kept] == [True, True, False, True, False]

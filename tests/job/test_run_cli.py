@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,6 +110,20 @@ def test_unknown_keys_and_presets_fail_while_composing(override: str, message: s
     assert time.perf_counter() - started < 2.0
 
 
+def test_a_key_added_with_plus_must_be_a_field_of_its_group() -> None:
+    """`+` adds to a mapping (model.loras) and applies a config group (+experiment=...); a key
+    that a group of fixed fields lacks is refused, not left on the dataclass unread."""
+    for override, key in [
+        ("+sampling.max_tokenz=3", "sampling.max_tokenz"),
+        ("+sampling.structured_outputs.jsn=1", "sampling.structured_outputs.jsn"),
+        ("+dataset.prompt_colum=q", "dataset.prompt_colum"),
+    ]:
+        with pytest.raises(ValueError, match=rf"^{re.escape(key)}: Key "):
+            compose_job([override])
+    assert compose_job(["+model.loras.sql=/adapters/sql"]).model.loras == {"sql": "/adapters/sql"}
+    assert compose_job(["+experiment=synthetic_data"]).dataset.path == "sharegpt"
+
+
 def test_sweep_subfolders_are_named_after_the_overrides() -> None:
     assert sweep_subdir("engine.block_size=8", 0) == "engine.block_size=8"
     assert sweep_subdir("", 3) == "job3"
@@ -156,6 +172,10 @@ def test_a_user_error_exits_2_with_the_message_and_no_traceback(tmp_path, tiny_f
         ("flush_rows=0", "flush_rows=0 must be >= 1"),
         ("flush_seconds=-1", "flush_seconds=-1.0 must be a number of seconds > 0"),
         ("flush_seconds=nan", "flush_seconds=nan must be a number of seconds > 0"),
+        # `+` opens the group to the key: refused all the same, not set aside unread.
+        ("+sampling.max_tokenz=3", "sampling.max_tokenz: Key 'max_tokenz' not in 'SamplingConfig'"),
+        ("+engine.nope.deeper=1", "engine.nope: Key 'nope' not in 'EngineConfig'"),
+        ("+outputdir=x", "outputdir: Key 'outputdir' not in 'JobConfig'"),
     ],
 )
 def test_a_bad_key_or_value_exits_2_in_one_line(tmp_path, override: str, message: str) -> None:
@@ -191,6 +211,46 @@ def test_a_dry_run_without_output_dir_leaves_no_folder_behind(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     assert "rows_to_generate" in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no empty outputs/<date>/<time>/
+
+
+def test_a_dry_run_in_the_inputs_folder_overlaps_nothing(tmp_path, tiny_folder) -> None:
+    """Without output_dir a dry run's folder is where it runs, here the input's: it writes
+    nothing, so it is not refused; a job that would write there still is."""
+    write_prompts(tmp_path / "d.jsonl", 3)
+    args = [
+        a for a in tiny_job_args(Path("d.jsonl"), tiny_folder, tmp_path) if "output_dir" not in a
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "batchpage.run", *args, "dry_run=true"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^rows +3$", done.stdout, re.M), done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]
+    cmd = [sys.executable, "-m", "batchpage.run", *args, f"output_dir={tmp_path}"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "overlaps the input file" in done.stderr, done.stderr
+
+
+@pytest.mark.slow  # a two-rank job on one core
+@pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")
+def test_more_ranks_than_cores_is_one_log_line(tmp_path, tiny_folder) -> None:
+    """Two ranks on one core (the job's CPU affinity) run, with one line that says so, not a
+    Python warning with its source line."""
+    data = write_prompts(tmp_path / "d.jsonl", 2)
+    args = [*tiny_job_args(data, tiny_folder, tmp_path / "out"), "engine.tensor_parallel_size=2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    cmd = ["taskset", "-c", "0", sys.executable, "-m", "batchpage.run", *args,
+           f"hydra.run.dir={tmp_path}/hydra"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    said = (done.stdout + done.stderr).splitlines()
+    crowded = [line for line in said if "puts 2 ranks on 1 cores" in line]
+    assert crowded == [
+        "tensor_parallel_size=2 puts 2 ranks on 1 cores: they share them, which runs slower "
+        "than tensor_parallel_size<=1 on this CPU"
+    ], said
+    assert "Warning" not in done.stderr, done.stderr
 
 
 def test_an_output_dir_that_is_a_file_exits_2(tmp_path, tiny_folder) -> None:

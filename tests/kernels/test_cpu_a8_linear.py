@@ -4,7 +4,7 @@ quantize each row exactly so), times IntWeight.dequantize_stored in float64, tim
 scales. The layout element by element, 4-, 6- and 8-bit weights, groups of 32, 128 and one,
 every k, column and row tail, a bias, NaN after each row's end, results that do not depend on
 M, and corrupted layouts that must fail. Both builds run on every CPU that can: AVX512-VNNI and
-the plain loop (-mno-avx512vnni), over the same layout."""
+the plain loop (the portable build), over the same layout."""
 
 from __future__ import annotations
 
@@ -29,21 +29,21 @@ from tests.kernels.test_cpu_int_linear import (
 )
 
 FLAGS = cpu_flags()
-BUILDS = {  # path -> (extra compiler flags, the CPU flag it needs)
-    "avx512_vnni": ((), "avx512_vnni"),
-    "plain": (("-mno-avx512vnni",), None),
+BUILDS = {  # path -> (the instruction-set level built for, None: this CPU's; the flag it needs)
+    "avx512_vnni": (None, "avx512_vnni"),
+    "plain": ("portable", None),
 }
 
 
 def build(path: str) -> CpuA8Linear:
-    cflags, needs = BUILDS[path]
+    level, needs = BUILDS[path]
     if needs is not None and needs not in FLAGS:
         pytest.skip(f"this CPU has no {needs}")
-    if not cflags:
+    if level is None:
         built = CpuA8Linear.build()
     else:
         module = build_extension(
-            SOURCE, "batchpage_cpu_a8_linear", "the int8-activation linear", cflags=cflags
+            SOURCE, "batchpage_cpu_a8_linear", "the int8-activation linear", isa=level
         )
         built = CpuA8Linear(module)
     assert built.path == path

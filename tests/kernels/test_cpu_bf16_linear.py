@@ -1,7 +1,7 @@
 """The bf16 linear kernel (kernels/cpu_bf16_linear.cpp) against a float64 torch reference: the
 packed layout element by element, every row, column and k tail, a bias, strided and batched
 inputs, and an odd K that must not read past a row. Both builds run on every CPU: the portable
-float32 loop (built with -mno-avx512bf16) and, where the CPU has AVX512-BF16, the vdpbf16ps one."""
+float32 loop (the portable build) and, where the CPU has AVX512-BF16, the vdpbf16ps one."""
 
 from __future__ import annotations
 
@@ -21,10 +21,8 @@ NATIVE = "avx512_bf16" in cpu_flags()
 
 
 def portable_kernel() -> CpuBf16Linear:
-    """The build without AVX512-BF16, on any CPU."""
-    module = build_extension(
-        SOURCE, "batchpage_cpu_bf16_linear", "the bf16 linear", cflags=("-mno-avx512bf16",)
-    )
+    """The build without AVX512-BF16 (a portable CPU's), on any CPU."""
+    module = build_extension(SOURCE, "batchpage_cpu_bf16_linear", "the bf16 linear", isa="portable")
     built = CpuBf16Linear(module)
     assert not built.native
     return built

@@ -1,17 +1,14 @@
-"""The kernels' build folder is keyed by everything that changes the library or that torch's
-loader names in its build.ninja: the sources' content, the torch build, the compiler and its
-flags, the include and library paths. Two checkouts of the same sources in one environment build
-once, and the second loads the first's library without compiling (ninja rebuilt it at every start
-when build.ninja named each checkout's own source path); two environments whose torch headers lie
-in different folders build apart, never over each other's library (they rebuilt each other's at
-every start, in silence). Every compile says when it starts and when it ends, also one that ninja
-decides on (a source newer than the library)."""
+"""The kernels' libraries are cached by content: their name is a hash of the sources and headers,
+the flags, the instruction-set level, the torch build, the Python ABI and the compiler's version,
+and never of a path. So a second environment (another venv, whose torch headers lie in another
+folder) loads the first one's library without compiling, where torch's loader, keyed by paths,
+rebuilt every kernel; a library that is there is loaded with no build step at all; processes
+that start together build a kernel once; a broken library is built again, saying so."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,15 +16,34 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchpage.kernels.cpu_build import BuildInputs, extension_name
+from batchpage.cpu_info import ISA_LEVELS, native_isa_level
+from batchpage.kernels.cpu_build import ISA_CFLAGS, BuildInputs, extension_name
 
 ROOT = Path(__file__).resolve().parents[2]
-# A module of pybind11 alone: it builds in seconds (torch/extension.h takes most of a minute).
+# A module of pybind11 alone: it builds in seconds (torch/extension.h takes most of a minute). It
+# says which instruction-set macros its build had.
 SOURCE = """#include <pybind11/pybind11.h>
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", [] { return 42; }); }
+#include <string>
+static std::string isa() {
+#if defined(__AVX512BF16__)
+  return "avx512_bf16";
+#elif defined(__AVX512VNNI__)
+  return "avx512_vnni";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("answer", [] { return 42; });
+  m.def("isa", &isa);
+}
 """
 # argv: the source, then optionally a link to torch's package folder: a second environment with
-# the same torch, whose headers torch's loader (and the key) name by another path, as in a venv.
+# the same torch, whose headers torch's loader names by another path, as in a venv.
 BUILD = (
     "import os, sys\n"
     "from pathlib import Path\n"
@@ -41,26 +57,42 @@ BUILD = (
     "    ]\n"
     "from batchpage.kernels.cpu_build import build_extension\n"
     "module = build_extension(Path(sys.argv[1]), 'batchpage_test_cache', 'the test module')\n"
-    "print(module.answer())\n"
+    "print(module.answer(), module.isa())\n"
 )
 STARTED = "batchpage: building the test module, batchpage_test_cache_"
 ENDED = "batchpage: built the test module in "
 
 
-def start(source: Path, extensions: Path, torch_link: Path | None = None) -> list[str]:
-    """One start of a program that builds or loads the test module; returns its log lines."""
+def command(source: Path, torch_link: Path | None = None) -> list[str]:
+    return [sys.executable, "-c", BUILD, str(source), *([str(torch_link)] if torch_link else [])]
+
+
+def environment(extensions: Path, isa: str | None = None) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_EXTENSIONS_DIR": str(extensions)}
-    link = [str(torch_link)] if torch_link else []
+    env.pop("BATCHPAGE_CPU_ISA", None)
+    return {**env, "BATCHPAGE_CPU_ISA": isa} if isa else env
+
+
+def messages(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("batchpage: ")]
+
+
+def start(
+    source: Path, extensions: Path, torch_link: Path | None = None, isa: str | None = None
+) -> tuple[list[str], str]:
+    """One start of a program that builds or loads the test module: its log lines and the
+    instruction-set level its library was compiled for."""
     proc = subprocess.run(
-        [sys.executable, "-c", BUILD, str(source), *link],
-        env=env,
+        command(source, torch_link),
+        env=environment(extensions, isa),
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["42"]
-    return [line for line in proc.stderr.splitlines() if line.startswith("batchpage: ")]
+    answer, compiled_for = proc.stdout.split()
+    assert answer == "42"
+    return messages(proc.stderr), compiled_for
 
 
 def assert_announced(lines: list[str]) -> None:
@@ -69,10 +101,10 @@ def assert_announced(lines: list[str]) -> None:
     assert lines[-1].startswith(ENDED), lines
 
 
-def checkout(root: Path) -> Path:
+def checkout(root: Path, text: str = SOURCE) -> Path:
     """One checkout's copy of the kernel source."""
     root.mkdir(parents=True)
-    (root / "kernel.cpp").write_text(SOURCE)
+    (root / "kernel.cpp").write_text(text)
     return root / "kernel.cpp"
 
 
@@ -81,7 +113,7 @@ def libraries(extensions: Path) -> list[Path]:
 
 
 def identity(path: Path) -> tuple[int, int]:
-    """Inode and modification time: a rebuilt (relinked) library differs."""
+    """Inode and modification time: a rebuilt library differs."""
     stat = path.stat()
     return stat.st_ino, stat.st_mtime_ns
 
@@ -100,22 +132,48 @@ def test_the_name_changes_with_every_build_input_and_only_with_them() -> None:
     name = extension_name("k", sources, here)
     assert name == extension_name("k", sources, BuildInputs.here())
     assert name == extension_name("k", sources)  # this process's inputs by default
-    other_includes = ("/venv-b/site-packages/torch/include", *here.include_paths[1:])
-    other_python = (*here.include_paths[:-1], "/usr/include/python3.99")
     changed = [
-        dataclasses.replace(here, include_paths=other_includes),
-        dataclasses.replace(here, include_paths=other_python),
-        dataclasses.replace(here, library_paths=("/venv-b/site-packages/torch/lib",)),
-        dataclasses.replace(here, torch_build="2.99.0+cpu 0123abc"),
+        dataclasses.replace(here, torch_build="2.99.0+cpu 0123abc cxx11abi=1"),
+        dataclasses.replace(here, python_abi="cpython-399-x86_64-linux-gnu"),
+        dataclasses.replace(here, compiler="clang++"),
+        dataclasses.replace(here, compiler_version="c++ (GCC) 9.5.0"),
+        dataclasses.replace(here, isa="portable" if here.isa != "portable" else "avx2"),
         dataclasses.replace(here, cflags=(*here.cflags, "-mno-avx512bf16")),
         dataclasses.replace(here, ldflags=()),
-        dataclasses.replace(here, compiler="clang++"),
-        dataclasses.replace(here, compiler_path="/opt/conda/bin/x86_64-conda-linux-gnu-c++"),
-        dataclasses.replace(here, cpu="flags : fpu sse2"),
     ]
     names = {extension_name("k", sources, inputs) for inputs in changed}
     assert len(names) == len(changed) and name not in names
     assert name != extension_name("k", [sources[0] + b"\n// edited\n", sources[1]], here)
+    assert name != extension_name("k", [sources[0], sources[1] + b"\n// edited\n"], here)
+
+
+def test_a_second_environment_has_the_same_inputs(monkeypatch, tmp_path: Path) -> None:
+    """What differs between two venvs with one torch, Python and compiler: where torch's and
+    Python's headers and libraries lie, and which folder `c++` is found in."""
+    from torch.utils import cpp_extension
+
+    here = BuildInputs.here()
+    real = os.path.dirname(torch.__file__)
+    include_paths, library_paths = cpp_extension.include_paths, cpp_extension.library_paths
+    monkeypatch.setattr(
+        cpp_extension, "include_paths",
+        lambda *a, **k: [p.replace(real, "/venv-b/torch") for p in include_paths(*a, **k)],
+    )  # fmt: skip
+    monkeypatch.setattr(
+        cpp_extension, "library_paths",
+        lambda *a, **k: [p.replace(real, "/venv-b/torch") for p in library_paths(*a, **k)],
+    )  # fmt: skip
+    bin_b = tmp_path / "venv-b" / "bin"
+    bin_b.mkdir(parents=True)
+    for tool in ("c++", "ninja"):
+        if found := next(
+            (Path(d) / tool for d in os.environ["PATH"].split(":") if (Path(d) / tool).is_file()),
+            None,
+        ):
+            (bin_b / tool).symlink_to(found)
+    monkeypatch.setenv("PATH", f"{bin_b}:{os.environ['PATH']}")
+    assert cpp_extension.include_paths()[0].startswith("/venv-b/torch")
+    assert BuildInputs.here() == here
 
 
 def test_cflags_are_part_of_the_build_inputs() -> None:
@@ -124,107 +182,93 @@ def test_cflags_are_part_of_the_build_inputs() -> None:
     assert portable.cflags[:-1] == BuildInputs.here().cflags
 
 
-@pytest.mark.slow
-def test_a_second_checkout_loads_the_first_ones_build_without_compiling(tmp_path: Path) -> None:
-    extensions = tmp_path / "torch_extensions"
-    assert_announced(start(checkout(tmp_path / "checkout-a"), extensions))
-    (library,) = libraries(extensions)
-    objects = sorted(library.parent.glob("*.o"))
-    assert objects, "the build left no object file to compare"
-    built = {p: p.stat().st_mtime_ns for p in [library, *objects]}
-
-    assert start(checkout(tmp_path / "checkout-b"), extensions) == []
-    assert {p: p.stat().st_mtime_ns for p in built} == built, "the second checkout recompiled"
-    assert list(extensions.rglob("*.so")) == [library]
-
-
-@pytest.mark.slow
-def test_the_build_file_names_nothing_outside_the_key(tmp_path: Path) -> None:
-    # What build.ninja names beyond the key would differ between environments with one key, and
-    # ninja would rebuild on it; so every path there is the build folder's own or a key input.
-    extensions = tmp_path / "torch_extensions"
-    start(checkout(tmp_path / "checkout"), extensions)
-    (library,) = libraries(extensions)
-    folder = library.parent
-    inputs = BuildInputs.here()
-    text = (folder / "build.ninja").read_text()
-    variables = dict(
-        line.split(" = ", 1) for line in text.splitlines() if " = " in line and line[0] != " "
-    )
-    assert variables["cxx"] == inputs.compiler
-    assert variables["cflags"].endswith(" " + " ".join(inputs.cflags))
-    assert f" {' '.join(inputs.ldflags)} " in f" {variables['ldflags']} "
-    named = {
-        token.removeprefix("-I").removeprefix("-L")
-        for token in text.replace("-isystem ", "").split()
-        if token.lstrip("-IL").startswith("/")
-    }
-    assert named, text
-    outside = {p for p in named if not Path(p).is_relative_to(folder)}
-    assert outside == {*inputs.include_paths, *inputs.library_paths}, text
-    dry_run = subprocess.run(
-        [shutil.which("ninja") or "ninja", "-n", "-C", str(folder)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert "ninja: no work to do." in dry_run.stdout, dry_run.stdout + dry_run.stderr
+def test_the_flags_follow_the_isa_level_not_the_cpu(monkeypatch) -> None:
+    """-march=native would make every CPU model a build of its own: the flags name the level's
+    instructions, and BATCHPAGE_CPU_ISA lowers it."""
+    assert "-march=native" not in BuildInputs.here().cflags
+    assert set(ISA_CFLAGS) == {level.name for level in ISA_LEVELS}
+    monkeypatch.delenv("BATCHPAGE_CPU_ISA", raising=False)
+    assert BuildInputs.here().isa == native_isa_level().name
+    monkeypatch.setenv("BATCHPAGE_CPU_ISA", "portable")
+    portable = BuildInputs.here()
+    assert portable.isa == "portable" and not any("avx" in f for f in portable.cflags)
+    if native_isa_level().name == "portable":
+        return
+    monkeypatch.setenv("BATCHPAGE_CPU_ISA", "avx2")
+    avx2 = BuildInputs.here()
+    assert avx2.isa == "avx2" and {"-mavx2", "-mfma", "-mf16c"} <= set(avx2.cflags)
+    assert not any(f.startswith("-mavx512") for f in avx2.cflags)
+    assert extension_name("k", [b"x"], avx2) != extension_name("k", [b"x"], portable)
 
 
 @pytest.mark.slow
-def test_environments_whose_includes_differ_build_apart_and_leave_each_other_alone(
+def test_a_second_environment_loads_the_first_ones_build_without_compiling(
     tmp_path: Path,
 ) -> None:
     extensions = tmp_path / "torch_extensions"
-    source, env_b = checkout(tmp_path / "checkout"), second_environment(tmp_path)
-    assert_announced(start(source, extensions))
-    (library_a,) = libraries(extensions)
-    built_a = identity(library_a)
+    source, env_b = checkout(tmp_path / "checkout-a"), second_environment(tmp_path)
+    lines, compiled_for = start(source, extensions)
+    assert_announced(lines)
+    assert compiled_for == native_isa_level().name
+    (library,) = libraries(extensions)
+    built = identity(library)
 
-    assert_announced(start(source, extensions, env_b))
-    library_b = next(p for p in libraries(extensions) if p != library_a)
-    assert library_b.parent != library_a.parent
-    assert str(env_b) in (library_b.parent / "build.ninja").read_text()
-    assert identity(library_a) == built_a, "the second environment rebuilt the first one's"
-    built_b = identity(library_b)
-
-    # Each later start loads its own library: no build, no message, in either environment.
-    assert start(source, extensions) == []
-    assert start(source, extensions, env_b) == []
-    assert (identity(library_a), identity(library_b)) == (built_a, built_b)
-    assert len(libraries(extensions)) == 2
+    # Another checkout in another environment: loaded, not built, and the library untouched.
+    assert start(checkout(tmp_path / "checkout-b"), extensions, env_b) == ([], compiled_for)
+    assert start(source, extensions) == ([], compiled_for)
+    assert libraries(extensions) == [library] and identity(library) == built
+    # Only the library (and its lock) stays: the build folder went.
+    assert {p.suffix for p in library.parent.iterdir()} == {".so", ".lock"}
 
 
 @pytest.mark.slow
-def test_a_rebuild_that_ninja_decides_on_is_announced(tmp_path: Path) -> None:
-    # A file the library is built from, newer than the library (torch reinstalled in place
-    # leaves its headers so): torch's loader runs ninja, which recompiles.
+def test_an_edited_source_or_another_level_builds_beside_the_first(tmp_path: Path) -> None:
     extensions = tmp_path / "torch_extensions"
     source = checkout(tmp_path / "checkout")
-    start(source, extensions)
-    (library,) = libraries(extensions)
-    built = identity(library)
-    os.utime(library.parent / "src" / "kernel.cpp")  # now: newer than the object and library
+    assert_announced(start(source, extensions, isa="portable")[0])
+    (first,) = libraries(extensions)
+    built = identity(first)
 
-    assert_announced(start(source, extensions))
-    assert identity(library) != built
-    assert start(source, extensions) == []
+    edited = checkout(tmp_path / "edited", SOURCE + "// edited\n")
+    lines, compiled_for = start(edited, extensions, isa="portable")
+    assert_announced(lines)
+    assert compiled_for == "portable" and len(libraries(extensions)) == 2
+    if native_isa_level().name != "portable":
+        lines, compiled_for = start(source, extensions, isa="avx2")
+        assert_announced(lines)
+        assert compiled_for == "avx2" and len(libraries(extensions)) == 3
+    assert identity(first) == built
 
 
 @pytest.mark.slow
-def test_a_rebuild_that_no_check_foresaw_still_says_it_built(tmp_path: Path) -> None:
-    # The folder's library built from another build.ninja, as a build input outside the key
-    # would leave it: the loader writes its own, ninja sees a changed command and recompiles.
+def test_processes_that_start_together_build_once(tmp_path: Path) -> None:
     extensions = tmp_path / "torch_extensions"
     source = checkout(tmp_path / "checkout")
-    start(source, extensions)
-    (library,) = libraries(extensions)
-    build_file = library.parent / "build.ninja"
-    build_file.write_text(build_file.read_text().replace("-fno-math-errno", "-DOTHER_BUILD"))
-    ninja = shutil.which("ninja") or "ninja"
-    subprocess.run([ninja, "-C", str(library.parent)], check=True, capture_output=True)
-    built = identity(library)
+    env = environment(extensions, "portable")
+    procs = [
+        subprocess.Popen(
+            command(source), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [out.split() for out, _ in outs] == [["42", "portable"]] * 2
+    builds = [m for _, err in outs for m in messages(err) if m.startswith(STARTED)]
+    assert len(builds) == 1, outs
+    assert len(libraries(extensions)) == 1
 
-    lines = start(source, extensions)
-    assert identity(library) != built
-    assert lines and lines[-1].startswith(ENDED), lines
+
+@pytest.mark.slow
+def test_a_library_that_does_not_load_is_built_again(tmp_path: Path) -> None:
+    extensions = tmp_path / "torch_extensions"
+    source = checkout(tmp_path / "checkout")
+    start(source, extensions, isa="portable")
+    (library,) = libraries(extensions)
+    library.write_bytes(b"not a library")
+
+    lines, compiled_for = start(source, extensions, isa="portable")
+    assert "does not load" in lines[0], lines
+    assert_announced(lines[1:])
+    assert compiled_for == "portable" and libraries(extensions) == [library]
+    assert start(source, extensions, isa="portable") == ([], "portable")

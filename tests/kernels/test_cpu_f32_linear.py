@@ -1,7 +1,7 @@
 """The float32 linear kernel (kernels/cpu_f32_linear.cpp) against a float64 torch reference,
 with the bound its fixed summation order gives; rows that are the same bits in any batch (alone,
 at every tile remainder, among other rows, over more threads than blocks); and every build the
-CPU can run (AVX-512, AVX2 via -mno-avx512f, the plain loop via -mno-avx2) giving the same bits,
+CPU can run (the AVX-512, AVX2 and portable levels' builds: the plain loop) giving the same bits,
 which is the kernel's contract: one fused multiply-add per k, in k order, from zero."""
 
 from __future__ import annotations
@@ -15,19 +15,18 @@ from batchpage.kernels.cpu_f32_linear import COLUMNS, SOURCE, CpuF32Linear, pack
 from tests.kernels.test_cpu_int_linear import assert_rows_independent
 
 FLAGS = cpu_flags()
-BUILDS = {  # path -> (extra compiler flags, the CPU flag it needs)
-    "avx512": ((), "avx512f"),
-    "avx2": (("-mno-avx512f",), "avx2"),
-    "plain": (("-mno-avx512f", "-mno-avx2"), None),
+BUILDS = {  # path -> (the instruction-set level built for, the CPU flag it needs)
+    "avx512": ("avx512", "avx512f"),
+    "avx2": ("avx2", "avx2"),
+    "plain": ("portable", None),
 }
 
 
 def build(path: str) -> CpuF32Linear:
-    cflags, needs = BUILDS[path]
+    level, needs = BUILDS[path]
     if needs is not None and needs not in FLAGS:
         pytest.skip(f"this CPU has no {needs}")
-    module = build_extension(SOURCE, "batchpage_cpu_f32_linear", "the float32 linear", False,
-                             cflags)  # fmt: skip
+    module = build_extension(SOURCE, "batchpage_cpu_f32_linear", "the float32 linear", isa=level)
     return CpuF32Linear(module)
 
 

@@ -3,8 +3,8 @@ reference (IntWeight.dequantize_stored and x in float64): the packed layout elem
 4-, 6- and 8-bit weights and FP8 e4m3 codes (every one of them), groups of 32, 128 and one,
 every k, column and row tail, a bias, NaN after each row's end, results that do not depend on
 M, and corrupted layouts that must fail the tolerance. Every build runs on every CPU that can:
-AVX512-BF16, AVX2 + FMA (built with -mno-avx512bf16) and the plain loop (-mno-avx2), all over
-the same layout."""
+AVX512-BF16, the AVX-512 and AVX2 levels' float32 tiles and the plain loop (the portable
+build), all over the same layout."""
 
 from __future__ import annotations
 
@@ -28,24 +28,22 @@ from batchpage.kernels.cpu_int_linear import (
 from batchpage.quant.int_weight import IntWeight, pack_nibbles
 
 FLAGS = cpu_flags()
-BUILDS = {  # path -> (extra compiler flags, the CPU flag it needs)
-    "avx512_bf16": ((), "avx512_bf16"),
-    "avx512": (("-mno-avx512bf16",), "avx512f"),  # the float32 tiles, 16 lanes, for bf16 too
-    "avx2": (("-mno-avx512f",), "avx2"),
-    "plain": (("-mno-avx2", "-mno-fma", "-mno-avx512f"), None),
+BUILDS = {  # path -> (the instruction-set level built for, None: this CPU's; the flag it needs)
+    "avx512_bf16": (None, "avx512_bf16"),
+    "avx512": ("avx512", "avx512f"),  # the float32 tiles, 16 lanes, for bf16 too
+    "avx2": ("avx2", "avx2"),
+    "plain": ("portable", None),
 }
 
 
 def build(path: str) -> CpuIntLinear:
-    cflags, needs = BUILDS[path]
+    level, needs = BUILDS[path]
     if needs is not None and needs not in FLAGS:
         pytest.skip(f"this CPU has no {needs}")
-    if not cflags:
+    if level is None:
         built = CpuIntLinear.build()
     else:
-        module = build_extension(
-            SOURCE, "batchpage_cpu_int_linear", "the int linear", cflags=cflags
-        )
+        module = build_extension(SOURCE, "batchpage_cpu_int_linear", "the int linear", isa=level)
         built = CpuIntLinear(module)
     assert built.path == path
     return built

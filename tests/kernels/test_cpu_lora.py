@@ -15,8 +15,7 @@ def kernel(request) -> CpuLoRA:
     """The build for this CPU, and the plain loops a CPU without AVX2 runs."""
     if request.param == "native":
         return CpuLoRA.build()
-    flags = ("-mno-avx512f", "-mno-avx2")
-    return CpuLoRA(build_extension(SOURCE, "batchpage_cpu_lora", "the LoRA kernel", False, flags))
+    return CpuLoRA(build_extension(SOURCE, "batchpage_cpu_lora", "the LoRA kernel", isa="portable"))
 
 
 def case(dtype, seed, rows_order="runs"):

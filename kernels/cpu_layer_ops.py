@@ -131,8 +131,8 @@ class CpuLayerOps:
         keys: torch.Tensor,  # int64 [N]: each row's 32-bit draw key
     ) -> torch.Tensor:  # int64 [N]
         """Each row's token by the exponential race with counter-based noise: the v maximising
-        probs[v] / E(key, v) (engine/sampler.py's exponential_race is the reference, the noise
-        its race_noise)."""
+        probs[v] / E(key, v) (batchpage/ops/race.py's exponential_race is the reference, the
+        noise its race_noise)."""
         assert probs.device.type == "cpu" and probs.dtype == torch.float32, probs.dtype
         assert probs.dim() == 2 and probs.stride(1) == 1 and probs.shape[1] > 0, "rows: dense"
         assert keys.dtype == torch.int64 and keys.shape == (probs.shape[0],), keys.shape

@@ -24,7 +24,7 @@ penalties and min_tokens (their token histories: `Penalties`, given for those ro
 
 Randomness: a sampled row draws its token with the exponential race (argmax of probs / E, E ~
 Exp(1) i.i.d. per token, which picks token i with probability probs[i]). Its noise is
-counter-based: E[v] comes from a hash of the row's draw key and v (`race_noise`), the key from
+counter-based: E[v] comes from a hash of the row's draw key and v (ops/race.py), the key from
 the row's seed and the position of the token it draws (`draw_keys`). No generator, no state:
 one pass for every sampled row (the CPU kernels' `race` computes the noise inside the argmax),
 the same token for the same logits whatever else shares the batch and after a recompute, and a
@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from batchpage.ops.race import exponential_race
 from batchpage.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -126,7 +127,6 @@ class Penalties(NamedTuple):
 
 
 _SPLITMIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
-_M32 = 0xFFFFFFFF
 
 
 def draw_keys(seeds: np.ndarray, positions: np.ndarray) -> torch.Tensor:
@@ -138,36 +138,6 @@ def draw_keys(seeds: np.ndarray, positions: np.ndarray) -> torch.Tensor:
     x = (x ^ (x >> np.uint64(27))) * m2
     x = x ^ (x >> np.uint64(31))
     return torch.from_numpy((x >> np.uint64(32)).astype(np.int64))
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for x in [0, 2**32), in int64 without overflow (c split in halves)."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser on int64 tensors of 32-bit values."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """float32 [N, vocab], Exp(1) per element: -log(u), u = ((h >> 9) + 0.5) / 2**23 (exact in
-    float32, in (0, 1)), h = fmix32(key ^ (v * 0x9E3779B9 mod 2**32))."""
-    tokens = _mul32(torch.arange(vocab, dtype=torch.int64, device=keys.device), 0x9E3779B9)
-    h = _fmix32(keys[:, None] ^ tokens[None, :])
-    u = ((h >> 9).to(torch.float32) + 0.5) * (2.0**-23)
-    return -torch.log(u)
-
-
-def exponential_race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """int64 [N]: each row's token v maximising probs[v] / race_noise[v] (the first on ties; a
-    token of zero probability never, while any has more): token v with probability probs[v].
-    The reference of the CPU kernels' `race` (kernels/cpu_layer_ops.cpp)."""
-    return (probs / race_noise(keys.to(probs.device), probs.shape[1])).argmax(dim=-1)
 
 
 class SamplerOutput(NamedTuple):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,9 +19,7 @@ from torch import nn
 from batchpage.ops.linear import LinearOp, dtype_format
 from batchpage.ops.linear_method import TORCH_LINEARS, LinearSpec, LinearWeights
 from batchpage.quant.int_weight import IntWeight
-
-if TYPE_CHECKING:  # the scheme module imports batchpage.model
-    from batchpage.quant.scheme import QuantScheme
+from batchpage.quant.scheme import QuantScheme
 
 INT_LEAVES = ("packed", "scales", "offsets", "perm")
 

@@ -12,17 +12,13 @@ QuantLinear computes it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from batchpage.ops.linear import LinearOp, dense_linear
 from batchpage.ops.linear_method import IntLinearMaker, LinearMaker
 from batchpage.quant.activations import quantize_rows_int8
 from batchpage.quant.int_weight import IntWeight
-
-if TYPE_CHECKING:  # the scheme module imports batchpage.model, which imports the ops
-    from batchpage.quant.scheme import QuantScheme
+from batchpage.quant.scheme import QuantScheme
 
 
 class DequantizedLinear(LinearOp):

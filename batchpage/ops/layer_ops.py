@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchpage.engine.sampler import exponential_race
+from batchpage.ops.race import exponential_race
 
 
 def apply_rope(

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from batchpage.ops.linear import LinearOp, dense_linear
 from batchpage.ops.quant_linear import QuantLinear
 from batchpage.quant.int_weight import IntWeight
-
-if TYPE_CHECKING:  # the scheme module imports batchpage.model, which imports the ops
-    from batchpage.quant.scheme import QuantScheme
+from batchpage.quant.scheme import QuantScheme
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,13 @@ term added after, from each row's int8 sum:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from batchpage.ops.linear import LinearOp
 from batchpage.ops.linear_method import IntCandidate
 from batchpage.quant.activations import quantize_rows_int8
 from batchpage.quant.int_weight import IntWeight
-
-if TYPE_CHECKING:  # the scheme module imports batchpage.model, which imports the ops
-    from batchpage.quant.scheme import QuantScheme
+from batchpage.quant.scheme import QuantScheme
 
 ZERO_POINT = 128  # xq in [-128, 127] travels as xq + 128 in a byte
 

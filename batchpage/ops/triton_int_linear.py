@@ -7,7 +7,6 @@ engine keeps its weights quantized too.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,9 +15,7 @@ from batchpage.ops.linear import LinearOp
 from batchpage.ops.linear_method import IntCandidate
 from batchpage.quant.activations import quantize_rows_int8
 from batchpage.quant.int_weight import IntWeight
-
-if TYPE_CHECKING:  # the scheme module imports batchpage.model, which imports the ops
-    from batchpage.quant.scheme import QuantScheme
+from batchpage.quant.scheme import QuantScheme
 
 NAME = "triton_int"
 

@@ -23,10 +23,9 @@ from batchpage.engine.sampler import (
     apply_penalties,
     compute_logprobs,
     draw_keys,
-    exponential_race,
-    race_noise,
     sample,
 )
+from batchpage.ops.race import exponential_race, race_noise
 from batchpage.sampling_params import SamplingParams
 
 VOCAB = 64

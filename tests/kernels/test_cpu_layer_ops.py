@@ -131,7 +131,8 @@ def test_race_matches_the_reference(ops, vocab):
     """The C++ exponential race against sampler.exponential_race (the noise tensor, divide,
     argmax in torch): random distributions, ones with zero-probability tokens (never drawn),
     a one-hot row, strided rows; and through the bound layer ops."""
-    from batchpage.engine.sampler import draw_keys, exponential_race
+    from batchpage.engine.sampler import draw_keys
+    from batchpage.ops.race import exponential_race
 
     gen = torch.Generator().manual_seed(vocab)
     wide = torch.randn(12, vocab + 2, generator=gen).mul(3).softmax(-1)

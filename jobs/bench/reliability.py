@@ -11,6 +11,9 @@
    it said (for a row error: that row's error).
 4. `--fuzz` mutated GGUF files loaded (jobs/gguf_fuzz.py): how each ended. A crash (an error
    that is not batchpage's own one-line refusal) is counted, not raised.
+5. With `--signals`: SIGINT and SIGTERM sent mid-generation to a job over 2 tensor-parallel
+   ranks and to one over 2 Ray replicas (the tiny random model): exit code, seconds from the
+   signal to the exit, processes left behind, and the rerun's rows against a clean run's.
 Markdown tables go to stdout, progress to stderr.
 """
 
@@ -350,7 +353,6 @@ def run_cases(job: list[str], clean: Path, w: Path, jobs: int = 1) -> list[Outco
     outcomes.append(
         _changing_input("rewrite", "input rewritten in place mid-run", own, w, _rewrite)
     )
-    outcomes += signal_cases(w)
     return [Outcome(o.case, o.exit_code, _short(o.message, w), o.rows_as_clean) for o in outcomes]
 
 
@@ -471,7 +473,18 @@ SIGNAL_PATIENCE_S = 60.0  # past this a signalled job counts as hung: it and its
 SIGNAL_GONE_S = 10.0  # after its exit, for the processes it started (Ray's) to end
 
 
-def signal_cases(workdir: Path) -> list[Outcome]:
+@dataclass(frozen=True)
+class Stopped:
+    case: str
+    exit_code: int
+    seconds: float  # from the signal to the exit
+    left: int  # of the processes the job had started (workers, Ray's), still running after it
+    started: int
+    message: str
+    rows: str  # the rerun's rows against the clean run's
+
+
+def signal_cases(workdir: Path) -> list[Stopped]:
     """SIGINT and SIGTERM sent mid-generation to the driver of a job over two tensor-parallel
     ranks and to one over two Ray replicas (skipped without Ray), on the tiny random model
     (jobs.bench.random_models, which splits over 2 ranks), each compared with a clean run."""
@@ -485,7 +498,7 @@ def signal_cases(workdir: Path) -> list[Outcome]:
     clean = workdir / "signals_clean"
     code, said, _ = _run("signals_clean", [*base, f"output_dir={clean}"], workdir)
     if code != 0:
-        return [Outcome("signals: the clean run", code, said, "-")]
+        raise RuntimeError(f"the signals' clean run failed (exit {code}): {said}")
     setups = [("2 tensor-parallel ranks", ["engine.tensor_parallel_size=2"])]
     if importlib.util.find_spec("ray") is not None:
         setups.append(("executor=ray, 2 replicas", ["executor=ray", "executor.num_replicas=2"]))
@@ -498,9 +511,8 @@ def signal_cases(workdir: Path) -> list[Outcome]:
     ]
 
 
-def _signalled(sig: int, label: str, job: list[str], clean: Path, out: Path) -> Outcome:
-    """`job` sent `sig` once its first shard is written: its exit code, the seconds to its exit,
-    its processes still running after it (tensor-parallel workers, Ray's), then the rerun's rows
+def _signalled(sig: int, label: str, job: list[str], clean: Path, out: Path) -> Stopped:
+    """`job` sent `sig` once its first shard is written: how it ended, then the rerun's rows
     against the clean run's."""
     case = f"{signal.Signals(sig).name} mid-generation, {label}"
     log_file = out.parent / f"{out.name}.log"
@@ -508,7 +520,7 @@ def _signalled(sig: int, label: str, job: list[str], clean: Path, out: Path) -> 
     while proc.poll() is None and not shards(out):
         time.sleep(0.01)
     if proc.poll() is not None:
-        return Outcome(case, proc.returncode, "(the job ended before the signal)", "-")
+        return Stopped(case, proc.returncode, 0.0, 0, 0, "(the job ended before the signal)", "-")
     started = descendants(proc.pid)
     sent = time.monotonic()
     proc.send_signal(sig)
@@ -523,13 +535,23 @@ def _signalled(sig: int, label: str, job: list[str], clean: Path, out: Path) -> 
     gone_by = time.monotonic() + SIGNAL_GONE_S
     while running(started) and time.monotonic() < gone_by:
         time.sleep(0.1)
+    left = len(running(started))
     lines = log_file.read_text(errors="replace").splitlines()
     said = next((line for line in lines if "finished rows are saved" in line), "(no message)")
-    left = len(running(started))
-    message = f"exit after {seconds:.1f} s, {left} of its {len(started)} processes left; {said}"
+    said = _short(said, out.parent)
     again, _, _ = _run(f"{out.name}_rerun", [*job, f"output_dir={out}"], out.parent)
     rows = str(compare(clean, out)) if again == 0 else f"rerun exit {again}"
-    return Outcome(case, proc.returncode, message, rows)
+    return Stopped(case, proc.returncode, seconds, left, len(started), said, rows)
+
+
+def signal_table(stopped: list[Stopped]) -> str:
+    rows = [
+        [s.case, s.exit_code, f"{s.seconds:.1f}", f"{s.left} of {s.started}",
+         s.message.replace("|", "\\|"), s.rows]
+        for s in stopped
+    ]  # fmt: skip
+    headers = ["signal", "exit", "exit after s", "processes left", "message", "rerun rows"]
+    return markdown_table(headers, rows)
 
 
 # --- GGUF fuzzing and the report ---------------------------------------------------------------
@@ -568,6 +590,9 @@ def main() -> None:
     p.add_argument("--workdir", type=Path, default=None, help="default: a temporary one")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="bad-input cases run at once")  # fmt: skip
+    p.add_argument("--signals", action="store_true",
+                   help="also SIGINT and SIGTERM mid-generation under 2 tensor-parallel ranks "
+                   "and 2 Ray replicas (minutes)")  # fmt: skip
     p.add_argument("extra", nargs="*", help="more Hydra overrides for the job")
     args = p.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="reliability-"))
@@ -596,6 +621,10 @@ def main() -> None:
     cases = run_cases(job, clean, workdir, args.jobs)
     rows = [(c.case, c.exit_code, c.message.replace("|", "\\|"), c.rows_as_clean) for c in cases]
     print(markdown_table(["input", "exit", "first line of the message", "rows"], rows), "\n")
+
+    if args.signals:
+        log("signals mid-generation")
+        print(signal_table(signal_cases(workdir)), "\n")
 
     log(f"fuzzing {args.fuzz} GGUF files")
     outcomes, seconds = fuzz(args.fuzz, args.seed, workdir)

@@ -13,8 +13,8 @@ from batchpage.user_log import configure_package_logging
 if TYPE_CHECKING:
     from batchpage.llm import LLM
     from batchpage.lora.request import LoRARequest
-    from batchpage.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
     from batchpage.pooling_params import PoolingParams
+    from batchpage.request_outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
     from batchpage.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __all__ = [
@@ -39,10 +39,10 @@ _HOMES = {
     "SamplingParams": "batchpage.sampling_params",
     "BeamSearchParams": "batchpage.sampling_params",
     "StructuredOutputsParams": "batchpage.sampling_params",
-    "RequestOutput": "batchpage.outputs",
-    "CompletionOutput": "batchpage.outputs",
+    "RequestOutput": "batchpage.request_outputs",
+    "CompletionOutput": "batchpage.request_outputs",
     "PoolingParams": "batchpage.pooling_params",
-    "PoolingRequestOutput": "batchpage.outputs",
+    "PoolingRequestOutput": "batchpage.request_outputs",
     "LoRARequest": "batchpage.lora.request",
 }
 

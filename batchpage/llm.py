@@ -10,25 +10,25 @@ from tqdm.auto import tqdm
 
 from batchpage.chat_messages import normalize_messages
 from batchpage.distributed.workers import TensorParallelWorkers
-from batchpage.engine.beam_search import worst_case_blocks
+from batchpage.engine.beam_group import worst_case_blocks
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.engine import BEAM_SEARCH_WITH_CONSTRAINT, Engine
 from batchpage.engine.plan import plan_engine
 from batchpage.engine.reasoning import reasoning_text
 from batchpage.engine.sampler import TopLogprobs
 from batchpage.engine.sequence import Request, Sequence
+from batchpage.llm_pooling import PoolingMethods
 from batchpage.lora.request import LoRARequest
 from batchpage.metrics import RunStats, tokens_per_s
 from batchpage.model.loader import load_model, resolve_model_source
 from batchpage.model.tokenizer import check_chat_template_kwargs, resolve_chat_template
-from batchpage.outputs import (
+from batchpage.prompt_list import PromptType, as_prompt_list, is_token_id
+from batchpage.request_outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
     CompletionOutput,
     RequestOutput,
 )
-from batchpage.pooling_api import PoolingMethods
-from batchpage.prompt_list import PromptType, as_prompt_list, is_token_id
 from batchpage.sampling_params import BeamSearchParams, SamplingParams
 
 OnOutput = Callable[[RequestOutput, int], None]  # (a finished request's output, its index)

@@ -25,7 +25,7 @@ import torch
 
 from batchpage.engine.config import EngineConfig
 from batchpage.llm import LLM
-from batchpage.outputs import RequestOutput
+from batchpage.request_outputs import RequestOutput
 from batchpage.sampling_params import SamplingParams
 
 try:

@@ -8,7 +8,7 @@
    +experiment=nightly_humaneval` runs the same job alone. A rerun on the same day resumes it; a
    changed model or sampling is refused unless overwrite=true. The job poses HumanEval in the
    form the model answers (dataset.style) and checks every completion in batchpage's sandbox
-   (batchpage.scoring): scores.parquet, pass@1 in run.json.
+   (batchpage.humaneval): scores.parquet, pass@1 in run.json.
 2. With --lm-eval-tasks, also runs those lm-evaluation-harness tasks through batchpage's lm-eval
    backend on the same model (results in <run>/lm_eval.json, headline metrics in the history).
 3. Appends a row to the history Parquet and prints the change since the last comparable run

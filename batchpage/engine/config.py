@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from batchpage.cache.radix_cache import EVICTION_POLICIES
-from batchpage.engine.pooling import POOLING_TYPES, TASKS
+from batchpage.engine.pooled_states import POOLING_TYPES, TASKS
 from batchpage.engine.reasoning import REASONING_PARSERS
 from batchpage.ops.select import LINEAR_BACKENDS
 
@@ -77,7 +77,7 @@ class EngineConfig:
     # "qwen3", "deepseek_r1", "mistral", "auto" (from the tokenizer's markers) or None / "none"
     # (the completion holds both, as before).
     reasoning_parser: str | None = None
-    # What the model runs for (engine/pooling.py TASKS): "auto" is the checkpoint's own
+    # What the model runs for (engine/pooled_states.py TASKS): "auto" is the checkpoint's own
     # (generate for a causal LM, embed for a *Model, classify for *ForSequenceClassification,
     # reward for *ForRewardModel). A pooling task reads each prompt's hidden states at
     # `pooling_type`: last (the last token), mean (all of them), or cls (the first).

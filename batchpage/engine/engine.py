@@ -19,14 +19,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from batchpage.engine.beams import Beams
+from batchpage.engine.beam_steps import Beams
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.constraint import Constraint, GrammarMasks, advance
 from batchpage.engine.grammar_cache import GrammarCache
 from batchpage.engine.kv_manager import KVCacheManager
 from batchpage.engine.model_runner import Peers, build_model_runner
 from batchpage.engine.plan import EnginePlan
-from batchpage.engine.pooling import PoolingType, PoolSum, pooled_vector, uses_score_head
+from batchpage.engine.pooled_states import PoolingType, PoolSum, pooled_vector, uses_score_head
 from batchpage.engine.reasoning import (
     ThinkingTracker,
     allow_start_marker,
@@ -97,7 +97,7 @@ class Engine:
         self.argmax: Callable[[torch.Tensor], torch.Tensor] = built.argmax
         # The sampled rows' draw: the bound layer ops' exponential race (C++ on the CPU kernels).
         self.race: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = built.race
-        # A pooling model's requests finish when their prompt is computed (pooling.py).
+        # A pooling model's requests finish when their prompt is computed (pooled_states.py).
         self.task = plan.task
         self.pooling = None if plan.task == "generate" else PoolingType(cfg.pooling_type)
         self.model = model
@@ -326,7 +326,7 @@ class Engine:
     def _advance_beams(
         self, rows: np.ndarray, logits: torch.Tensor, beam: np.ndarray
     ) -> tuple[list[Sequence], np.ndarray, torch.Tensor]:
-        """One step of every beam search in the step (beams.py); returns its finished results,
+        """One step of every beam search in the step (beam_steps.py); returns its finished results,
         and the batch rows and logits of the other rows, which sample."""
         at = torch.from_numpy(np.flatnonzero(beam)).to(logits.device)
         beams = self.batch.seqs(rows[beam])

@@ -61,7 +61,7 @@ class InputBatch:
         # has samples still to fork from it (n > 1) when its prompt is done.
         self.plain_greedy = np.zeros(capacity, dtype=bool)
         self.forking = np.zeros(capacity, dtype=bool)
-        # A beam of a beam search: its logits go to the search (beams.py), not the sampler.
+        # A beam of a beam search: its logits go to the search (beam_steps.py), not the sampler.
         self.beam = np.zeros(capacity, dtype=bool)
         # The row's sampling settings (sampler.RowParams), and whether a grammar constrains it.
         empty = RowParams.of([])

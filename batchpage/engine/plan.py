@@ -12,7 +12,7 @@ import torch
 
 from batchpage.cache.kv_cache import bytes_per_block
 from batchpage.engine.config import EngineConfig
-from batchpage.engine.pooling import resolve_task
+from batchpage.engine.pooled_states import resolve_task
 from batchpage.host_memory import available_host_memory
 from batchpage.model.config import ModelConfig
 from batchpage.model.gguf_file import read_gguf_header

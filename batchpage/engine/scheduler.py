@@ -16,7 +16,7 @@ Continuous batching with one token budget per step (max_num_batched_tokens):
    once and shared; the sequences queued behind it are still admitted (a step full of short
    prompts behind a shared system prompt needs them), and it keeps its place at the queue's
    head.
-Beam searches (beams.py) run in the same steps: their sequences stay ahead of the others in the
+Beam searches (beam_steps.py) run in the same steps: their sequences stay ahead of the others in the
 running set, a group's beams are scheduled together or not at all (they advance in lockstep),
 they are never preempted, and a group is admitted only when every group's worst case fits the
 pool together.
@@ -40,7 +40,7 @@ import numpy as np
 from batchpage.cache.block_pool import OutOfBlocks
 from batchpage.engine.adapter_slots import AdapterSlots
 from batchpage.engine.admission import Demand, GrowthEstimate, OutputLimits
-from batchpage.engine.beam_search import worst_case_blocks
+from batchpage.engine.beam_group import worst_case_blocks
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.input_batch import InputBatch
 from batchpage.engine.kv_manager import (

@@ -18,7 +18,7 @@ from batchpage.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
-    from batchpage.engine.pooling import PoolingType
+    from batchpage.engine.pooled_states import PoolingType
     from batchpage.engine.sampler import TopLogprobs
     from batchpage.engine.stop_checker import StopChecker
     from batchpage.lora.request import LoRARequest
@@ -114,7 +114,7 @@ class Sequence:
         self.swapped_tokens = 0
         # Sample indices still to fork from this sequence once its prompt is computed (n > 1).
         self.pending_forks: list[int] = []
-        # A pooling request's output: the model's head on the pooled vector (engine/pooling.py).
+        # A pooling request's output: the model's head on the pooled vector (pooled_states.py).
         self.pooled: torch.Tensor | None = None
         self._features: dict[type, object] = {}
         # The input batch and row it holds while it runs (InputBatch.join / leave).

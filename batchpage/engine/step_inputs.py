@@ -31,7 +31,7 @@ class StepInputs:
     prompt_rows: torch.Tensor  # int64 [P]
     prompt_targets: list[int]  # [P]: the prompt token each row scores
     prompt_owners: list[tuple[Sequence, int]]  # (sequence, how many of the P rows are its)
-    # MEAN / CLS pooling (engine/pooling.py): the rows each pooling sequence sums this step.
+    # MEAN / CLS pooling (engine/pooled_states.py): the rows each pooling sequence sums this step.
     pool_rows: torch.Tensor  # int64 [R]
     pool_owners: list[tuple[Sequence, int, int]]  # (sequence, chunk start, how many R rows)
     # The input batch's rows: of every scheduled sequence, with the tokens each computes, and

@@ -31,12 +31,12 @@ from batchpage.executor.ray_cluster import Connection, connect
 from batchpage.executor.replica import Replica, ReplicaUpdate
 from batchpage.executor.windows import cut_windows, prefix_order
 from batchpage.executor.work_queue import Window, WorkQueue, least_loaded
+from batchpage.llm_pooling import score_pairs
 from batchpage.lora.request import LoRARequest
 from batchpage.metrics import RunStats
 from batchpage.model.loader import load_tokenizer, resolve_model_source
-from batchpage.outputs import PoolingRequestOutput, RequestOutput
-from batchpage.pooling_api import score_pairs
 from batchpage.pooling_params import PoolingParams
+from batchpage.request_outputs import PoolingRequestOutput, RequestOutput
 from batchpage.sampling_params import SamplingParams
 
 Output = RequestOutput | PoolingRequestOutput

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchpage.metrics import RunStats
-from batchpage.outputs import PoolingRequestOutput, RequestOutput
+from batchpage.request_outputs import PoolingRequestOutput, RequestOutput
 
 # Figures go to the driver at least this often while rows are slow, for its progress bar.
 _STATS_EVERY_S = 0.5

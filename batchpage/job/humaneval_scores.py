@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 from batchpage.data.readers import open_records
 from batchpage.data.spec import DatasetInfo, DatasetSpec
 from batchpage.fileio import atomic_path
+from batchpage.humaneval.sandbox import Limits, Outcome, Status
 from batchpage.output.files import SCORES_FILE
-from batchpage.scoring.sandbox import Limits, Outcome, Status
 
 __all__ = [
     "SCORERS",
@@ -55,7 +55,7 @@ def code_of(style: str, prompt: str | None, completion: str) -> str:
     """The program text a completion stands for (see the module docstring)."""
     if style != "instruct":
         return completion
-    from batchpage.scoring.code_extract import entry_point_of, extract_code
+    from batchpage.humaneval.code_extract import entry_point_of, extract_code
 
     entry_point = entry_point_of(prompt or "")
     return extract_code(completion, entry_point) if entry_point else completion
@@ -68,7 +68,7 @@ def check_scorable(scorer: str, info: DatasetInfo, spec: DatasetSpec) -> None:
     first id that is not one."""
     if scorer not in SCORERS:
         raise ValueError(f"score={scorer!r} is unknown; use one of {', '.join(SCORERS)}")
-    from batchpage.scoring.humaneval import load_problems
+    from batchpage.humaneval.checks import load_problems
 
     try:
         problems = load_problems()
@@ -101,7 +101,7 @@ def score_output(output_dir: Path, scorer: str, workers: int = 2) -> dict[str, A
     """Check every sample of completions.parquet; write scores.parquet; return the summary."""
     if scorer != "humaneval":
         raise ValueError(f"score={scorer!r} is unknown; use one of {SCORERS}")
-    from batchpage.scoring.humaneval import load_problems, score
+    from batchpage.humaneval.checks import load_problems, score
 
     table = pq.read_table(output_dir / "completions.parquet")
     column = "code" if "code" in table.column_names else "completion"

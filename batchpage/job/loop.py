@@ -29,7 +29,7 @@ from batchpage.job.config import JobConfig
 from batchpage.job.humaneval_scores import code_of, score_output
 from batchpage.job.input_watch import InputWatch
 from batchpage.job.plan import JobConfigError, JobPlan, JobStoppedError, plan_job
-from batchpage.job.pooling_rows import check_url, pool_result, pool_rows
+from batchpage.job.pooled_columns import check_url, pool_result, pool_rows
 from batchpage.job.progress import JobProgress, job_rate
 from batchpage.job.progress_file import ProgressFile
 from batchpage.job.prompts import Prepared, prepare_window, to_result
@@ -37,7 +37,7 @@ from batchpage.job.report import JobResult, ThisRun, resolved_settings, summariz
 from batchpage.metrics import RunStats
 from batchpage.output import OutputDirError, ShardWriter, finalize
 from batchpage.output.batch_files import write_batch_files
-from batchpage.outputs import PoolingRequestOutput, RequestOutput
+from batchpage.request_outputs import PoolingRequestOutput, RequestOutput
 
 LLMFactory = Callable[..., Any]
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)

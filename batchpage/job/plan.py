@@ -25,7 +25,7 @@ from batchpage.fileio import file_digest
 from batchpage.job.adapters import JobAdapters
 from batchpage.job.config import JobConfig
 from batchpage.job.humaneval_scores import check_scorable, code_schema
-from batchpage.job.pooling_rows import POOLING_JOB_TASKS, pool_schema
+from batchpage.job.pooled_columns import POOLING_JOB_TASKS, pool_schema
 from batchpage.job.prompts import PromptPlan, check_template
 from batchpage.model.config import ModelConfig
 from batchpage.model.loader import ModelSource, load_tokenizer, resolve_model_source

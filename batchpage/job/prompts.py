@@ -28,7 +28,7 @@ from batchpage.model.render_budget import RenderLimits, TemplateLimitError
 from batchpage.model.tokenizer import Tokenizer
 from batchpage.output.batch_files import logprobs_json
 from batchpage.output.files import ResultRow
-from batchpage.outputs import RequestOutput
+from batchpage.request_outputs import RequestOutput
 from batchpage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ A decoder layer is written once, against two small interfaces:
   with the next norm, SiLU(gate) * up, rope in place, the greedy argmax), outputs first, so each
   op writes into a buffer of the step's `Workspace` (workspace.py). `LayerOps` itself is the
   torch implementation, which runs on any device and dtype; `CpuKernelLayerOps`
-  (cpu_layer_ops.py) overrides the ops the C++ kernels serve.
+  (compiled_layer_ops.py) overrides the ops the C++ kernels serve.
 - `LinearOp` (linear.py): y = x @ W.T + b, applied into a workspace buffer where the
   implementation can write one (`apply(x, out)`). A `LinearMethod` (linear_method.py) makes
   every linear's module once, from its spec and loaded tensors: a dense weight on torch (the

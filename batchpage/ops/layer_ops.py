@@ -3,8 +3,8 @@
 Every op takes its outputs first and writes them, so a layer can hand it buffers of the step's
 Workspace. The values are HF transformers' (statistics in float32, rounded to the model's dtype
 where HF rounds), in any dtype and on any device. Faster implementations subclass this one and
-override the ops they serve (cpu_layer_ops.py); an op they do not serve for a given input falls
-back to this code, so every implementation computes the same function.
+override the ops they serve (compiled_layer_ops.py); an op they do not serve for a given input
+falls back to this code, so every implementation computes the same function.
 """
 
 from __future__ import annotations

@@ -192,7 +192,7 @@ def select_layer_ops(cpu_kernels: bool, triton_norms: bool = False) -> LayerOps:
         return LayerOps()
     from batchpage.kernels.cpu_build import KernelBuildError
     from batchpage.kernels.cpu_layer_ops import CpuLayerOps
-    from batchpage.ops.cpu_layer_ops import CpuKernelLayerOps
+    from batchpage.ops.compiled_layer_ops import CpuKernelLayerOps
 
     try:
         return CpuKernelLayerOps(CpuLayerOps.build())

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 
 from batchpage.fileio import atomic_path
 from batchpage.output.files import BATCH_ERRORS_FILE, BATCH_OUTPUT_FILE, FINAL_FILE, read_job
-from batchpage.outputs import RequestOutput
+from batchpage.request_outputs import RequestOutput
 
 _COMPLETIONS_URL = "/v1/completions"
 _EMBEDDINGS_URL = "/v1/embeddings"

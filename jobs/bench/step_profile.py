@@ -46,7 +46,7 @@ BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),  # fmt: skip
     ("lm_head", ("compute_logits",)),
-    # The layer ops (batchpage/ops/layer_ops.py and cpu_layer_ops.py) by op.
+    # The layer ops (batchpage/ops/layer_ops.py and compiled_layer_ops.py) by op.
     ("norms", ("rms_norm (", "norm_into (", "RMSNorm.forward")),
     ("rope", ("rope.py", "rope_ (")),
     ("activations", ("silu_mul (", "act_fn", "gelu", "silu")),

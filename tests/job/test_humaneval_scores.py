@@ -9,10 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batchpage.humaneval.checks import load_problems
 from batchpage.job import run_job
 from batchpage.job.humaneval_scores import SCORES_FILE, code_of, score_output
 from batchpage.run import compose_job, summary
-from batchpage.scoring.humaneval import load_problems
 
 
 @pytest.fixture(scope="module")
@@ -125,16 +125,16 @@ def test_a_rescoring_runs_only_new_or_changed_samples(tmp_path, problems, monkey
     """The second scoring of a grown completions.parquet runs in the sandbox only the rows added
     since and the row whose code changed; the others keep their verdicts, and the file equals a
     scoring from scratch. Counted at the sandbox's entry point."""
-    from batchpage.scoring import humaneval
+    from batchpage.humaneval import checks
 
     ran: list[str] = []
-    real = humaneval.run_python
+    real = checks.run_python
 
     def counting(program: str, limits=None):
         ran.append(program)
         return real(program, limits)
 
-    monkeypatch.setattr(humaneval, "run_python", counting)
+    monkeypatch.setattr(checks, "run_python", counting)
     right = {t: problems[t]["canonical_solution"] for t in problems}
     wrong = "    return None\n"
 

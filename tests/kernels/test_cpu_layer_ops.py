@@ -17,7 +17,7 @@ from batchpage.kernels.cpu_layer_ops import CpuLayerOps
 from batchpage.kernels.testing import tolerances
 from batchpage.model.layers import RMSNorm
 from batchpage.model.rope import apply_rope
-from batchpage.ops.cpu_layer_ops import CpuKernelLayerOps
+from batchpage.ops.compiled_layer_ops import CpuKernelLayerOps
 from batchpage.ops.layer_ops import LayerOps
 from tests.kernels.bench_smoke import run_bench_smoke
 
@@ -191,7 +191,7 @@ def test_cpu_engine_uses_the_ops_and_torch_engine_does_not(tmp_path):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_layer_ops_benchmark_smoke(ops, tmp_path, dtype) -> None:
     stdout, results = run_bench_smoke(
-        "jobs.bench.cpu_layer_ops", tmp_path / "layer_ops.json", "--dtype", dtype
+        "jobs.bench.layer_parts", tmp_path / "layer_ops.json", "--dtype", dtype
     )
     assert "| rows | part | torch (us) | C++ (us) | speed-up |" in stdout
     parts = ["rms_norm", "add + rms_norm", "silu * up", "rope", "argmax"]

@@ -14,7 +14,7 @@ from batchpage.model.families import MODEL_CLASSES, build_model
 from batchpage.model.hf_config import model_config_from_hf
 from batchpage.model.hf_loader import load_hf_model
 from batchpage.model.moe import SparseMoE
-from batchpage.ops.cpu_layer_ops import CpuKernelLayerOps
+from batchpage.ops.compiled_layer_ops import CpuKernelLayerOps
 from batchpage.ops.linear_method import TORCH_LINEARS
 from batchpage.ops.select import ModelOps
 from tests.model_factory import (

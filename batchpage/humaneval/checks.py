@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from batchpage.scoring.code_extract import defines_function, function_start
-from batchpage.scoring.sandbox import Limits, Outcome, Status, run_python
+from batchpage.humaneval.code_extract import defines_function, function_start
+from batchpage.humaneval.sandbox import Limits, Outcome, Status, run_python
 
 Problem = Mapping[str, Any]
 

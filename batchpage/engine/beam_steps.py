@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from batchpage.engine.beam_search import BeamGroup, beam_max_len
+from batchpage.engine.beam_group import BeamGroup, beam_max_len
 from batchpage.engine.reasoning import ThinkingTracker
 from batchpage.engine.scheduler import Scheduler
 from batchpage.engine.sequence import Request, SeqStatus, Sequence

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchpage.scoring.code_extract import defines_function, extract_code
+from batchpage.humaneval.code_extract import defines_function, extract_code
 
 FULL_DEF = """\
 from typing import List
@@ -100,8 +100,8 @@ def test_defines_function_only_at_top_level():
 
 
 def test_entry_point_of_every_humaneval_prompt_is_its_entry_point() -> None:
-    from batchpage.scoring.code_extract import entry_point_of
-    from batchpage.scoring.humaneval import load_problems
+    from batchpage.humaneval.checks import load_problems
+    from batchpage.humaneval.code_extract import entry_point_of
 
     problems = load_problems()
     assert all(entry_point_of(p["prompt"]) == p["entry_point"] for p in problems.values())

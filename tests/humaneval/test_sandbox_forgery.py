@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from batchpage.scoring.humaneval import score
-from batchpage.scoring.sandbox import Limits, Status, run_python
+from batchpage.humaneval.checks import score
+from batchpage.humaneval.sandbox import Limits, Status, run_python
 
 FAST = Limits(timeout_s=3)
 PROBLEMS = {

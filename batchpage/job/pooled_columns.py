@@ -23,13 +23,13 @@ from batchpage.data.rows import Row
 from batchpage.job.prompts import Prepared
 from batchpage.model.config import ModelConfig
 from batchpage.output.files import ResultRow
-from batchpage.outputs import (
+from batchpage.pooling_params import PoolingParams
+from batchpage.request_outputs import (
     ClassificationOutput,
     EmbeddingOutput,
     PoolingRequestOutput,
     ScoringOutput,
 )
-from batchpage.pooling_params import PoolingParams
 
 POOLING_JOB_TASKS = ("embed", "classify", "reward", "score")
 OnRow = Callable[[Prepared, list[PoolingRequestOutput]], None]

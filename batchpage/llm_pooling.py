@@ -1,6 +1,6 @@
 """LLM.embed / classify / score / reward: pooling models in vLLM's shapes.
 
-The engine gives each request's pooled vector (engine/pooling.py): the hidden state for embed
+The engine gives each request's pooled vector (engine/pooled_states.py): the hidden state for embed
 and for score with an embedding model, the score head's outputs for classify, reward and score
 with a cross-encoder. What each method makes of it is here: normalizing and Matryoshka
 truncation, the label activation, the cosine of two embeddings.
@@ -20,15 +20,15 @@ from batchpage.metrics import RunStats
 from batchpage.model.config import ModelConfig
 from batchpage.model.score_head import num_labels
 from batchpage.model.tokenizer import Tokenizer
-from batchpage.outputs import (
+from batchpage.pooling_params import PoolingParams
+from batchpage.prompt_list import as_prompt_list
+from batchpage.request_outputs import (
     ClassificationOutput,
     EmbeddingOutput,
     PoolingOutput,
     PoolingRequestOutput,
     ScoringOutput,
 )
-from batchpage.pooling_params import PoolingParams
-from batchpage.prompt_list import as_prompt_list
 from batchpage.sampling_params import SamplingParams
 
 # A pooling request computes its prompt and samples nothing: these params only size its blocks.

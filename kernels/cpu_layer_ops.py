@@ -50,8 +50,8 @@ class CpuLayerOps:
     @property
     def raw(self) -> object:
         """The compiled functions, which take the launchers' arguments (outputs first) and
-        check nothing: for a caller that checked its shapes once (batchpage/ops/cpu_layer_ops.py,
-        at bind).
+        check nothing: for a caller that checked its shapes once
+        (batchpage/ops/compiled_layer_ops.py, at bind).
         add_rms_norm may write its sum over `residual` (each element is read before it is
         written)."""
         return self._module

@@ -47,7 +47,7 @@ test: setup
 # sums or binds otherwise there fails here first. Nothing to do on a CPU that is not above AVX2.
 test-avx2: setup
 	$(PYTHON) -m batchpage.kernels.lesser_cpu --if-lower avx2 \
-		$(PYTHON) -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_batch_invariant.py
+		$(PYTHON) -m pytest -q -p no:cacheprovider -m "not slow" tests/kernels tests/engine/test_batch_invariant.py
 
 lint:
 	ruff check . && ruff format --check .

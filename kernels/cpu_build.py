@@ -26,13 +26,13 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import hashlib
+import importlib.machinery
 import importlib.util
 import logging
 import os
 import platform
 import shutil
 import subprocess
-import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -117,7 +117,10 @@ class BuildInputs:
         abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
         return cls(
             torch_build=f"{torch.__version__} {torch.version.git_version} cxx11abi={abi}",
-            python_abi=str(sysconfig.get_config_var("SOABI") or platform.python_version()),
+            # The interpreter's extension suffix (".cpython-311-x86_64-linux-gnu.so"), fixed at
+            # its start: sysconfig's SOABI is filled lazily and reads None in a second thread
+            # asking at the same moment (build_all builds on threads), which renamed builds.
+            python_abi=importlib.machinery.EXTENSION_SUFFIXES[0],
             compiler=compiler,
             compiler_version=compiler_version(compiler),
             isa=level,

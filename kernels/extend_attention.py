@@ -15,7 +15,8 @@ turns each score s into c * tanh(s / c) before the mask.
 A row's result is the same bits wherever its q tile starts (a prefill in one piece, in chunks,
 after a prefix-cache hit, or a decode row): K/V tiles start at multiples of BLOCK_N from
 position 0, the keys outside a row's window add exact zeros, and common.dot computes each row
-the same way wherever it sits in the tile. So in batch-invariant mode the backend sends every row here (triton_backend.py).
+the same way wherever it sits in the tile. So in batch-invariant mode the backend sends every
+row here (triton_backend.py).
 """
 
 from __future__ import annotations

@@ -61,7 +61,16 @@ def start_job(args: list[str], cwd: Path, log_file: Path) -> subprocess.Popen:
     env.pop("HYDRA_FULL_ERROR", None)
     cmd = [sys.executable, "-m", "batchpage.run", *args, f"hydra.run.dir={cwd}"]
     with open(log_file, "w") as err:
-        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        return subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=err,
+            preexec_fn=_sigint_by_default,
+        )  # fmt: skip
+
+
+def _sigint_by_default() -> None:
+    """The job takes Ctrl-C as when started from a terminal, also where this benchmark runs in
+    the background of a shell (which hands its children SIGINT ignored, and Python keeps that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def shards(out: Path) -> int:

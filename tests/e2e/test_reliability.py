@@ -86,6 +86,14 @@ def test_the_reliability_benchmark_on_the_tiny_model(tmp_path: Path, tiny_folder
             "2",
             "cannot run linear_backend='torch'",
         ),
+        # #69: bad LoRA adapters in model.loras (given as one dict) stop the job before loading.
+        "model.loras={a: ..., b: ...}, b's weights NaN": ("2", "holds NaN values"),
+        "model.loras={a: ..., b: ...}, b's weights infinite": ("2", "holds infinite values"),
+        "a LoRA adapter_config.json with r=8, tensors of rank 4": ("2", "module rank 8"),
+        "a LoRA adapter_config.json targeting modules the model lacks": (
+            "2",
+            "select none of the modules",
+        ),
     }
     bad = {row["input"]: row for row in table_with(found, "first line of the message")}
     assert set(expected) <= set(bad)

@@ -269,7 +269,10 @@ def hooked_cli(hook: str, args: list[str], cwd: Path, **popen) -> subprocess.Pop
     function of the job to make an event happen at a known moment (a pause, a failed write)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("HYDRA_FULL_ERROR", None)
-    code = f"{textwrap.dedent(hook)}\nfrom batchpage.run import main\nmain()\n"
+    # Python's Ctrl-C handler, as a job started from a terminal has it: a shell that runs the
+    # tests in the background hands its children SIGINT ignored, and Python then keeps it so.
+    sigint = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    code = f"{sigint}{textwrap.dedent(hook)}\nfrom batchpage.run import main\nmain()\n"
     cmd = [sys.executable, "-c", code, *args, f"hydra.run.dir={cwd}/hydra"]
     return subprocess.Popen(cmd, cwd=cwd, env=env, text=True, **popen)
 

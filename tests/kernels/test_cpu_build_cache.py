@@ -176,6 +176,25 @@ def test_a_second_environment_has_the_same_inputs(monkeypatch, tmp_path: Path) -
     assert BuildInputs.here() == here
 
 
+def test_threads_that_ask_at_once_in_a_new_process_get_the_same_inputs() -> None:
+    """build_all builds on threads, and each asks for its inputs as it starts: in a fresh
+    interpreter two threads asking at the same moment must agree (sysconfig's lazily filled
+    SOABI read None in one of them, which named and built a second copy of a kernel)."""
+    code = (
+        "import threading\n"
+        "from batchpage.kernels.cpu_build import BuildInputs\n"
+        "got = []\n"
+        "ts = [threading.Thread(target=lambda: got.append(BuildInputs.here())) for _ in range(4)]\n"
+        "[t.start() for t in ts]\n"
+        "[t.join() for t in ts]\n"
+        "print(len(set(got)))\n"
+    )
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "1"
+
+
 def test_cflags_are_part_of_the_build_inputs() -> None:
     portable = BuildInputs.here(("-mno-avx512bf16",))
     assert portable.cflags[-1] == "-mno-avx512bf16"

@@ -13,7 +13,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-import transformers
 
 from batchpage.model import resolve_model_source
 from batchpage.model.tokenizer import Tokenizer, _cache_entry
@@ -43,7 +42,7 @@ def test_the_key_is_the_header_not_the_path_or_the_time(tmp_path: Path, monkeypa
     # The tensors are not the tokenizer's: other weights, the same conversion.
     assert _cache_entry(write(tmp_path / "env-c" / "model.gguf", fill=1.0), cache) == entry
     assert _cache_entry(write(tmp_path / "env-d" / "model.gguf", name="other"), cache) != entry
-    monkeypatch.setattr(transformers, "__version__", "0.0.1")
+    monkeypatch.setattr("transformers.__version__", "0.0.1")  # the module imported now
     assert _cache_entry(first, cache) != entry
 
 

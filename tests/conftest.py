@@ -78,3 +78,60 @@ def smollm2_hf_folder(tmp_path_factory, smollm2_hf):
     plain.save_pretrained(folder)
     smollm2_hf[1].save_pretrained(folder)
     return folder
+
+
+# --- object-storage servers (tests/storage_servers.py) -------------------------------------------
+# Read when gcsfs and google-auth are first imported: no gRPC probe of the emulator, and no
+# probe of a cloud metadata server (the tests reach 127.0.0.1 only).
+for _name, _value in (
+    ("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false"),
+    ("NO_GCE_CHECK", "true"),
+    ("GCE_METADATA_HOST", "127.0.0.1:9"),
+    ("GCE_METADATA_IP", "127.0.0.1:9"),
+):
+    os.environ.setdefault(_name, _value)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 for the session (`.env` for a job's subprocess,
+    `.new_bucket()`, reference reads through boto3)."""
+    from tests.extras import require
+
+    require("s3fs", "cloud"), require("moto", "dev"), require("boto3", "dev")
+    from tests.storage_servers import S3Server
+
+    server = S3Server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """gcp-storage-emulator (create-only uploads honoured) on 127.0.0.1 for the session;
+    reference reads through google-cloud-storage."""
+    from tests.extras import require
+
+    require("gcsfs", "cloud"), require("gcp_storage_emulator", "dev")
+    require("google.cloud.storage", "dev")
+    from tests.storage_servers import GCSServer
+
+    server = GCSServer.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """s3_server, with its environment set in this process for the test."""
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    return s3_server
+
+
+@pytest.fixture
+def gcs_env(gcs_server, monkeypatch):
+    """gcs_server, with its environment set in this process for the test."""
+    for name, value in gcs_server.env.items():
+        monkeypatch.setenv(name, value)
+    return gcs_server

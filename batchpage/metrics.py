@@ -72,6 +72,8 @@ class RunStats:
     weight_bytes: int = 0
     weight_formats: dict[str, int] = field(default_factory=dict)
     linear_methods: dict[str, str] = field(default_factory=dict)  # per linear shape
+    # How those were chosen and the load they were measured under (MeasuredLinears.report).
+    linear_measurement: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def merged(cls, runs: Sequence[RunStats]) -> RunStats:
@@ -94,6 +96,7 @@ class RunStats:
             total.weight_bytes = runs[-1].weight_bytes
             total.weight_formats = dict(runs[-1].weight_formats)
             total.linear_methods = dict(runs[-1].linear_methods)
+            total.linear_measurement = dict(runs[-1].linear_measurement)
         return total
 
     def to_record(self) -> dict[str, Any]:
@@ -106,6 +109,7 @@ class RunStats:
             "elapsed_s": self.elapsed_s, "weight_bytes": self.weight_bytes,
             "weight_formats": dict(self.weight_formats),
             "linear_methods": dict(self.linear_methods),
+            "linear_measurement": dict(self.linear_measurement),
         }  # fmt: skip
 
     @classmethod
@@ -120,6 +124,8 @@ class RunStats:
         stats.weight_formats = dict(formats) if isinstance(formats, dict) else {}
         methods = record.get("linear_methods", {})
         stats.linear_methods = dict(methods) if isinstance(methods, dict) else {}
+        measurement = record.get("linear_measurement", {})
+        stats.linear_measurement = dict(measurement) if isinstance(measurement, dict) else {}
         return stats
 
     def record_step(
@@ -181,4 +187,5 @@ class RunStats:
             "weight_bytes": self.weight_bytes,
             "weight_formats": dict(self.weight_formats),
             "linear_methods": dict(self.linear_methods),
+            "linear_measurement": dict(self.linear_measurement),
         }

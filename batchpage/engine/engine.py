@@ -92,6 +92,7 @@ class Engine:
             built = build_model_runner(model, cfg, plan, peers)
         self.bind_report = built.bind_report
         self.linear_methods = built.linear_methods
+        self.linear_measurement = built.linear_measurement
         self.weight_bytes = model.weight_bytes()  # after bind: in the layouts the ops keep
         # The all-greedy sampler's argmax: the bound layer ops' (the C++ one on the CPU kernels).
         self.argmax: Callable[[torch.Tensor], torch.Tensor] = built.argmax
@@ -124,6 +125,7 @@ class Engine:
         stats.weight_bytes = self.weight_bytes
         stats.weight_formats = dict(self.bind_report.weight_formats)
         stats.linear_methods = dict(self.linear_methods)
+        stats.linear_measurement = dict(self.linear_measurement)
         return stats
 
     def add_requests(self, requests: list[Request]) -> RunStats:

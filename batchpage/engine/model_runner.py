@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -252,6 +252,7 @@ class BuiltRunner(NamedTuple):
     argmax: Callable[[torch.Tensor], torch.Tensor]  # the bound layer ops' greedy argmax
     race: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # and their sampled draw
     linear_methods: dict[str, str]  # the implementation bound per linear shape
+    linear_measurement: dict[str, Any]  # how those were chosen (ModelOps.linear_measurement)
 
 
 def build_model_runner(
@@ -315,9 +316,19 @@ def build_model_runner(
         lora = LoRAModel(model, cfg.max_loras, cfg.max_lora_rank, plan.dtype)
     if ops.measured is not None and ops.measured.choices:
         m = ops.measured
-        how = f"measured {m.measured} in {m.seconds:.1f} s" if m.measured else "all cached"
+        how = f"measured {m.measured}" if m.measured else "all cached"
         shapes = ", ".join(f"{shape} {name}" for shape, name in m.choices.items())
-        log.info("linears by measurement (%s; %s): %s", how, m.cache.path, shapes)
+        log.info(
+            "linears by measurement (%s, %.1f s; %s): %s", how, m.seconds, m.cache.path, shapes
+        )
+        untrusted = [s for s, n in ops.linear_measurement().get("shapes", {}).items()
+                     if n["how"] in ("provisional", "kept")]  # fmt: skip
+        if untrusted:  # a busy or noisy machine: these choices are not cached as measured
+            log.warning(
+                "%d linear shapes could not be measured reliably (a busy machine?): what they "
+                "measured is not cached, the next start measures them again (%s)",
+                len(untrusted), ", ".join(untrusted),
+            )  # fmt: skip
     graphs = None
     if graphs_on:
         sizes = ladder(cfg.max_num_seqs)
@@ -330,4 +341,11 @@ def build_model_runner(
         log.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
     pooling = plan.task != "generate"
     runner = ModelRunner(model, kv, attention, graphs, pooling=pooling, peers=peers, lora=lora)
-    return BuiltRunner(runner, report, ops.layer.argmax, ops.layer.race, ops.linear_methods())
+    return BuiltRunner(
+        runner,
+        report,
+        ops.layer.argmax,
+        ops.layer.race,
+        ops.linear_methods(),
+        ops.linear_measurement(),
+    )

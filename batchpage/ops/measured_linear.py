@@ -18,30 +18,45 @@ many rows run a dense bf16 matmul (on AMX above all) beats unpacking 4-bit value
 The choices are cached on disk (`ChoiceCache`) under a key of everything that decides them: the
 CPU's model and flags, the torch build, the dtype, the row counts and each candidate's identity
 (a compiled kernel's library name, which changes with its source); a second bind on the same
-setup measures nothing.
+setup measures nothing but a spot check of each cached choice against its runner-up.
+
+A busy machine can rank the candidates in another order than a quiet one, and a start's choice
+lasts for every later start, so a measurement says how far it can be trusted
+(ops/linear_timing.py: the share of their ready time our threads ran, and the spread of the
+repeats against the winner's lead). One that is not trusted is repeated (up to TRIES times, or
+twice where the machine stays busy); still untrusted, it is not cached: the shape keeps the
+cached choice where it had one, else uses the measured one, cached apart as provisional: the
+next start measures it again, unless its spot check finds the machine still busy (measuring
+then would be no better; it reuses the provisional choice). The spot check times the cached
+choice against its runner-up at one row count, a few repeats; a choice that loses by more than
+a margin is measured again in full. `report()` says, per shape, how its choice was made and
+the load and run share it was measured under (run.json's linear_measurement).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from batchpage.cpu_info import cpu_flags, cpu_model
-from batchpage.fileio import atomic_write_text
+from batchpage.ops.choice_cache import CachedChoice, ChoiceCache
 from batchpage.ops.dequantized_linear import DequantizedLinear
 from batchpage.ops.linear import LinearOp
 from batchpage.ops.linear_method import IntCandidate, LinearMethod, torch_int_linear
-from batchpage.paths import cache_dir
+from batchpage.ops.linear_timing import (
+    Clock,
+    fastest,
+    judge,
+    medians,
+    spot_check,
+    time_linears,
+)
 
 if TYPE_CHECKING:  # the scheme module imports batchpage.model, which imports the ops
     from batchpage.quant.int_weight import IntWeight
@@ -49,8 +64,10 @@ if TYPE_CHECKING:  # the scheme module imports batchpage.model, which imports th
 
 log = logging.getLogger(__name__)
 
-# Timed calls per candidate and row count, after one warm-up call; the median is kept.
-REPEATS = 3
+# Measurements of one shape at most, while they are not to be trusted.
+TRIES = 3
+# Timed calls of a cached choice and its runner-up at the spot check.
+SPOT_REPEATS = 3
 UNFUSED = "plain+activation"  # a gated MLP's plain linear, then SiLU(gate) * up
 DENSE = "dense"  # a quantized layer dequantized once, on the fastest dense candidate
 
@@ -92,68 +109,6 @@ class DenseWithRows(LinearOp):
         return f"{self.dense.weight_format}+{self.rows.weight_format}"  # e.g. "bf16+q8_0"
 
 
-def time_linears(
-    modules: dict[str, LinearOp], rows: int, in_features: int, dtype: torch.dtype
-) -> dict[str, float]:
-    """Seconds one call of each module takes on the same `rows` random rows: the median of
-    REPEATS, the candidates taking turns, so that a burst of other load on a shared machine
-    falls on all of them rather than on one."""
-    x = torch.randn(rows, in_features, dtype=dtype)
-    for module in modules.values():
-        module.apply(x, None)  # first call: allocations, oneDNN's primitive creation
-    times: dict[str, list[float]] = {name: [] for name in modules}
-    for _ in range(REPEATS):
-        for name, module in modules.items():
-            start = time.perf_counter()
-            module.apply(x, None)
-            times[name].append(time.perf_counter() - start)
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-
-
-def fastest(timings: dict[str, list[float]]) -> str:
-    """The candidate whose times, each relative to the fastest candidate's at that row count,
-    have the smallest geometric mean (every row count weighs the same, whatever its size)."""
-    names = list(timings)
-    counts = len(next(iter(timings.values())))
-    best = [min(timings[n][i] for n in names) for i in range(counts)]
-
-    def score(name: str) -> float:
-        return sum(math.log(t / b) for t, b in zip(timings[name], best, strict=True))
-
-    return min(names, key=score)
-
-
-class ChoiceCache:
-    """Measured choices of one setup (`key`: what decides them), one JSON file each under
-    `folder` (default: cache_dir()/linear_choices), shape key -> the chosen candidate."""
-
-    def __init__(self, key: dict[str, str], folder: Path | None = None) -> None:
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        self.key = key
-        self.path = (folder or cache_dir() / "linear_choices") / f"{digest}.json"
-
-    def get(self, shape: str) -> str | None:
-        return self._read().get(shape)
-
-    def put(self, shape: str, choice: str) -> None:
-        """Record a choice; another process's choices written meanwhile are kept."""
-        choices = {**self._read(), shape: choice}
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps({"key": self.key, "choices": choices}, indent=1, sort_keys=True)
-            atomic_write_text(self.path, text)
-        except OSError as exc:  # a read-only cache folder: measured again next time
-            log.warning("cannot save the measured linear choices to %s (%s)", self.path, exc)
-
-    def _read(self) -> dict[str, str]:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        choices = data.get("choices") if isinstance(data, dict) else None
-        return choices if isinstance(choices, dict) else {}
-
-
 def setup_key(
     candidates: Sequence[LinearMethod | IntCandidate], dtype: torch.dtype, rows: Sequence[int]
 ) -> dict:
@@ -185,6 +140,7 @@ class MeasuredLinears:
         cache: ChoiceCache,
         int_candidates: Sequence[IntCandidate] = (),
         dense_ints: bool = False,
+        clock: Clock | None = None,
     ) -> None:
         # A candidate without `make` (torch's, keeping the loaded Linear) can only be forced.
         assert len(candidates) == 1 or all(c.make is not None for c in candidates), candidates
@@ -193,9 +149,29 @@ class MeasuredLinears:
         # A quantized layer may also be held dense (DENSE), on the fastest dense candidate.
         self.dense_ints = dense_ints
         self.dtype, self.rows, self.cache = dtype, tuple(rows), cache
+        self.clock = clock or Clock()  # what the timings read (tests: a scripted one)
         self.choices: dict[str, str] = {}
-        self.measured = 0  # shapes timed in this process (the rest came from the cache)
-        self.seconds = 0.0  # spent timing them
+        # Every shape's choice made in this process, measured only for another's or not: the
+        # next layer of that shape takes it as is (no second measurement or spot check).
+        self._decided: dict[str, str] = {}
+        self._notes: dict[str, dict[str, Any]] = {}  # shape -> how its choice was made
+        self.measured = 0  # shapes timed in full in this process (the rest came from the cache)
+        self.seconds = 0.0  # spent timing them and spot-checking the cached ones
+
+    def report(self) -> dict[str, Any]:
+        """How each reported shape's choice was made (run.json's linear_measurement): per shape
+        `how` (measured: here, trusted and cached; provisional: here, not to be trusted after
+        its tries, cached apart for the next start to measure again; reused: an earlier start's
+        provisional choice, the machine still busy at its spot check; cached: from the cache,
+        its spot check passed; unchecked: from the cache, the machine too busy to spot-check
+        it; re-measured: the cached one lost its spot check and was replaced; kept: it lost,
+        but the new measurement was not to be trusted), the load per CPU, run share, spread
+        and margin it was measured with (linear_timing.Trust) and, for a cached one, its spot
+        check's figures. {} where nothing was chosen among several."""
+        shapes = {s: self._notes[s] for s in self.choices if s in self._notes}
+        if not shapes:
+            return {}
+        return {"seconds": round(self.seconds, 3), "measured": self.measured, "shapes": shapes}
 
     @property
     def forced(self) -> bool:
@@ -276,21 +252,108 @@ class MeasuredLinears:
     def _choose(
         self, shape: str, in_f: int, names: list[str], build: Callable[[str], LinearOp]
     ) -> LinearOp:
-        """The module of the choice for `shape`: the only one, the cached one, else each of
-        `names` built and timed, the fastest kept (and cached)."""
-        chosen = names[0] if len(names) == 1 else self.cache.get(shape)
+        """The module of the choice for `shape`: the only one, the one made earlier in this
+        process, the cached one that passes its spot check, else each of `names` built and
+        timed, the fastest kept (and cached where the measurement can be trusted)."""
+        chosen = names[0] if len(names) == 1 else self._decided.get(shape)
+        entry = None if chosen in names else self.cache.entry(shape)
         if chosen in names:
-            self.choices[shape] = chosen
-            return build(chosen)
+            module = build(chosen)
+        elif entry is not None and entry.choice in names:
+            held, made = self._spot_check(shape, in_f, names, build, entry)
+            if held:
+                chosen, module = entry.choice, made[entry.choice]
+            else:  # (a provisional choice is no previous one to keep)
+                previous = None if entry.provisional else entry.choice
+                chosen, module = self._measure(shape, in_f, names, build, previous, made)
+        else:
+            chosen, module = self._measure(shape, in_f, names, build, None, {})
+        self._decided[shape] = chosen
+        self.choices[shape] = chosen
+        return module
+
+    def _spot_check(
+        self,
+        shape: str,
+        in_f: int,
+        names: list[str],
+        build: Callable[[str], LinearOp],
+        entry: CachedChoice,
+    ) -> tuple[bool, dict[str, LinearOp]]:
+        """Time the cached choice against its runner-up (a cache without one: every other
+        candidate) at one row count: whether it holds (a win: it does not lose, or the machine
+        is too busy to tell; a provisional choice: the machine is still too busy to measure
+        better), and the modules built (reused by `_measure` where it does not)."""
+        rivals = [n for n in names if n != entry.choice]
+        if entry.runner_up in rivals:
+            rivals = [entry.runner_up]
+        start = self.clock.wall()
+        made = {n: build(n) for n in [entry.choice, *rivals]}
+        # The second fewest rows (a few decode steps' worth, where batch jobs spend their
+        # steps): cheap to time, and above a single row's fixed costs.
+        rows = self.rows[min(1, len(self.rows) - 1)]
+        sample = time_linears(made, rows, in_f, self.dtype, self.clock, SPOT_REPEATS)
+        spot = spot_check(sample, entry.choice)
+        self.seconds += self.clock.wall() - start
+        if entry.provisional:
+            self._notes[shape] = {"how": "reused", **entry.measured, **spot.record()}
+            if not spot.busy:
+                log.info("linear shape %s: its provisional choice measured again", shape)
+            return spot.busy, made
+        how = "unchecked" if spot.busy else "cached"
+        self._notes[shape] = {"how": how, **entry.measured, **spot.record()}
+        if not spot.lost:
+            if entry.runner_up is None and not spot.busy:  # an older cache's: keep its rival
+                self.cache.put(shape, entry.choice, spot.rival, entry.measured)
+            return True, made
+        log.info(
+            "linear shape %s: the cached %s is %.2fx slower than %s at %d rows; measuring again",
+            shape, entry.choice, spot.loss, spot.rival, rows,
+        )  # fmt: skip
+        return False, made
+
+    def _measure(
+        self,
+        shape: str,
+        in_f: int,
+        names: list[str],
+        build: Callable[[str], LinearOp],
+        previous: str | None,
+        made: dict[str, LinearOp],
+    ) -> tuple[str, LinearOp]:
+        """Each of `names` built (unless in `made`) and timed at every row count, up to TRIES
+        times while the measurement is not to be trusted (twice where the machine stays busy);
+        the fastest cached where it is, else `previous` (the cached choice) kept, else the
+        fastest used and cached apart as provisional."""
         # Seconds per shape where it must measure (a new CPU, torch or kernel): say which.
         log.info("measuring the linears of shape %s: %s", shape, ", ".join(names))
-        start = time.perf_counter()
-        made = {name: build(name) for name in names}
-        by_rows = [time_linears(made, r, in_f, self.dtype) for r in self.rows]
-        timings = {n: [t[n] for t in by_rows] for n in made}
-        chosen = fastest(timings)
-        self.seconds += time.perf_counter() - start
+        start = self.clock.wall()
+        made = {n: made[n] if n in made else build(n) for n in names}
+        tries, busy = 0, False
+        while True:
+            tries += 1
+            samples = [time_linears(made, r, in_f, self.dtype, self.clock) for r in self.rows]
+            chosen = fastest(medians(samples))
+            trust = judge(samples, chosen)
+            # Noise passes; other work that lasted two measurements will likely last a third.
+            if trust.reliable or tries == TRIES or (busy and trust.busy):
+                break
+            busy = trust.busy
+        self.seconds += self.clock.wall() - start
         self.measured += 1
-        self.cache.put(shape, chosen)
-        self.choices[shape] = chosen
-        return made[chosen]
+        if trust.reliable:
+            self.cache.put(shape, chosen, trust.runner_up, trust.record())
+            how = "measured" if previous is None else "re-measured"
+        else:
+            log.info(
+                "linear shape %s: not to be trusted after %d measurements (%s): %s",
+                shape, tries, trust.why(),
+                f"the cached {previous} kept" if previous else f"{chosen}, provisional",
+            )  # fmt: skip
+            if previous is None:
+                self.cache.put(shape, chosen, trust.runner_up, trust.record(), provisional=True)
+            how = "provisional" if previous is None else "kept"
+            chosen = previous or chosen
+        spot = {k: v for k, v in self._notes.get(shape, {}).items() if k.startswith("spot_")}
+        self._notes[shape] = {"how": how, **trust.record(), "tries": tries, **spot}
+        return chosen, made[chosen]

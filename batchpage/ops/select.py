@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
 from batchpage.ops.bf16_linear import bf16_dot_kernel, bf16_linears
+from batchpage.ops.choice_cache import ChoiceCache
 from batchpage.ops.collective import Collective
 from batchpage.ops.dequantized_linear import dequantized_linears
 from batchpage.ops.f32_linear import f32_kernel, f32_linears
 from batchpage.ops.int_linear import cpu_int_candidates
 from batchpage.ops.layer_ops import LayerOps
 from batchpage.ops.linear_method import MEASURABLE_TORCH_LINEARS, TORCH_LINEARS, LinearMethod
-from batchpage.ops.measured_linear import ChoiceCache, MeasuredLinears, setup_key
+from batchpage.ops.measured_linear import MeasuredLinears, setup_key
 from batchpage.ops.onednn_linear import ONEDNN_LINEARS, onednn_packs
 from batchpage.ops.triton_int_linear import triton_int_candidates
 from batchpage.ops.triton_linear import TRITON_LINEARS
@@ -42,6 +44,12 @@ class ModelOps:
         if measured is None or measured.forced:
             return {"*": self.linear.name, **(measured.choices if measured else {})}
         return dict(measured.choices)
+
+    def linear_measurement(self) -> dict[str, Any]:
+        """How the measured choices were made, per shape, and the load they were measured
+        under (MeasuredLinears.report: llm.stats' and run.json's linear_measurement); {} where
+        nothing was chosen among several."""
+        return self.measured.report() if self.measured is not None else {}
 
 
 def select_linears(

@@ -136,7 +136,7 @@ def summary(result: JobResult) -> str:
     done = "generated" if result.task == "generate" else POOLED[result.task]
     lines = [
         f"{result.rows} rows ({result.rows_generated} {done}, {result.rows_resumed} resumed, "
-        f"{result.errors} with errors) -> {result.output_dir / 'completions.parquet'}",
+        f"{result.errors} with errors) -> {result.completions}",
     ]
     if result.task == "generate":
         counts = sorted(result.finish_reasons.items())

@@ -97,8 +97,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if result.score is None:
         print("error: the nightly job must score: keep score=humaneval", file=sys.stderr)
         return 2
-    metrics = json.loads((result.output_dir / "run.json").read_text())["metrics"]
-    scores = pq.read_table(result.output_dir / "scores.parquet").to_pylist()
+    from batchpage.storage import Stores
+
+    out = result.output_dir  # a folder or a URL: read through its store
+    store = Stores(cfg.storage).store_for(out)
+    metrics = json.loads(store.read_bytes(store.join(out, "run.json")))["metrics"]
+    with store.open_read(store.join(out, "scores.parquet")) as f:
+        scores = pq.read_table(f).to_pylist()
     row = {
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "model": cfg.model.path,
@@ -109,19 +114,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "passed_tasks": sorted({s["id"] for s in scores if s["passed"]}),
         "generated_tokens": int(metrics["generated_tokens"]),
         "output_tokens_per_s": float(metrics["output_tokens_per_s"] or 0.0),
-        "output_dir": str(result.output_dir),
+        "output_dir": out,
         "sampling": json.dumps(dataclasses.asdict(cfg.sampling), sort_keys=True, default=str),
         "style": cfg.dataset.style,
     }
     if args.lm_eval_tasks:
-        row["lm_eval"] = json.dumps(run_lm_eval(cfg, args, result.output_dir), sort_keys=True)
+        row["lm_eval"] = json.dumps(run_lm_eval(cfg, args, out), sort_keys=True)
     print(report(row, append_history(args.history, row)))
     if "lm_eval" in row:
         print(f"lm-eval: {row['lm_eval']}")
     return 0
 
 
-def run_lm_eval(cfg: Any, args: argparse.Namespace, out: Path) -> dict[str, dict[str, float]]:
+def run_lm_eval(cfg: Any, args: argparse.Namespace, out: str) -> dict[str, dict[str, float]]:
     """The tasks through the batchpage backend, on the job's model and engine settings; the
     full results go to <out>/lm_eval.json, each task's numeric metrics are returned."""
     import lm_eval
@@ -143,7 +148,11 @@ def run_lm_eval(cfg: Any, args: argparse.Namespace, out: Path) -> dict[str, dict
         task_manager=manager,
         limit=args.lm_eval_limit,
     )
-    (out / "lm_eval.json").write_text(json.dumps(results["results"], indent=2, default=str))
+    from batchpage.storage import Stores
+
+    store = Stores(cfg.storage).store_for(out)
+    text = json.dumps(results["results"], indent=2, default=str)
+    store.write_bytes(store.join(out, "lm_eval.json"), text.encode())
     return {
         task: {k: v for k, v in metrics.items() if isinstance(v, float)}
         for task, metrics in results["results"].items()

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -95,7 +95,7 @@ def seed_prompts(dataset: Any) -> Iterator[str | None]:
             yield row.prompt
 
 
-def dedup(completions: Path, prompts: Iterator[str | None], out: Path) -> DedupStats:
+def dedup(completions: Path | BinaryIO, prompts: Iterator[str | None], out: Path) -> DedupStats:
     """Write (seed_id, prompt, completion) for each first-seen normalised completion."""
     stats = DedupStats()
     seen: set[bytes] = set()
@@ -148,7 +148,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if done is None:
         return 2
     cfg, result = done
-    stats = dedup(result.output_dir / "completions.parquet", seed_prompts(cfg.dataset), args.out)
+    from batchpage.storage import Stores
+
+    store = Stores(cfg.storage).store_for(result.completions)  # a local file or a URL
+    with store.open_read(result.completions) as completions:
+        stats = dedup(completions, seed_prompts(cfg.dataset), args.out)
     print(
         f"{stats.kept} unique completions from {result.rows} seeds -> {args.out} "
         f"({stats.duplicates} duplicates, {stats.empty} empty, {stats.failed_rows} failed seeds; "

@@ -16,7 +16,6 @@ they become part of the output's schema and of the job's identity:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -24,10 +23,11 @@ import pyarrow as pa
 from batchpage.data.jsonl_scan import ScannedColumn
 from batchpage.data.readers import JSON_LINES, DatasetError, file_schema
 from batchpage.data.rows import Row
+from batchpage.storage import Store
 
 
 def carried_columns(
-    columns: Sequence[str], used: Sequence[str | None], keep: Sequence[str] | None, where: Path
+    columns: Sequence[str], used: Sequence[str | None], keep: Sequence[str] | None, where: str
 ) -> tuple[str, ...]:
     """Which columns to carry: `keep` as given (each must exist), or every column not `used`."""
     if keep is None:
@@ -44,17 +44,18 @@ def carried_columns(
 
 def carried_schema(
     fmt: str,
-    files: list[Path],
+    files: Sequence[str],
     split: str,
     names: Sequence[str],
     scanned: Mapping[str, ScannedColumn] | None = None,
+    store: Store | None = None,
 ) -> pa.Schema:
     """The Arrow schema of the carried columns (see the module docstring). `scanned`: for JSON
     lines, the columns `jsonl_scan.scan_json_lines` found (required for them); a carried one
     whose first values fit no one type is refused, with the scan's message."""
     if not names:
         return pa.schema([])
-    stored = file_schema(fmt, files, split, names)
+    stored = file_schema(fmt, files, split, names, store)
     if stored is not None:
         return stored
     if fmt not in JSON_LINES:  # CSV

@@ -27,13 +27,13 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from batchpage.data.readers import DatasetError, jsonl_lines
 from batchpage.data.text_checks import unencodable
+from batchpage.storage import Store
 
 _SAMPLE_RECORDS = 1000  # the records per column whose values decide its type
 # Far more columns than a table meant to be read has, and few enough that the output's schema
@@ -66,11 +66,13 @@ class JsonLinesScan:
     records: int
 
 
-def scan_json_lines(files: Sequence[Path], max_row_bytes: int) -> JsonLinesScan:
-    """Read `files` once, line by line, and return their columns and row count (see the
-    module docstring). Raises DatasetError when the input holds no JSON object (checked within
-    its first lines, so that a file of another kind is refused early) or more than
-    `_MAX_COLUMNS` distinct keys, naming the file and the line.
+def scan_json_lines(
+    files: Sequence[str], max_row_bytes: int, store: Store | None = None
+) -> JsonLinesScan:
+    """Read `files` once, line by line (streamed through `store`), and return their columns
+    and row count (see the module docstring). Raises DatasetError when the input holds no
+    JSON object (checked within its first lines, so that a file of another kind is refused
+    early) or more than `_MAX_COLUMNS` distinct keys, naming the file and the line.
 
     Memory: one line (at most max_row_bytes) parsed, the values of about `_PIECE_BYTES` of
     lines awaiting their type, and per column its name and type. Time: one JSON parse of every
@@ -78,7 +80,7 @@ def scan_json_lines(files: Sequence[Path], max_row_bytes: int) -> JsonLinesScan:
     found = _Columns()
     records = 0
     for path in files:
-        for lineno, line in jsonl_lines(path, max_row_bytes):
+        for lineno, line in jsonl_lines(path, max_row_bytes, store):
             records += 1
             record = _object(line)
             if record is not None:
@@ -102,12 +104,12 @@ def _object(line: str | int | None) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _no_objects(path: Path, lines: int | None = None) -> DatasetError:
+def _no_objects(path: str, lines: int | None = None) -> DatasetError:
     where = f"the first {lines} lines of {path}" if lines else str(path)
     return DatasetError(f"no JSON object in {where}; expected JSON lines (one object per line)")
 
 
-_Where = tuple[Path, int]  # a file and a line number in it
+_Where = tuple[str, int]  # a file and a line number in it
 
 
 class _Columns:

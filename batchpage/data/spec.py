@@ -8,6 +8,11 @@ dataset. A problem with one row (null, empty or non-text prompt, malformed messa
 override value, an unparsable JSONL line) does not raise: the row is yielded with `error` set, so
 that it still gets its output row.
 
+Every file is read through the job's `Store` (batchpage.storage), so dataset.path may be a URL
+(s3://bucket/prompts/, gs://bucket/data/*.parquet) as well as a local path: objects are streamed
+as files are, and fingerprinted by the store's version (ETag, generation) and size. HF datasets
+are read from local disk only.
+
 Row indices are global positions in the input (files of a folder/glob in sorted order). Resume is
 keyed on them, so `DatasetInfo.fingerprint` holds what decides them and their results (files,
 column choices, prompt settings, the size bound) and deliberately not `limit`: raising the limit
@@ -16,19 +21,17 @@ and rerunning resumes the same job.
 
 from __future__ import annotations
 
-import glob as globlib
 import logging
-import os
-import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 import batchpage.data.presets as presets
 from batchpage.data.carry import carried_columns, carried_schema, check_window
+from batchpage.data.dataset_path import resolve_path
+from batchpage.data.input_files import storage_error
 from batchpage.data.jsonl_scan import scan_json_lines
 from batchpage.data.openai_batch import ID_FIELD, REQUEST_FIELDS, make_batch_row
 from batchpage.data.readers import (
@@ -42,7 +45,7 @@ from batchpage.data.readers import (
     resolve_format,
 )
 from batchpage.data.rows import DEFAULT_OVERRIDES, OVERRIDE_FIELDS, Row, make_row
-from batchpage.fileio import file_digest
+from batchpage.storage import StorageError, Store, Stores
 
 FORMATS = ("auto", "parquet", "jsonl", "csv", "hf", "openai_batch")
 CHAT_TEMPLATE_MODES = ("auto", "true", "false")
@@ -57,7 +60,8 @@ _log = logging.getLogger(__name__)
 class DatasetSpec:
     """Where the prompts are and how to read them (the `dataset` config group).
 
-    path: a file, a folder, a glob, or a bundled name (`batchpage.data.presets.known_presets()`).
+    path: a file, a folder, a glob (local or a URL: s3://bucket/prefix/, gs://b/x/*.jsonl), or a
+    bundled name (`batchpage.data.presets.known_presets()`).
     prompt_column / messages_column: plain text, or a chat (a list of {role, content}). Setting
     messages_column switches to chat unless prompt_column was also changed from its default.
     override_columns: per-row SamplingParams columns; None means max_tokens and temperature
@@ -136,10 +140,19 @@ class DatasetInfo:
 # --- validate ----------------------------------------------------------------------------------
 
 
-def validate(spec: DatasetSpec) -> DatasetInfo:
-    """Resolve and check the spec; raise DatasetError on a fatal issue. A JSON-lines input is
+def validate(spec: DatasetSpec, stores: Stores | None = None) -> DatasetInfo:
+    """Resolve and check the spec; raise DatasetError on a fatal issue (a missing bucket or
+    object, or access denied, is one too, naming the URL and the fix). A JSON-lines input is
     read through once whatever the limit (its columns and types are the output's schema,
-    which raising the limit must not change); see `jsonl_scan`."""
+    which raising the limit must not change), streamed; see `jsonl_scan`. `stores`: the job's
+    (None: default storage settings)."""
+    try:
+        return _validate(spec, stores or Stores())
+    except (StorageError, FileNotFoundError, PermissionError) as e:
+        raise storage_error(spec.path, e) from None
+
+
+def _validate(spec: DatasetSpec, stores: Stores) -> DatasetInfo:
     if spec.format not in FORMATS:
         raise DatasetError(f"dataset.format={spec.format!r} is unknown; use one of {FORMATS}")
     if spec.limit is not None and spec.limit < 0:
@@ -170,21 +183,21 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
             f"dataset.chat_template_kwargs must map template variables to values, e.g. "
             f"{{enable_thinking: false}}; got {kwargs!r:.60}"
         )
-    paths, preset = _resolve_files(spec.path)
+    paths, preset, store = resolve_path(spec.path, stores)
     if spec.style != "auto" and not (preset and preset.styles):
         raise DatasetError(
             f"dataset.style={spec.style} applies to code-completion prompt sets (the evals "
             "preset); for other data use dataset.chat_template=true|false"
         )
-    fmt, files = resolve_format(spec.format, paths)
-    if fmt == "jsonl" and spec.format == "auto" and is_openai_batch(files[0], bound):
+    fmt, files = resolve_format(spec.format, paths, store)
+    if fmt == "jsonl" and spec.format == "auto" and is_openai_batch(files[0], bound, store):
         fmt = "openai_batch"
     # JSON lines have no header: one pass finds their columns, types and rows together.
-    scan = scan_json_lines(files, bound) if fmt in JSON_LINES else None
+    scan = scan_json_lines(files, bound, store) if fmt in JSON_LINES else None
     if scan is not None:
         columns, num_rows = list(scan.columns), scan.records
     else:
-        columns, num_rows = peek_columns(fmt, files, spec.split, bound)
+        columns, num_rows = peek_columns(fmt, files, spec.split, bound, store)
     if fmt == "openai_batch":
         prompt_col, messages_col, id_column, overrides = _batch_columns(spec, columns, files)
     else:
@@ -201,9 +214,9 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
             if col is not None and col not in columns:
                 raise DatasetError(_missing_column_message(col, columns, spec, files))
     if id_column is not None and (spec.id_column is not None or fmt == "openai_batch"):
-        _check_ids(fmt, files, spec, id_column)
+        _check_ids(fmt, files, spec, id_column, store)
     elif id_column == ID_COLUMN and preset is None:
-        _check_ids(fmt, files, spec, id_column, auto=True)
+        _check_ids(fmt, files, spec, id_column, store, auto=True)
     batch = fmt == "openai_batch"
     if batch and spec.response_column is not None:
         raise DatasetError(
@@ -223,12 +236,13 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
     carried = carried_columns(columns, consumed, spec.keep_columns, files[0])
 
     if num_rows is None and fmt == "csv":
-        num_rows = count_records(fmt, files, spec.limit, bound)
+        num_rows = count_records(fmt, files, spec.limit, bound, store)
     if num_rows is not None and spec.limit is not None:
         num_rows = min(num_rows, spec.limit)
     key = {
-        # By path, so that a refused resume names the file that changed.
-        "files": {str(f): file_digest(f) for f in files},
+        # By path, so that a refused resume names the file that changed. A local file's entry
+        # hashes its bytes; an object's is its store's version (ETag, generation) and size.
+        "files": {f: store.digest(f) for f in files},
         "format": fmt,
         "split": spec.split if fmt == "hf" else None,
         "columns": [prompt_col, messages_col, id_column, list(overrides)],
@@ -245,7 +259,7 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         key["max_prompt_bytes"] = spec.max_prompt_bytes
     return DatasetInfo(
         format=fmt,
-        files=tuple(str(f) for f in files),
+        files=tuple(files),
         columns=tuple(columns),
         prompt_column=prompt_col,
         messages_column=messages_col,
@@ -260,7 +274,7 @@ def validate(spec: DatasetSpec) -> DatasetInfo:
         lora_column=spec.lora_column,
         carried=carried,
         carried_schema=carried_schema(
-            fmt, files, spec.split, carried, scan.columns if scan else None
+            fmt, files, spec.split, carried, scan.columns if scan else None, store
         ),
     )
 
@@ -278,7 +292,7 @@ def _override_columns(spec: DatasetSpec, columns: list[str]) -> tuple[str, ...]:
 
 
 def _batch_columns(
-    spec: DatasetSpec, columns: list[str], files: list[Path]
+    spec: DatasetSpec, columns: list[str], files: Sequence[str]
 ) -> tuple[None, None, str, tuple[str, ...]]:
     """An OpenAI Batch file's lines carry their prompt, id and sampling values: settings that
     would pick them from columns are refused rather than ignored."""
@@ -334,7 +348,7 @@ def _missing_column_message(col: str, columns: list[str], spec: DatasetSpec, fil
 
 
 def _check_ids(
-    fmt: str, files: list[Path], spec: DatasetSpec, column: str, auto: bool = False
+    fmt: str, files: Sequence[str], spec: DatasetSpec, column: str, store: Store, auto: bool = False
 ) -> None:
     """Ids key the output rows: refuse duplicates, and nulls (which would fall back to the row
     index and could collide with a real id), naming the first few. One pass over the column. A
@@ -345,7 +359,7 @@ def _check_ids(
     duplicates: list[str] = []
     nulls: list[int] = []
     records = open_records(
-        fmt, files, spec.split, [column], spec.window_rows, spec.max_prompt_bytes
+        fmt, files, spec.split, [column], spec.window_rows, spec.max_prompt_bytes, store
     )
     for index, rec in enumerate(records):
         if spec.limit is not None and index >= spec.limit:
@@ -374,65 +388,17 @@ def _check_ids(
         raise DatasetError(f"{what} is null at rows {shown}; fill those ids ({fix})")
 
 
-def input_root(path: str) -> tuple[Path, bool] | None:
-    """Where dataset.path reads from, resolved: (the file, False), or (the folder it reads, or
-    a glob's folder before its first wildcard, True); None for a bundled name or a path that
-    does not exist (validate says what is wrong with it)."""
-    if not path or presets.is_preset(path):
-        return None
-    expanded = os.path.expanduser(path)
-    if any(ch in expanded for ch in "*?["):
-        parts = Path(expanded).parts
-        fixed = next(i for i, part in enumerate(parts) if any(ch in part for ch in "*?["))
-        return Path(*parts[:fixed]).resolve() if fixed else Path.cwd(), True
-    p = Path(expanded)
-    return (p.resolve(), p.is_dir()) if p.exists() else None
-
-
-def _resolve_files(path: str) -> tuple[list[Path], presets.ResolvedPreset | None]:
-    if not path:
-        raise DatasetError(
-            f"dataset.path is empty; give a file, folder, glob or one of "
-            f"the bundled datasets: {presets.describe_presets()}"
-        )
-    # A bundled name wins over a same-named local folder; write ./name for the folder.
-    if presets.is_preset(path):
-        try:
-            res = presets.resolve_preset(path)
-        except (RuntimeError, OSError) as e:  # its source package is missing, or no cache dir
-            raise DatasetError(f"bundled dataset {path!r} is unavailable: {e}") from e
-        return [res.path], res
-    expanded = os.path.expanduser(path)
-    if any(ch in expanded for ch in "*?["):
-        files = sorted(Path(p) for p in globlib.glob(expanded, recursive=True) if os.path.isfile(p))
-        if not files:
-            raise DatasetError(f"dataset.path={path!r} matches no files (cwd: {os.getcwd()})")
-        return files, None
-    p = Path(expanded)
-    if p.exists():
-        if not p.is_dir() and not stat.S_ISREG(p.stat().st_mode):
-            # /dev/zero, a FIFO or a socket: reading (or digesting) it may never end.
-            raise DatasetError(
-                f"dataset.path={path!r} is not a regular file (a device, FIFO or socket); "
-                "point it at a data file, a folder or a glob"
-            )
-        return [p], None
-    hint = ""
-    if os.sep not in path and "." not in path:
-        hint = f"; bundled datasets are: {presets.describe_presets()}"
-    raise DatasetError(
-        f"dataset.path={path!r}: no such file or folder ({p.absolute()}) and not a bundled "
-        f"dataset{hint}"
-    )
-
-
 # --- iterate -----------------------------------------------------------------------------------
 
 
-def iter_rows(spec: DatasetSpec, info: DatasetInfo | None = None) -> Iterator[Row]:
+def iter_rows(
+    spec: DatasetSpec, info: DatasetInfo | None = None, stores: Stores | None = None
+) -> Iterator[Row]:
     """Every row in input order (up to spec.limit), each checked; see `iter_windows`. `info`:
-    what validate(spec) returned, when the caller has it (validating reads every byte)."""
-    info = info or validate(spec)
+    what validate(spec) returned, when the caller has it (validating reads every byte).
+    `stores`: the job's (None: default storage settings)."""
+    stores = stores or Stores()
+    info = info or validate(spec, stores)
     if spec.limit == 0:
         return
     from_text = info.format == "csv"  # CSV cells are all text: numbers there are parsed
@@ -445,9 +411,11 @@ def iter_rows(spec: DatasetSpec, info: DatasetInfo | None = None) -> Iterator[Ro
         *info.carried,
     ]
     wanted = list(dict.fromkeys(c for c in columns if c))  # unique, in order
-    paths = [Path(f) for f in info.files]
     bound = spec.max_prompt_bytes
-    records = open_records(info.format, paths, spec.split, wanted, spec.window_rows, bound)
+    store = stores.store_for(info.files[0])
+    records = open_records(
+        info.format, info.files, spec.split, wanted, spec.window_rows, bound, store
+    )
     for index, rec in enumerate(records):
         if info.format == "openai_batch":
             yield make_batch_row(index, rec, info.carried, bound)
@@ -470,14 +438,18 @@ def iter_rows(spec: DatasetSpec, info: DatasetInfo | None = None) -> Iterator[Ro
             return
 
 
-def iter_windows(spec: DatasetSpec, info: DatasetInfo | None = None) -> Iterator[list[Row]]:
-    """Rows in windows of spec.window_rows (the last may be shorter), streamed. Carried values
-    of JSON lines, whose types were inferred from each column's first records, are checked per
-    window. `info`: what validate(spec) found, if the caller has it (it reads JSON lines whole)."""
-    info = info or validate(spec)
+def iter_windows(
+    spec: DatasetSpec, info: DatasetInfo | None = None, stores: Stores | None = None
+) -> Iterator[list[Row]]:
+    """Rows in windows of spec.window_rows (the last may be shorter), streamed: a file or object
+    is fetched as its rows are read. Carried values of JSON lines, whose types were inferred
+    from each column's first records, are checked per window. `info`: what validate(spec)
+    found, if the caller has it (it reads JSON lines whole). `stores`: the job's."""
+    stores = stores or Stores()
+    info = info or validate(spec, stores)
     inferred = info.format in JSON_LINES and len(info.carried_schema) > 0
     window: list[Row] = []
-    for row in iter_rows(spec, info):
+    for row in iter_rows(spec, info, stores):
         window.append(row)
         if len(window) >= spec.window_rows:
             if inferred:

@@ -11,7 +11,7 @@ verdict, so resuming a finished job scores nothing again. overwrite=true deletes
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 from typing import Any
 
 import pyarrow as pa
@@ -19,9 +19,10 @@ import pyarrow.parquet as pq
 
 from batchpage.data.readers import open_records
 from batchpage.data.spec import DatasetInfo, DatasetSpec
-from batchpage.fileio import atomic_path
 from batchpage.humaneval.sandbox import Limits, Outcome, Status
-from batchpage.output.files import SCORES_FILE
+from batchpage.output.files import FINAL_FILE, SCORES_FILE, output_folder, store_of
+from batchpage.output.manifest import retract
+from batchpage.storage import Store
 
 __all__ = [
     "SCORERS",
@@ -61,11 +62,13 @@ def code_of(style: str, prompt: str | None, completion: str) -> str:
     return extract_code(completion, entry_point) if entry_point else completion
 
 
-def check_scorable(scorer: str, info: DatasetInfo, spec: DatasetSpec) -> None:
+def check_scorable(
+    scorer: str, info: DatasetInfo, spec: DatasetSpec, store: Store | None = None
+) -> None:
     """Before the model loads: refuse (ValueError, with the fix) a scorer that is unknown, or
     a dataset whose rows are not its problems; HumanEval checks each row against the problem
     of its id, so every id must be a HumanEval task id. Reads the id column only, up to the
-    first id that is not one."""
+    first id that is not one. `store`: the inputs' (default: that of their paths)."""
     if scorer not in SCORERS:
         raise ValueError(f"score={scorer!r} is unknown; use one of {', '.join(SCORERS)}")
     from batchpage.humaneval.checks import load_problems
@@ -83,8 +86,9 @@ def check_scorable(scorer: str, info: DatasetInfo, spec: DatasetSpec) -> None:
             "score=humaneval checks each row against the HumanEval problem named by its id, and "
             f"this dataset's rows have no id column (they are named by their index): {fix}"
         )
-    files = [Path(f) for f in info.files]
-    records = open_records(info.format, files, spec.split, [info.id_column], spec.window_rows)
+    records = open_records(
+        info.format, list(info.files), spec.split, [info.id_column], spec.window_rows, store=store
+    )
     for index, rec in enumerate(records):
         if spec.limit is not None and index >= spec.limit:
             break
@@ -97,13 +101,19 @@ def check_scorable(scorer: str, info: DatasetInfo, spec: DatasetSpec) -> None:
             )
 
 
-def score_output(output_dir: Path, scorer: str, workers: int = 2) -> dict[str, Any]:
-    """Check every sample of completions.parquet; write scores.parquet; return the summary."""
+def score_output(
+    output_dir: str | os.PathLike, scorer: str, workers: int = 2, store: Store | None = None
+) -> dict[str, Any]:
+    """Check every sample of completions.parquet; write scores.parquet (withdrawing `_SUCCESS`
+    first: the job commits again after it); return the summary."""
     if scorer != "humaneval":
         raise ValueError(f"score={scorer!r} is unknown; use one of {SCORERS}")
     from batchpage.humaneval.checks import load_problems, score
 
-    table = pq.read_table(output_dir / "completions.parquet")
+    out = output_folder(output_dir)
+    store = store_of(out, store)
+    with store.open_read(store.join(out, FINAL_FILE)) as f:
+        table = pq.read_table(f)
     column = "code" if "code" in table.column_names else "completion"
     pairs: list[tuple[str, str | None]] = []
     for task_id, code in zip(
@@ -111,7 +121,7 @@ def score_output(output_dir: Path, scorer: str, workers: int = 2) -> dict[str, A
     ):
         samples = code if isinstance(code, list) else [code]
         pairs += [(task_id, c) for c in samples]
-    known = previous_verdicts(output_dir / SCORES_FILE)
+    known = previous_verdicts(store, store.join(out, SCORES_FILE))
     report = score(pairs, load_problems(), Limits(), workers=workers, known=known)
     scores = pa.table(
         {
@@ -124,8 +134,9 @@ def score_output(output_dir: Path, scorer: str, workers: int = 2) -> dict[str, A
         },
         schema=SCORES_SCHEMA,
     )
-    with atomic_path(output_dir / SCORES_FILE) as tmp:
-        pq.write_table(scores, tmp)
+    retract(store, out)
+    with store.write_stream(store.join(out, SCORES_FILE)) as f:
+        pq.write_table(scores, f)
     return {
         "scorer": scorer,
         "pass_at_1": report.pass_at_1,
@@ -138,12 +149,16 @@ def score_output(output_dir: Path, scorer: str, workers: int = 2) -> dict[str, A
     }
 
 
-def previous_verdicts(path: Path) -> dict[str, Outcome]:
+def previous_verdicts(store: Store, path: str) -> dict[str, Outcome]:
     """The verdicts of an earlier scoring by check id; none from a file that is missing,
     unreadable or written before check ids were kept (every sample is then checked again)."""
+    columns = ["check_id", "status", "reason", "unconfined"]
     try:
-        table = pq.read_table(path, columns=["check_id", "status", "reason", "unconfined"])
-    except (OSError, pa.ArrowException):  # FileNotFoundError included: the first scoring
+        with store.open_read(path) as f:
+            table = pq.read_table(f, columns=columns)
+    except FileNotFoundError:  # the first scoring
+        return {}
+    except pa.ArrowException:  # damaged, or older than check ids
         return {}
     verdicts: dict[str, Outcome] = {}
     statuses = {s.value: s for s in Status}

@@ -5,11 +5,13 @@
 
 Rows are submitted to the engine one window at a time and saved the moment each finishes, so a
 kill -9 costs the rows in flight and nothing more (see batchpage.output.writer). The output
-folder stays locked from the first check to the last file written (scores, run.json).
+folder (a local folder or a URL: every file goes through its Store) stays locked from the first
+check to the last file written (scores, run.json). The output is committed once, after the last
+output file: `_SUCCESS` (batchpage.output.manifest), then run.json.
 
-Two things outside the job stop it part-way with JobStoppedError (exit 2, the rows saved so far
-kept, a rerun resumes): a full disk, and an input file that changed while it was read
-(input_watch.py).
+Three things outside the job stop it part-way with JobStoppedError (exit 2, the rows saved so
+far kept, a rerun resumes): a full disk, an input file that changed while it was read
+(input_watch.py), and another job that took the output folder over (a lease that expired).
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ from batchpage.job.report import JobResult, ThisRun, resolved_settings, summariz
 from batchpage.metrics import RunStats
 from batchpage.output import OutputDirError, ShardWriter, finalize
 from batchpage.output.batch_files import write_batch_files
+from batchpage.output.files import BATCH_ERRORS_FILE, BATCH_OUTPUT_FILE, FINAL_FILE, SCORES_FILE
+from batchpage.output.manifest import commit
 from batchpage.request_outputs import PoolingRequestOutput, RequestOutput
+from batchpage.storage import OutputLostError
 
 LLMFactory = Callable[..., Any]
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -52,7 +57,7 @@ def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
     if llm_factory is None:
         llm_factory = _executor_factory(cfg)
     plan = plan_job(cfg)
-    out = Path(cfg.output_dir)
+    out = cfg.output_dir
     try:
         writer = ShardWriter(
             out,
@@ -63,15 +68,22 @@ def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
             flush_seconds=cfg.flush_seconds,
             extra_schema=plan.extra_schema,
             listed=plan.listed,
+            store=plan.stores.store_for(out),
+            lease_seconds=cfg.storage.lease_seconds,
         )
     except OutputDirError as e:
         raise JobConfigError(str(e)) from None
     except OSError as e:  # a file, or a folder this user cannot write
         raise JobConfigError(f"output_dir {out} cannot be used: {e.strerror or e}") from None
-    watch = InputWatch(plan.info.files, plan.info.fingerprint["files"], out)
+    watch = InputWatch(plan.info.files, plan.info.fingerprint["files"], out, plan.stores)
     try:
         with writer:
             return _run(cfg, plan, llm_factory, writer, watch, (started_wall, started))
+    except OutputLostError as e:
+        raise JobStoppedError(
+            f"{e} ({writer.num_saved} rows this job saved in {out} are kept: rerun with the "
+            "same output_dir to resume once the folder is free)"
+        ) from None
     except OSError as e:
         if e.errno not in _DISK_FULL:
             raise
@@ -90,18 +102,19 @@ def _run(
     watch: InputWatch,
     started: tuple[float, float],
 ) -> JobResult:
-    """The job's body, under the writer's lock: windows, the final merge, scores, run.json."""
-    out = Path(cfg.output_dir or "")
+    """The job's body, under the writer's lock: windows, the final merge, scores, the commit
+    point (_SUCCESS), run.json."""
+    out, store = writer.output_dir, writer.store
     window_stats: list[RunStats] = []
     rows = resumed = generated = 0
     by_adapter: Counter[str] = Counter()  # rows generated per adapter (dataset.lora_column)
     llm: Any = None
     progress = JobProgress(plan.info.num_rows, cfg.progress)
-    status = ProgressFile(out, progress)
+    status = ProgressFile(out, progress, store=store)
     try:
         if writer.num_done:
             progress.note(f"resuming into {out}: {writer.num_done} rows already done")
-        for window in iter_windows(cfg.dataset, plan.info):
+        for window in iter_windows(cfg.dataset, plan.info, plan.stores):
             # Read before the check: if the file changed, this window may hold new rows.
             watch.check()
             rows += len(window)
@@ -139,16 +152,22 @@ def _run(
             llm.close()
     writer.flush()
     status.write(stage="done")
-    final = finalize(out, rows)
+    final = finalize(out, rows, store=store, commit_now=False)
+    written = [(FINAL_FILE, final.rows)]
     if plan.openai_batch:
-        write_batch_files(out, Path(cfg.model.path).name)
-    score = score_output(out, cfg.score) if cfg.score else None
+        answered, failed = write_batch_files(out, Path(cfg.model.path).name, store=store)
+        written += [(BATCH_OUTPUT_FILE, answered), (BATCH_ERRORS_FILE, failed)]
+    score = score_output(out, cfg.score, store=store) if cfg.score else None
+    if score is not None:
+        written.append((SCORES_FILE, score["samples"]))
+    writer.check()  # still this job's folder: then commit, last of the output files
+    commit(store, out, written, final.shards, writer.fingerprint)
     run = ThisRun(
         started[0], time.perf_counter() - started[1], generated, resumed,
         RunStats.merged(window_stats), dict(by_adapter) if plan.adapters else {},
     )  # fmt: skip
-    metrics = write_report(out, cfg, plan, _settings(plan, llm), run, rows, score)
-    reasons, samples, first_error = summarize(final.path)
+    metrics = write_report(store, out, cfg, plan, _settings(plan, llm), run, rows, score)
+    reasons, samples, first_error = summarize(store, final.path)
     return JobResult(
         out,
         rows,
@@ -162,6 +181,7 @@ def _run(
         samples,
         score,
         this_run=run.figures(),
+        completions=final.path,
     )
 
 

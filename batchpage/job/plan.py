@@ -15,7 +15,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchpage.data.spec import DatasetInfo, input_root, validate
+from batchpage.data.dataset_path import input_root
+from batchpage.data.spec import DatasetInfo, validate
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.grammar_cache import check_constraint
 from batchpage.engine.plan import EnginePlan, plan_engine
@@ -34,7 +35,7 @@ from batchpage.output.batch_files import batch_schema
 from batchpage.output.files import output_schema
 from batchpage.pooling_params import PoolingParams
 from batchpage.sampling_params import SamplingParams
-from batchpage.storage import Stores
+from batchpage.storage import Stores, is_url
 
 # Bump when the way prompts are built changes: old output_dirs then refuse to resume into a mix.
 PROMPT_FORMAT = 2
@@ -91,8 +92,8 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     stores = Stores(cfg.storage)
     try:
         if cfg.output_dir and not cfg.dry_run:  # a dry run writes nothing there
-            _check_apart(Path(cfg.output_dir), cfg.dataset.path)
-        info = validate(cfg.dataset)
+            _check_apart(str(cfg.output_dir), cfg.dataset.path, stores)
+        info = validate(cfg.dataset, stores)
         params = cfg.sampling.to_params()
         pooling = cfg.pooling.to_params()
         source = resolve_model_source(cfg.model.path)
@@ -101,7 +102,7 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         if cfg.executor.kind == "ray":
             replica_bundles(cfg.executor, engine_cfg.tensor_parallel_size)
         if cfg.score is not None:
-            check_scorable(cfg.score, info, cfg.dataset)
+            check_scorable(cfg.score, info, cfg.dataset, stores.store_for(info.files[0]))
         style, prompts = _prompt_plan(cfg, info, source)
         if style == "completion" and info.styles is not None:
             stops = [*(params.stop or []), *info.styles.completion_stop]
@@ -345,19 +346,24 @@ def model_identity(source: ModelSource) -> list[Any]:
     return [file_digest(f, sample_bytes=_WEIGHT_SAMPLE_BYTES) for f in files]
 
 
-def _check_apart(output_dir: Path, dataset_path: str) -> None:
+def _check_apart(output_dir: str, dataset_path: str, stores: Stores) -> None:
     """The job's folder and what it reads must not overlap: an output_dir that is, holds or lies
-    in the input folder would read the job's own files as input (and see its input change as it
-    writes), and one that holds the input file may write over it."""
-    root = input_root(dataset_path)
+    in the input folder (or prefix) would read the job's own files as input (and see its input
+    change as it writes), and one that holds the input file may write over it. Local paths are
+    compared resolved, URLs as written (s3a:// as s3://, gcs:// as gs://)."""
+    root = input_root(dataset_path, stores)
     if root is None:
         return
     where, is_folder = root
-    out = output_dir.expanduser().resolve()
+    if is_url(output_dir) != is_url(where):
+        return  # one on local disk, the other in object storage
+    local = not is_url(output_dir)
+    out = str(Path(output_dir).expanduser().resolve()) if local else _canonical(output_dir)
+    where = where if local else _canonical(where)
     if is_folder:
-        overlap = out == where or where in out.parents or out in where.parents
+        overlap = _within(out, where) or _within(where, out)
     else:
-        overlap = out in where.parents
+        overlap = where != out and _within(where, out)
     if overlap:
         what = "folder" if is_folder else "file"
         raise ValueError(
@@ -365,3 +371,15 @@ def _check_apart(output_dir: Path, dataset_path: str) -> None:
             f"({where}): the job would read its own files or write over its input; give an "
             "output_dir outside the input (e.g. a sibling folder)"
         )
+
+
+def _within(inner: str, outer: str) -> bool:
+    """Whether `inner` is `outer` or lies below it (both absolute paths, or both URLs)."""
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
+
+
+def _canonical(url: str) -> str:
+    """A URL spelled one way: its scheme's usual name, lower case, no trailing slash."""
+    scheme, _, rest = url.partition("://")
+    scheme = {"s3a": "s3", "gcs": "gs"}.get(scheme.lower(), scheme.lower())
+    return f"{scheme}://{rest.rstrip('/')}"

@@ -1,37 +1,41 @@
 """progress.json: where a running job stands, for whoever watches a job that runs for a day.
 
-Rewritten atomically (a reader never sees half a file) at most every `every_s` seconds while
-rows finish and engine steps run, at every window's end and when the job stops: rows done and
-failed out of the total, the output rate and the time left at that rate (the progress bar's own
-figures), with executor=ray each replica's rows and rate and the replicas lost and replaced,
-and with dataset.lora_column the rows done per adapter. run.json names the file; it stays after
-the job as its last state.
+Rewritten whole through the output folder's store (a reader never sees half a file) at most
+every `every_s` seconds while rows finish and engine steps run, at every window's end and when
+the job stops: rows done and failed out of the total, the output rate and the time left at
+that rate (the progress bar's own figures), with executor=ray each replica's rows and rate and
+the replicas lost and replaced, and with dataset.lora_column the rows done per adapter.
+run.json names the file; it stays after the job as its last state.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from batchpage.fileio import atomic_path
 from batchpage.job.progress import JobProgress
-from batchpage.output.files import PROGRESS_FILE
+from batchpage.output.files import PROGRESS_FILE, output_folder, store_of
+from batchpage.storage import Store
 
 
 class ProgressFile:
     def __init__(
         self,
-        out: Path,
+        out: str | os.PathLike,
         progress: JobProgress,
         executor: Callable[[], dict[str, Any]] | None = None,
         every_s: float = 10.0,
+        store: Store | None = None,
     ) -> None:
-        """`executor`: the executor's figures now (ReplicaPool.describe's), None for local."""
-        self.path = out / PROGRESS_FILE
+        """`executor`: the executor's figures now (ReplicaPool.describe's), None for local.
+        `store`: the output folder's (default: the store of `out`)."""
+        folder = output_folder(out)
+        self.store = store_of(folder, store)
+        self.path = self.store.join(folder, PROGRESS_FILE)
         self.progress = progress
         self.executor = executor
         self.every_s = every_s
@@ -56,6 +60,5 @@ class ProgressFile:
             record["executor"] = self.executor()
         if self.rows_by_adapter:
             record["rows_by_adapter"] = dict(sorted(self.rows_by_adapter.items()))
-        with atomic_path(self.path) as tmp:
-            tmp.write_text(json.dumps(record, indent=1) + "\n")
+        self.store.write_bytes(self.path, (json.dumps(record, indent=1) + "\n").encode())
         self._last = time.monotonic()

@@ -7,7 +7,6 @@ import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
@@ -17,11 +16,12 @@ from batchpage.job.plan import JobPlan
 from batchpage.metrics import RunStats
 from batchpage.output import RUN_FILE, write_run_json
 from batchpage.output.files import PROGRESS_FILE
+from batchpage.storage import Store, safe_url
 
 
 @dataclass
 class JobResult:
-    output_dir: Path
+    output_dir: str  # a local folder or a URL ("s3://bucket/run-42", no trailing slash)
     rows: int
     rows_resumed: int
     rows_generated: int
@@ -35,6 +35,7 @@ class JobResult:
     # This invocation's own figures (ThisRun.figures): what the summary says this run did. The
     # totals above include earlier runs, whose rates a resumed run must not repeat as its own.
     this_run: dict[str, Any] = field(default_factory=dict)
+    completions: str = ""  # the path (or URL) of completions.parquet
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,8 @@ def resolved_settings(plan: JobPlan, llm: Any | None) -> dict[str, Any]:
 
 
 def write_report(
-    out: Path,
+    store: Store,
+    out: str,
     cfg: JobConfig,
     plan: JobPlan,
     settings: dict[str, Any],
@@ -83,7 +85,7 @@ def write_report(
 ) -> dict[str, Any]:
     """Append this run to run.json's history (a run that generated nothing adds no entry) and
     rewrite the totals. Returns the totals."""
-    runs = _previous_runs(out)
+    runs = _previous_runs(store, out)
     if run.rows_generated or not runs:
         runs.append(
             {
@@ -125,7 +127,7 @@ def write_report(
             "identity": plan.fingerprint["model"],
         },
         "dataset": {
-            "files": list(plan.info.files),
+            "files": [safe_url(f) for f in plan.info.files],
             "format": plan.info.format,
             "preset": plan.info.preset,
             "num_rows": plan.info.num_rows,
@@ -133,22 +135,27 @@ def write_report(
         "fingerprint": plan.fingerprint,
         "progress_file": PROGRESS_FILE,  # rewritten while the job ran: its last state
     }
-    write_run_json(out, config, totals, runs=runs)
+    write_run_json(out, config, totals, runs=runs, store=store)
     return totals
 
 
-def _previous_runs(out: Path) -> list[dict[str, Any]]:
+def _previous_runs(store: Store, out: str) -> list[dict[str, Any]]:
+    # A missing or damaged run.json starts the history again; a store that fails raises.
     try:
-        runs = json.loads((out / RUN_FILE).read_text()).get("runs")
-    except (OSError, ValueError):
+        data = json.loads(store.read_bytes(store.join(out, RUN_FILE)))
+    except (FileNotFoundError, ValueError):
         return []
+    runs = data.get("runs") if isinstance(data, dict) else None
     return runs if isinstance(runs, list) and all("stats" in r for r in runs) else []
 
 
-def summarize(path: Path, n_samples: int = 2) -> tuple[dict[str, int], list[dict[str, Any]], str]:
+def summarize(
+    store: Store, path: str, n_samples: int = 2
+) -> tuple[dict[str, int], list[dict[str, Any]], str]:
     """The finish reasons of the rows without an error, counted (none for a pooling job's rows),
     a few finished rows and the first error of completions.parquet."""
-    table = pq.read_table(path, columns=["id", "completion", "finish_reason", "error"])
+    with store.open_read(path) as f:
+        table = pq.read_table(f, columns=["id", "completion", "finish_reason", "error"])
     reasons: Counter[str] = Counter()
     samples: list[dict[str, Any]] = []
     first_error = ""

@@ -1,8 +1,9 @@
 """An OpenAI Batch job's results in OpenAI's batch output format: batch_output.jsonl and
 batch_errors.jsonl, one line per request in input order (each request in exactly one file).
 
-They are written from completions.parquet when the job finishes, each atomically, so a job
-killed at any moment and resumed writes them whole; a rerun of a finished job writes them
+They are written from completions.parquet when the job finishes, each whole or not at all
+(Store.write_stream, after `_SUCCESS` is withdrawn: the job commits again once they are there),
+so a job killed at any moment and resumed writes them whole; a rerun of a finished job writes them
 again, the same but for `created`. What the lines need beyond batchpage's own columns is in the
 job's derived columns (`batch_schema`): the request's url, and the logprobs a request asked
 for (as JSON, the chat shape; converted for /v1/completions here).
@@ -16,15 +17,22 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchpage.fileio import atomic_path
-from batchpage.output.files import BATCH_ERRORS_FILE, BATCH_OUTPUT_FILE, FINAL_FILE, read_job
+from batchpage.output.files import (
+    BATCH_ERRORS_FILE,
+    BATCH_OUTPUT_FILE,
+    FINAL_FILE,
+    output_folder,
+    read_job,
+    store_of,
+)
+from batchpage.output.manifest import retract
 from batchpage.request_outputs import RequestOutput
+from batchpage.storage import Store
 
 _COMPLETIONS_URL = "/v1/completions"
 _EMBEDDINGS_URL = "/v1/embeddings"
@@ -59,29 +67,36 @@ def logprobs_json(out: RequestOutput, top: int, token: Callable[[int], str]) -> 
     return json.dumps(samples)
 
 
-def write_batch_files(output_dir: str | os.PathLike, model: str) -> tuple[int, int]:
+def write_batch_files(
+    output_dir: str | os.PathLike, model: str, store: Store | None = None
+) -> tuple[int, int]:
     """Write both files from completions.parquet; returns (requests answered, requests failed).
     `model` is what the responses name as their model (the job's, whatever the lines asked)."""
-    out = Path(output_dir)
-    job_key = str(read_job(out).get("fingerprint", ""))
+    out = output_folder(output_dir)
+    store = store_of(out, store)
+    job_key = str(read_job(out, store).get("fingerprint", ""))
     created = int(time.time())
     answered = failed = 0
+    retract(store, out)
     with ExitStack() as stack:
-        ok_tmp = stack.enter_context(atomic_path(out / BATCH_OUTPUT_FILE))
-        err_tmp = stack.enter_context(atomic_path(out / BATCH_ERRORS_FILE))
-        with open(ok_tmp, "w", encoding="utf-8") as ok, open(err_tmp, "w", encoding="utf-8") as err:
-            for rec in _records(out / FINAL_FILE):
-                key = _key(job_key, rec["index"])
-                if rec["error"] is None:
-                    ok.write(json.dumps(_answer(rec, key, model, created)) + "\n")
-                    answered += 1
-                else:
-                    err.write(json.dumps(_failure(rec, key)) + "\n")
-                    failed += 1
+        ok = stack.enter_context(store.write_stream(store.join(out, BATCH_OUTPUT_FILE)))
+        err = stack.enter_context(store.write_stream(store.join(out, BATCH_ERRORS_FILE)))
+        for rec in _records(store, store.join(out, FINAL_FILE)):
+            key = _key(job_key, rec["index"])
+            if rec["error"] is None:
+                ok.write(_line(_answer(rec, key, model, created)))
+                answered += 1
+            else:
+                err.write(_line(_failure(rec, key)))
+                failed += 1
     return answered, failed
 
 
-def _records(path: Path) -> Iterator[dict[str, Any]]:
+def _line(record: dict[str, Any]) -> bytes:
+    return (json.dumps(record) + "\n").encode("utf-8")
+
+
+def _records(store: Store, path: str) -> Iterator[dict[str, Any]]:
     columns = [
         "id",
         "index",
@@ -94,12 +109,13 @@ def _records(path: Path) -> Iterator[dict[str, Any]]:
         "url",
         "logprobs",
     ]
-    file = pq.ParquetFile(path)
-    for derived in ("reasoning", "embedding"):  # a job with a reasoning parser; an embed job
-        if derived in file.schema_arrow.names:
-            columns.append(derived)
-    for batch in file.iter_batches(batch_size=1024, columns=columns):
-        yield from batch.to_pylist()
+    with store.open_read(path) as f:
+        file = pq.ParquetFile(f)
+        for derived in ("reasoning", "embedding"):  # a job with a reasoning parser; an embed job
+            if derived in file.schema_arrow.names:
+                columns.append(derived)
+        for batch in file.iter_batches(batch_size=1024, columns=columns):
+            yield from batch.to_pylist()
 
 
 def _key(job_key: str, index: int) -> str:

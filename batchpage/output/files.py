@@ -1,17 +1,22 @@
-"""Files of an output_dir: names, the typed schema, atomic writes, shard listing, the dir lock.
+"""Files of an output_dir: names, the typed schema, shard listing, job.json.
 
-Layout of an output_dir (its top level holds only what users read; the job's working files
-are in a hidden subfolder, which Parquet dataset readers skip):
+An output_dir is a local folder or a URL ("s3://bucket/run-42"); every file goes through its
+`Store` (batchpage.storage), with paths as strings joined by `store.join`, so local folders and
+object storage take the same code. Layout (the top level holds only what users read; the job's
+working files are in a hidden subfolder, which Parquet dataset readers skip):
     .batchpage/job.json        what the results depend on (model, sampling, dataset) + its hash
-    .batchpage/shard-00000.parquet ...   finished rows, in finishing order; each file is
-                               complete or absent
-    .batchpage/job.lock        held by the writer while the job runs
+    .batchpage/shard-00000.parquet ...   finished rows, in finishing order; each is created
+                               whole and never replaced (Store.create_bytes)
+    .batchpage/job.lock        the writer's lock (local: an flock; object storage: a lease)
     completions.parquet        one row per input row, sorted by index
-    run.json                   resolved config, versions, metrics
     batch_output.jsonl, batch_errors.jsonl   for an OpenAI Batch input (batch_files.py)
     scores.parquet             with score=humaneval: one verdict per sample
+    _SUCCESS                   the commit point (manifest.py): written last of the files above,
+                               it lists them with their sizes and sha256
+    run.json                   resolved config, versions, metrics (written at the very end)
     .<name>.*.tmp, .finalize.*.tmp   a file (or the merge's buckets) being written: a leftover
-                               one is a crash, deleted by the next writer of the folder
+                               one is a crash, deleted by the next writer of the folder (with
+                               object storage: unfinished multipart uploads, aborted)
 Folders written before the subfolder existed (job.json and shards at the top) are moved into it
 by the next writer (`adopt_old_layout`), so they resume.
 """
@@ -22,9 +27,9 @@ import base64
 import hashlib
 import json
 import os
-import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -32,7 +37,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchpage.fileio import atomic_path
+from batchpage.storage import Store, Stores, is_url, local_path
 
 WORK_DIR = ".batchpage"
 JOB_FILE = "job.json"
@@ -42,13 +47,14 @@ BATCH_OUTPUT_FILE = "batch_output.jsonl"
 BATCH_ERRORS_FILE = "batch_errors.jsonl"
 SCORES_FILE = "scores.parquet"
 SHARD_PREFIX = "shard-"
-LOCK_FILE = "job.lock"
 PROGRESS_FILE = "progress.json"  # where a running job stands (job/progress_file.py)
-# What a job writes beside its shards, all rewritten from them: overwrite=true deletes them.
-DERIVED_FILES = (FINAL_FILE, BATCH_OUTPUT_FILE, BATCH_ERRORS_FILE, SCORES_FILE)
+SUCCESS_FILE = "_SUCCESS"  # the commit point: a manifest of the files below (manifest.py)
+# What a job writes beside its shards, all rewritten from them: overwrite=true deletes them,
+# _SUCCESS first, so that it never describes files that are no longer there.
+DERIVED_FILES = (SUCCESS_FILE, FINAL_FILE, BATCH_OUTPUT_FILE, BATCH_ERRORS_FILE, SCORES_FILE)
 # Temporary names of what is written in an output_dir (fileio.atomic_path: ".<name>.*.tmp";
 # finalize's bucket folder), so a leftover of a kill -9 is recognised as ours.
-_TEMP_GLOBS = (
+TEMP_GLOBS = (
     f".{SHARD_PREFIX}*.tmp",
     *(f".{name}.*.tmp" for name in (*DERIVED_FILES, JOB_FILE, RUN_FILE, PROGRESS_FILE)),
     ".finalize.*.tmp",
@@ -140,110 +146,149 @@ def job_fingerprint(job: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(job, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def scan_shards(output_dir: Path) -> tuple[set[int], int]:
-    """Indices held by the shards in output_dir, and the highest shard number (-1 if none).
+def output_folder(output_dir: str | os.PathLike) -> str:
+    """output_dir as the string its store takes: a URL without a trailing "/", a local path
+    without a file:// prefix."""
+    text = os.fspath(output_dir)
+    return text.rstrip("/") if is_url(text) else local_path(text)
 
-    A shard that cannot be read is renamed aside (never deleted: it is evidence) and its rows are
-    generated again; with atomic writes this only happens if something else damaged the file.
-    """
-    done: set[int] = set()
-    last = -1
-    for number, path in list_shards(output_dir):
-        last = max(last, number)
-        try:
-            done.update(pq.read_table(path, columns=["index"]).column(0).to_pylist())
-        except (pa.ArrowException, OSError) as e:
-            warnings.warn(f"unreadable shard {path} set aside ({e})", stacklevel=2)
-            path.rename(path.with_name(f".corrupt-{path.name}"))
-    return done, last
+
+def store_of(output_dir: str | os.PathLike, store: Store | None = None) -> Store:
+    """`store`, or the store of output_dir with the default storage options (for callers
+    outside a job; a job passes its own, made from its `storage.*` settings)."""
+    return store if store is not None else Stores().store_for(output_folder(output_dir))
+
+
+def work_folder(store: Store, output_dir: str) -> str:
+    """The subfolder of output_dir that holds the job's working files (job.json, shards, lock)."""
+    return store.join(output_dir, WORK_DIR)
 
 
 def work_dir(output_dir: str | os.PathLike) -> Path:
-    """The subfolder of output_dir that holds the job's working files (job.json, shards, lock)."""
+    """work_folder of a local output_dir, as a Path (for tests and scripts that look inside)."""
     return Path(output_dir) / WORK_DIR
 
 
-def adopt_old_layout(output_dir: Path) -> list[Path]:
-    """Move the job.json and shards of a folder written before the working subfolder existed
-    into it (call it holding the lock); returns their new paths."""
-    moved = []
-    for p in [output_dir / JOB_FILE, *output_dir.glob(f"{SHARD_PREFIX}*.parquet")]:
-        if p.is_file():
-            target = work_dir(output_dir) / p.name
-            os.replace(p, target)
-            moved.append(target)
-    return moved
+def shard_name(number: int) -> str:
+    """Shard keys are deterministic: the n-th flush of a folder always writes the same name."""
+    return f"{SHARD_PREFIX}{number:05d}.parquet"
 
 
-def list_shards(output_dir: Path) -> list[tuple[int, Path]]:
+def list_shards(store: Store, output_dir: str) -> list[tuple[int, str]]:
     """(number, path) of each shard, by number: that is the order they were written in."""
     shards = []
-    for p in work_dir(output_dir).glob(f"{SHARD_PREFIX}*.parquet"):
-        number = p.name[len(SHARD_PREFIX) : -len(".parquet")]
-        if number.isdigit():
-            shards.append((int(number), p))
+    for found in store.files_under(work_folder(store, output_dir)):
+        name = store.name(found.path)
+        number = name[len(SHARD_PREFIX) : -len(".parquet")]
+        if name.startswith(SHARD_PREFIX) and name.endswith(".parquet") and number.isdigit():
+            shards.append((int(number), found.path))
     return sorted(shards)
 
 
-def read_job(output_dir: str | os.PathLike) -> dict[str, Any]:
-    """job.json as a dict. Raises OutputDirError when it is missing or damaged (not JSON, not
-    an object), naming the file and the fix."""
-    path = work_dir(output_dir) / JOB_FILE
-    if not path.exists():
-        raise OutputDirError(f"{path} is missing: this output_dir was not made by a ShardWriter")
+def read_each(store: Store, paths: Sequence[str], ahead: int = 8) -> Iterator[bytes]:
+    """The bytes of each file, in order, fetched `ahead` at a time in threads: shards are small,
+    and one request per shard over a network is slow one after the other. At most `ahead`
+    files are held at once."""
+    if not paths:
+        return
+    with ThreadPoolExecutor(min(ahead, len(paths))) as pool:
+        pending: list[Future[bytes]] = []
+        for path in paths:
+            pending.append(pool.submit(store.read_bytes, path))
+            if len(pending) >= ahead:
+                yield pending.pop(0).result()
+        for done in pending:
+            yield done.result()
+
+
+def scan_shards(store: Store, output_dir: str) -> tuple[set[int], int]:
+    """Indices held by the shards in output_dir, and the highest shard number (-1 if none).
+
+    A shard that cannot be parsed is renamed aside (never deleted: it is evidence) and its rows
+    are generated again; shards are created whole, so only something else damages one. A shard
+    that cannot be fetched (a store that fails) raises: that says nothing about the shard.
+    """
+    done: set[int] = set()
+    shards = list_shards(store, output_dir)
+    for (_, path), data in zip(shards, read_each(store, [p for _, p in shards]), strict=True):
+        try:
+            table = pq.read_table(pa.BufferReader(data), columns=["index"])
+        except pa.ArrowException as e:
+            warnings.warn(f"unreadable shard {path} set aside ({e})", stacklevel=2)
+            store.move_aside(path, f".corrupt-{store.name(path)}")
+            continue
+        done.update(table.column(0).to_pylist())
+    return done, max((number for number, _ in shards), default=-1)
+
+
+def adopt_old_layout(store: Store, output_dir: str) -> list[str]:
+    """Move the job.json and shards of a folder written before the working subfolder existed
+    into it (call it holding the lock); returns their new paths. Each is created in its new
+    place before the old one goes, so a kill in between loses nothing."""
+    moved = []
+    old = [store.join(output_dir, JOB_FILE), *store.glob(store.join(output_dir, "shard-*"))]
+    for path in old:
+        name = store.name(path)
+        if not (name == JOB_FILE or name.endswith(".parquet")) or not store.exists(path):
+            continue
+        target = store.join(work_folder(store, output_dir), name)
+        store.create_bytes(target, store.read_bytes(path))  # False: a kill came after it
+        store.delete(path)
+        moved.append(target)
+    return moved
+
+
+def load_job(store: Store, output_dir: str) -> dict[str, Any] | None:
+    """job.json as a dict, None when there is none. Raises OutputDirError when it is damaged
+    (not JSON, not an object), naming the file and the fix."""
+    path = store.join(work_folder(store, output_dir), JOB_FILE)
     try:
-        job = json.loads(path.read_bytes())
-    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise damaged_job_file(path, str(e)) from None
+        data = store.read_bytes(path)
+    except FileNotFoundError:
+        return None
+    try:
+        job = json.loads(data)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise damaged_job_file(path, str(e), output_dir) from None
     if not isinstance(job, dict):
-        raise damaged_job_file(path, f"it holds a JSON {type(job).__name__}, not an object")
+        raise damaged_job_file(
+            path, f"it holds a JSON {type(job).__name__}, not an object", output_dir
+        )
     return job
 
 
-def damaged_job_file(path: Path, why: str) -> OutputDirError:
+def read_job(output_dir: str | os.PathLike, store: Store | None = None) -> dict[str, Any]:
+    """job.json as a dict. Raises OutputDirError when it is missing or damaged, naming the file
+    and the fix."""
+    out = output_folder(output_dir)
+    store = store_of(out, store)
+    job = load_job(store, out)
+    if job is None:
+        path = store.join(work_folder(store, out), JOB_FILE)
+        raise OutputDirError(f"{path} is missing: this output_dir was not made by a ShardWriter")
+    return job
+
+
+def damaged_job_file(path: str, why: str, output_dir: str) -> OutputDirError:
     return OutputDirError(
         f"{path} is damaged ({why[:200]}), so its results cannot be matched to this job: pass "
-        f"overwrite=true to delete the results in {path.parent} and start over, or use another "
+        f"overwrite=true to delete the results in {output_dir} and start over, or use another "
         "output_dir"
     )
 
 
-def remove_leftovers(output_dir: Path) -> list[Path]:
-    """Delete the temporary files (and finalize's bucket folders) that a killed writer left in
-    output_dir; returns what was deleted. Call it only while holding the folder's lock: a live
-    writer's temporary files match too."""
-    removed = []
-    for pattern in _TEMP_GLOBS:
-        for p in [*output_dir.glob(pattern), *work_dir(output_dir).glob(pattern)]:
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
-            removed.append(p)
-    return removed
+def table_bytes(table: pa.Table) -> bytes:
+    """A table as the bytes of a Parquet file (a shard is small: it is built in memory, then
+    written in one request)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
 
 
-def atomic_write_table(table: pa.Table, path: Path) -> None:
-    with atomic_path(path) as tmp:
-        pq.write_table(table, tmp)
-
-
-def lock_dir(folder: Path) -> int | None:
-    """Hold an exclusive flock on the folder (its working subfolder's lock file, which must
-    exist) for the writer's life: two jobs writing into one
-    output_dir would each resume from the same shards and duplicate rows. The OS drops the lock
-    when the process dies, so a kill -9 never leaves a stale lock."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: run without the guard
-        return None
-    fd = os.open(work_dir(folder) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        raise OutputDirError(
-            f"output_dir {folder} is in use by another batchpage job; wait for it or use "
-            "another output_dir"
-        ) from e
-    return fd
+def in_use(output_dir: str, held: Exception) -> OutputDirError:
+    """The one line for a folder another live job holds; `held` (the store's LockHeldError)
+    says by whom, and for a lease when it expires if that job died."""
+    return OutputDirError(
+        f"output_dir {output_dir} is in use by another batchpage job "
+        f"({' '.join(str(held).split())}): wait for it, or use another output_dir"
+    )

@@ -1,11 +1,15 @@
-"""Writing results: typed Parquet shards written atomically as rows finish, resume, job identity.
+"""Writing results: typed Parquet shards written whole as rows finish, resume, job identity.
 
-The files and their layout are described in `batchpage.output.files`.
+The files and their layout are described in `batchpage.output.files`; they go through the
+output folder's Store, so a local folder and a bucket take the same path.
 
-Why this survives kill -9 at any moment: a shard becomes visible only through os.replace of a
-fsynced temp file, so every shard-*.parquet on disk is whole; rows still in the buffer are simply
-generated again on resume. Resume is keyed on the row index, and a row is never added twice,
-because the writer skips indices that any shard already holds.
+Why this survives kill -9 at any moment: a shard is created whole or not at all
+(Store.create_bytes: a linked temp file locally, a conditional PUT on object storage), so every
+shard-*.parquet is whole; rows still in the buffer are simply generated again on resume. Resume
+is keyed on the row index, and a row is never added twice, because the writer skips indices
+that any shard already holds. One writer owns a folder (Store.lock: an flock, or a lease with
+heartbeats); it checks that it still does before each shard, and a shard key someone else
+created first is never overwritten.
 """
 
 from __future__ import annotations
@@ -14,31 +18,33 @@ import json
 import os
 import time
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from batchpage.fileio import atomic_write_text
 from batchpage.output.files import (
     DERIVED_FILES,
     JOB_FILE,
     PROGRESS_FILE,
     RUN_FILE,
-    SHARD_PREFIX,
+    TEMP_GLOBS,
     OutputDirError,
     ResultRow,
     adopt_old_layout,
-    atomic_write_table,
+    in_use,
     job_fingerprint,
-    lock_dir,
+    list_shards,
+    load_job,
+    output_folder,
     output_schema,
-    read_job,
-    remove_leftovers,
     scan_shards,
     schema_to_text,
-    work_dir,
+    shard_name,
+    store_of,
+    table_bytes,
+    work_folder,
 )
+from batchpage.storage import JobLock, LockHeldError, OutputLostError, StorageConfig, Store
 
 
 class ShardWriter:
@@ -51,6 +57,13 @@ class ShardWriter:
     extra_schema: columns after batchpage's own (derived or carried ones); part of the job.
     listed: completion and finish_reason as lists in every row (default: n > 1); a job whose
     rows set their own n needs them.
+    store: the output folder's store (default: Stores().store_for(output_dir)).
+    lease_seconds: how long the writer's lease on an object-storage folder lasts without a
+    heartbeat (storage.lease_seconds); a local folder's flock needs none.
+
+    Raises OutputDirError when another live job holds the folder, or it holds another job's
+    results. While writing, OutputLostError when another job took the folder over (a lease
+    that expired) or created a shard this writer was about to: nothing of theirs is replaced.
     """
 
     def __init__(
@@ -64,10 +77,13 @@ class ShardWriter:
         flush_seconds: float = 30.0,
         extra_schema: pa.Schema | None = None,
         listed: bool | None = None,
+        store: Store | None = None,
+        lease_seconds: float = StorageConfig.lease_seconds,
     ) -> None:
         if n < 1 or flush_rows < 1:
             raise ValueError(f"need n >= 1 and flush_rows >= 1, got n={n}, flush_rows={flush_rows}")
-        self.output_dir = Path(output_dir)
+        self.output_dir = output_folder(output_dir)
+        self.store = store_of(self.output_dir, store)
         self.n = n
         self.listed = n > 1 if listed is None else listed
         self.extra_schema = extra_schema
@@ -76,16 +92,18 @@ class ShardWriter:
         self.flush_seconds = flush_seconds
         self._buffer: list[dict[str, Any]] = []
         self._last_flush = time.monotonic()
-        self.work = work_dir(self.output_dir)
-        self.work.mkdir(parents=True, exist_ok=True)
-        self._lock = lock_dir(self.output_dir)
+        self.work = work_folder(self.store, self.output_dir)
+        try:
+            self._lock: JobLock | None = self.store.lock(self.work, lease_seconds)
+        except LockHeldError as e:
+            raise in_use(self.output_dir, e) from None
         try:
             # A flush, merge or rewrite that a crash cut short: its rows were never "done",
             # and every file it was writing is rewritten from the shards.
-            remove_leftovers(self.output_dir)
-            adopt_old_layout(self.output_dir)
+            self.store.remove_leftovers(self.output_dir, TEMP_GLOBS)
+            adopt_old_layout(self.store, self.output_dir)
             self._claim(config_fingerprint, overwrite)
-            self._done, last = scan_shards(self.output_dir)
+            self._done, last = scan_shards(self.store, self.output_dir)
             self._next_shard = last + 1
         except BaseException:
             self._release()
@@ -141,14 +159,28 @@ class ShardWriter:
         return False
 
     def flush(self) -> None:
+        """Write the buffered rows as the next shard. OutputLostError (the rows stay buffered)
+        when another job owns the folder now or created that shard first."""
         if not self._buffer:
             return
-        table = pa.Table.from_pylist(self._buffer, schema=self.schema)
-        name = f"{SHARD_PREFIX}{self._next_shard:05d}.parquet"
-        atomic_write_table(table, self.work / name)
+        data = table_bytes(pa.Table.from_pylist(self._buffer, schema=self.schema))
+        path = self.store.join(self.work, shard_name(self._next_shard))
+        self.check()  # right before the write: the less time between, the better
+        if not self.store.create_bytes(path, data):
+            raise OutputLostError(
+                f"{path} was created by another writer of output_dir {self.output_dir}: this job "
+                "stops without replacing it. Run one batchpage job per output_dir, then rerun "
+                "into it to resume"
+            )
         self._next_shard += 1
         self._buffer = []
         self._last_flush = time.monotonic()
+
+    def check(self) -> None:
+        """OutputLostError when this writer no longer owns the output folder (its lease expired
+        and another job took it over); call it before anything that commits results."""
+        if self._lock is not None:
+            self._lock.check()
 
     def close(self) -> None:
         try:
@@ -182,36 +214,36 @@ class ShardWriter:
         if job is not None and self.listed != (self.n > 1):  # only then: old jobs keep their id
             job["listed"] = self.listed
         fp = config if isinstance(config, str) else job_fingerprint(job)
-        job_path = self.work / JOB_FILE
-        ours = [
-            *self.work.glob(f"{SHARD_PREFIX}*.parquet"),
-            *(self.output_dir / name for name in DERIVED_FILES),
-        ]
-        if job_path.exists():
-            try:
-                old = read_job(self.output_dir)
-            except OutputDirError:
-                if not overwrite:
-                    raise
-                old = {}
-            if old.get("fingerprint") == fp:
-                return  # same job: resume
+        self.fingerprint = fp  # job.json's: what the commit (_SUCCESS) names the job by
+        store, out = self.store, self.output_dir
+        try:
+            old = load_job(store, out)
+        except OutputDirError:
+            if not overwrite:
+                raise
+            old = {}
+        if old is not None and old.get("fingerprint") == fp:
+            return  # same job: resume
+        # _SUCCESS first (DERIVED_FILES' order): it must never outlive what it describes.
+        ours = [store.join(out, name) for name in DERIVED_FILES]
+        ours += [path for _, path in list_shards(store, out)]
+        if old is not None:
             problem = "was written by a different job"
             changes = _diff(old.get("job"), job) if job and old.get("job") else ""
             if changes:
                 problem += f" (changed: {changes})"
-        elif any(p.exists() for p in ours):
+        elif any(store.exists(p) for p in ours):
             problem = f"holds results without a {JOB_FILE}, so they cannot be matched to this job"
         else:
             problem = None
         if problem is not None and not overwrite:
             raise OutputDirError(
-                f"output_dir {self.output_dir} {problem}. Use another output_dir, or pass "
+                f"output_dir {out} {problem}. Use another output_dir, or pass "
                 "overwrite=true to delete its results and start over."
             )
         if problem is not None:
-            for p in [*ours, self.output_dir / RUN_FILE, self.output_dir / PROGRESS_FILE]:
-                p.unlink(missing_ok=True)
+            for path in [*ours, store.join(out, RUN_FILE), store.join(out, PROGRESS_FILE)]:
+                store.delete(path)
         payload = {
             "fingerprint": fp,
             "n": self.n,
@@ -221,12 +253,13 @@ class ShardWriter:
         }
         if extra is not None:
             payload["extra_schema"] = extra
-        atomic_write_text(job_path, json.dumps(payload, indent=2, sort_keys=True, default=str))
+        text = json.dumps(payload, indent=2, sort_keys=True, default=str)
+        store.write_bytes(store.join(self.work, JOB_FILE), text.encode())
 
     def _release(self) -> None:
         if self._lock is not None:
-            os.close(self._lock)  # closing the fd drops the flock
-            self._lock = None
+            lock, self._lock = self._lock, None
+            lock.release()
 
 
 def _diff(old: Any, new: Any, path: str = "") -> str:

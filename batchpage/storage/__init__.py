@@ -20,6 +20,7 @@ from batchpage.storage.store import (
     OutputLostError,
     StorageError,
     Store,
+    safe_url,
 )
 
 _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+)://")
@@ -83,5 +84,6 @@ __all__ = [
     "is_url",
     "local_path",
     "redacted",
+    "safe_url",
     "url_scheme",
 ]

@@ -121,9 +121,8 @@ class Lease(JobLock):
                 now = clock()
                 if record is not None and record.expires_at > now:
                     raise LockHeldError(
-                        f"{folder} is in use by the job on host {record.host} pid {record.pid} "
-                        f"(its lease expires in {record.expires_at - now:.0f} s if it died); "
-                        "wait, or use another output_dir"
+                        f"the job on host {record.host} pid {record.pid} holds its lease, which "
+                        f"expires in {record.expires_at - now:.0f} s if that job died"
                     )
                 seq += 1
             started = clock()

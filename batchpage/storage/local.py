@@ -135,7 +135,7 @@ class _FlockLock(JobLock):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            raise LockHeldError(f"{folder} is locked by another batchpage job") from None
+            raise LockHeldError(f"a process of this machine holds {folder / LOCK_FILE}") from None
         return cls(fd)
 
     def check(self) -> None:

@@ -25,7 +25,7 @@ import fsspec
 
 from batchpage.storage.config import StorageConfig
 from batchpage.storage.retry import RetryPolicy, error_code, is_transient, status_of
-from batchpage.storage.store import JobLock, ObjectInfo, StorageError, Store
+from batchpage.storage.store import JobLock, ObjectInfo, StorageError, Store, safe_url
 
 T = TypeVar("T")
 
@@ -63,15 +63,6 @@ NO_CREDENTIALS = frozenset(
     {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
      "DefaultCredentialsError", "ClientAuthenticationError"}
 )  # fmt: skip
-
-
-def safe_url(url: str) -> str:
-    """A URL fit for a message: any user:secret@ part of its authority dropped."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    authority, slash, tail = rest.partition("/")
-    return f"{scheme}://{authority.rpartition('@')[2]}{slash}{tail}"
 
 
 class ObjectStore(Store):

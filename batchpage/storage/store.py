@@ -23,6 +23,15 @@ from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 
+def safe_url(url: str) -> str:
+    """A URL fit for a message: any user:secret@ part of its authority dropped."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    authority, slash, tail = rest.partition("/")
+    return f"{scheme}://{authority.rpartition('@')[2]}{slash}{tail}"
+
+
 class StorageError(OSError):
     """A store cannot be reached or used (missing client, bucket, permission); the message names
     the URL and the fix."""

@@ -12,7 +12,9 @@ import pytest
 from batchpage.humaneval.checks import load_problems
 from batchpage.job import run_job
 from batchpage.job.humaneval_scores import SCORES_FILE, code_of, score_output
+from batchpage.output import verify
 from batchpage.run import compose_job, summary
+from batchpage.storage import LocalStore
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +65,10 @@ def test_a_job_with_score_writes_code_and_scores(tmp_path, tiny_folder, monkeypa
     assert report["metrics"]["score"]["scorer"] == "humaneval"
     assert len(pq.read_table(tmp_path / "out" / SCORES_FILE)) == 2
     assert (result.score["checked"], result.score["reused"]) == (2, 0)
+    # The commit point lists scores.parquet beside completions.parquet, as they are on disk.
+    listed = {f["name"]: f for f in verify(LocalStore(), str(tmp_path / "out"))["files"]}
+    assert sorted(listed) == ["completions.parquet", SCORES_FILE]
+    assert listed[SCORES_FILE]["rows"] == 2
 
     # The rerun resumes both rows and keeps both verdicts: nothing runs in the sandbox again.
     again = run_job(cfg, lambda *a, **k: pytest.fail("the model must not load"))

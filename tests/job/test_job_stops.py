@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import importlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pyarrow.parquet as pq
 import pytest
@@ -19,11 +18,8 @@ from batchpage import LLM
 from batchpage.job import run_job
 from batchpage.job.plan import JobStoppedError
 from batchpage.output import work_dir
-from batchpage.output import writer as writer_module
+from batchpage.storage import LocalStore
 from tests.job.test_loop import COMPARED, job, never, prompts, table, write_jsonl
-
-# The package's `finalize` is the function; the module is needed to replace what it calls.
-finalize_module = importlib.import_module("batchpage.output.finalize")
 
 
 @pytest.fixture(scope="module")
@@ -130,14 +126,15 @@ def disk_full(path: object = "") -> OSError:
 
 @contextlib.contextmanager
 def full_after(real: Callable[..., Any], calls: int) -> Iterator[Callable[..., Any]]:
-    """`real` that raises ENOSPC from its (calls + 1)-th call on."""
+    """`real`, a Store method writing (self, path, ...), that raises ENOSPC naming the path from
+    its (calls + 1)-th call on."""
     made = 0
 
     def write(*args: Any, **kwargs: Any) -> Any:
         nonlocal made
         made += 1
         if made > calls:
-            raise disk_full(args[-1] if args else "")
+            raise disk_full(args[1] if len(args) > 1 else "")
         return real(*args, **kwargs)
 
     yield write
@@ -149,8 +146,8 @@ def test_a_full_disk_while_writing_a_shard_stops_keeps_and_resumes(
     data = write_jsonl(tmp_path / "d.jsonl", prompts(10))
     out = tmp_path / "out"
     cfg = job(data, tiny_folder, out, flush_rows=2)
-    with full_after(writer_module.atomic_write_table, 2) as failing:
-        monkeypatch.setattr(writer_module, "atomic_write_table", failing)
+    with full_after(LocalStore.create_bytes, 2) as failing:  # how shards are written
+        monkeypatch.setattr(LocalStore, "create_bytes", failing)
         with pytest.raises(JobStoppedError, match=r"no space left on the device of .*out") as err:
             run_job(cfg, lambda *a, **k: tiny_llm)
     message = str(err.value)
@@ -169,15 +166,16 @@ def test_a_full_disk_in_the_final_merge_stops_and_the_rerun_merges(
     data = write_jsonl(tmp_path / "d.jsonl", prompts(5))
     out = tmp_path / "out"
     cfg = job(data, tiny_folder, out)
-    real = finalize_module.atomic_path
+    real = LocalStore.write_stream
 
     @contextlib.contextmanager
-    def fills_up(path: Path) -> Iterator[Path]:
-        with real(path) as tmp:
-            yield tmp  # the merge writes its rows, then the disk is full at the end
-            raise disk_full(tmp)
+    def fills_up(store: LocalStore, path: str) -> Iterator[BinaryIO]:
+        with real(store, path) as f:
+            yield f  # the merge writes its rows, then the disk is full at the end
+            if Path(path).name == "completions.parquet":
+                raise disk_full(path)
 
-    monkeypatch.setattr(finalize_module, "atomic_path", fills_up)
+    monkeypatch.setattr(LocalStore, "write_stream", fills_up)
     with pytest.raises(JobStoppedError, match="5 rows are saved"):
         run_job(cfg, lambda *a, **k: tiny_llm)
     assert not (out / "completions.parquet").exists() and not list(out.glob(".*.tmp"))

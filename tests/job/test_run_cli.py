@@ -337,14 +337,14 @@ def test_sigterm_saves_the_buffered_rows_and_exits_143(tmp_path, tiny_folder) ->
 
 DISK_FULL_AT_THE_SECOND_SHARD = """
     import errno
-    from batchpage.output import writer
-    real, calls = writer.atomic_write_table, []
-    def write(table, path):
+    from batchpage.storage import LocalStore
+    real, calls = LocalStore.create_bytes, []
+    def write(self, path, data):
         calls.append(path)
         if len(calls) > 1:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        real(table, path)
-    writer.atomic_write_table = write
+        return real(self, path, data)
+    LocalStore.create_bytes = write
 """
 
 

@@ -9,7 +9,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchpage.fileio import atomic_dir, atomic_path, atomic_write_text
-from batchpage.output import FINAL_FILE, OutputDirError, ResultRow, ShardWriter, finalize, work_dir
+from batchpage.output import (
+    FINAL_FILE,
+    SUCCESS_FILE,
+    OutputDirError,
+    ResultRow,
+    ShardWriter,
+    finalize,
+    work_dir,
+)
 from batchpage.output.files import BATCH_ERRORS_FILE, BATCH_OUTPUT_FILE, SCORES_FILE
 
 JOB = {"model": "tiny", "sampling": {"temperature": 0.0}, "dataset": "fp1"}
@@ -106,13 +114,13 @@ def test_files_get_the_mode_the_umask_gives(tmp_path: Path) -> None:
 
 
 def test_the_top_level_holds_what_users_read_and_old_folders_resume(tmp_path: Path) -> None:
-    """Shards, job.json and the lock live in .batchpage/ (which pyarrow's dataset reader skips:
-    the folder reads as completions.parquet alone); a folder written with them at the top is
-    adopted by the next writer, which resumes its rows."""
+    """Shards, job.json and the lock live in .batchpage/ (which pyarrow's dataset reader skips,
+    as it skips the commit point _SUCCESS: the folder reads as completions.parquet alone); a
+    folder written with them at the top is adopted by the next writer, which resumes its rows."""
     with ShardWriter(tmp_path, JOB, flush_rows=1) as w:
         rows(w, 2)
     finalize(tmp_path, 2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".batchpage", FINAL_FILE]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".batchpage", SUCCESS_FILE, FINAL_FILE]
     assert pq.read_table(tmp_path).num_rows == 2  # the folder as one Parquet dataset
     old = tmp_path / "old"
     with ShardWriter(old, JOB, flush_rows=1) as w:
@@ -124,4 +132,4 @@ def test_the_top_level_holds_what_users_read_and_old_folders_resume(tmp_path: Pa
         assert w.num_done == 1
         rows(w, 2)
     assert finalize(old, 2).rows == 2
-    assert sorted(p.name for p in old.iterdir()) == [".batchpage", FINAL_FILE]
+    assert sorted(p.name for p in old.iterdir()) == [".batchpage", SUCCESS_FILE, FINAL_FILE]

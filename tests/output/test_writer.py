@@ -32,7 +32,6 @@ from batchpage.output import (
     work_dir,
     write_run_json,
 )
-from batchpage.output import files as output_files
 
 JOB = {"model": "tiny", "sampling": {"temperature": 0.0, "max_tokens": 8}, "dataset": "fp1"}
 
@@ -215,7 +214,8 @@ def test_run_json(tmp_path: Path) -> None:
     path = write_run_json(
         tmp_path, {"model": {"path": "x"}}, {"elapsed_s": 1.5, "ttft_s": float("nan")}
     )
-    data = json.loads(path.read_text())
+    assert path == str(tmp_path / "run.json")  # paths are strings: output_dir may be a URL
+    data = json.loads(Path(path).read_text())
     assert data["config"]["model"]["path"] == "x"
     assert data["metrics"] == {"elapsed_s": 1.5, "ttft_s": None}
     assert {"torch", "triton", "transformers", "pyarrow", "batchpage"} <= set(data["versions"])
@@ -230,7 +230,7 @@ class Killed(Exception):
     n_rows=st.integers(1, 20),
     flush_rows=st.integers(1, 5),
     kills=st.lists(
-        st.tuples(st.integers(0, 12), st.sampled_from(["idle", "mid-write", "before-rename"])),
+        st.tuples(st.integers(0, 12), st.sampled_from(["idle", "mid-write", "before-link"])),
         max_size=3,
     ),
     seed=st.integers(0, 2**16),
@@ -239,23 +239,28 @@ class Killed(Exception):
 def test_random_kills_never_lose_duplicate_or_corrupt(
     n_rows: int, flush_rows: int, kills: list[tuple[int, str]], seed: int
 ) -> None:
+    """A local shard is written under a temporary name and linked into place (LocalStore's
+    create_bytes): a kill while it is written leaves a torn temporary file, one before the link
+    a whole one; neither is ever a shard, and the next writer removes them."""
     rng = random.Random(seed)
-    real_write, real_replace = output_files.pq.write_table, os.replace
+    real_link = os.link
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
         for after, phase in [*kills, (None, "idle")]:  # the last run goes to the end
             w = ShardWriter(out, JOB, flush_rows=flush_rows, flush_seconds=1e9)
+            assert not list(work_dir(out).glob(".*.tmp"))  # the last kill's leftovers are gone
             todo = [i for i in range(n_rows) if not w.is_done(i)] + rng.choices(range(n_rows), k=2)
             rng.shuffle(todo)  # done ones are offered again: the writer must drop them
 
-            def half_write(table: pa.Table, where: Path) -> None:
-                Path(where).write_bytes(b"PAR1" + os.urandom(20))
+            def killed_at_link(src: str, dst: str, phase: str = phase) -> None:
+                # What the kill leaves: the temporary file (torn if it came mid-write), which
+                # the store's own cleanup (its `finally`) would not get to remove.
+                data = Path(src).read_bytes()
+                torn = data[: len(data) // 2] if phase == "mid-write" else data
+                Path(dst).with_name(
+                    f".{Path(dst).name}.{rng.randrange(16**6):06x}.tmp"
+                ).write_bytes(torn)
                 raise Killed
-
-            def no_rename(src: str, dst: str) -> None:
-                if Path(dst).name.startswith("shard-"):
-                    raise Killed
-                real_replace(src, dst)
 
             try:
                 for step, i in enumerate(todo):
@@ -264,20 +269,14 @@ def test_random_kills_never_lose_duplicate_or_corrupt(
                         if phase == "idle":
                             raise Killed
                         w.flush_rows = 1
-                        target, fake = (
-                            (output_files.pq, half_write)
-                            if phase == "mid-write"
-                            else (output_files.os, no_rename)
-                        )
-                        name = "write_table" if phase == "mid-write" else "replace"
-                        with mock.patch.object(target, name, fake):
+                        with mock.patch.object(os, "link", killed_at_link):
                             w.add(result(i))
                             w.flush()
                     w.add(result(i))
                 w.close()
             except Killed:
                 crash(w)
-            assert (output_files.pq.write_table, os.replace) == (real_write, real_replace)
+            assert os.link is real_link
         written = [i for p in shards(out) for i in pq.read_table(p).column("index").to_pylist()]
         assert sorted(written) == list(range(n_rows))  # no duplicate in the shards themselves
         table = pq.read_table(finalize(out, n_rows).path)

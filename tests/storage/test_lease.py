@@ -33,7 +33,7 @@ def test_a_second_taker_is_refused_in_one_line(remote: StoreCase) -> None:
         record = json.loads(remote.read(lease_path(store, folder, 1)))
         assert "\n" not in message
         assert f"host {record['host']} pid {record['pid']}" in message
-        assert "expires in" in message and "use another output_dir" in message
+        assert "holds its lease, which expires in" in message
         first.check()
     finally:
         first.release()

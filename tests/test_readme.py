@@ -146,12 +146,12 @@ def shell_with(line: str, cwd: Path, environ: dict[str, str]) -> subprocess.Comp
     """`shell` with the given environment (an object-storage server's variables added)."""
     bin_dir = cwd / ".bin"
     bin_dir.mkdir(exist_ok=True)
-    for name in ("python", "python3"):
-        if not (bin_dir / name).exists():
-            (bin_dir / name).symlink_to(sys.executable)
-    script = bin_dir / "batchpage"
-    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m batchpage.cli "$@"\n')
-    script.chmod(0o755)
+    # Scripts, not links: a link to a virtual environment's python that lies outside it starts
+    # the base interpreter, without the environment's packages.
+    for name, command in (("python", ""), ("python3", ""), ("batchpage", " -m batchpage.cli")):
+        script = bin_dir / name
+        script.write_text(f'#!/bin/sh\nexec "{sys.executable}"{command} "$@"\n')
+        script.chmod(0o755)
     env = {
         **environ,
         "PATH": f"{bin_dir}{os.pathsep}{environ['PATH']}",
@@ -221,7 +221,9 @@ def test_the_object_storage_examples_run_against_local_servers(
     for line in lines:
         server = s3_server if "s3://" in line else gcs_server
         env = {**os.environ, **server.env}
-        done = shell_with(f"{line} sampling.max_tokens=4 progress=false", tmp_path, env)
+        done = shell_with(
+            f"{line} sampling.max_tokens=4 sampling.ignore_eos=true progress=false", tmp_path, env
+        )
         assert done.returncode == 0, (line, done.stderr[-3000:])
         out = re.search(r"output_dir=(\S+)", line).group(1)  # type: ignore[union-attr]
         final = server.read(f"{out}/completions.parquet")

@@ -32,6 +32,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchpage.data.readers import DatasetError, jsonl_lines
+from batchpage.data.row_ids import IdTally
 from batchpage.data.text_checks import unencodable
 from batchpage.storage import Store
 
@@ -64,10 +65,15 @@ class JsonLinesScan:
 
     columns: dict[str, ScannedColumn]
     records: int
+    ids: dict[str, IdTally]  # the values of the id columns asked for, row by row
 
 
 def scan_json_lines(
-    files: Sequence[str], max_row_bytes: int, store: Store | None = None
+    files: Sequence[str],
+    max_row_bytes: int,
+    store: Store | None = None,
+    id_columns: Sequence[str] = (),
+    limit: int | None = None,
 ) -> JsonLinesScan:
     """Read `files` once, line by line (streamed through `store`), and return their columns
     and row count (see the module docstring). Raises DatasetError when the input holds no
@@ -76,20 +82,25 @@ def scan_json_lines(
 
     Memory: one line (at most max_row_bytes) parsed, the values of about `_PIECE_BYTES` of
     lines awaiting their type, and per column its name and type. Time: one JSON parse of every
-    line; values are typed only for each column's first records."""
+    line; values are typed only for each column's first records.
+    `id_columns`: columns whose values (of the first `limit` rows) are tallied for the id check,
+    so that it needs no pass of its own; each tally holds every id seen."""
     found = _Columns()
     records = 0
+    ids = {name: IdTally(limit) for name in dict.fromkeys(id_columns)}
     for path in files:
         for lineno, line in jsonl_lines(path, max_row_bytes, store):
             records += 1
             record = _object(line)
             if record is not None:
                 found.add(record, (path, lineno), len(line))
+                for name, tally in ids.items():
+                    tally.add(records - 1, record.get(name))
             elif not found.objects and records >= _HEAD_LINES:
                 raise _no_objects(path, _HEAD_LINES)
     if not found.objects:
         raise _no_objects(files[0])
-    return JsonLinesScan(found.finish(), records)
+    return JsonLinesScan(found.finish(), records, ids)
 
 
 def _object(line: str | int | None) -> dict[str, Any] | None:

@@ -44,6 +44,7 @@ from batchpage.data.readers import (
     peek_columns,
     resolve_format,
 )
+from batchpage.data.row_ids import IdTally
 from batchpage.data.rows import DEFAULT_OVERRIDES, OVERRIDE_FIELDS, Row, make_row
 from batchpage.storage import StorageError, Store, Stores
 
@@ -193,7 +194,11 @@ def _validate(spec: DatasetSpec, stores: Stores) -> DatasetInfo:
     if fmt == "jsonl" and spec.format == "auto" and is_openai_batch(files[0], bound, store):
         fmt = "openai_batch"
     # JSON lines have no header: one pass finds their columns, types and rows together.
-    scan = scan_json_lines(files, bound, store) if fmt in JSON_LINES else None
+    # Its candidate id columns are tallied in the same pass (which one is the id is known after).
+    candidates = [c for c in (spec.id_column, ID_COLUMN, ID_FIELD) if c is not None]
+    scan = (
+        scan_json_lines(files, bound, store, candidates, spec.limit) if fmt in JSON_LINES else None
+    )
     if scan is not None:
         columns, num_rows = list(scan.columns), scan.records
     else:
@@ -213,10 +218,11 @@ def _validate(spec: DatasetSpec, stores: Stores) -> DatasetInfo:
                     *overrides):  # fmt: skip
             if col is not None and col not in columns:
                 raise DatasetError(_missing_column_message(col, columns, spec, files))
+    tally = scan.ids.get(id_column) if scan is not None and id_column is not None else None
     if id_column is not None and (spec.id_column is not None or fmt == "openai_batch"):
-        _check_ids(fmt, files, spec, id_column, store)
+        _check_ids(fmt, files, spec, id_column, store, tally=tally)
     elif id_column == ID_COLUMN and preset is None:
-        _check_ids(fmt, files, spec, id_column, store, auto=True)
+        _check_ids(fmt, files, spec, id_column, store, auto=True, tally=tally)
     batch = fmt == "openai_batch"
     if batch and spec.response_column is not None:
         raise DatasetError(
@@ -348,44 +354,37 @@ def _missing_column_message(col: str, columns: list[str], spec: DatasetSpec, fil
 
 
 def _check_ids(
-    fmt: str, files: Sequence[str], spec: DatasetSpec, column: str, store: Store, auto: bool = False
+    fmt: str,
+    files: Sequence[str],
+    spec: DatasetSpec,
+    column: str,
+    store: Store,
+    auto: bool = False,
+    tally: IdTally | None = None,
 ) -> None:
     """Ids key the output rows: refuse duplicates, and nulls (which would fall back to the row
     index and could collide with a real id), naming the first few. One pass over the column. A
     line the reader could not parse (not UTF-8, not JSON, too long) has no id to check: it is
     that row's error, with a null id (rows.make_row).
-    `auto`: the column is the row id by its name, not because dataset.id_column names it."""
-    seen: dict[str, int] = {}
-    duplicates: list[str] = []
-    nulls: list[int] = []
-    records = open_records(
-        fmt, files, spec.split, [column], spec.window_rows, spec.max_prompt_bytes, store
-    )
-    for index, rec in enumerate(records):
-        if spec.limit is not None and index >= spec.limit:
-            break
-        if isinstance(rec, str):
-            continue
-        value = rec.get(column)
-        if value is None:
-            nulls.append(index)
-            continue
-        key = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-        if key in seen and len(duplicates) < 5:
-            duplicates.append(f"{key!r} (rows {seen[key]} and {index})")
-        seen.setdefault(key, index)
+    `auto`: the column is the row id by its name, not because dataset.id_column names it.
+    `tally`: the column's values, already taken by a pass over the input (JSON lines' scan)."""
+    if tally is None:  # JSON lines were tallied by their scan; other formats read the column
+        tally = IdTally(spec.limit)
+        records = open_records(
+            fmt, files, spec.split, [column], spec.window_rows, spec.max_prompt_bytes, store
+        )
+        for index, rec in enumerate(records):
+            if spec.limit is not None and index >= spec.limit:
+                break
+            if not isinstance(rec, str):
+                tally.add(index, rec.get(column))
     what = f"dataset.id_column={column!r}"
     fix = "drop id_column to use the row index"
     if auto:
         what = f"column {column!r} (the row id: dataset.id_column is not set)"
         fix = "or set dataset.id_column to a column of unique ids"
-    if duplicates:
-        raise DatasetError(
-            f"{what} has duplicate ids: {', '.join(duplicates)}; ids must be unique ({fix})"
-        )
-    if nulls and fmt != "openai_batch":  # a line without custom_id is that line's error
-        shown = ", ".join(map(str, nulls[:5])) + (", ..." if len(nulls) > 5 else "")
-        raise DatasetError(f"{what} is null at rows {shown}; fill those ids ({fix})")
+    # A line without custom_id is that line's error.
+    tally.check(what, fix, nulls_allowed=fmt == "openai_batch")
 
 
 # --- iterate -----------------------------------------------------------------------------------

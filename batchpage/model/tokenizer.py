@@ -106,14 +106,15 @@ class Tokenizer:
     def encode_batch(
         self, texts: Sequence[str], add_special_tokens: bool = True
     ) -> list[list[int]]:
-        """`encode` of each text, in one call: the per-call work of transformers is paid once
-        per batch, and the tokenizers library splits the batch over its threads."""
+        """`encode` of each text, in one call to the tokenizers library (which splits the batch
+        over its threads), without transformers' per-text conversion of each encoding; the same
+        ids (tests/model/test_loaders.py checks it), as `decoder` reads the same backend."""
         if not texts:
             return []
-        found = self.hf(
-            list(texts), add_special_tokens=add_special_tokens, return_attention_mask=False
+        found = self.hf.backend_tokenizer.encode_batch(
+            list(texts), add_special_tokens=add_special_tokens
         )
-        return [list(ids) for ids in found["input_ids"]]
+        return [e.ids for e in found]
 
     def decode_batch(
         self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True

@@ -32,6 +32,10 @@ T = TypeVar("T")
 # A reader's block: a read fetches what it asks for plus this much ahead (fsspec's readahead
 # cache), so a sequential scan is a few large GETs and reading an object's head costs two blocks.
 READ_BLOCK = 4 * 2**20
+# Parts of a multipart (S3) or resumable (GCS: a multiple of 256 KiB) upload: what an upload
+# holds in memory, and the size past which an object goes up in parts. S3's 10,000 parts make
+# objects of up to 160 GiB.
+WRITE_BLOCK = 16 * 2**20
 
 # URL schemes and their client package: CLIENTS of storage/__init__.py, which this module cannot
 # import (the package imports this module; tests/test_imports.py forbids the cycle);
@@ -257,7 +261,7 @@ class ObjectStore(Store):
             yield buf
             self._call(path, self.fs.pipe_file, path, buf.getvalue())
             return
-        f = self._call(path, self.fs.open, path, "wb")
+        f = self._call(path, self.fs.open, path, "wb", block_size=WRITE_BLOCK)
         if callable(getattr(f, "_call_s3", None)):
             # s3fs: each request of the upload (create, part, complete) retried on its own; a
             # part's body is bytes in hand, so a retry sends the same part again.

@@ -26,6 +26,7 @@ import io
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -165,7 +166,7 @@ class Trial:
     at_s: float
     exit: int
     unsaved: int  # rows the killed run had not saved in a shard
-    rerun_generated: int
+    rerun_generated: int  # rows the rerun found not done
     waits: int  # reruns refused while the dead run's lease lived
     check: Check
 
@@ -214,8 +215,8 @@ def kill_trial(
     code, waits = run_to_end(args, env, workdir, workdir / f"{prefix}.log")
     if code != 0:
         raise RuntimeError(f"rerun failed: {(workdir / f'{prefix}.log').read_text()[-2000:]}")
-    run = json.loads(server.read(f"{url}/run.json"))
-    generated = run["runs"][-1]["rows_generated"]
+    resumed = re.search(r"(\d+) rows already done", (workdir / f"{prefix}.log").read_text())
+    generated = total - (int(resumed.group(1)) if resumed else 0)
     check = check_output(server, bucket, prefix, clean)
     return Trial(aim, landed, at, proc.returncode, total - saved, generated, waits, check)
 
@@ -230,6 +231,8 @@ def _saved_rows(server: S3Server, url: str) -> int:
 
 def _phase(server: S3Server, url: str) -> str:
     keys = server.keys(f"{url}/")
+    if f"{url}/{SUCCESS}" in keys:
+        return "after the commit"
     if f"{url}/{FINAL}" in keys:
         return "shard -> manifest"
     if any(k.endswith(FINAL) for k in server.pending_uploads(url.split("/")[2])):
@@ -263,7 +266,7 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--rows", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--pad-bytes", type=int, default=32_000)
+    p.add_argument("--pad-bytes", type=int, default=160_000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--throughput-rows", type=int, default=4000)
     p.add_argument("--seed", type=int, default=0)

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from batchpage.storage import Stores
-from batchpage.storage.objects import READ_BLOCK
+from batchpage.storage.objects import READ_BLOCK, WRITE_BLOCK
 from tests.storage.conftest import S3_PART, StoreCase
 from tests.storage.flaky_proxy import FlakyProxy
 
@@ -20,7 +20,8 @@ class Boom(Exception):
 
 def test_write_stream_is_whole_or_absent(case: StoreCase) -> None:
     store, path = case.store, case.store.join(case.root, "part.bin")
-    data = bytes(range(256)) * ((3 * S3_PART) // 256)  # past a part: a multipart upload on S3
+    # Past a part of the store's uploads: a multipart upload on S3, a resumable one on GCS.
+    data = bytes(range(256)) * ((WRITE_BLOCK + S3_PART) // 256)
     with pytest.raises(Boom), store.write_stream(path) as f:
         f.write(data)
         f.write(data)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -72,6 +73,7 @@ class LLM(PoolingMethods):
                 peers.close()
             raise
         self.model_config = loaded.config
+        self.source = loaded.source  # the checkpoint (its headers' counts; LLM.estimate)
         self.tokenizer = loaded.tokenizer
         self.workers = peers  # ranks 1.. of a tensor-parallel engine
         # The last generate() call's figures: `stats` as a dict (vLLM-style), `run_stats` as
@@ -81,6 +83,34 @@ class LLM(PoolingMethods):
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def estimate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        devices: Seq[str] = ("this",),
+        output_tokens: str | int = "max",
+        simulated_rows: int = 8192,
+    ) -> dict[str, Any]:
+        """What generate(prompts, sampling_params) would take, before running it (the dry run's
+        capacity plan, batchpage/simulate): the KV pool and peak memory, the preemptions, and
+        the wall time in parts on each of `devices` ("this": this engine, its step cost
+        measured by a few seconds of calibration steps the first time, cached; "h100",
+        "a100-80gb", "h200", "l4", "name:tpN", or a device file). output_tokens: "max" (every
+        prompt to its max_tokens), a number of tokens, or "sample:N" (N prompts generated for
+        real to learn the lengths); max_tokens is always the bound. A call of more than
+        simulated_rows prompts is simulated on a sample of them and scaled. (`plan` is the
+        engine's plan, an attribute, hence the name.)"""
+        from batchpage.simulate.llm_estimate import estimate_requests
+
+        self._require_generation()
+        started = time.perf_counter()
+        items = as_prompt_list(prompts)
+        params = _per_prompt(sampling_params, len(items))
+        pairs = enumerate(zip(items, params, strict=True))
+        requests = [self._make_request(i, p, sp) for i, (p, sp) in pairs]  # as generate()'s
+        io_s = time.perf_counter() - started
+        return estimate_requests(self, requests, devices, output_tokens, simulated_rows, io_s)
 
     def generate(
         self,

@@ -28,7 +28,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from batchpage.distributed.workers import WorkerDied
 from batchpage.job import JobConfigError, JobResult, run_job
 from batchpage.job.config import JobConfig, register_configs, to_job
-from batchpage.job.dry_run import dry_run
+from batchpage.job.dry_run import dry_run, format_report
 
 _MAX_NAME = 120  # file systems allow 255 bytes a name; leave room
 
@@ -184,10 +184,9 @@ def _fail(message: str) -> None:
 
 
 def _print_report(report: dict[str, Any]) -> None:
-    width = max(map(len, report))
-    for key, value in report.items():
-        shown = f"{value:.1%}" if key.endswith("_rate") else f"{value:,}"
-        print(f"{key:<{width}}  {shown}")
+    print("\n".join(format_report(report)))
+    for warning in report.get("warnings", []):
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def run_for_script(build: Callable[[], JobConfig]) -> tuple[JobConfig, JobResult] | None:

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from batchpage.data.spec import DatasetSpec
 from batchpage.engine.config import EngineConfig
 from batchpage.executor.config import ExecutorConfig
+from batchpage.job.plan_options import PlanConfig
 from batchpage.json_depth import schema_depth_error
 from batchpage.pooling_params import PoolingParams
 from batchpage.sampling_params import SamplingParams, StructuredOutputsParams
@@ -132,6 +133,8 @@ class JobConfig:
     overwrite: bool = False
     # Report rows, tokens, shared prefixes and KV blocks without loading weights or generating.
     dry_run: bool = False
+    # What the dry run estimates besides (devices to time the job on, output lengths): plan.*.
+    plan: PlanConfig = field(default_factory=PlanConfig)
     # Shards are written every flush_rows finished rows or flush_seconds, whichever comes first.
     flush_rows: int = 256
     flush_seconds: float = 30.0

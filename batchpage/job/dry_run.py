@@ -1,19 +1,28 @@
-"""Dry run: the job's shape (rows, prompt tokens, shared prefixes, KV blocks) before any
-generation. Tokenizes every row with the model's tokenizer; loads no weights."""
+"""Dry run: the job's shape (rows, prompt tokens, shared prefixes, KV blocks and bytes) before
+any generation, with its capacity plan (memory, preemption, and with plan.devices its wall time:
+batchpage/job/capacity.py). Tokenizes every row with the model's tokenizer; loads no weights
+unless the plan must run the model (a calibration, sampled output lengths)."""
 
 from __future__ import annotations
 
+import heapq
 import math
 import struct
+import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from itertools import pairwise
 from typing import Any, NamedTuple
 
 from batchpage.data.spec import iter_windows
+from batchpage.engine.config import EngineConfig
+from batchpage.job.capacity import job_capacity, window_rows
 from batchpage.job.config import JobConfig
 from batchpage.job.plan import plan_job
 from batchpage.job.prompts import prepare_window
 from batchpage.model.loader import load_tokenizer
+from batchpage.simulate.capacity import WindowSample
+from batchpage.simulate.memory import plan_pool
 
 
 class PrefixStats(NamedTuple):
@@ -62,25 +71,35 @@ def shared_prefix_stats(packed: Sequence[bytes], block_size: int) -> PrefixStats
 
 
 def dry_run(cfg: JobConfig) -> dict[str, Any]:
-    """Tokenize every row with the model's tokenizer (no weights) and report the job's shape."""
+    """Tokenize every row with the model's tokenizer (no weights) and report the job's shape,
+    the KV bytes its rows need against the pool's, its peak memory and its schedule on this
+    machine (preemptions), with warnings; with plan.devices, its wall time there too (see
+    batchpage/job/capacity.py: the model loads only for a calibration or sampled lengths)."""
+    started = time.perf_counter()
     plan = plan_job(cfg)
-    tokenizer = load_tokenizer(plan.source)
+    tokenizer = load_tokenizer(plan.source)  # the job's engine loads it too
+    setup_s = time.perf_counter() - started
+    started = time.perf_counter()
     bs, limit = cfg.engine.block_size, plan.engine.max_model_len
     packed: list[bytes] = []
     rows = bad = too_long = 0
     blocks_max = blocks_all = blocks_prompt_full = 0
-    for window in iter_windows(cfg.dataset, plan.info):
+    sample = WindowSample(cfg.plan.simulated_rows, cfg.dataset.window_rows)
+    longest: list[int] = []  # the max_num_seqs longest sequences' blocks (a heap)
+    for window in iter_windows(cfg.dataset, plan.info, plan.stores):
         rows += len(window)
         ready, failed = prepare_window(
             window, tokenizer, plan.params, plan.base_seed, plan.prompts, plan.adapters
         )
         bad += len(failed)
+        kept = []
         for p in ready:
             ids = p.prompt_ids
             if not ids or len(ids) >= limit:
                 too_long += bool(ids)
                 bad += not ids
                 continue
+            kept.append(p)
             packed.append(pack_tokens(ids))
             out_len = min(p.params.max_tokens or limit, limit - len(ids))
             seq_blocks = math.ceil((len(ids) + out_len) / bs)
@@ -88,8 +107,17 @@ def dry_run(cfg: JobConfig) -> dict[str, Any]:
             blocks_max = max(blocks_max, seq_blocks)
             blocks_all += p.params.n * seq_blocks
             blocks_prompt_full += (p.params.n - 1) * full
+            for _ in range(min(p.params.n, cfg.engine.max_num_seqs)):
+                keep_largest(longest, seq_blocks, cfg.engine.max_num_seqs)
+        if kept:
+            sample.add(window_rows(kept, plan.engine.task))
     prefix = shared_prefix_stats(packed, bs)
     hit = (prefix.total_tokens - prefix.unique_tokens) / prefix.total_tokens if packed else 0.0
+    io_s = time.perf_counter() - started
+    block = plan_pool(plan.engine, EngineConfig(**asdict(cfg.engine)), plan.source.config)
+    block_bytes = block.block_bytes * cfg.engine.tensor_parallel_size  # every rank's share
+    shared_blocks = blocks_all - blocks_prompt_full - prefix.shared_blocks
+    capacity = job_capacity(cfg, plan, sample, setup_s, io_s, sum(longest), shared_blocks)
     return {
         "rows": rows,
         "rows_to_generate": len(packed),
@@ -105,6 +133,70 @@ def dry_run(cfg: JobConfig) -> dict[str, Any]:
         "kv_block_size": bs,
         "kv_blocks_longest_sequence": blocks_max,
         "kv_blocks_all_rows_no_sharing": blocks_all,
-        "kv_blocks_all_rows_shared": blocks_all - blocks_prompt_full - prefix.shared_blocks,
+        "kv_blocks_all_rows_shared": shared_blocks,
         "kv_blocks_pool": plan.engine.num_blocks,
+        "kv_bytes_per_block": block_bytes,
+        "kv_bytes_all_rows_no_sharing": blocks_all * block_bytes,
+        "kv_bytes_all_rows_shared": shared_blocks * block_bytes,
+        "kv_bytes_pool": plan.engine.num_blocks * block_bytes,
+        **capacity,
     }
+
+
+def keep_largest(heap: list[int], value: int, count: int) -> None:
+    """Keep the `count` largest values pushed so far in `heap` (a min-heap)."""
+    if len(heap) < count:
+        heapq.heappush(heap, value)
+    elif value > heap[0]:
+        heapq.heapreplace(heap, value)
+
+
+def format_report(report: dict[str, Any], indent: int = 0) -> list[str]:
+    """The report as aligned `key  value` lines: nested groups indented under their key, lists
+    of groups (the devices) one after another, byte counts also in MiB or GiB, seconds to
+    0.1, rates as percentages. The warnings are not among them (the caller shows those)."""
+    shown = {k: v for k, v in report.items() if k != "warnings"}
+    width = max(map(len, shown), default=0)
+    pad = " " * indent
+    lines = []
+    for key, value in shown.items():
+        if isinstance(value, dict):
+            lines += [f"{pad}{key}", *format_report(value, indent + 2)]
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            lines.append(f"{pad}{key}")
+            for item in value:
+                lines += format_report(item, indent + 2)
+        else:
+            lines.append(f"{pad}{key:<{width}}  {_shown(key, value)}")
+    return lines
+
+
+# The memory parts (simulate/memory.py Memory), shown as byte counts.
+_MEMORY_PARTS = (
+    "weights",
+    "kv_pool",
+    "activations",
+    "workers",
+    "runtime",
+    "device_memory",
+    "total",
+)
+
+
+def _shown(key: str, value: Any) -> str:
+    if isinstance(value, bool) or value is None or isinstance(value, str | list):
+        return str(value)
+    if key.endswith("_rate"):
+        return f"{value:.1%}"
+    if isinstance(value, int) and ("bytes" in key or key in _MEMORY_PARTS):
+        return f"{value:,} ({_size(value)})"
+    if isinstance(value, float) and (key.endswith("_s") or "seconds" in key):
+        return f"{value:,.1f}"
+    return f"{value:,.3g}" if isinstance(value, float) else f"{value:,}"
+
+
+def _size(value: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= scale:
+            return f"{value / scale:,.1f} {unit}"
+    return f"{value} B"

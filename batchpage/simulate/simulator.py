@@ -8,7 +8,13 @@ simulated end is an EOS at output_len, as the model's would be). A step goes as 
 goes: schedule (admission, preemption, swaps), the scheduled tokens computed, their full blocks
 published to the cache, one token appended to each sequence that completes its prompt, and the
 stop checks (the engine's StopChecker) finish what ends. Swaps cost their K/V bytes over the
-host link. What comes out is the job's simulated time and what the engine would report.
+host link. What comes out is the job's simulated time and what the engine would report, the time
+also in parts: first prefills, decodes, recomputation after preemptions, swaps (a step that
+mixes prefill chunks and decodes gives its decodes what those alone would cost, and its prompt
+tokens the rest).
+
+A job runs its rows window by window (each window one generate call, drained before the next,
+the radix cache kept): `simulate_windows` steps through windows in turn on one scheduler.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from dataclasses import dataclass, field
 
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.schedule_output import SchedulerOutput
-from batchpage.engine.scheduler import build_scheduler
+from batchpage.engine.scheduler import Scheduler, build_scheduler
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.engine.stop_checker import StopChecker
 from batchpage.sampling_params import SamplingParams
@@ -54,6 +60,9 @@ class SimResult:
     reserved_slot_steps: int = 0
     running_steps: int = 0  # running sequences summed over steps
     swap_seconds: float = 0.0  # of `seconds`
+    prefill_seconds: float = 0.0  # of `seconds`: prompt tokens computed the first time
+    decode_seconds: float = 0.0  # of `seconds`
+    recompute_seconds: float = 0.0  # of `seconds`: tokens computed again after a preemption
     # With keep_steps: each step's work, to time the same schedule under other efficiencies
     # (the schedule does not depend on the step times).
     works: list[StepWork] = field(default_factory=list)
@@ -86,6 +95,10 @@ class SimResult:
             "swaps": self.swaps,
             "recomputed_tokens": self.recomputed_tokens,
             "kv_waste": self.kv_waste,
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "recompute_seconds": self.recompute_seconds,
+            "swap_seconds": self.swap_seconds,
         }
 
 
@@ -99,53 +112,116 @@ def simulate(
     keep_steps: bool = False,
 ) -> SimResult:
     """Run the requests through the engine's scheduling with simulated steps."""
+    return simulate_windows(
+        [requests], cfg, num_blocks, max_model_len, cost, max_num_batched_tokens, keep_steps
+    )
+
+
+def simulate_windows(
+    windows: Seq[Seq[SimRequest]],
+    cfg: EngineConfig,
+    num_blocks: int,
+    max_model_len: int,
+    cost: StepCost,
+    max_num_batched_tokens: int,
+    keep_steps: bool = False,
+) -> SimResult:
+    """Each window's requests added once the previous window's have all finished, as a job's
+    generate calls go: one scheduler, so a later window's prompts hit what an earlier one
+    cached."""
     scheduler = build_scheduler(cfg, num_blocks, max_model_len, max_num_batched_tokens)
-    seqs = [_sequence(i, r, max_model_len) for i, r in enumerate(requests)]
-    targets = {s.seq_id: r.output_len for s, r in zip(seqs, requests, strict=True)}
-    first_prefill: dict[int, int] = {}  # seq_id -> prompt tokens its first admission computed
-    result = SimResult(requests=len(seqs), prompt_tokens=sum(s.num_tokens for s in seqs))
-    scheduler.add_batch(seqs)
-    computed_prefill = 0
-    while scheduler.has_unfinished():
+    result = SimResult()
+    run = _Run(scheduler, cost, cfg.block_size, result, keep_steps)
+    for window in windows:
+        seqs = [_sequence(result.requests + i, r, max_model_len) for i, r in enumerate(window)]
+        run.targets.update((s.seq_id, r.output_len) for s, r in zip(seqs, window, strict=True))
+        result.requests += len(seqs)
+        result.prompt_tokens += sum(s.num_tokens for s in seqs)
+        scheduler.add_batch(seqs)
+        while scheduler.has_unfinished():
+            run.step()
+    result.recomputed_tokens = run.computed_prefill - sum(run.first_prefill.values())
+    return result
+
+
+class _Run:
+    """The steps of one simulation, as Engine.step takes them."""
+
+    def __init__(
+        self, scheduler: Scheduler, cost: StepCost, block_size: int, result: SimResult, keep: bool
+    ) -> None:
+        self.scheduler, self.cost, self.block_size = scheduler, cost, block_size
+        self.result, self.keep = result, keep
+        self.targets: dict[int, int] = {}  # seq_id -> the tokens it generates
+        self.first_prefill: dict[int, int] = {}  # seq_id -> prompt tokens its first admission ran
+        self.recomputing: set[int] = set()  # preempted without a swap: its prefill is again
+        self.computed_prefill = 0
+
+    def step(self) -> None:
+        scheduler, result = self.scheduler, self.result
         out = scheduler.schedule()
         if not len(out.rows):
             raise RuntimeError("the scheduler could not run any sequence: this is a bug")
         result.preemptions += len(out.preempted)
         result.swaps += len(out.swap_out)
-        work = cost.work(
-            (s.num_new_tokens, s.seq.num_computed_tokens, s.completes_prefill)
-            for s in out.scheduled
-        )
-        swap = _swap_seconds(out, cost, cfg.block_size)
-        result.seconds += cost.seconds(work) + swap
-        result.swap_seconds += swap
-        if keep_steps:
-            result.works.append(work)
+        swapped = {s.seq_id for s in out.swap_out}
+        self.recomputing.update(s.seq_id for s in out.preempted if s.seq_id not in swapped)
+        self._time(out)
         finishing = []
         for s in out.scheduled:
             seq = s.seq
-            if seq.seq_id not in first_prefill:
+            if seq.seq_id not in self.first_prefill:
                 result.cached_prompt_tokens += seq.num_cached_tokens
-                first_prefill[seq.seq_id] = seq.num_prompt_tokens - seq.num_cached_tokens
+                self.first_prefill[seq.seq_id] = seq.num_prompt_tokens - seq.num_cached_tokens
             if s.completes_prefill:
                 finishing.append(seq)
-        computed_prefill += scheduler.update_from_output(out)
+        self.computed_prefill += scheduler.update_from_output(out)
         for seq in finishing:
-            done = seq.num_output_tokens + 1 >= targets[seq.seq_id]
+            done = seq.num_output_tokens + 1 >= self.targets[seq.seq_id]
             token = _EOS if done else _FIRST_OUTPUT_ID + seq.seq_id
             seq.append_token(token)
             result.generated_tokens += 1
             if seq.stop.append(token) is not None:
                 scheduler.finish(seq)
+                self.recomputing.discard(seq.seq_id)
         running = scheduler.running
         result.steps += 1
         result.running_steps += len(running)
         result.peak_running = max(result.peak_running, len(running))
         computed, blocks = scheduler.batch.held()
         result.used_slot_steps += computed
-        result.reserved_slot_steps += blocks * cfg.block_size
-    result.recomputed_tokens = computed_prefill - sum(first_prefill.values())
-    return result
+        result.reserved_slot_steps += blocks * self.block_size
+
+    def _time(self, out: SchedulerOutput) -> None:
+        """The step's seconds, in parts (read before the step's tokens are committed)."""
+        cost, result = self.cost, self.result
+        rows = [(s.num_new_tokens, s.seq.num_computed_tokens, s.completes_prefill) for s in
+                out.scheduled]  # fmt: skip
+        prefill = [s.seq.is_prefilling for s in out.scheduled]
+        work = cost.work(rows)
+        seconds = cost.seconds(work)
+        swap = _swap_seconds(out, cost, self.block_size)
+        result.seconds += seconds + swap
+        result.swap_seconds += swap
+        if self.keep:
+            result.works.append(work)
+        if not any(prefill):
+            result.decode_seconds += seconds
+            return
+        if not all(prefill):
+            decodes = cost.seconds(
+                cost.work(r for r, p in zip(rows, prefill, strict=True) if not p)
+            )
+            result.decode_seconds += decodes
+            seconds -= decodes
+        again = sum(
+            s.num_new_tokens
+            for s, p in zip(out.scheduled, prefill, strict=True)
+            if p and s.seq.seq_id in self.recomputing
+        )
+        share = again / sum(r[0] for r, p in zip(rows, prefill, strict=True) if p)
+        result.recompute_seconds += seconds * share
+        result.prefill_seconds += seconds * (1 - share)
 
 
 def _sequence(index: int, r: SimRequest, max_model_len: int) -> Sequence:

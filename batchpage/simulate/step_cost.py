@@ -13,8 +13,9 @@ Work of a step whose sequences compute `new` tokens each after `context` cached 
 - under tensor parallelism each rank holds 1/tp of the weights, heads and K/V, and each layer
   all-reduces its attention and MLP outputs: 2 all-reduces of [tokens, hidden] a layer.
 
-Time = overhead + per_seq * sequences + max(linear FLOPs / (peak FLOP/s * compute_eff) +
-attention FLOPs / (peak FLOP/s * attention_eff), bytes / (peak bandwidth * memory_eff)) +
+Time = overhead + per_seq * sequences + per_prefill * prefilling sequences + max(linear FLOPs /
+(peak FLOP/s * compute_eff) + attention FLOPs / (peak FLOP/s * attention_eff, decode_attention_eff
+for one-token rows), bytes / (peak bandwidth * memory_eff)) +
 all-reduce bytes * 2 (tp - 1) / tp / link bandwidth (a ring all-reduce moves that much through
 each link) + link latency per all-reduce.
 """
@@ -96,9 +97,11 @@ class StepWork:
         self.shape, self.tp = shape, tp
         self.flops = 0.0  # the linears'
         self.attention_flops = 0.0
+        self.decode_attention_flops = 0.0  # of attention_flops: one-token rows' (decodes)
         self.bytes = shape.num_weights * shape.weight_bytes / tp
         self.tokens = 0
         self.seqs = 0
+        self.prefills = 0  # sequences computing prompt tokens (more than one, or their first)
 
     def add(self, new: int, context: int, samples: bool) -> None:
         """A sequence computing `new` tokens after `context` computed ones; `samples`: its
@@ -109,9 +112,12 @@ class StepWork:
         linear = 2 * new * s.token_weights + (2 * s.vocab * s.hidden if samples else 0)
         self.flops += linear / self.tp
         self.attention_flops += attention / self.tp
+        if new == 1:
+            self.decode_attention_flops += attention / self.tp
         self.bytes += (context + 2 * new) * s.kv_bytes_per_token / self.tp
         self.tokens += new
         self.seqs += 1
+        self.prefills += new > 1 or context == 0
 
     @property
     def allreduce_bytes(self) -> float:
@@ -129,9 +135,13 @@ class Efficiency:
 
     compute: float = 0.5  # share of peak FLOP/s the linears' matmuls reach
     attention: float = 0.3  # share of peak FLOP/s attention over the paged K/V reaches
+    # the same for one-token rows, which a decode kernel runs (other kernels than a prompt's)
+    decode_attention: float = 0.3
     memory: float = 0.7  # share of peak bandwidth the weight and K/V reads reach
     overhead_s: float = 0.0  # per step: the engine's own work, launches, the host round trip
     per_seq_s: float = 0.0  # per running sequence per step: input building, sampling, stops
+    # per sequence computing prompt tokens in a step: its admission (KV blocks, the radix cache)
+    per_prefill_s: float = 0.0
 
 
 class StepCost:
@@ -153,12 +163,26 @@ class StepCost:
         (a fit differentiates the time through them)."""
         d, e = self.device, eff or self.eff
         compute = work.flops / (d.flops * e.compute)
-        compute = compute + work.attention_flops / (d.flops * e.attention)
+        prompt_attention = work.attention_flops - work.decode_attention_flops
+        compute = compute + prompt_attention / (d.flops * e.attention)
+        compute = compute + work.decode_attention_flops / (d.flops * e.decode_attention)
         memory = work.bytes / (d.bandwidth * e.memory)
-        busy = torch.maximum(compute, memory) if torch.is_tensor(compute) else max(compute, memory)
-        comm = 0.0
-        if self.tp > 1:
-            ring = 2 * (self.tp - 1) / self.tp
-            comm = work.allreduce_bytes * ring / d.link_bandwidth
-            comm += 2 * self.shape.layers * d.link_latency_s
-        return e.overhead_s + e.per_seq_s * work.seqs + busy + comm
+        if not d.overlap:
+            busy = compute + memory
+        elif torch.is_tensor(compute):
+            busy = torch.maximum(compute, memory)
+        else:
+            busy = max(compute, memory)
+        per_step = e.overhead_s + e.per_seq_s * work.seqs + e.per_prefill_s * work.prefills
+        return per_step + busy + self.comm_seconds(work)
+
+    def comm_seconds(self, work: StepWork) -> float:
+        """The step's all-reduces over the node's links (no efficiency factor applies)."""
+        if self.tp == 1:
+            return 0.0
+        d = self.device
+        ring = 2 * (self.tp - 1) / self.tp
+        return (
+            work.allreduce_bytes * ring / d.link_bandwidth
+            + 2 * self.shape.layers * d.link_latency_s
+        )

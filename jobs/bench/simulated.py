@@ -25,17 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 from dataclasses import asdict
 from typing import Any
-
-import torch
 
 from batchpage.engine.config import EngineConfig
 from batchpage.model.config import ModelConfig
 from batchpage.model.loader import load_tokenizer, resolve_model_source
 from batchpage.simulate.devices import device
+from batchpage.simulate.fit import FIT_NAMES, FitGroup, fit_efficiency
+from batchpage.simulate.gpu_efficiency import LLAMA_32_1B, VLLM_LIKE, h200_measured
 from batchpage.simulate.simulator import SimRequest, SimResult, simulate
 from batchpage.simulate.step_cost import Efficiency, ModelShape, StepCost
 from jobs.bench.report import environment, fmt, log, markdown_table, save_results
@@ -45,9 +43,8 @@ from jobs.bench.workloads import sharegpt_records
 SHAPES = {
     "llama-13b": ModelConfig(32000, 5120, 13824, 40, 40, 40, 128),
     "llama-2-70b": ModelConfig(32000, 8192, 28672, 80, 64, 8, 128),
-    "llama-3.2-1b": ModelConfig(128256, 2048, 8192, 16, 32, 8, 64, tie_word_embeddings=True),
+    "llama-3.2-1b": LLAMA_32_1B,
 }
-FIT_NAMES = ("compute", "attention", "memory", "overhead_s", "per_seq_s")
 
 
 def model_config(name: str) -> ModelConfig:
@@ -72,54 +69,11 @@ def fit(
 ) -> Efficiency:
     """Least squares on log time over the runs (each replayed once: the schedule does not
     depend on the step times); the factors not in `free` stay as cost.eff has them."""
-    replays = [(replay(run, cost, keep_steps=True), run["wall_s"]) for run in runs]
-    start = torch.tensor([max(getattr(cost.eff, n), 1e-9) for n in FIT_NAMES], dtype=torch.float64)
-    mask = torch.tensor([n in free for n in FIT_NAMES])
-    logs = start.log().clone().requires_grad_(True)
-    optimizer = torch.optim.LBFGS([logs], max_iter=200, line_search_fn="strong_wolfe")
-
-    def current() -> Efficiency:
-        values = torch.where(mask, logs, start.log()).exp()
-        return Efficiency(**dict(zip(FIT_NAMES, values.unbind(), strict=True)))
-
-    def loss() -> torch.Tensor:
-        optimizer.zero_grad()
-        eff = current()
-        total = torch.zeros((), dtype=torch.float64)
-        for sim, measured in replays:
-            seconds = sum(cost.seconds(w, eff) for w in sim.works) + sim.swap_seconds
-            total = total + (torch.log(seconds) - math.log(measured)) ** 2
-        total.backward()
-        return total
-
-    optimizer.step(loss)
-    return Efficiency(**{n: float(getattr(current(), n).detach()) for n in FIT_NAMES})
-
-
-# The one H200 run (BENCHMARKS.md, GPU): Llama-3.2-1B's shapes in float16, 512 prompts of
-# 256-512 random tokens generating 256 each (ignore_eos), 512 running, 256,732 KV blocks of 16:
-# 13,581 output tok/s. Its replay fits batchpage's per-step overhead on that device.
-H200_RUN = {"model": "llama-3.2-1b", "requests": 512, "prompt_lens": (256, 512), "out": 256,
-            "num_blocks": 256_732, "max_num_seqs": 512, "tok_s": 13_581.0}  # fmt: skip
-# An engine whose own work per step is vLLM's (well under a millisecond, vLLM PRs #42131,
-# #46112), its kernels at typical shares of the peaks.
-VLLM_LIKE = Efficiency(compute=0.6, memory=0.8, overhead_s=0.5e-3)
-
-
-def h200_measured() -> Efficiency:
-    rng = random.Random(0)
-    lo, hi = H200_RUN["prompt_lens"]
-    n, out = H200_RUN["requests"], H200_RUN["out"]
-    run = {
-        "engine": {"block_size": 16, "max_num_seqs": H200_RUN["max_num_seqs"]},
-        "max_model_len": 2048, "num_blocks": H200_RUN["num_blocks"],
-        "max_num_batched_tokens": 2048, "ignore_eos": True,
-        "prompts": [[3 + i] * rng.randint(lo, hi) for i in range(n)],  # none shares a block
-        "max_tokens": [out] * n, "output_lens": [out] * n,
-        "wall_s": n * out / H200_RUN["tok_s"],
-    }  # fmt: skip
-    shape = ModelShape.of(SHAPES["llama-3.2-1b"], 2, 2)
-    return fit([run], StepCost(shape, device("h200"), VLLM_LIKE), free=("overhead_s",))
+    groups = []
+    for run in runs:
+        sim = replay(run, cost, keep_steps=True)
+        groups.append(FitGroup(sim.works, run["wall_s"], sim.swap_seconds))
+    return fit_efficiency(groups, cost, free)
 
 
 def efficiency(name: str) -> Efficiency:
@@ -128,7 +82,10 @@ def efficiency(name: str) -> Efficiency:
     if name == "h200-measured":
         return h200_measured()
     with open(name) as f:
-        return Efficiency(**json.load(f)["results"]["efficiency"])
+        values = json.load(f)["results"]["efficiency"]
+    # Fits made before decode attention had a factor of its own ran it at `attention`'s.
+    values.setdefault("decode_attention", values["attention"])
+    return Efficiency(**values)
 
 
 def sharegpt_requests(

@@ -44,6 +44,7 @@ from batchpage.output.files import (
     table_bytes,
     work_folder,
 )
+from batchpage.output.shard_upload import PendingShard, ShardUploads
 from batchpage.storage import JobLock, LockHeldError, OutputLostError, StorageConfig, Store
 
 
@@ -91,6 +92,7 @@ class ShardWriter:
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
         self._buffer: list[dict[str, Any]] = []
+        self._uploads = ShardUploads(self._write_shard)
         self._last_flush = time.monotonic()
         self.work = work_folder(self.store, self.output_dir)
         try:
@@ -124,8 +126,9 @@ class ShardWriter:
 
     @property
     def num_saved(self) -> int:
-        """Rows on disk: done less those still buffered (e.g. after a flush that failed)."""
-        return len(self._done) - len(self._buffer)
+        """Rows saved: done less those still buffered or not yet written (a shard in flight, or
+        one whose write failed)."""
+        return len(self._done) - len(self._buffer) - self._uploads.unsaved_rows
 
     def add(self, row: ResultRow | Mapping[str, Any]) -> bool:
         """Buffer one finished row; flush when due. Returns False (and drops it) for an index
@@ -154,27 +157,44 @@ class ShardWriter:
             time.monotonic() - self._last_flush >= self.flush_seconds
         )
         if due and self._buffer:
-            self.flush()
+            self._flush(wait=False)
             return True
         return False
 
     def flush(self) -> None:
-        """Write the buffered rows as the next shard. OutputLostError (the rows stay buffered)
-        when another job owns the folder now or created that shard first."""
-        if not self._buffer:
-            return
-        data = table_bytes(pa.Table.from_pylist(self._buffer, schema=self.schema))
-        path = self.store.join(self.work, shard_name(self._next_shard))
+        """Write the buffered rows as the next shard and wait until every shard is saved.
+        OutputLostError (the rows stay unsaved) when another job owns the folder now or
+        created that shard first; a store's error when the write failed."""
+        self._flush(wait=True)
+
+    def settle(self) -> None:
+        """Wait until the shards already handed over are saved (the buffer stays); raise the
+        error of one that was not."""
+        self._uploads.settle()
+
+    def _flush(self, wait: bool) -> None:
+        """The buffered rows to the upload thread (shard_upload.py). A write that failed before
+        is retried first, and its error raised again if it fails again."""
+        self._uploads.settle()
+        if self._buffer:
+            data = table_bytes(pa.Table.from_pylist(self._buffer, schema=self.schema))
+            self._uploads.submit(PendingShard(self._next_shard, self._buffer, data))
+            self._next_shard += 1
+            self._buffer = []
+            self._last_flush = time.monotonic()
+        if wait:
+            self._uploads.settle()
+
+    def _write_shard(self, shard: PendingShard) -> None:
+        """On the upload thread: create the shard's key, never replacing one."""
+        path = self.store.join(self.work, shard_name(shard.number))
         self.check()  # right before the write: the less time between, the better
-        if not self.store.create_bytes(path, data):
+        if not self.store.create_bytes(path, shard.data):
             raise OutputLostError(
                 f"{path} was created by another writer of output_dir {self.output_dir}: this job "
                 "stops without replacing it. Run one batchpage job per output_dir, then rerun "
                 "into it to resume"
             )
-        self._next_shard += 1
-        self._buffer = []
-        self._last_flush = time.monotonic()
 
     def check(self) -> None:
         """OutputLostError when this writer no longer owns the output folder (its lease expired
@@ -257,6 +277,8 @@ class ShardWriter:
         store.write_bytes(store.join(self.work, JOB_FILE), text.encode())
 
     def _release(self) -> None:
+        # No write may outlive the lock: the shard in flight lands (or fails) first.
+        self._uploads.close()
         if self._lock is not None:
             lock, self._lock = self._lock, None
             lock.release()

@@ -63,12 +63,14 @@ def write_dataset(path: Path, rows: int, pad_bytes: int, seed: int) -> Path:
     return path
 
 
-def job_args(model: Path, data: str, out: str, max_tokens: int) -> list[str]:
-    # Small windows and shards, so a kill always finds work in flight and shards being written.
+def job_args(model: Path, data: str, out: str, max_tokens: int, small: bool = True) -> list[str]:
+    """`small`: small windows and shards, so a kill always finds work in flight and shards being
+    written; else the job's defaults (the throughput runs)."""
+    sizes = ["dataset.window_rows=16", "flush_rows=8"] if small else []
     return [
-        f"dataset.path={data}", f"model.path={model}", f"output_dir={out}",
-        "dataset.window_rows=16", "flush_rows=8", f"sampling.max_tokens={max_tokens}",
-        "sampling.ignore_eos=true", "progress=false", f"storage.lease_seconds={LEASE_S}",
+        f"dataset.path={data}", f"model.path={model}", f"output_dir={out}", *sizes,
+        f"sampling.max_tokens={max_tokens}", "sampling.ignore_eos=true", "progress=false",
+        f"storage.lease_seconds={LEASE_S}",
     ]  # fmt: skip
 
 
@@ -271,6 +273,7 @@ def main() -> None:
     p.add_argument("--throughput-rows", type=int, default=4000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gcs", action="store_true", help="also the equality run on the GCS emulator")
+    p.add_argument("--only-throughput", action="store_true", help="skip equality and trials")
     args = p.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="object-storage-"))
     model = random_model_folder("tiny")
@@ -283,43 +286,47 @@ def main() -> None:
         s3.client().upload_file(str(data), bucket, "in/prompts.jsonl")
         s3_data = s3.url(bucket, "in", "prompts.jsonl")
 
-        log("equality: local -> local, s3 -> s3")
-        local_out = workdir / "local"
-        code, _ = run_to_end(job_args(model, str(data), str(local_out), args.max_tokens), {},
-                             workdir, workdir / "local.log")  # fmt: skip
-        assert code == 0, (workdir / "local.log").read_text()[-2000:]
-        local_bytes = (local_out / FINAL).read_bytes()
-        clean = rows_of(local_bytes)
-        eq_rows = []
-        targets = [(s3, bucket, s3_data)]
-        if args.gcs:
-            gcs = GCSServer.start()
-            servers.append(gcs)
-            gbucket = gcs.new_bucket()
-            gcs.client().bucket(gbucket).blob("in/prompts.jsonl").upload_from_filename(str(data))
-            targets.append((gcs, gbucket, gcs.url(gbucket, "in", "prompts.jsonl")))
-        for server, bkt, src in targets:
-            url = server.url(bkt, "equal")
-            code, _ = run_to_end(job_args(model, src, url, args.max_tokens), server.env,
-                                 workdir, workdir / f"{server.scheme}.log")  # fmt: skip
-            assert code == 0, (workdir / f"{server.scheme}.log").read_text()[-2000:]
-            remote = server.read(f"{url}/{FINAL}")
-            keys = server.keys(url)
-            eq_rows.append([f"{server.scheme}:// -> {server.scheme}://", len(rows_of(remote)),
-                            "yes" if remote == local_bytes else "NO", len(local_bytes),
-                            "yes" if manifest_matches(server, url, keys) else "NO"])  # fmt: skip
-        print(markdown_table(["job", "rows", "completions.parquet == local, byte for byte",
-                              "bytes", "_SUCCESS checks"], eq_rows), "\n")  # fmt: skip
+        if not args.only_throughput:
+            log("equality: local -> local, s3 -> s3")
+            local_out = workdir / "local"
+            code, _ = run_to_end(job_args(model, str(data), str(local_out), args.max_tokens), {},
+                                 workdir, workdir / "local.log")  # fmt: skip
+            assert code == 0, (workdir / "local.log").read_text()[-2000:]
+            local_bytes = (local_out / FINAL).read_bytes()
+            clean = rows_of(local_bytes)
+            eq_rows = []
+            targets = [(s3, bucket, s3_data)]
+            if args.gcs:
+                gcs = GCSServer.start()
+                servers.append(gcs)
+                gbucket = gcs.new_bucket()
+                gcs.client().bucket(gbucket).blob("in/prompts.jsonl").upload_from_filename(
+                    str(data)
+                )
+                targets.append((gcs, gbucket, gcs.url(gbucket, "in", "prompts.jsonl")))
+            for server, bkt, src in targets:
+                url = server.url(bkt, "equal")
+                code, _ = run_to_end(job_args(model, src, url, args.max_tokens), server.env,
+                                     workdir, workdir / f"{server.scheme}.log")  # fmt: skip
+                assert code == 0, (workdir / f"{server.scheme}.log").read_text()[-2000:]
+                remote = server.read(f"{url}/{FINAL}")
+                keys = server.keys(url)
+                same = "yes" if remote == local_bytes else "NO"
+                checked = "yes" if manifest_matches(server, url, keys) else "NO"
+                name = f"{server.scheme}:// -> {server.scheme}://"
+                eq_rows.append([name, len(rows_of(remote)), same, len(local_bytes), checked])
+            print(markdown_table(["job", "rows", "completions.parquet == local, byte for byte",
+                                  "bytes", "_SUCCESS checks"], eq_rows), "\n")  # fmt: skip
 
-        log(f"{args.trials} kill -9 trials, s3 -> s3")
-        rng = random.Random(args.seed)
-        trials = []
-        for i in range(args.trials):
-            aim = AIMS[i % len(AIMS)]
-            trials.append(kill_trial(s3, model, s3_data, bucket, f"trial{i}", aim, clean,
-                                     workdir, rng, args.max_tokens))  # fmt: skip
-            log(f"trial {i + 1}/{args.trials}: {trials[-1]}")
-        print(trial_table(trials), "\n")
+            log(f"{args.trials} kill -9 trials, s3 -> s3")
+            rng = random.Random(args.seed)
+            trials = []
+            for i in range(args.trials):
+                aim = AIMS[i % len(AIMS)]
+                trials.append(kill_trial(s3, model, s3_data, bucket, f"trial{i}", aim, clean,
+                                         workdir, rng, args.max_tokens))  # fmt: skip
+                log(f"trial {i + 1}/{args.trials}: {trials[-1]}")
+            print(trial_table(trials), "\n")
 
         log("throughput: local and s3, alternating")
         tdata = write_dataset(workdir / "many.jsonl", args.throughput_rows, 0, args.seed + 1)
@@ -332,7 +339,7 @@ def main() -> None:
                 out = str(workdir / f"t{r + 1}") if kind == "local" else s3.url(bucket, f"t{r + 1}")
                 env = {} if kind == "local" else s3.env
                 started = time.perf_counter()
-                code, _ = run_to_end(job_args(model, src, out, 4), env, workdir,
+                code, _ = run_to_end(job_args(model, src, out, 4, small=False), env, workdir,
                                      workdir / f"t-{kind}{r}.log")  # fmt: skip
                 wall = time.perf_counter() - started
                 assert code == 0, (workdir / f"t-{kind}{r}.log").read_text()[-2000:]

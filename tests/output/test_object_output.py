@@ -83,6 +83,7 @@ if mode == "hold":
 try:
     for row in rows:
         w.add(row)
+        w.flush()  # the shard saved (add only hands it to the upload thread)
         print(f"flushed {row.index}", flush=True)
         time.sleep(0.5)
 except OutputLostError as e:
@@ -212,17 +213,18 @@ def test_a_writer_that_lost_its_lease_stops_without_writing(bucket: Bucket) -> N
 
 
 # finalize in another process, killed (SIGKILL) in the middle of writing completions.parquet:
-# after the first of its two buckets is written, which is more than an upload part (5 MB).
+# after the first of its two buckets is written, which is more than an upload part
+# (objects.WRITE_BLOCK).
 KILLED_IN_FINALIZE = """
 import importlib, os, signal, sys
 from batchpage.output import ShardWriter, finalize
 from batchpage.storage import StorageConfig, Stores
 from tests.output.conftest import result_rows
 url, count = sys.argv[1], int(sys.argv[2])
-store = Stores(StorageConfig(s3={"default_block_size": 5 * 2**20})).store_for(url)
+store = Stores(StorageConfig()).store_for(url)
 job = {"model": "tiny", "sampling": {"temperature": 0.0}, "dataset": "fp1"}
 with ShardWriter(url, job, flush_rows=10, store=store) as w:
-    w.add_many(result_rows(count, text_bytes=250_000))
+    w.add_many(result_rows(count, text_bytes=900_000))
 merge = importlib.import_module("batchpage.output.finalize")._Merge
 buckets = merge.buckets
 def written_then_killed(self):
@@ -239,7 +241,7 @@ def test_a_kill_in_finalize_leaves_no_output_and_the_next_writer_aborts_the_uplo
     bucket: Bucket, tmp_path: Path
 ) -> None:
     url = bucket.url("run-1")
-    count = 80  # two buckets of over 5 MB each: the first is sent as an upload part before the kill
+    count = 80  # two buckets of over 20 MB: the first is sent as an upload part before the kill
     proc = subprocess.run(
         [sys.executable, "-c", KILLED_IN_FINALIZE, url, str(count)],
         cwd=REPO,
@@ -255,7 +257,7 @@ def test_a_kill_in_finalize_leaves_no_output_and_the_next_writer_aborts_the_uplo
     if bucket.kind == "s3":
         assert bucket.server.pending_uploads(bucket.name) == []
     finalize(url, count, rows_per_bucket=count // 2, store=bucket.store)
-    rows = result_rows(count, text_bytes=250_000)
+    rows = result_rows(count, text_bytes=900_000)
     local = local_completions(tmp_path, rows, rows_per_bucket=count // 2)
     assert bucket.server.read(url + "/" + FINAL_FILE) == local
     assert verify(bucket.store, url)["files"][0]["rows"] == count

@@ -63,6 +63,7 @@ def test_flushes_every_k_rows_atomically(tmp_path: Path) -> None:
     with ShardWriter(tmp_path, JOB, flush_rows=3, flush_seconds=1e9) as w:
         for i in range(7):
             w.add(result(i))
+        w.settle()  # the shards handed to the upload thread
         assert len(shards(tmp_path)) == 2  # 3 + 3 written, 1 buffered
         assert not list(tmp_path.glob(".*.tmp"))
     assert len(shards(tmp_path)) == 3
@@ -74,7 +75,9 @@ def test_flushes_after_t_seconds(tmp_path: Path) -> None:
         w.add(result(0))
         assert not w.maybe_flush() and not shards(tmp_path)
         time.sleep(0.06)
-        assert w.maybe_flush() and len(shards(tmp_path)) == 1
+        assert w.maybe_flush()
+        w.settle()
+        assert len(shards(tmp_path)) == 1
 
 
 def test_all_null_error_column_and_error_rows_write(tmp_path: Path) -> None:

@@ -24,8 +24,8 @@ from batchpage.storage import Store, Stores
 def input_root(path: str, stores: Stores | None = None) -> tuple[str, bool] | None:
     """Where dataset.path reads from: (the file, False), or (the folder or prefix it reads, or a
     glob's part before its first wildcard, True); a local one resolved (absolute, links
-    followed). None for a bundled name or a path that does not exist or cannot be reached
-    (validate says what is wrong with it)."""
+    followed); a URL as written, a prefix unless an object is there. None for a bundled name or
+    a local path that does not exist (validate says what is wrong with it)."""
     if not path or presets.is_preset(path):
         return None
     try:
@@ -34,6 +34,10 @@ def input_root(path: str, stores: Stores | None = None) -> tuple[str, bool] | No
         expanded = os.path.expanduser(path) if local else path
         if _is_glob(expanded):
             where, is_folder = _glob_base(expanded) or ".", True
+        elif not local:
+            # One HEAD: an object is a file, anything else a prefix (a listing costs more, and
+            # a prefix that holds nothing is validate's to report).
+            where, is_folder = expanded, not store.exists(expanded)
         elif store.is_dir(expanded) or store.exists(expanded):
             where, is_folder = expanded, store.is_dir(expanded)
         else:

@@ -151,7 +151,10 @@ def _run(
         if hasattr(llm, "close"):  # an executor's replicas
             llm.close()
     writer.flush()
-    status.write(stage="done")
+    try:
+        status.write(stage="done", wait=True)
+    finally:
+        status.close()
     final = finalize(out, rows, store=store, commit_now=False)
     written = [(FINAL_FILE, final.rows)]
     if plan.openai_batch:

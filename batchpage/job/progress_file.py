@@ -5,7 +5,9 @@ every `every_s` seconds while rows finish and engine steps run, at every window'
 the job stops: rows done and failed out of the total, the output rate and the time left at
 that rate (the progress bar's own figures), with executor=ray each replica's rows and rate and
 the replicas lost and replaced, and with dataset.lora_column the rows done per adapter.
-run.json names the file; it stays after the job as its last state.
+run.json names the file; it stays after the job as its last state. A write goes to the store
+on a thread of its own (an object PUT need not pause the job); the error of one that failed is
+raised by the next write, and the last write (`wait=True`) is waited for.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from batchpage.job.progress import JobProgress
@@ -40,6 +43,8 @@ class ProgressFile:
         self.executor = executor
         self.every_s = every_s
         self._last = float("-inf")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchpage-progress")
+        self._pending: Future[None] | None = None
         # Rows done in this run per adapter name ("base": none); the job counts them.
         self.rows_by_adapter: Counter[str] = Counter()
 
@@ -48,8 +53,10 @@ class ProgressFile:
         if time.monotonic() - self._last >= self.every_s:
             self.write()
 
-    def write(self, stage: str | None = None) -> None:
-        """Rewrite the file now; `stage` overrides the bar's ("done" at the end)."""
+    def write(self, stage: str | None = None, wait: bool = False) -> None:
+        """Rewrite the file now (on the writing thread; `wait`: and wait for it); `stage`
+        overrides the bar's ("done" at the end). Raises the error of the write before, if it
+        failed."""
         record: dict[str, Any] = {
             "updated_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **self.progress.snapshot(),
@@ -60,5 +67,20 @@ class ProgressFile:
             record["executor"] = self.executor()
         if self.rows_by_adapter:
             record["rows_by_adapter"] = dict(sorted(self.rows_by_adapter.items()))
-        self.store.write_bytes(self.path, (json.dumps(record, indent=1) + "\n").encode())
+        data = (json.dumps(record, indent=1) + "\n").encode()
+        self.settle()
+        self._pending = self._writer.submit(self.store.write_bytes, self.path, data)
         self._last = time.monotonic()
+        if wait:
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for the write in flight; raise its error if it failed."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        """Stop the writing thread once its write is done (its error, if any, is dropped: the
+        job is ending on another one)."""
+        self._writer.shutdown(wait=True)

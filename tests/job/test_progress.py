@@ -74,7 +74,7 @@ def test_progress_file_gives_the_bars_figures_and_is_rewritten_at_most_every_int
     progress.row_finished(unused_budget=20)
     figures = {"replicas": [{"replica": 0, "rows": 2}], "replicas_lost": 0}
     status = ProgressFile(tmp_path, progress, executor=lambda: figures, every_s=10.0)
-    status.write()
+    status.write(wait=True)
     record = json.loads((tmp_path / "progress.json").read_text())
     assert record["rows_total"] == 4 and record["rows_done"] == 3 and record["rows_failed"] == 2
     assert record["stage"] == "generating" and record["out_tok_s"] == 2.5
@@ -84,11 +84,14 @@ def test_progress_file_gives_the_bars_figures_and_is_rewritten_at_most_every_int
     progress.row_finished(unused_budget=0)
     clock[0] += 9.0
     status.maybe_write()  # inside the interval: the file keeps the last state
+    status.settle()
     assert json.loads((tmp_path / "progress.json").read_text())["rows_done"] == 3
     clock[0] += 1.0
     status.maybe_write()
+    status.settle()
     assert json.loads((tmp_path / "progress.json").read_text())["rows_done"] == 4
-    status.write(stage="done")
+    status.write(stage="done", wait=True)
+    status.close()
     assert json.loads((tmp_path / "progress.json").read_text())["stage"] == "done"
     assert [p.name for p in tmp_path.iterdir()] == ["progress.json"]  # no temporary left
     progress.close()

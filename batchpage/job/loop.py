@@ -9,9 +9,10 @@ folder (a local folder or a URL: every file goes through its Store) stays locked
 check to the last file written (scores, run.json). The output is committed once, after the last
 output file: `_SUCCESS` (batchpage.output.manifest), then run.json.
 
-Three things outside the job stop it part-way with JobStoppedError (exit 2, the rows saved so
+Four things outside the job stop it part-way with JobStoppedError (exit 2, the rows saved so
 far kept, a rerun resumes): a full disk, an input file that changed while it was read
-(input_watch.py), and another job that took the output folder over (a lease that expired).
+(input_watch.py), another job that took the output folder over (a lease that expired), and a
+store that still fails after its retries.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from batchpage.output.batch_files import write_batch_files
 from batchpage.output.files import BATCH_ERRORS_FILE, BATCH_OUTPUT_FILE, FINAL_FILE, SCORES_FILE
 from batchpage.output.manifest import commit
 from batchpage.request_outputs import PoolingRequestOutput, RequestOutput
-from batchpage.storage import OutputLostError
+from batchpage.storage import OutputLostError, StorageError
 
 LLMFactory = Callable[..., Any]
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -83,6 +84,11 @@ def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
         raise JobStoppedError(
             f"{e} ({writer.num_saved} rows this job saved in {out} are kept: rerun with the "
             "same output_dir to resume once the folder is free)"
+        ) from None
+    except StorageError as e:  # past its retries: the store's own message names the URL
+        raise JobStoppedError(
+            f"{e}; the job stopped with {writer.num_saved} rows saved in {out}: rerun the same "
+            "command to resume (rows not saved are generated again)"
         ) from None
     except OSError as e:
         if e.errno not in _DISK_FULL:

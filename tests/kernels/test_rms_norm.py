@@ -61,9 +61,10 @@ def test_the_residual_add_then_norm(dtype) -> None:
 
 def test_per_head_views_of_a_fused_projection() -> None:
     """Qwen3's q/k norms: [T, H, D] views of a wider [T, width] output, head by head."""
-    qkv = torch.randn(5, 6 * 32, device=DEVICE)
+    g = torch.Generator().manual_seed(0)  # as _rows: the same inputs whatever ran before
+    qkv = torch.randn(5, 6 * 32, generator=g).to(DEVICE)
     q = qkv[:, : 4 * 32].view(5, 4, 32)
-    w = torch.rand(32, device=DEVICE) + 0.5
+    w = (torch.rand(32, generator=g) + 0.5).to(DEVICE)
     out, ref = torch.empty_like(q), torch.empty_like(q)
     rms_norm(out, q, w, EPS)
     LayerOps().rms_norm(ref, q, w, EPS)

@@ -5,7 +5,8 @@ compiling for minutes. --all builds all eight.
 "What the engine binds" is the kernels of a job at dtype="auto" (bfloat16 on a CPU with native
 bf16, else float32: batchpage.cpu_info), a quantized checkpoint (the bundled model's) included:
 the attention kernels and the layer ops everywhere, the bf16 or the float32 linear, the int
-linear where its vector path runs, the int8-activation one with AVX512-VNNI and bf16. The LoRA
+linear and the int8-activation one where their vector paths run (AVX2 + FMA; AVX512-BF16 or
+AVX512-VNNI). The LoRA
 kernel, and the linears of the other dtype, are built at first use (with a log line), as any
 kernel missing from the cache is.
 
@@ -64,7 +65,8 @@ def _int_linear(flags: frozenset[str]) -> bool:
 
 
 def _a8_linear(flags: frozenset[str]) -> bool:
-    return has_native_bf16(flags) and "avx512_vnni" in flags
+    # ops/int_linear.py offers its VNNI path and its AVX2 one (bf16 and float32 rows)
+    return {"avx2", "fma"} <= flags or (_bf16_linear(flags) and "avx512_vnni" in flags)
 
 
 def _first_use(flags: frozenset[str]) -> bool:

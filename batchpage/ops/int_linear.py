@@ -3,9 +3,12 @@ checkpoint's linears (their IntWeight, batchpage/quant/int_weight.py) for bfloat
 activations (a float32 engine keeps its quantized weights packed too).
 A scheme with bf16 activations runs on kernels/cpu_int_linear.py (W4A16, W8A16, FP8 weights);
 one with int8 activations (W8A8, or any scheme under the engine option int8_activations) on
-kernels/cpu_a8_linear.py where the CPU has AVX512-VNNI, or on the A16 kernel fed the rows' int8
-values (exact in bf16) and scaled after, or on oneDNN (ops/onednn_int8_linear.py): the engine
-measures which is fastest for each shape (ops/measured_linear.py).
+kernels/cpu_a8_linear.py, each of its vector paths a candidate of its own (AVX512-VNNI where the
+CPU has it, "int_a8"; AVX2 on any CPU with AVX2 + FMA, "int_a8_avx2": the int8 path of CPUs
+without VNNI), or on the A16 kernel fed the rows' int8 values (exact in bf16 and float32) and
+scaled after, or on oneDNN (ops/onednn_int8_linear.py, bf16 rows): the engine measures which is
+fastest for each shape (ops/measured_linear.py), so a path that is slower on a CPU (AVX2's on a
+VNNI one) is never bound there.
 
 Bind repacks each linear's IntWeight once into its kernel's layout and drops the loaded
 form. Shapes are checked once, when a layer is made; `apply` calls the compiled kernel
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,14 +54,16 @@ class _PackedIntLinearOp(LinearOp):
         scheme: QuantScheme,
         packed: cpu_int_linear.IntPacked | cpu_a8_linear.A8Packed,
         kernel: CpuIntLinear | CpuA8Linear,
+        run: Callable[..., None],
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
-        """`dtype`: the activations' (and outputs') dtype the engine runs."""
+        """`run`: the kernel's unchecked entry (out, x, q, scales, offsets, bias, kind,
+        group_quads); `dtype`: the activations' (and outputs') dtype the engine runs."""
         super().__init__()
         self.dtype = dtype
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self._format = scheme.name
-        self._run = kernel.raw.linear
+        self._run = run
         self.kind, self.group_quads = packed.kind, packed.group_quads
         self.register_buffer("q", packed.q)
         self.register_buffer("scales", packed.scales)
@@ -107,7 +113,8 @@ class CpuIntLinearOp(_PackedIntLinearOp):
         kernel: CpuIntLinear,
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
-        super().__init__(weight, bias, scheme, pack_int_weight(weight), kernel, dtype)
+        packed = pack_int_weight(weight)
+        super().__init__(weight, bias, scheme, packed, kernel, kernel.raw.linear, dtype)
         self.int8_activations = scheme.int8_activations
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -130,8 +137,9 @@ class CpuIntLinearOp(_PackedIntLinearOp):
 
 
 class CpuA8LinearOp(_PackedIntLinearOp):
-    """y = x @ W.T + b for bfloat16 x, quantized per row to int8 in the kernel, and an integer
-    W in the VNNI kernel's layout."""
+    """y = x @ W.T + b for bfloat16 or float32 x (the engine's dtype), quantized per row to
+    int8 in the kernel, and an integer W in the int8-activation kernel's layout, on the path
+    `kernel` runs."""
 
     KERNEL = "C++ int8-activation kernel"
 
@@ -141,14 +149,20 @@ class CpuA8LinearOp(_PackedIntLinearOp):
         bias: torch.Tensor | None,
         scheme: QuantScheme,
         kernel: CpuA8Linear,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         assert scheme.int8_activations, scheme
-        super().__init__(weight, bias, scheme, pack_a8_weight(weight), kernel)
+        packed = pack_a8_weight(weight)
+        super().__init__(weight, bias, scheme, packed, kernel, kernel.run, dtype)
+        self.path = kernel.path
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()} ({self.path})"
 
     def apply(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         x = self._inputs(x)
         if out is None:
-            out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+            out = torch.empty(x.shape[0], self.out_features, dtype=self.dtype)
         self._call(out, x, self.bias)
         return out
 
@@ -174,10 +188,10 @@ def cpu_int_candidates(dtype: torch.dtype, device: torch.device) -> list[IntCand
     """The implementations of a quantized checkpoint's linears that run here, for measured
     choice (ops/measured_linear.py): the A16 int kernel for every integer scheme and FP8 (bfloat16
     activations on a CPU with AVX512-BF16 or AVX2 + FMA; float32 activations on one with AVX2 +
-    FMA; built here), and for bf16 schemes with int8 activations the VNNI kernel (where it
-    builds natively) and oneDNN's int8 matmul (one group per row; AMX-INT8 where the CPU has
-    it). Empty where none runs (a CPU without AVX2, a GPU): the quantized linears are then
-    dequantized once, at bind."""
+    FMA; built here), and for schemes with int8 activations each vector path of the
+    int8-activation kernel that its build has (`a8_candidates`) and, for bfloat16, oneDNN's int8
+    matmul (one group per row; AMX-INT8 where the CPU has it). Empty where none runs (a CPU
+    without AVX2, a GPU): the quantized linears are then dequantized once, at bind."""
     flags = set(cpu_flags())
     if dtype not in (torch.bfloat16, torch.float32) or device.type != "cpu":
         return []
@@ -194,20 +208,36 @@ def cpu_int_candidates(dtype: torch.dtype, device: torch.device) -> list[IntCand
         return []
     a16 = functools.partial(CpuIntLinearOp, kernel=kernel, dtype=dtype)
     found = [IntCandidate("int_a16", a16, _a16_weights, _library(kernel), batch_invariant=True)]
-    if dtype == torch.float32:  # the int8-activation kernels take bf16 rows
-        return found
-    if "avx512_vnni" in flags:  # else its build is a plain loop, never the faster
-        try:
-            a8 = CpuA8Linear.build()
-        except KernelBuildError as exc:
-            warnings.warn(f"{exc}; int8 activations run on the A16 int kernel", stacklevel=3)
-        else:
-            if a8.native:
-                make = functools.partial(CpuA8LinearOp, kernel=a8)
-                found.append(
-                    IntCandidate(
-                        "int_a8", make, _int8_activations, _library(a8), batch_invariant=True
-                    )
-                )
-    onednn = onednn_int8_candidate(device)
+    found += a8_candidates(dtype, flags)
+    onednn = onednn_int8_candidate(device) if dtype == torch.bfloat16 else None  # bf16 rows
     return found if onednn is None else [*found, onednn]
+
+
+# The int8-activation kernel's vector paths as candidates, by name (cached choices keep "int_a8").
+A8_NAMES = {"avx512_vnni": "int_a8", "avx2": "int_a8_avx2"}
+
+
+def a8_candidates(dtype: torch.dtype, flags: set[str]) -> list[IntCandidate]:
+    """Each vector path the int8-activation kernel's build has (AVX512-VNNI, AVX2; never its
+    plain loop) as a candidate of its own, on a CPU with AVX2 + FMA or AVX512-VNNI, for
+    `dtype`'s rows: the measurement, not the flags, decides which runs, so the AVX2 path serves
+    CPUs without VNNI and is never bound where VNNI's is faster. Batch-invariant, both: a row's
+    int32 sums and their scaling do not depend on the other rows."""
+    if not ({"avx2", "fma"} <= flags or "avx512_vnni" in flags):
+        return []
+    try:
+        a8 = CpuA8Linear.build()
+    except KernelBuildError as exc:
+        warnings.warn(f"{exc}; int8 activations run on the A16 int kernel", stacklevel=4)
+        return []
+    return [
+        IntCandidate(
+            A8_NAMES[path],
+            functools.partial(CpuA8LinearOp, kernel=a8.with_path(path), dtype=dtype),
+            _int8_activations,
+            _library(a8),
+            batch_invariant=True,
+        )
+        for path in a8.paths
+        if path in A8_NAMES
+    ]

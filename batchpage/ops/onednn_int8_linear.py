@@ -106,27 +106,28 @@ def takes(weight: IntWeight, scheme: QuantScheme) -> bool:
 
 
 def onednn_int8_candidate(device: torch.device) -> IntCandidate | None:
-    """The candidate where this torch's oneDNN runs quantized linears on this CPU (found by
-    multiplying a tiny weight, which raises where it cannot); None elsewhere."""
+    """The candidate where this torch's oneDNN runs quantized linears on this CPU, exactly
+    (found by multiplying a tiny weight, which raises where it cannot); None elsewhere. Without
+    VNNI or AMX (an AVX2 CPU) oneDNN sums byte pairs with vpmaddubsw, whose int16 sums saturate
+    at 2^15 - 1: 255 * 127 twice, as xq = 127 (255 with the zero point) against q' = 127, is
+    not its int8 product there, so the probe multiplies that too (the int8-activation kernel's
+    AVX2 path is the exact one there)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
     from batchpage.quant.scheme import QuantScheme
 
     scheme = QuantScheme("compressed-tensors", 8, None, True, False, int8_activations=True)
-    weight = IntWeight(
-        torch.full((8, 8), 130, dtype=torch.uint8),
-        torch.ones(8, 1),
-        torch.full((8, 1), -128.0),
-        8,
-        8,
-        8,
-    )
+    q = torch.full((8, 8), 130, dtype=torch.uint8)  # W = 2, and in the second row W = 127
+    q[1] = 255
+    weight = IntWeight(q, torch.ones(8, 1), torch.full((8, 1), -128.0), 8, 8, 8)
     try:
         layer = OneDnnInt8Linear(weight, None, scheme)
-        got = layer.apply(torch.ones(2, 8, dtype=torch.bfloat16), None)
+        got = layer.apply(torch.ones(2, 8, dtype=torch.bfloat16), None).float()
     except RuntimeError:
         return None
-    if not bool((got == 16).all()):  # 8 inputs of 1 times W = 2: a build that miscomputes
+    # 8 inputs of 1 (xq = 127, scale 1 / 127) times W = 2: 16; times W = 127: 1016 (in bf16)
+    want = torch.tensor([16.0, 1016.0, *[16.0] * 6])
+    if not torch.equal(got, want.expand(2, 8)):  # a build that miscomputes, or saturates
         return None
     # Its rows come back through a matmul over every input: never for a tied head's lookups.
     return IntCandidate("onednn_int8", OneDnnInt8Linear, takes, torch.__version__, False)

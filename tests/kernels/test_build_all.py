@@ -59,10 +59,12 @@ def test_build_all_builds_what_this_cpu_binds_and_says_how_long_each_took() -> N
     flags = cpu_flags()
     if "avx512_bf16" in flags:  # bfloat16 jobs
         want = [*EVERY[:3], "the bf16 linear", "the int linear"]
-        want += ["the int8-activation linear"] if "avx512_vnni" in flags else []
+        a8 = "avx512_vnni" in flags or {"avx2", "fma"} <= flags
+        want += ["the int8-activation linear"] if a8 else []
     else:  # float32 jobs
         want = [*EVERY[:3], "the float32 linear"]
-        want += ["the int linear"] if {"avx2", "fma"} <= flags else []
+        if {"avx2", "fma"} <= flags:
+            want += ["the int linear", "the int8-activation linear"]
     lines = build_all()
     assert sorted(built(lines)) == sorted(want)  # several at a time: in the order they start
     assert sorted(ready(lines)) == sorted(want)

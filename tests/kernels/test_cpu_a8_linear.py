@@ -2,9 +2,11 @@
 reference: x quantized by batchpage.quant.activations.quantize_rows_int8 (the kernel must
 quantize each row exactly so), times IntWeight.dequantize_stored in float64, times the rows'
 scales. The layout element by element, 4-, 6- and 8-bit weights, groups of 32, 128 and one,
-every k, column and row tail, a bias, NaN after each row's end, results that do not depend on
-M, and corrupted layouts that must fail. Both builds run on every CPU that can: AVX512-VNNI and
-the plain loop (the portable build), over the same layout."""
+every k, column and row tail, a bias, NaN after each row's end, bf16 and float32 rows, results
+that do not depend on M, and corrupted layouts that must fail. Every path runs on every CPU that
+can: AVX512-VNNI and AVX2 in this CPU's build, AVX2 in the build an AVX2 CPU loads, and the plain
+loop of the portable build, over the same layout and with the same results bit for bit. The AVX2
+path's int32 sums at the saturation corners: test_cpu_a8_avx2.py."""
 
 from __future__ import annotations
 
@@ -29,35 +31,40 @@ from tests.kernels.test_cpu_int_linear import (
 )
 
 FLAGS = cpu_flags()
-BUILDS = {  # path -> (the instruction-set level built for, None: this CPU's; the flag it needs)
-    "avx512_vnni": (None, "avx512_vnni"),
-    "plain": ("portable", None),
+# (the instruction-set level built for, None: this CPU's; the path run) -> the flag it needs
+BUILDS = {
+    (None, "avx512_vnni"): "avx512_vnni",
+    (None, "avx2"): "avx2",  # the candidate beside VNNI's on this CPU
+    ("avx2", "avx2"): "avx2",  # the build an AVX2 CPU loads
+    ("portable", "plain"): None,
 }
+IDS = [f"{level or 'native'}-{path}" for level, path in BUILDS]
 
 
-def build(path: str) -> CpuA8Linear:
-    level, needs = BUILDS[path]
+def build(level: str | None, path: str) -> CpuA8Linear:
+    needs = BUILDS[level, path]
     if needs is not None and needs not in FLAGS:
         pytest.skip(f"this CPU has no {needs}")
     if level is None:
-        built = CpuA8Linear.build()
+        module = CpuA8Linear.build().raw
     else:
         module = build_extension(
             SOURCE, "batchpage_cpu_a8_linear", "the int8-activation linear", isa=level
         )
-        built = CpuA8Linear(module)
+    built = CpuA8Linear(module, path)
     assert built.path == path
     return built
 
 
-@pytest.fixture(scope="module", params=list(BUILDS))
+@pytest.fixture(scope="module", params=list(BUILDS), ids=IDS)
 def kernel(request) -> CpuA8Linear:
-    return build(request.param)
+    return build(*request.param)
 
 
 @pytest.fixture(scope="module")
 def best() -> CpuA8Linear:
-    return build("avx512_vnni" if "avx512_vnni" in FLAGS else "plain")
+    """This CPU's build on its first path (VNNI, else AVX2, else the plain loop)."""
+    return CpuA8Linear.build()
 
 
 def reference(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -68,11 +75,14 @@ def reference(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None) -> torch
     return y if bias is None else y + bias.double()
 
 
-def tolerance(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def tolerance(
+    x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """float64 [M, N]. The kernel's per-group sums are exact int32; then s * acc + o * xqsum
     per group (G groups), the row's scale and the bias take at most 2G + 3 float32 roundings,
-    each off by 2^-24 of a partial sum bounded by T = a sum_k |xq_k| (|s| q_k + |o|) + |b|; the
-    one rounding to bf16 adds half a bf16 step: |got - y| <= 2^-8 |y| + 2^-24 (2G + 3) T."""
+    each off by 2^-24 of a partial sum bounded by T = a sum_k |xq_k| (|s| q_k + |o|) + |b|; a
+    bf16 result's one rounding adds half a bf16 step: |got - y| <= 2^-8 |y| + 2^-24 (2G + 3) T
+    (float32: without the 2^-8 |y|)."""
     values, scales = quantize_rows_int8(x)
     groups = torch.arange(w.in_features) // w.group_size
     terms = w.scales.double()[:, groups].abs() * w.values().double()
@@ -81,21 +91,24 @@ def tolerance(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None) -> torch
     if bias is not None:
         total = total + bias.double().abs()
     e = 2.0**-24 * (2 * w.num_groups + 3) * total
+    if dtype == torch.float32:
+        return e
     return 2.0**-8 * reference(x, w, bias).abs() + e
 
 
 def outside(got: torch.Tensor, x: torch.Tensor, w: IntWeight, b: torch.Tensor | None):
-    assert got.dtype == torch.bfloat16
-    return (got.double() - reference(x, w, b)).abs() > tolerance(x, w, b)
+    assert got.dtype == x.dtype and got.dtype in (torch.bfloat16, torch.float32), got.dtype
+    return (got.double() - reference(x, w, b)).abs() > tolerance(x, w, b, got.dtype)
 
 
 def assert_matches(
     got: torch.Tensor, x: torch.Tensor, w: IntWeight, b: torch.Tensor | None
 ) -> None:
-    """Every element within the tolerance and nearly all (99%, one more allowed) equal to the
-    exact result rounded to bf16: with exact integer sums, only a rounding tie or a result
-    within 2^-24 of one may differ, so a row quantized differently from quantize_rows_int8
-    fails here."""
+    """Every element within the tolerance and, for bf16, nearly all (99%, one more allowed)
+    equal to the exact result rounded to bf16: with exact integer sums, only a rounding tie or a
+    result within 2^-24 of one may differ, so a row quantized differently from
+    quantize_rows_int8 fails here. (float32 results: the tolerance is of float32 roundings
+    alone, about 2^-24 of |y|, which a row quantized differently exceeds.)"""
     assert got.shape == (*x.shape[:-1], w.out_features), got.shape
     bad = outside(got, x, w, b)
     if bad.any():
@@ -104,8 +117,17 @@ def assert_matches(
             f"{int(bad.sum())} of {bad.numel()} beyond tolerance; first at {list(i)}: got "
             f"{got[i].item()}, exact {reference(x, w, b)[i].item()}"
         )
-    differ = int((got != reference(x, w, b).to(torch.bfloat16)).sum())
-    assert differ <= 0.01 * got.numel() + 1, (differ, got.numel())
+    if got.dtype == torch.bfloat16:
+        differ = int((got != reference(x, w, b).to(torch.bfloat16)).sum())
+        assert differ <= 0.01 * got.numel() + 1, (differ, got.numel())
+
+
+def widened(rows: torch.Tensor) -> torch.Tensor:
+    """float32 [m, k]: the same values, rows k + 3 apart with NaN in between as well."""
+    m, k = rows.shape
+    storage = torch.full((m, k + 3), float("nan"))
+    storage[:, :k] = rows.float()
+    return storage[:, :k]
 
 
 def test_layout_element_by_element():
@@ -158,11 +180,12 @@ def test_linear_matches_reference(kernel, bits, group, n, k, bias):
     w = random_weight(bits, n, k, k if group == "one" else group, gen, zero_points=n % 2 == 0)
     packed = pack_a8_weight(w)
     b = torch.randn(n, generator=gen) if bias else None
-    for m in (1, 5, 6, 7, 17, 64):
-        x = rows_with_nan_after(m, k, gen)
-        got = kernel.linear(x, packed, b)
-        assert not got.isnan().any()
-        assert_matches(got, x, w, b)
+    for m in (1, 2, 3, 4, 5, 6, 7, 17, 64):
+        rows = rows_with_nan_after(m, k, gen)
+        for x in (rows, widened(rows)) if m in (1, 4, 17) else (rows,):
+            got = kernel.linear(x, packed, b)
+            assert not got.isnan().any()
+            assert_matches(got, x, w, b)
 
 
 def test_rows_of_zeros_and_of_one_large_value(best):
@@ -232,20 +255,24 @@ def test_a_row_does_not_depend_on_the_batch(kernel, bits):
     assert_rows_independent(lambda rows: kernel.linear(rows, packed, None), x, batch)
 
 
-def test_builds_agree_and_strided_inputs():
-    gen = torch.Generator().manual_seed(6)
-    w = random_weight(4, 256, 1024, 128, gen)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_paths_agree_bit_for_bit_and_strided_inputs(bits, dtype):
+    """Every path's int32 sums are exact and their scaling the same float32 operations in the
+    same order: equal results, for rows read with a stride."""
+    gen = torch.Generator().manual_seed(6 + bits)
+    w = random_weight(bits, 250, 1022, 128, gen)
     packed = pack_a8_weight(w)
-    wide = torch.randn(5, 2048, generator=gen).to(torch.bfloat16)
+    wide = torch.randn(7, 2044, generator=gen).to(dtype)
     x = wide[:, ::2]
     outs = {
-        path: build(path).linear(x, packed, None)
-        for path, (_, needs) in BUILDS.items()
+        (level, path): build(level, path).linear(x, packed, None)
+        for (level, path), needs in BUILDS.items()
         if needs is None or needs in FLAGS
     }
     for got in outs.values():
         assert_matches(got, x, w, None)
-        torch.testing.assert_close(got.float(), outs["plain"].float(), rtol=2**-8, atol=1e-6)
+        assert torch.equal(got, outs["portable", "plain"])
 
 
 def test_launcher_rejects_mismatched_shapes(best):
@@ -255,7 +282,7 @@ def test_launcher_rejects_mismatched_shapes(best):
     with pytest.raises(AssertionError):
         best.linear(torch.randn(3, 52).to(torch.bfloat16), packed, None)
     with pytest.raises(AssertionError):
-        best.linear(torch.randn(3, 48), packed, None)  # float32 input
+        best.linear(torch.randn(3, 48).half(), packed, None)  # float16 input
     with pytest.raises(AssertionError):
         best.linear(x, packed, torch.zeros(63))
     with pytest.raises(AssertionError):

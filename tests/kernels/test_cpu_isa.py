@@ -80,12 +80,13 @@ def test_the_level_named_must_be_one_this_cpu_has(cpu, monkeypatch) -> None:
 
 @pytest.mark.parametrize(
     ("flags", "built"),
-    [(ZEN4, ["bf16", "int", "int8-activation"]), (HASWELL, ["float32", "int"]),
-     (SKYLAKE_SP, ["float32", "int"]), (frozenset(SSE), ["float32"])],
+    [(ZEN4, ["bf16", "int", "int8-activation"]), (HASWELL, ["float32", "int", "int8-activation"]),
+     (SKYLAKE_SP, ["float32", "int", "int8-activation"]), (frozenset(SSE), ["float32"])],
 )  # fmt: skip
 def test_setup_builds_what_a_dtype_auto_job_binds_on_the_cpu(flags, built) -> None:
-    """bfloat16 on a CPU with AVX512-BF16 (its linear, the int linear, the VNNI one), float32
-    elsewhere (its linear; the int linear where AVX2 + FMA run it); LoRA at first use."""
+    """bfloat16 on a CPU with AVX512-BF16 (its linear, the int linear, the int8-activation one),
+    float32 elsewhere (its linear; the int and int8-activation linears where AVX2 + FMA run
+    them); LoRA at first use."""
     attention = ["the CPU paged-decode kernel", "the CPU paged-prefill kernel", "the CPU layer ops"]
     want = attention + [f"the {name} linear" for name in built]
     assert [k.what for k in bound_here(flags)] == want

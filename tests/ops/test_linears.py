@@ -146,8 +146,12 @@ def test_linear_backend_choice():
         assert dequantizing.make_int.__qualname__.startswith("dequantized_linears")
         if int_kernel:
             assert "int_a16" in measured.int_candidates
-            a8 = dtype == torch.bfloat16 and "avx512_vnni" in flags  # it takes bf16 rows
-            assert ("int_a8" in measured.int_candidates) == a8
+            # the int8-activation kernel's paths, bf16 or float32 rows: VNNI's where the CPU
+            # has it, AVX2's on every AVX2 CPU (measured against VNNI's where both run)
+            assert ("int_a8" in measured.int_candidates) == ("avx512_vnni" in flags)
+            assert ("int_a8_avx2" in measured.int_candidates) == wide
+            onednn_int8 = dtype == torch.bfloat16 and cpu_onednn  # it takes bf16 rows
+            assert ("onednn_int8" in measured.int_candidates) <= onednn_int8
         else:
             assert auto.make_int.__qualname__.startswith("dequantized_linears")
         if kernel:

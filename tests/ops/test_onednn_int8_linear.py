@@ -1,10 +1,12 @@
 """oneDNN's int8 matmul as a quantized linear (ops/onednn_int8_linear.py) against a float64
 reference of the same function, element by element: rows rounded to int8 per row, times the
-dequantized weight, scaled, plus bias; its rows read back; and, on a CPU with AMX, that oneDNN
-really runs it (and the bf16 linears) on AMX tiles."""
+dequantized weight, scaled, plus bias; its rows read back; that it is offered only where it is
+exact at the corner where vpmaddubsw saturates (oneDNN on an AVX2 CPU); and, on a CPU with AMX,
+that oneDNN really runs it (and the bf16 linears) on AMX tiles."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from batchpage.cpu_info import cpu_flags
+from batchpage.kernels.lesser_cpu import lesser_cpu_env
 from batchpage.ops.onednn_int8_linear import OneDnnInt8Linear, onednn_int8_candidate, takes
 from batchpage.quant.activations import quantize_rows_int8
 from batchpage.quant.int_weight import IntWeight, pack_nibbles
@@ -136,3 +139,52 @@ def test_onednn_multiplies_on_amx_tiles_where_the_cpu_has_them() -> None:
         assert all("amx" in ln for ln in int8 + bf16), run.stdout[-2000:]
     else:
         assert all("vnni" in ln or "amx" in ln for ln in int8), run.stdout[-2000:]
+
+
+CORNER_PROBE = """
+import json, torch
+from batchpage.ops.onednn_int8_linear import OneDnnInt8Linear, onednn_int8_candidate
+from batchpage.quant.activations import quantize_rows_int8
+from batchpage.quant.int_weight import IntWeight
+from batchpage.quant.scheme import QuantScheme
+s = QuantScheme("compressed-tensors", 8, None, True, False, int8_activations=True)
+g = torch.Generator().manual_seed(0)
+q = torch.randint(0, 256, (64, 256), generator=g)
+q[:, ::2] = 255  # W = 127 against xq = 127: byte pairs that sum past 2^15 - 1
+w = IntWeight(q.to(torch.uint8), torch.full((64, 1), 0.01), torch.full((64, 1), -1.28),
+               8, 256, 256)
+x = torch.randn(4, 256, generator=g)
+x[:, ::2] = x[:, ::2].abs() + 1
+x = x.to(torch.bfloat16)
+v, sc = quantize_rows_int8(x)
+want = v.double() @ w.dequantize_stored(torch.float64).T * sc.double()
+got = OneDnnInt8Linear(w, None, s).apply(x, None).double()
+err = float((got - want).abs().max() / want.abs().max())
+print(json.dumps({"offered": onednn_int8_candidate(torch.device("cpu")) is not None, "err": err}))
+"""
+
+
+@needs_onednn
+@pytest.mark.parametrize("level", [None, "avx2"])
+def test_offered_only_where_exact_at_the_saturating_corner(level: str | None) -> None:
+    """This CPU, and held to AVX2 (batchpage.kernels.lesser_cpu: oneDNN without VNNI sums byte
+    pairs with vpmaddubsw, into int16 that saturate): the candidate is offered exactly where the
+    layer's results are its int32 sums' (apart by the bf16 rounding)."""
+    env = dict(os.environ)
+    if level is not None:
+        try:
+            env.update(lesser_cpu_env(level))
+        except ValueError:
+            pytest.skip(f"this CPU cannot act as {level}")
+    run = subprocess.run(
+        [sys.executable, "-c", CORNER_PROBE],
+        env=env,
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    seen = json.loads(run.stdout.splitlines()[-1])
+    assert seen["offered"] == (seen["err"] < 2**-7), seen
+    if level is None:  # this CPU's own oneDNN is offered (needs_onednn): exact
+        assert seen["offered"]

@@ -11,7 +11,7 @@ from batchpage import LLM, SamplingParams
 from batchpage.cpu_info import cpu_flags
 from batchpage.kernels.cpu_int_linear import CpuIntLinear
 from batchpage.ops.dequantized_linear import DequantizedLinear
-from batchpage.ops.int_linear import CpuA8LinearOp, CpuIntLinearOp
+from batchpage.ops.int_linear import A8_NAMES, CpuA8LinearOp, CpuIntLinearOp
 from batchpage.ops.linear import dtype_format
 from batchpage.ops.onednn_int8_linear import OneDnnInt8Linear
 from batchpage.ops.quant_linear import QuantLinear
@@ -23,8 +23,14 @@ needs_kernel = pytest.mark.skipif(
     "avx512_bf16" not in cpu_flags() and not {"avx2", "fma"} <= cpu_flags(),
     reason="the int kernel runs on AVX512-BF16 or AVX2 CPUs",
 )
-# Each int implementation's layer type, by the name linear_methods gives its choice.
-INT_OPS = {"int_a16": CpuIntLinearOp, "int_a8": CpuA8LinearOp, "onednn_int8": OneDnnInt8Linear}
+# Each int implementation's layer type, by the name linear_methods gives its choice (the
+# int8-activation kernel's paths, "int_a8" and "int_a8_avx2", are one type: A8_NAMES[op.path]).
+INT_OPS = {
+    "int_a16": CpuIntLinearOp,
+    "int_a8": CpuA8LinearOp,
+    "int_a8_avx2": CpuA8LinearOp,
+    "onednn_int8": OneDnnInt8Linear,
+}
 
 
 def int_layers_as_reported(llm: LLM) -> list[str]:
@@ -34,7 +40,12 @@ def int_layers_as_reported(llm: LLM) -> list[str]:
     ints = [m for m in model.modules() if isinstance(m, tuple(INT_OPS.values()))]
     chosen = set(llm.stats["linear_methods"].values()) & set(INT_OPS)
     assert {type(m) for m in ints} == {INT_OPS[name] for name in chosen}
-    return [next(n for n, t in INT_OPS.items() if isinstance(m, t)) for m in ints]
+    return [
+        A8_NAMES[m.path]
+        if isinstance(m, CpuA8LinearOp)
+        else next(n for n, t in INT_OPS.items() if isinstance(m, t))
+        for m in ints
+    ]
 
 
 def engine(folder, **kw) -> LLM:
@@ -99,10 +110,12 @@ def test_a_float32_engine_runs_quantized_linears_as_hf_runs_the_dequantized_mode
         assert out.outputs[0].token_ids == hf_greedy(hf, list(prompt), 8)
     model = llm.engine.runner.model
     if packed and WIDE:
+        # W8A8: whichever measures fastest (the int8-activation kernel takes float32 rows too)
+        allowed = {"int_a16", *A8_NAMES.values()} if case == "ct_w8a8" else {"int_a16"}
         names = int_layers_as_reported(llm)
-        assert names == ["int_a16"] * 8
-        ints = [m for m in model.modules() if isinstance(m, CpuIntLinearOp)]
-        assert all(m.dtype == torch.float32 for m in ints)
+        assert len(names) == 8 and set(names) <= allowed, names
+        ints = [m for m in model.modules() if isinstance(m, (CpuIntLinearOp, CpuA8LinearOp))]
+        assert len(ints) == 8 and all(m.dtype == torch.float32 for m in ints)
         fmt = {"gptq4_sym_g32": "gptq_int4", "ct_int4_asym_g32": "ct_int4", "ct_w8a8": "ct_w8a8"}
         assert llm.stats["weight_formats"][fmt[case]] == 8
         return
@@ -120,9 +133,10 @@ def test_a_float32_engine_runs_quantized_linears_as_hf_runs_the_dequantized_mode
 def test_int8_activations_compute_the_dequantized_model_on_int8_rounded_inputs(
     tmp_path, tokenizer, case, dtype
 ):
-    """W4A8 / W8A8 for weight-only checkpoints: in float32 QuantLinear quantizes each row in
-    torch, in bf16 the VNNI kernel (or the A16 one fed int8 values) does; both against HF's
-    float32 run of the dequantized weights whose linears see int8-rounded rows."""
+    """W4A8 / W8A8 for weight-only checkpoints: the int8-activation kernel (or the A16 one fed
+    int8 values) quantizes each row, or, in float32 without AVX2, the layer dequantized at bind
+    does in torch; both against HF's float32 run of the dequantized weights whose linears see
+    int8-rounded rows."""
     folder, hf = write_quantized(tmp_path, case)
     tokenizer.save_pretrained(folder)
     packers.quantize_linear_inputs(hf, LINEARS)
@@ -144,12 +158,17 @@ def test_int8_activations_compute_the_dequantized_model_on_int8_rounded_inputs(
 
 
 @needs_kernel
+@pytest.mark.parametrize(
+    "dtype",
+    ["bfloat16", pytest.param("float32", marks=pytest.mark.skipif(not WIDE, reason="no AVX2"))],
+)
 def test_every_int8_activation_implementation_computes_the_same_model(
-    tmp_path, tokenizer, monkeypatch
+    tmp_path, tokenizer, monkeypatch, dtype
 ):
     """W8A8 per channel bound, layer by layer, to each int implementation that takes it (the
-    measurement made to pick it, with a fresh choice cache): HF's float32 run on int8-rounded
-    inputs for the first two greedy tokens from each, and the exact ones agree in all six."""
+    measurement made to pick it, with a fresh choice cache) in a bf16 and a float32 engine (no
+    oneDNN there: it takes bf16 rows): HF's float32 run on int8-rounded inputs for the first two
+    greedy tokens from each, and the exact ones agree in all six."""
     import batchpage.ops.measured_linear as measured_linear
 
     folder, hf = write_quantized(tmp_path, "ct_w8a8")
@@ -163,20 +182,22 @@ def test_every_int8_activation_implementation_computes_the_same_model(
         pick = name  # the "fastest" is this one wherever it is measured
         monkeypatch.setattr(measured_linear, "fastest", lambda t, pick=pick: pick if pick in t
                             else min(t))  # fmt: skip
-        llm = engine(folder, dtype="bfloat16")
+        llm = engine(folder, dtype=dtype)
         outs = llm.generate(prompts, params)
         names = set(int_layers_as_reported(llm))
-        if names != {name}:  # this CPU cannot run it (no VNNI, no oneDNN int8)
+        if names != {name}:  # this CPU cannot run it (no VNNI or AVX2, no oneDNN int8)
             assert name != "int_a16"
             continue
         tokens[name] = [o.outputs[0].token_ids for o in outs]
         for out, prompt in zip(outs, PROMPTS, strict=True):
             assert out.outputs[0].token_ids[:2] == hf_greedy(hf, list(prompt), 2)
-    # The VNNI kernel and oneDNN sum int8 products exactly and scale in float32: the same
-    # tokens. The A16 kernel multiplies the int8 values by W rounded to bf16 (one rounding
-    # apart), which the tiny random model's close logits may show after the first tokens.
+    # The int8-activation kernel's paths and oneDNN sum int8 products exactly and scale in
+    # float32: the same tokens. The A16 kernel multiplies the int8 values by W rounded to bf16
+    # (one rounding apart), which the tiny random model's close logits may show after the first
+    # tokens.
     exact = [t for name, t in tokens.items() if name != "int_a16"]
     assert "int_a16" in tokens and all(t == exact[0] for t in exact)
+    assert ("int_a8_avx2" in tokens) == WIDE  # the int8 path of CPUs without VNNI
 
 
 @needs_kernel

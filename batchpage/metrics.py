@@ -34,11 +34,13 @@ _SUMMED = (
     "steps",
     "used_slot_steps",
     "reserved_slot_steps",
+    "draft_tokens",
+    "accepted_draft_tokens",
 )
 _PEAKS = ("peak_running", "peak_kv_blocks_used")
 # The parts of an engine step, timed apart (RunStats.step_time_s). On a device that runs
 # asynchronously (CUDA) the forward's time lands where the host first waits for its result.
-STEP_PARTS = ("schedule", "inputs", "forward", "sample", "stop_checks", "commit")
+STEP_PARTS = ("schedule", "inputs", "forward", "sample", "stop_checks", "commit", "draft")
 
 
 def tokens_per_s(tokens: int, seconds: float) -> float:
@@ -65,6 +67,9 @@ class RunStats:
     steps: int = 0
     used_slot_steps: int = 0
     reserved_slot_steps: int = 0
+    # Speculative decoding: drafted tokens run, and those accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     first_token_s: list[float] = field(default_factory=list)
     # Seconds spent in each of STEP_PARTS, summed over the run's steps.
     step_time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
@@ -183,6 +188,8 @@ class RunStats:
                 "p90": percentile(self.first_token_s, 90),
             },
             "steps": self.steps,
+            "draft_tokens": self.draft_tokens,
+            "accepted_draft_tokens": self.accepted_draft_tokens,
             "step_time_s": dict(self.step_time_s),
             "weight_bytes": self.weight_bytes,
             "weight_formats": dict(self.weight_formats),

@@ -9,26 +9,38 @@ that ran to `Beams.advance`: each group takes one search step (beam_search.BeamG
 rules), its next beams are forked from their parents (KVCacheManager.fork: all blocks shared, a
 shared partly filled last block copied at its next write) and take their parents' place in the
 running set; a finished group's beams leave, and its n best hypotheses come back as finished
-sequences.
+sequences. The search decides (BeamOutcome); the step's commit (commit.py) applies it.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from batchpage.engine.beam_group import BeamGroup, beam_max_len
 from batchpage.engine.reasoning import ThinkingTracker
-from batchpage.engine.scheduler import Scheduler
 from batchpage.engine.sequence import Request, SeqStatus, Sequence
 from batchpage.engine.sequence_factory import SequenceFactory
-from batchpage.metrics import RunStats
+
+
+class BeamOutcome(NamedTuple):
+    """One beam search's step, for the step's commit (engine/commit.py): `old` beams leave the
+    running set; `children` (parent, child, token: the child is a fresh sequence that forks
+    parent and takes token) take their place, or, when the search ended, `results` (its n best
+    hypotheses, finished sequences) come back. `first`: this step sampled the search's first
+    token (its prompt just computed)."""
+
+    old: list[Sequence]
+    children: list[tuple[Sequence, Sequence, int]]
+    results: list[Sequence] | None
+    first: bool
 
 
 class Beams:
     """The beam searches of an engine, keyed by request."""
 
-    def __init__(self, scheduler: Scheduler, factory: SequenceFactory, max_model_len: int):
-        self.scheduler = scheduler
+    def __init__(self, factory: SequenceFactory, max_model_len: int):
         self.factory = factory
         self.max_model_len = max_model_len
         self.groups: dict[Request, BeamGroup] = {}
@@ -46,15 +58,12 @@ class Beams:
         )
         return self.factory.make(req, 0)
 
-    def advance(
-        self, beams: list[Sequence], logits: torch.Tensor, stats: RunStats
-    ) -> list[Sequence]:
+    def advance(self, beams: list[Sequence], logits: torch.Tensor) -> list[BeamOutcome]:
         """One search step for the groups of `beams` (every live beam of each, contiguous and in
         the group's order, as the scheduler runs them), logits [len(beams), V] their rows.
-        Returns the n best hypotheses of each group that ended; the old beams have left the
-        running set (replaced by the next ones, or retired)."""
+        Returns each group's outcome, for the step's commit to apply."""
         logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
-        finished: list[Sequence] = []
+        outcomes: list[BeamOutcome] = []
         start = 0
         while start < len(beams):
             req = beams[start].request
@@ -64,29 +73,24 @@ class Beams:
             old, rows = beams[start:end], logprobs[start:end]
             start = end
             search = self.groups[req]
-            if len(old) == 1:  # the prompt: every beam starts from it
-                stats.record_first_token()
-                stats.cached_prompt_tokens += old[0].num_cached_tokens
+            first = len(old) == 1
+            if first:  # the prompt: every beam starts from it
                 rows = rows.expand(search.width, -1)
             assert rows.shape[0] == search.width, "a beam group ran in part"
             choices = search.step(rows)
             if search.done:
-                self.scheduler.retire(old)
                 del self.groups[req]
-                finished += self._results(req, search, stats)
+                outcomes.append(BeamOutcome(old, [], self._results(req, search), first))
                 continue
             parents = old if len(old) > 1 else old * search.width
-            children = []
-            for i, choice in enumerate(choices):
-                parent = parents[choice.parent]
-                child = self.factory.make(req, i)
-                self.scheduler.kv.fork(parent, child)
-                child.token_ids = parent.token_ids + [choice.token]
-                children.append(child)
-            self.scheduler.replace(old, children)
-        return finished
+            children = [
+                (parents[c.parent], self.factory.make(req, i), c.token)
+                for i, c in enumerate(choices)
+            ]
+            outcomes.append(BeamOutcome(old, children, None, first))
+        return outcomes
 
-    def _results(self, req: Request, search: BeamGroup, stats: RunStats) -> list[Sequence]:
+    def _results(self, req: Request, search: BeamGroup) -> list[Sequence]:
         results = []
         for i, hyp in enumerate(search.best(req.params.n)):
             seq = self.factory.make(req, i)
@@ -104,6 +108,5 @@ class Beams:
             skip = req.params.skip_special_tokens
             seq.text = self.factory.tokenizer.decode(answer, skip_special_tokens=skip)
             seq.cumulative_logprob = hyp.cum_logprob
-            stats.generated_tokens += len(hyp.tokens)
             results.append(seq)
         return results

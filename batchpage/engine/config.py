@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -10,6 +11,7 @@ from batchpage.cache.radix_cache import EVICTION_POLICIES
 from batchpage.engine.pooled_states import POOLING_TYPES, TASKS
 from batchpage.engine.reasoning import REASONING_PARSERS
 from batchpage.ops.select import LINEAR_BACKENDS
+from batchpage.speculative.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -94,6 +96,12 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # Speculative decoding in vLLM's shape (batchpage/speculative/config.py, engine/drafts.py):
+    # {"method": "ngram" | "suffix", "num_speculative_tokens": k, ...}; None: off. Drafts come
+    # from the sequence's own tokens (ngram) or the job's earlier outputs too (suffix), and are
+    # verified in the one forward, so greedy and seeded rows take the tokens they take without.
+    # Typed Any: Hydra cannot set a mapping on an empty typed one (as storage.s3).
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -170,6 +178,13 @@ class EngineConfig:
                 "int8_activations applies to quantized weights: set quantized_weights=True, or "
                 "drop int8_activations"
             )
+        if self.speculative_config:
+            self.speculative()  # a bad option is a ValueError naming it
+            if self.kv_allocator == "static":
+                raise ValueError(
+                    "speculative_config needs kv_allocator='paged' (a row's drafts take slots "
+                    "past its reservation)"
+                )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
         if self.attention_backend == "cpu" and self.device.startswith("cuda"):
@@ -177,6 +192,17 @@ class EngineConfig:
                 "attention_backend='cpu' runs the C++ kernel on CPU tensors; with "
                 f"device={self.device!r} use attention_backend='auto' or 'triton'"
             )
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config, checked (None: off)."""
+        options = self.speculative_config
+        return SpeculativeConfig.from_dict(dict(options)) if options else None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """The drafts a row may run after its newest token (0: speculative decoding is off)."""
+        spec = self.speculative()
+        return 0 if spec is None else spec.num_speculative_tokens
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

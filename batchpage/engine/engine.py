@@ -19,9 +19,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from batchpage.engine.beam_steps import Beams
+from batchpage.engine.beam_steps import BeamOutcome, Beams
+from batchpage.engine.commit import Forks, StepCommit, StepResult
 from batchpage.engine.config import EngineConfig
-from batchpage.engine.constraint import Constraint, GrammarMasks, advance
+from batchpage.engine.constraint import Constraint, GrammarMasks
+from batchpage.engine.drafts import DraftStage
 from batchpage.engine.grammar_cache import GrammarCache
 from batchpage.engine.kv_manager import KVCacheManager
 from batchpage.engine.model_runner import Peers, build_model_runner
@@ -44,15 +46,15 @@ from batchpage.engine.sampler import (
 )
 from batchpage.engine.scheduler import build_scheduler
 from batchpage.engine.sequence import Request, Sequence
-from batchpage.engine.sequence_factory import SequenceFactory
+from batchpage.engine.sequence_factory import SequenceFactory, sequence_seed
 from batchpage.engine.step_inputs import StepBuilder, StepInputs
-from batchpage.engine.stop_checker import StopDecision
 from batchpage.host_memory import keep_freed_memory
 from batchpage.metrics import RunStats
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
 from batchpage.model.score_head import token_classifier
 from batchpage.model.tokenizer import Tokenizer
+from batchpage.speculative.verify import accepted_counts
 
 log = logging.getLogger(__name__)
 
@@ -114,9 +116,11 @@ class Engine:
         )
         self.batch = self.scheduler.batch  # the running sequences' rows
         self.step_builder = StepBuilder(self.batch, cfg.block_size, plan.device)
-        self.beams = Beams(self.scheduler, self.factory, plan.max_model_len)
+        self.beams = Beams(self.factory, plan.max_model_len)
+        self.commit = StepCommit(self.scheduler, self.factory)
+        spec = cfg.speculative()
+        self.drafts = None if spec is None else DraftStage(spec, self.batch, plan.max_model_len)
         self.stats = self._new_stats()
-        self._started: set[int] = set()  # requests of this run that produced a token
         # Tests set this to check every invariant after every step.
         self.check_integrity_each_step = False
 
@@ -137,7 +141,9 @@ class Engine:
         ValueError, as does one combined with beam search."""
         if not self.has_unfinished():
             self.stats = self._new_stats()
-            self._started = set()
+            self.commit.new_run()
+            if self.drafts is not None:
+                self.drafts.reset()
         share = self.cfg.kv_allocator == "paged"
         seqs: list[Sequence] = []
         for req in requests:
@@ -185,32 +191,26 @@ class Engine:
         stats.swaps += len(out.swap_out)
         t1 = clock()
         inputs = self.step_builder.build(out.rows, out.num_new)
-        blocks_used = self.kv_manager.pool.num_used  # during the forward, before any frees
         t2 = clock()
         logits, prompt_logits, pooled = self.runner.execute(inputs, out)
         t3 = clock()
         parts["schedule"] += t1 - t0
         parts["inputs"] += t2 - t1
         parts["forward"] += t3 - t2
-        if prompt_logits is not None:
-            self._score_prompts(inputs, prompt_logits)
-        stats.prefill_tokens_computed += self.scheduler.update_from_output(out)
-        parts["commit"] += clock() - t3
+        prompt_logprobs = [] if prompt_logits is None else _score_prompts(inputs, prompt_logits)
         if self.pooling is not None:
-            finished = self._pool(inputs, logits, pooled)
+            result = self._pool(inputs, logits, pooled, prompt_logprobs)
         elif len(inputs.sample_rows):
-            finished = self._sample(inputs, logits)
+            result = self._sample(inputs, logits, prompt_logprobs)
         else:
-            finished = []
-        t4 = clock()
-        computed, blocks = self.batch.held()
-        stats.record_step(
-            num_running=len(self.scheduler.running),
-            used_slots=computed,
-            reserved_slots=blocks * self.cfg.block_size,
-            blocks_used=blocks_used,
-        )
-        parts["commit"] += clock() - t4
+            result = StepResult.nothing(prompt_logprobs=prompt_logprobs)
+        parts["sample"] += clock() - t3
+        finished = self.commit.commit(out, result, stats)
+        if self.drafts is not None:
+            t5 = clock()
+            self.drafts.follow(result, finished, int(out.num_new.sum()), t5 - t0)
+            self.drafts.propose(len(self.scheduler.running))
+            parts["draft"] += clock() - t5
         if self.check_integrity_each_step:
             self.scheduler.check_integrity()
         self._finish_run_if_done()
@@ -230,22 +230,15 @@ class Engine:
         if not self.has_unfinished():
             self.stats.finish()
 
-    @staticmethod
-    def _score_prompts(inputs: StepInputs, logits: torch.Tensor) -> None:
-        targets = torch.tensor(inputs.prompt_targets)
-        wanted = [s.params.prompt_logprobs for s, n in inputs.prompt_owners for _ in range(n)]
-        scored = compute_logprobs(logits, targets, wanted)
-        row = 0
-        for seq, n in inputs.prompt_owners:
-            assert seq.prompt_logprobs is not None
-            seq.prompt_logprobs += scored[row : row + n]
-            row += n
-
     def _pool(
-        self, inputs: StepInputs, last_rows: torch.Tensor, pooled: torch.Tensor | None
-    ) -> list[Sequence]:
+        self,
+        inputs: StepInputs,
+        last_rows: torch.Tensor,
+        pooled: torch.Tensor | None,
+        prompt_logprobs: list[tuple[Sequence, list[TopLogprobs]]],
+    ) -> StepResult:
         """Pooling requests: sum this step's MEAN / CLS rows; those whose prompt is now
-        computed get the head's output on their pooled vector and finish."""
+        computed get the head's output on their pooled vector (they finish at the commit)."""
         row = 0
         for seq, start, n in inputs.pool_owners:
             assert pooled is not None
@@ -257,7 +250,7 @@ class Engine:
             row += n
         seqs = self.batch.seqs(inputs.sample_rows)
         if not seqs:
-            return []
+            return StepResult.nothing(prompt_logprobs=prompt_logprobs)
         pooling = self.pooling
         assert pooling is not None
         vectors = [
@@ -268,74 +261,142 @@ class Engine:
         with torch.inference_mode():
             outputs = self.model.pool_head(stacked) if uses_score_head(self.task) else stacked
         outputs = outputs.float().cpu()
-        for seq, out in zip(seqs, outputs, strict=True):
-            seq.pooled = out
+        for seq in seqs:
             seq.detach(PoolSum)
-            seq.finish_reason = "stop"
-            self.stats.cached_prompt_tokens += seq.num_cached_tokens
-            self.scheduler.finish(seq)
-        return seqs
+        return StepResult.nothing(
+            pooled=list(zip(seqs, outputs, strict=True)), prompt_logprobs=prompt_logprobs
+        )
 
-    def _fork_samples(
-        self, rows: np.ndarray, logits: torch.Tensor
-    ) -> tuple[np.ndarray, torch.Tensor]:
-        """A parent whose prompt is now computed forks its other samples: they share its blocks,
-        take rows of their own and sample their first token from its logits row. Returns every
-        sampling row (rows, then the new ones) and their logits."""
-        batch = self.batch
-        new_rows: list[int] = []
-        parent_at: list[int] = []
-        for i in np.flatnonzero(batch.forking[rows]).tolist():
-            parent = batch.seq_at(int(rows[i]))
-            for index in parent.pending_forks:
-                child = self.factory.make(parent.request, index)
-                self.kv_manager.fork(parent, child)
-                self.scheduler.add_forked(child)
-                new_rows.append(child.row)
-                parent_at.append(i)
-            parent.pending_forks = []
-            batch.forking[parent.row] = False
-        at = np.concatenate([np.arange(len(rows)), np.array(parent_at, dtype=np.int64)])
-        rows = np.concatenate([rows, np.array(new_rows, dtype=np.int64)])
-        return rows, logits.index_select(0, torch.from_numpy(at).to(logits.device))
-
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> list[Sequence]:
-        """Sample the rows whose sequences computed all their tokens, append the tokens to the
-        batch, and return the sequences the stop checks end. Plain greedy rows take their
-        argmax with no Python per row; only rows whose flags need it are read as sequences."""
-        parts, clock = self.stats.step_time_s, time.perf_counter
-        t0 = clock()
-        batch, rows = self.batch, inputs.sample_rows
-        finished: list[Sequence] = []
-        beam = batch.beam[rows]
-        if beam.any():  # the beams' rows go to their searches, the others are sampled
-            finished, rows, logits = self._advance_beams(rows, logits, beam)
+    def _sample(
+        self,
+        inputs: StepInputs,
+        logits: torch.Tensor,
+        prompt_logprobs: list[tuple[Sequence, list[TopLogprobs]]],
+    ) -> StepResult:
+        """The tokens of the rows whose sequences computed all their tokens (and of the samples
+        a parent forks now), as data for the commit. Plain greedy rows take their argmax with no
+        Python per row; only rows whose flags need it are read as sequences. A row that ran
+        drafts has a logits row per position: each is drawn as without speculation, and the
+        drafts those draws confirm are accepted (speculative/verify.py)."""
+        batch, rows, counts = self.batch, inputs.sample_rows, inputs.sample_counts
+        entries = inputs.sample_entries
+        # Each logits row's batch row and its position past the row's newest token.
+        spec = bool(len(counts)) and int(counts.max()) > 1
+        at_rows, offsets = rows, np.zeros(len(rows), dtype=np.int64)
+        if spec:
+            at_rows = np.repeat(rows, counts)
+            offsets = np.arange(len(at_rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        beams: list[BeamOutcome] = []
+        beam = batch.beam[at_rows]
+        if beam.any():  # the beams' rows (one logits row each) go to their searches
+            beams, keep, logits = self._advance_beams(at_rows, logits, beam)
+            at_rows, offsets = at_rows[keep], offsets[keep]
+            own = ~batch.beam[rows]
+            rows, counts, entries = rows[own], counts[own], entries[own]
             if not len(rows):
-                parts["sample"] += clock() - t0
-                return finished
-        if batch.forking[rows].any():
-            rows, logits = self._fork_samples(rows, logits)
-        forced = self._forced_tokens(rows)
-        if not forced and batch.plain_greedy[rows].all():
-            result = sample_greedy(logits, self.argmax)
+                return StepResult.nothing(beams=beams, prompt_logprobs=prompt_logprobs)
+        seeds = batch.seed[at_rows]
+        fork_parents, fork_indices = self._pending_forks(at_rows)
+        sampled_rows = at_rows
+        if fork_indices:  # forking rows run no drafts: one logits row each
+            at = np.concatenate([np.arange(len(at_rows)), fork_parents])
+            sampled_rows = at_rows[at]
+            offsets = np.concatenate([offsets, np.zeros(len(fork_parents), dtype=np.int64)])
+            seeds = np.concatenate([seeds, self._fork_seeds(at_rows[fork_parents], fork_indices)])
+            logits = logits.index_select(0, torch.from_numpy(at).to(logits.device))
+        forced = self._forced_tokens(sampled_rows)
+        if not forced and batch.plain_greedy[sampled_rows].all():
+            sampled = sample_greedy(logits, self.argmax)
         else:
-            result = self._sample_rows(rows, logits, forced)
-        batch.append_tokens(rows, result.token_ids)
-        t1 = clock()
-        parts["sample"] += t1 - t0
-        return finished + self._append(rows, result, t1)
+            sampled = self._sample_rows(sampled_rows, seeds, offsets, logits, forced)
+        tokens, n = np.asarray(sampled.token_ids, dtype=np.int64), len(at_rows)
+        wants = bool((batch.sampling.logprobs[sampled_rows] >= 0).any())
+        logprobs = sampled.logprobs if wants else None
+        forks = None
+        if fork_indices:
+            forks = Forks(
+                parents=at_rows[fork_parents],
+                indices=fork_indices,
+                tokens=tokens[n:],
+                logprobs=None if logprobs is None else logprobs[n:],
+            )
+        if not spec:
+            return StepResult.one_each(
+                rows,
+                tokens[:n],
+                logprobs=None if logprobs is None else [[lp] for lp in logprobs[:n]],
+                forks=forks,
+                beams=beams,
+                prompt_logprobs=prompt_logprobs,
+            )
+        return self._verify(inputs, rows, counts, entries, tokens[:n], logprobs, beams, forks,
+                            prompt_logprobs)  # fmt: skip
+
+    def _verify(
+        self,
+        inputs: StepInputs,
+        rows: np.ndarray,
+        counts: np.ndarray,
+        entries: np.ndarray,
+        targets: np.ndarray,
+        logprobs: list[TopLogprobs | None] | None,
+        beams: list[BeamOutcome],
+        forks: Forks | None,
+        prompt_logprobs: list[tuple[Sequence, list[TopLogprobs]]],
+    ) -> StepResult:
+        """Rows that ran drafts keep those their target tokens confirm, then the target token
+        after them; the computed count of the others is given back at the commit."""
+        k = int(counts.max())
+        starts = np.cumsum(counts) - counts
+        grid = np.zeros((len(rows), k), dtype=np.int64)
+        within = np.arange(k) < counts[:, None]
+        grid[within] = targets
+        accepted = accepted_counts(grid, self.batch.drafts[rows, : k - 1], counts)
+        rejected = np.zeros(len(inputs.rows), dtype=np.int64)
+        rejected[entries] = counts - 1 - accepted
+        taken = accepted + 1
+        row_logprobs = None
+        if logprobs is not None:
+            row_logprobs = [
+                logprobs[a : a + t] for a, t in zip(starts.tolist(), taken.tolist(), strict=True)
+            ]
+        self.stats.draft_tokens += int((counts - 1).sum())
+        self.stats.accepted_draft_tokens += int(accepted.sum())
+        return StepResult(rows, grid, taken, row_logprobs, rejected, forks, beams,
+                          prompt_logprobs=prompt_logprobs)  # fmt: skip
+
+    def _pending_forks(self, rows: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """The samples to fork now, from parents whose prompt is computed: each one's parent
+        (an index into rows) and sample index."""
+        batch = self.batch
+        parents: list[int] = []
+        indices: list[int] = []
+        for i in np.flatnonzero(batch.forking[rows]).tolist():
+            for index in batch.seq_at(int(rows[i])).pending_forks:
+                parents.append(i)
+                indices.append(index)
+        return np.array(parents, dtype=np.int64), indices
+
+    def _fork_seeds(self, parent_rows: np.ndarray, indices: list[int]) -> np.ndarray:
+        """The draw seeds of samples to fork: each the seed its sequence will have."""
+        seqs = self.batch.seqs(parent_rows)
+        seeds = [
+            sequence_seed(s.params.seed, self.factory.seed, s.request.index, index)
+            for s, index in zip(seqs, indices, strict=True)
+        ]
+        return np.array(seeds, dtype=np.int64)
 
     def _advance_beams(
         self, rows: np.ndarray, logits: torch.Tensor, beam: np.ndarray
-    ) -> tuple[list[Sequence], np.ndarray, torch.Tensor]:
-        """One step of every beam search in the step (beam_steps.py); returns its finished results,
-        and the batch rows and logits of the other rows, which sample."""
+    ) -> tuple[list[BeamOutcome], np.ndarray, torch.Tensor]:
+        """One step of every beam search in the step (beam_steps.py); returns their outcomes,
+        the mask of the other logits rows, which sample, and their logits."""
         at = torch.from_numpy(np.flatnonzero(beam)).to(logits.device)
         beams = self.batch.seqs(rows[beam])
-        finished = self.beams.advance(beams, logits.index_select(0, at), self.stats)
+        outcomes = self.beams.advance(beams, logits.index_select(0, at))
         keep = ~beam
         at = torch.from_numpy(np.flatnonzero(keep)).to(logits.device)
-        return finished, rows[keep], logits.index_select(0, at)
+        return outcomes, keep, logits.index_select(0, at)
 
     def _forced_tokens(self, rows: np.ndarray) -> dict[int, int]:
         """Row -> the token it must take: the end of thinking of rows past their budget."""
@@ -349,14 +410,22 @@ class Engine:
         return forced
 
     def _sample_rows(
-        self, rows: np.ndarray, logits: torch.Tensor, forced: dict[int, int]
+        self,
+        rows: np.ndarray,
+        seeds: np.ndarray,
+        offsets: np.ndarray,
+        logits: torch.Tensor,
+        forced: dict[int, int],
     ) -> SamplerOutput:
-        """Sample the batch rows `rows` (logits in their order), not all plain greedy: settings
-        and draw keys from the batch's columns; sequences are read only for the rows that carry
-        lists (penalties' token histories, grammars and their thinking)."""
+        """Sample the batch rows `rows` (logits in their order; a row appears again for a
+        sample it forks, with that sample's seed, and for each draft it ran, `offsets` past its
+        newest token), not all plain greedy: settings from the batch's columns, draw keys from
+        `seeds` and the position; sequences are read only for the rows that carry lists
+        (penalties' token histories, grammars and their thinking; such rows run no drafts).
+        Grammars take the tokens at the commit."""
         batch, n = self.batch, len(rows)
         params = batch.sampling.take(rows)
-        keys = draw_keys(batch.seed[rows], batch.num_tokens[rows])
+        keys = draw_keys(seeds, batch.num_tokens[rows] + offsets)
         processed = np.flatnonzero(params.processed).tolist()
         penalties = None
         if processed:
@@ -369,10 +438,10 @@ class Engine:
                 [self.eos_ids] * len(seqs),
             )
         constrained = np.flatnonzero(batch.constrained[rows]).tolist()
-        constraints: list[Constraint | None] = [None] * n
-        thinking: dict[int, ThinkingTracker] = {}
         token_mask = None
         if constrained:
+            constraints: list[Constraint | None] = [None] * n
+            thinking: dict[int, ThinkingTracker] = {}
             for i, seq in zip(constrained, batch.seqs(rows[constrained]), strict=True):
                 tracker = seq.feature(ThinkingTracker)
                 if tracker is not None:
@@ -384,77 +453,21 @@ class Engine:
                 allow_start_marker(token_mask, before, self.reasoning.start_id)
         if forced:
             token_mask = force_tokens(token_mask, forced, n, self.masks.vocab_size)
-        result = sample(logits, params, keys, penalties, token_mask, self.argmax, self.race)
-        if not constrained:
-            return result
-        # A grammar takes answer tokens, not a start marker.
-        for i, tracker in thinking.items():
-            if constraints[i] is not None and not tracker.is_answer_token(result.token_ids[i]):
-                constraints[i] = None
-        advance(constraints, result.token_ids)
-        return result
+        return sample(logits, params, keys, penalties, token_mask, self.argmax, self.race)
 
-    def _append(self, rows: np.ndarray, result: SamplerOutput, t1: float) -> list[Sequence]:
-        """The stop checks of the rows that just took result's tokens (in the batch already):
-        Python only for the rows whose token needs it (InputBatch.rows_to_check); returns the
-        sequences that finish."""
-        self.stats.generated_tokens += len(rows)
-        batch = self.batch
-        check = batch.rows_to_check(rows, result.token_ids)
-        finished = []
-        if check:
-            logprobs = result.logprobs
-            for i, seq in zip(check, batch.seqs(rows[check]), strict=True):
-                if self._check(seq, logprobs[i]):
-                    finished.append(seq)
-        self.stats.step_time_s["stop_checks"] += time.perf_counter() - t1
-        return finished
 
-    def _check(self, seq: Sequence, logprobs: TopLogprobs | None) -> bool:
-        """The Python side of a sequence's new token (see InputBatch.rows_to_check): first-token
-        stats, logprobs, thinking and the stop checks; True when it finishes (its row and
-        blocks are given back)."""
-        tokens = seq.token_ids
-        token = tokens[-1]
-        if len(tokens) == seq.num_prompt_tokens + 1 and seq.request.index not in self._started:
-            self._started.add(seq.request.index)
-            self.stats.record_first_token()
-            self.stats.cached_prompt_tokens += seq.num_cached_tokens
-        if logprobs is not None:
-            if seq.logprobs is None:
-                seq.logprobs = []
-            seq.logprobs.append(logprobs)
-        thinking, stop = seq.feature(ThinkingTracker), seq.stop
-        if thinking is not None and thinking.append(token) and not stop.text_open:
-            stop.open_text(tokens[-5:-1])  # the answer begins with this token
-        decision = stop.catch_up(tokens)
-        constraint = seq.feature(Constraint)
-        if (decision is not None or constraint is not None) and self._stops(
-            seq, constraint, decision
-        ):
-            self.scheduler.finish(seq)
-            return True
-        return False
-
-    @staticmethod
-    def _stops(seq: Sequence, constraint: Constraint | None, decision: StopDecision | None) -> bool:
-        """After the stop checker's decision on the new token, a structured output's stop
-        strings; when the sequence ends, set its finish reason and final text."""
-        text = None
-        if (
-            constraint is not None
-            and constraint.has_stops
-            and (decision is None or decision.finish_reason == "length")
-        ):
-            text = seq.stop.text
-            hit = constraint.find_stop(text)
-            if hit is not None:  # a stop string where the grammar is complete
-                decision, text = StopDecision("stop", hit.stop), text[: hit.end]
-        if decision is None:
-            return False
-        seq.finish_reason, seq.stop_reason = decision.finish_reason, decision.stop_reason
-        seq.text = seq.stop.text if text is None else text
-        return True
+def _score_prompts(
+    inputs: StepInputs, logits: torch.Tensor
+) -> list[tuple[Sequence, list[TopLogprobs]]]:
+    """The prompt logprobs the step scored: each sequence's, in prompt order."""
+    targets = torch.tensor(inputs.prompt_targets)
+    wanted = [s.params.prompt_logprobs for s, n in inputs.prompt_owners for _ in range(n)]
+    scored = compute_logprobs(logits, targets, wanted)
+    out, row = [], 0
+    for seq, n in inputs.prompt_owners:
+        out.append((seq, scored[row : row + n]))
+        row += n
+    return out
 
 
 def _pool_total(seq: Sequence) -> torch.Tensor | None:

@@ -38,8 +38,13 @@ class InputBatch:
     is zero in every column the scheduler sums (`computed`, `table_len`)."""
 
     def __init__(
-        self, capacity: int, max_blocks: int, adapters: AdapterSlots | None = None
+        self,
+        capacity: int,
+        max_blocks: int,
+        adapters: AdapterSlots | None = None,
+        max_drafts: int = 0,
     ) -> None:
+        """`max_drafts`: speculative decoding's num_speculative_tokens (0: off)."""
         # Numpy, not torch: a step reads these with a few dozen small gathers and writes single
         # elements, where torch's per-call overhead is many times the work.
         self.capacity = capacity
@@ -78,6 +83,16 @@ class InputBatch:
         # tokens [synced, num_tokens) of the row are unread[row, : num_tokens - synced].
         self.synced = np.zeros(capacity, dtype=np.int64)
         self.unread = np.zeros((capacity, 16), dtype=np.int64)
+        # Speculative decoding (engine/drafts.py): whether the row speculates (its tokens are
+        # checked against nothing token by token: no penalties, grammar, thinking or beams),
+        # and the drafts it runs in the next step after its newest token.
+        self.speculates = np.zeros(capacity, dtype=bool)
+        self.drafts = np.zeros((capacity, max_drafts), dtype=np.int64)
+        self.num_drafts = np.zeros(capacity, dtype=np.int64)
+        # Its drafts accepted and tried (up to the first rejected), counted with decay: its
+        # running acceptance, which decides how many drafts it runs (speculative/budget.py).
+        self.draft_hits = np.zeros(capacity, dtype=np.float64)
+        self.draft_tries = np.zeros(capacity, dtype=np.float64)
         self._ending: set[int] = set()
         self._ending_ids = np.zeros(0, dtype=np.int64)
         self._seq: list[Sequence | None] = [None] * capacity
@@ -116,6 +131,7 @@ class InputBatch:
         for column, value in zip(self.sampling, RowParams.of([seq.params]), strict=True):
             column[row] = value[0]
         self.constrained[row] = seq.feature(Constraint) is not None
+        self.speculates[row] = self.drafts.shape[1] > 0 and _may_speculate(seq, self, row)
         self.seed[row] = seq.seed
         for column, value in zip(self.limits, OutputLimits.of([seq]), strict=True):
             column[row] = value[0]
@@ -136,6 +152,10 @@ class InputBatch:
         seq._computed = int(self.computed[row])
         seq.batch, seq.row = None, -1
         self._clear(row)
+
+    def in_use(self, row: int) -> bool:
+        """Whether a sequence holds the row."""
+        return self._seq[row] is not None
 
     def held(self) -> tuple[int, int]:
         """(tokens computed, block-table entries) of all running rows together (a free row is
@@ -206,6 +226,9 @@ class InputBatch:
         self.block_tables[row, : self.table_len[row]] = 0
         self.table_len[row] = 0
         self.computed[row] = self.num_tokens[row] = self.synced[row] = 0
+        self.speculates[row] = False
+        self.num_drafts[row] = 0
+        self.draft_hits[row] = self.draft_tries[row] = 0.0
         self.lora_rows -= int(self.lora_slot[row] >= 0)
         self.lora_slot[row] = -1
         self._seq[row] = None
@@ -237,6 +260,7 @@ class InputBatch:
             assert not self.block_tables[row, n:].any(), f"row {row}: stale padding"
             if seq is None:
                 assert n == 0 and self.lora_slot[row] == -1
+                assert not self.speculates[row] and not self.num_drafts[row], f"row {row}: drafts"
                 assert self.computed[row] == self.num_tokens[row] == 0, f"row {row}: not zero"
                 continue
             assert seq.batch is self and seq.row == row, f"row {row}: not its sequence's"
@@ -253,7 +277,23 @@ class InputBatch:
             assert all(c[row] == v[0] for c, v in zip(self.sampling, own, strict=True))
             assert self.constrained[row] == (seq.feature(Constraint) is not None)
             assert self.seed[row] == seq.seed, f"row {row}: seed"
+            may = self.drafts.shape[1] > 0 and _may_speculate(seq, self, row)
+            assert self.speculates[row] == may, f"row {row}: speculates"
+            drafts = int(self.num_drafts[row])
+            assert 0 <= drafts <= self.drafts.shape[1], f"row {row}: drafts"
+            assert not drafts or self.speculates[row], f"row {row}: drafts without speculating"
             limits = OutputLimits.of([seq])
             assert all(c[row] == v[0] for c, v in zip(self.limits, limits, strict=True))
             assert self.lora_slot[row] == self.adapters.slot_of(seq.request.lora), "lora slot"
             assert self.block_tables[row, :n].tolist() == seq.block_table, f"row {row}: table"
+
+
+def _may_speculate(seq: Sequence, batch: InputBatch, row: int) -> bool:
+    """Whether seq's row may take drafted tokens (its sampling columns written): nothing checks
+    its tokens one by one (penalties, logit bias, min_tokens, a grammar, thinking, beams)."""
+    return not (
+        batch.sampling.processed[row]
+        or batch.constrained[row]
+        or batch.beam[row]
+        or seq.feature(ThinkingTracker) is not None
+    )

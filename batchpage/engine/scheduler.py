@@ -72,10 +72,12 @@ class Scheduler:
         max_model_len: int | None = None,
         growth: GrowthEstimate | None = None,
         adapters: AdapterSlots | None = None,
+        max_drafts: int = 0,
     ) -> None:
         """With `growth` (and max_model_len, which bounds a sequence's budget), admission keeps
         room for the growth it expects; without, a sequence is admitted when its prompt fits.
-        `adapters`: the LoRA slots (None: no LoRA request may come)."""
+        `adapters`: the LoRA slots (None: no LoRA request may come). `max_drafts`: speculative
+        decoding's drafts a row may run after its newest token (engine/drafts.py; 0: off)."""
         if growth is not None and max_model_len is None:
             raise ValueError("admission by expected growth needs max_model_len")
         self.kv = kv
@@ -92,7 +94,9 @@ class Scheduler:
         # (num_beams of them, each group's beams together), then the others in admission
         # order; `_rows` holds their rows in the same order.
         max_len = max_model_len if max_model_len is not None else kv.num_blocks * kv.block_size
-        self.batch = InputBatch(max_num_seqs, blocks_for(max_len, kv.block_size), self.adapters)
+        self.batch = InputBatch(
+            max_num_seqs, blocks_for(max_len, kv.block_size), self.adapters, max_drafts
+        )
         self.running: list[Sequence] = []
         self._rows: list[int] = []
         self.num_beams = 0
@@ -208,7 +212,8 @@ class Scheduler:
             return budget
         batch, bs = self.batch, self.kv.block_size
         rows = np.array(self._rows[start:], dtype=np.int64)
-        take = batch.num_tokens[rows] - batch.computed[rows]
+        # A decode row with drafts (speculative decoding) runs them after its newest token.
+        take = batch.num_tokens[rows] - batch.computed[rows] + batch.num_drafts[rows]
         served = np.cumsum(take)
         count = int(np.searchsorted(served, budget, side="right"))  # served whole
         if count < len(rows):
@@ -415,19 +420,20 @@ class Scheduler:
         self.num_preemptions += 1
         return seq
 
-    def update_from_output(self, out: SchedulerOutput) -> int:
-        """The one place a step's computed tokens are committed (the engine's steps, beams
-        included, and the simulator's): each row's computed count moves on, in one write for
-        the step, and a row that was prefilling publishes its computed full blocks to the
-        prefix cache, so that sequences admitted later hit them while it still runs. Whether a
-        row was prefilling comes from its state before the step (its prompt not all computed,
-        or more than its newest token to compute: Sequence.is_prefilling), never from how many
-        tokens it got. Returns the tokens computed while prefilling: prompts, and what
-        preempted sequences recompute."""
+    def update_from_output(self, out: SchedulerOutput, rejected: np.ndarray | None = None) -> int:
+        """A step's computed tokens, committed (by engine/commit.py, for the engine's steps and
+        the simulator's): each row's computed count moves on by what it ran less what it
+        `rejected` (over out.rows: drafted tokens not accepted, whose K/V is overwritten later),
+        in one write for the step, and a row that was prefilling publishes its computed full
+        blocks to the prefix cache, so that sequences admitted later hit them while it still
+        runs. Whether a row was prefilling comes from its state before the step (its prompt not
+        all computed, or more than its newest token to compute: Sequence.is_prefilling), never
+        from how many tokens it got. Returns the tokens computed while prefilling: prompts, and
+        what preempted sequences recompute."""
         batch, rows, num_new = self.batch, out.rows, out.num_new
         computed = batch.computed[rows]
         prefilling = (computed < batch.num_prompt[rows]) | (computed < batch.num_tokens[rows] - 1)
-        batch.advance(rows, num_new)
+        batch.advance(rows, num_new if rejected is None else num_new - rejected)
         if not prefilling.any():
             return 0
         if self.kv.tree is not None:
@@ -436,7 +442,10 @@ class Scheduler:
         return int(num_new[prefilling].sum())
 
     def finish(self, seq: Sequence) -> None:
-        """Take a finished sequence out of the running set; its blocks go back at once."""
+        """Take a finished sequence out of the running set; its blocks go back at once. One
+        that stopped at an accepted draft before the last keeps only the computed tokens it
+        holds (its blocks go to the prefix cache with their tokens)."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
         self._stop(self.running.index(seq), SeqStatus.FINISHED)
         self.kv.free(seq)
 
@@ -489,4 +498,5 @@ def build_scheduler(
         max_model_len=max_model_len,
         growth=GrowthEstimate(),
         adapters=AdapterSlots(cfg.max_loras if cfg.enable_lora else 0),
+        max_drafts=cfg.num_speculative_tokens,
     )

@@ -26,7 +26,10 @@ class StepInputs:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # int64 [N]: the last row of each sequence that samples
+    # int64 [L]: the rows whose logits are sampled: the last row of each sequence that samples,
+    # and before it the row of its newest token and of each draft but the last when it runs
+    # drafts (speculative decoding: sample_counts[i] rows for sample_rows[i]).
+    logits_indices: torch.Tensor
     # Prompt logprobs: rows whose logits score the next prompt token, and who asked for them.
     prompt_rows: torch.Tensor  # int64 [P]
     prompt_targets: list[int]  # [P]: the prompt token each row scores
@@ -39,6 +42,8 @@ class StepInputs:
     rows: np.ndarray  # int64 [B]
     num_new: np.ndarray  # int64 [B]
     sample_rows: np.ndarray  # int64 [N]
+    sample_counts: np.ndarray  # int64 [N]: logits rows of each (1 + the drafts it ran)
+    sample_entries: np.ndarray  # int64 [N]: where each sample row is in `rows`
     # Each token row's LoRA slot (-1: the base model); None when no row runs an adapter.
     token_lora: torch.Tensor | None = None
 
@@ -70,15 +75,32 @@ class StepBuilder:
         slots = batch.block_tables[token_rows, positions // bs].astype(np.int64) * bs
         slots += positions % bs
         input_ids = batch.last_token[token_rows]  # right for every row that computes its newest
-        older = np.flatnonzero((num_new != 1) | (end != newest)).tolist()
+        # Rows that compute tokens before their newest (prompt chunks, recomputation) read them.
+        older = np.flatnonzero(start < newest - 1).tolist()
         if older:
-            starts, first, counts = start.tolist(), query_start.tolist(), num_new.tolist()
+            starts, first = start.tolist(), query_start.tolist()
+            stops = np.minimum(end, newest).tolist()
             for i in older:
-                a = starts[i]
+                a, b = starts[i], stops[i]
                 tokens = batch.seq_at(int(rows[i])).token_ids
-                input_ids[first[i] : first[i + 1]] = tokens[a : a + counts[i]]
-        samples = end == newest  # all the sequence's tokens computed: it samples
-        logits_indices = query_start[1:][samples] - 1
+                input_ids[first[i] : first[i] + b - a] = tokens[a:b]
+        drafted = np.maximum(end - newest, 0)  # drafts run after the newest token
+        if drafted.any():
+            at = positions - np.repeat(newest, num_new)
+            past = at >= 0
+            input_ids[past] = batch.drafts[token_rows[past], at[past]]
+        samples = end >= newest  # all the sequence's tokens computed (and its drafts): it samples
+        sample_entries = np.flatnonzero(samples)
+        sample_counts = drafted[samples] + 1
+        last = query_start[1:][samples]
+        if drafted.any():  # each draft's row and the newest token's are sampled too
+            base = np.repeat(last - sample_counts, sample_counts)
+            offsets = np.arange(int(sample_counts.sum())) - np.repeat(
+                np.cumsum(sample_counts) - sample_counts, sample_counts
+            )
+            logits_indices = base + offsets
+        else:
+            logits_indices = last - 1
         sample_rows = rows[samples]
         reads = np.flatnonzero(batch.reads_rows[rows]).tolist()
         prompt, pool = _rows_read(batch, rows, num_new, reads, query_start.tolist())
@@ -121,6 +143,8 @@ class StepBuilder:
             rows=rows,
             num_new=num_new,
             sample_rows=sample_rows,
+            sample_counts=sample_counts,
+            sample_entries=sample_entries,
             token_lora=token_lora,
         )
 

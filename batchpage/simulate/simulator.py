@@ -5,9 +5,10 @@
 Each request is a prompt's token ids and the number of tokens it will generate: exactly
 max_tokens with ignore_eos, else `output_len` (then the engine only knows max_tokens, and the
 simulated end is an EOS at output_len, as the model's would be). A step goes as Engine.step
-goes: schedule (admission, preemption, swaps), the scheduled tokens computed, their full blocks
-published to the cache, one token appended to each sequence that completes its prompt, and the
-stop checks (the engine's StopChecker) finish what ends. Swaps cost their K/V bytes over the
+goes: schedule (admission, preemption, swaps), then the engine's own commit (engine/commit.py) of
+a result in which each sequence that completes its prompt takes one token: computed counts, full
+blocks published to the cache, the token appended, and the stop checks (the engine's StopChecker)
+finish what ends. Swaps cost their K/V bytes over the
 host link. What comes out is the job's simulated time and what the engine would report, the time
 also in parts: first prefills, decodes, recomputation after preemptions, swaps (a step that
 mixes prefill chunks and decodes gives its decodes what those alone would cost, and its prompt
@@ -22,11 +23,15 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from batchpage.engine.commit import StepCommit, StepResult
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.schedule_output import SchedulerOutput
 from batchpage.engine.scheduler import Scheduler, build_scheduler
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.engine.stop_checker import StopChecker
+from batchpage.metrics import RunStats
 from batchpage.sampling_params import SamplingParams
 from batchpage.simulate.step_cost import StepCost, StepWork
 
@@ -152,6 +157,8 @@ class _Run:
     ) -> None:
         self.scheduler, self.cost, self.block_size = scheduler, cost, block_size
         self.result, self.keep = result, keep
+        self.commit = StepCommit(scheduler, factory=None)
+        self.stats = RunStats(scheduler.kv.num_blocks, block_size)
         self.targets: dict[int, int] = {}  # seq_id -> the tokens it generates
         self.first_prefill: dict[int, int] = {}  # seq_id -> prompt tokens its first admission ran
         self.recomputing: set[int] = set()  # preempted without a swap: its prefill is again
@@ -167,30 +174,29 @@ class _Run:
         swapped = {s.seq_id for s in out.swap_out}
         self.recomputing.update(s.seq_id for s in out.preempted if s.seq_id not in swapped)
         self._time(out)
-        finishing = []
+        rows, tokens = [], []
         for s in out.scheduled:
             seq = s.seq
             if seq.seq_id not in self.first_prefill:
                 result.cached_prompt_tokens += seq.num_cached_tokens
                 self.first_prefill[seq.seq_id] = seq.num_prompt_tokens - seq.num_cached_tokens
             if s.completes_prefill:
-                finishing.append(seq)
-        self.computed_prefill += scheduler.update_from_output(out)
-        for seq in finishing:
-            done = seq.num_output_tokens + 1 >= self.targets[seq.seq_id]
-            token = _EOS if done else _FIRST_OUTPUT_ID + seq.seq_id
-            seq.append_token(token)
-            result.generated_tokens += 1
-            if seq.stop.append(token) is not None:
-                scheduler.finish(seq)
-                self.recomputing.discard(seq.seq_id)
+                rows.append(seq.row)
+                done = seq.num_output_tokens + 1 >= self.targets[seq.seq_id]
+                tokens.append(_EOS if done else _FIRST_OUTPUT_ID + seq.seq_id)
+        stats = self.stats
+        prefill_before = stats.prefill_tokens_computed
+        step = StepResult.one_each(np.array(rows, dtype=np.int64), tokens)
+        for seq in self.commit.commit(out, step, stats):
+            self.recomputing.discard(seq.seq_id)
+        self.computed_prefill += stats.prefill_tokens_computed - prefill_before
+        result.generated_tokens = stats.generated_tokens
         running = scheduler.running
         result.steps += 1
         result.running_steps += len(running)
         result.peak_running = max(result.peak_running, len(running))
-        computed, blocks = scheduler.batch.held()
-        result.used_slot_steps += computed
-        result.reserved_slot_steps += blocks * self.block_size
+        result.used_slot_steps = stats.used_slot_steps
+        result.reserved_slot_steps = stats.reserved_slot_steps
 
     def _time(self, out: SchedulerOutput) -> None:
         """The step's seconds, in parts (read before the step's tokens are committed)."""

@@ -1,0 +1,123 @@
+"""Speculative decoding's drafts, step by step (EngineConfig.speculative_config).
+
+After each step's commit, the drafter (batchpage/speculative: n-gram prompt lookup or suffix
+decoding) follows the tokens the speculating rows took, a cost model decides how many drafts
+each decode row should run (speculative/budget.py: the step's cost against its tokens, fitted
+over the engine's steps, and each row's running acceptance, kept in the batch's columns), and
+the drafter fills the batch's `drafts` / `num_drafts` columns. The scheduler schedules a row's
+drafts with its newest token (one short prefill chunk over the paged KV), the step builder feeds
+them, the sampler draws every position as it would without speculation and verification keeps
+the drafts the draws confirm (speculative/verify.py); the commit takes the accepted tokens and
+gives back the computed count of the rejected ones.
+
+A row speculates (InputBatch.speculates, set when it joins) when its tokens depend on nothing
+a draft would have to be checked against one by one: no penalties, logit bias or min_tokens (the
+token history), no grammar, no thinking budget, no beam search. A row's drafts never take it past
+its length limit or max_model_len. While the cost model drafts nothing (a large batch on a CPU)
+the drafter stops following rows after a while, so it costs nothing per row; rows are started
+again (with all their tokens) when drafts pay again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from batchpage.engine.commit import StepResult
+from batchpage.engine.input_batch import InputBatch
+from batchpage.engine.sequence import Sequence
+from batchpage.speculative.budget import StepCostFit, draft_counts
+from batchpage.speculative.config import SpeculativeConfig, build_drafter
+
+# Steps with no draft at all before the drafter lets go of its rows: a batch that shrinks
+# below the point where drafts pay (a job's last rows) takes them up again.
+_IDLE_STEPS = 16
+# Each step's acceptance counts weigh this much against the row's earlier ones.
+_DECAY = 0.8
+
+
+class DraftStage:
+    """The drafter of one engine, fed from the batch after each commit."""
+
+    def __init__(self, config: SpeculativeConfig, batch: InputBatch, max_model_len: int) -> None:
+        self.config = config
+        self.batch = batch
+        self.max_model_len = max_model_len
+        self.cost = StepCostFit()
+        self.drafter = build_drafter(config)
+        self._following: set[int] = set()  # seq ids the drafter has started
+        self._idle = 0  # steps in a row that drafted nothing
+
+    def reset(self) -> None:
+        """A new run: what the drafter followed is dropped (its learned cache too)."""
+        self.drafter = build_drafter(self.config)
+        self._following = set()
+        self._idle = 0
+
+    def follow(
+        self, result: StepResult, finished: list[Sequence], tokens: int, seconds: float
+    ) -> None:
+        """After a step's commit: the cost model takes the step (`tokens` run in `seconds`),
+        the rows that ran drafts update their acceptance, finished sequences end, and each
+        followed row that took tokens is extended by them."""
+        self.cost.observe(tokens, seconds)
+        drafter, following, batch = self.drafter, self._following, self.batch
+        for seq in finished:
+            if seq.seq_id in following:
+                following.discard(seq.seq_id)
+                drafter.finish(seq.seq_id)
+        rows, counts = result.rows, result.counts
+        ran = batch.num_drafts[rows]  # a finished row's is zero
+        drafted = np.flatnonzero(ran)
+        if len(drafted):
+            at, accepted = rows[drafted], counts[drafted] - 1
+            tried = np.minimum(accepted + 1, ran[drafted])  # up to the first rejected one
+            batch.draft_hits[at] = _DECAY * batch.draft_hits[at] + accepted
+            batch.draft_tries[at] = _DECAY * batch.draft_tries[at] + tried
+        if not following:
+            return
+        for i in np.flatnonzero(batch.speculates[rows]).tolist():
+            row = int(rows[i])
+            if not batch.in_use(row):
+                continue  # it finished in the step
+            key = batch.seq_at(row).seq_id
+            if key in following:
+                drafter.append(key, result.tokens[i, : counts[i]])
+
+    def propose(self, num_running: int) -> None:
+        """Each decode row that speculates gets the drafts the cost model finds worth running
+        next step (none above the config's disable_by_batch_size running rows)."""
+        batch = self.batch
+        batch.num_drafts[:] = 0
+        limit = self.config.disable_by_batch_size
+        rows = np.flatnonzero(batch.speculates & (batch.computed == batch.num_tokens - 1))
+        if (limit is not None and num_running > limit) or not len(rows):
+            return self._idle_step()
+        n = batch.num_tokens[rows]
+        cap = np.minimum(batch.stop_len[rows] - n - 1, self.max_model_len - n)
+        cap = np.clip(cap, 0, self.config.num_speculative_tokens)
+        if self.cost.ready:
+            alpha = (batch.draft_hits[rows] + 1) / (batch.draft_tries[rows] + 2)
+            k = draft_counts(alpha, cap, num_running, *self.cost.coefficients())
+        else:  # drafting in full meanwhile varies the steps' token counts the fit needs
+            k = cap
+        take = np.flatnonzero(k)
+        if not len(take):
+            return self._idle_step()
+        self._idle = 0
+        rows, k = rows[take], k[take]
+        keys = [s.seq_id for s in batch.seqs(rows)]
+        for key, seq in zip(keys, batch.seqs(rows), strict=True):
+            if key not in self._following:  # new, or dropped while drafts did not pay
+                self._following.add(key)
+                self.drafter.start(key, seq.token_ids)
+        drafts, counts = self.drafter.propose_many(keys, k)
+        batch.drafts[rows, : drafts.shape[1]] = drafts
+        batch.num_drafts[rows] = counts
+
+    def _idle_step(self) -> None:
+        self._idle += 1
+        if self._idle >= _IDLE_STEPS and self._following:
+            # Let go of every row: nothing per row while drafts do not pay. What a suffix
+            # drafter learned from finished rows goes too.
+            self.drafter = build_drafter(self.config)
+            self._following = set()

@@ -1,0 +1,65 @@
+"""The Drafter contract: what the engine calls to get draft tokens for speculative decoding.
+
+A drafter proposes tokens from what a sequence and the job have already produced (no weights).
+The engine keys sequences by an int (its seq_id) and calls, per sequence:
+
+    start(key, prompt)   once when it starts, and again when it restarts after a preemption:
+                         then the prompt is every token it has so far, and start replaces any
+                         state the key had
+    append(key, tokens)  each step, the tokens it accepted (1..k+1 of them), in order
+    propose(key, k)      0..k tokens that may continue its tokens (int64); never more than k
+    finish(key)          when it ends; its state is freed (a drafter that learns across
+                         sequences keeps what it learned from it)
+
+and once a step `propose_many(keys, k)` for all the rows it drafts for. A key not started (or
+already finished) is a KeyError in append, propose and finish. Drafts are a pure function of the
+calls made so far: the same calls give the same drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+
+class Drafter(Protocol):
+    def start(self, key: int, prompt_token_ids: Sequence[int]) -> None: ...
+
+    def append(self, key: int, tokens: Sequence[int]) -> None: ...
+
+    def propose(self, key: int, k: int) -> np.ndarray: ...
+
+    def propose_many(self, keys: list[int], k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Drafts for many keys at once: ([len(keys), max(k)] int64 drafts, [len(keys)] int64
+        counts). Row i holds counts[i] <= k[i] tokens, then zeros."""
+        ...
+
+    def finish(self, key: int) -> None: ...
+
+    def check_integrity(self) -> None: ...
+
+
+def drafts_array(
+    draft: Callable[[int, int], list[int]], keys: list[int], k: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """propose_many from a per-key `draft(key, k) -> list of tokens` (one path for both
+    drafters): the drafts padded with zeros into one array, and their counts."""
+    ks = np.asarray(k, dtype=np.int64).reshape(-1)
+    if len(ks) != len(keys):
+        raise ValueError(f"propose_many: {len(keys)} keys but {len(ks)} values of k")
+    width = int(ks.max()) if len(ks) else 0
+    out = np.zeros((len(keys), max(width, 0)), dtype=np.int64)
+    counts = np.zeros(len(keys), dtype=np.int64)
+    for i, (key, n) in enumerate(zip(keys, ks.tolist(), strict=True)):
+        tokens = draft(key, n)
+        if tokens:
+            out[i, : len(tokens)] = tokens
+            counts[i] = len(tokens)
+    return out, counts
+
+
+def token_list(tokens: Sequence[int]) -> list[int]:
+    """Token ids as a list of Python ints (numpy arrays and scalars included)."""
+    return np.asarray(tokens, dtype=np.int64).reshape(-1).tolist()

@@ -1,0 +1,229 @@
+"""Speculative decoding in the engine: drafted tokens verified in the one forward never change
+what a row takes. The reference is the same engine without speculation (every position drawn
+from the same logits with the same key, speculative/verify.py), checked after every step
+(check_integrity), on the tiny random model whose greedy outputs loop, so n-gram drafts are
+often right, and with drafters that are right, wrong and partly right on purpose."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from batchpage import LLM, SamplingParams
+from batchpage.speculative.verify import accepted_counts
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}  # fmt: skip
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 5}
+
+
+class _WeightBound:
+    """A step cost model fixed where every draft pays (a step that reads weights, each token
+    nearly free), so these tests speculate on any machine, however busy; the measured one
+    (speculative/budget.py) is tested against brute force in tests/speculative."""
+
+    ready = True
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def coefficients(self) -> tuple[float, float]:
+        return 1.0, 1e-9
+
+
+def _llm(folder: Path, spec: dict | None, **kw: object) -> LLM:
+    linears = "auto" if kw.get("batch_invariant") else "torch"
+    options = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": 2**24,
+               "linear_backend": linears, **kw}  # fmt: skip
+    llm = LLM(str(folder), speculative_config=spec, **options)
+    llm.engine.check_integrity_each_step = True
+    if llm.engine.drafts is not None:
+        llm.engine.drafts.cost = _WeightBound()  # type: ignore[assignment]
+    return llm
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    base = [rng.randrange(3, 200) for _ in range(12)]
+    return [base[: rng.randrange(4, 12)] + [rng.randrange(3, 200) for _ in range(6)] for _ in
+            range(n)]  # fmt: skip
+
+
+def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[(c.token_ids, c.finish_reason, c.text) for c in r.outputs] for r in outs]
+
+
+def _logprobs(llm: LLM, prompts: list[list[int]], params: SamplingParams):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [
+        [(t, sorted(lp.items())) for t, lp in zip(c.token_ids, c.logprobs or [], strict=True)]
+        for r in outs
+        for c in r.outputs
+    ]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_folder: Path) -> LLM:
+    return _llm(tiny_folder, None)
+
+
+@pytest.mark.parametrize("spec", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_greedy_and_seeded_rows_take_the_tokens_they_take_without_speculation(
+    tiny_folder: Path, plain: LLM, spec: dict
+) -> None:
+    llm = _llm(tiny_folder, spec)
+    prompts = _prompts(10)
+    cases = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=7, max_tokens=30),
+        SamplingParams(temperature=0, max_tokens=25, n=3, seed=1),  # forks, then drafts
+    ]
+    for params in cases:
+        assert _run(llm, prompts, params) == _run(plain, prompts, params), params
+        stats = llm.engine.stats
+        assert stats.draft_tokens > 0, params  # it did speculate
+
+
+def test_logprobs_are_those_of_the_run_without_speculation(tiny_folder: Path, plain: LLM) -> None:
+    llm = _llm(tiny_folder, NGRAM)
+    params = SamplingParams(temperature=0, max_tokens=30, logprobs=3, ignore_eos=True)
+    ours, theirs = _logprobs(llm, _prompts(6), params), _logprobs(plain, _prompts(6), params)
+    assert [[t for t, _ in row] for row in ours] == [[t for t, _ in row] for row in theirs]
+    for a, b in zip(ours, theirs, strict=True):
+        for (_, lp_a), (_, lp_b) in zip(a, b, strict=True):
+            assert [k for k, _ in lp_a] == [k for k, _ in lp_b]
+            got = np.array([v for _, v in lp_a])
+            want = np.array([v for _, v in lp_b])
+            np.testing.assert_allclose(got, want, atol=1e-4)
+    assert llm.engine.stats.accepted_draft_tokens > 0
+
+
+def test_stops_inside_accepted_drafts_end_the_row_there(tiny_folder: Path, plain: LLM) -> None:
+    """A stop token id, a length limit or a stop string met at an accepted draft before the
+    last: the row ends there, as it does without speculation (the later tokens are not taken),
+    and its blocks go back with only the tokens it kept."""
+    llm = _llm(tiny_folder, NGRAM)
+    prompts = _prompts(8, seed=3)
+    free = _run(plain, prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    # Ids each greedy output takes late in its loop: they come as accepted drafts.
+    stop_ids = sorted({toks[-3] for row in free for toks, _, _ in row})[:4]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=stop_ids),
+        SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, stop=[free[0][0][2][5:8]]),
+    ]
+    for params in cases:
+        assert _run(llm, prompts, params) == _run(plain, prompts, params), params
+
+
+def test_preemption_and_the_prefix_cache_keep_outputs(tiny_folder: Path, plain: LLM) -> None:
+    """A pool that preempts, shared prefixes that hit the cache: drafted tokens' K/V is never
+    published past what a row accepted, so later rows that hit the cache read right K/V."""
+    pool = {"kv_cache_memory": 14 * 4096, "block_size": 8, "max_model_len": 96}  # 14 blocks
+    llm, small = _llm(tiny_folder, NGRAM, **pool), _llm(tiny_folder, None, **pool)
+    prompts = _prompts(12, seed=5)
+    params = SamplingParams(n=3, temperature=0.05, seed=7, max_tokens=40, ignore_eos=True)
+    assert _run(llm, prompts, params) == _run(small, prompts, params)
+    assert llm.engine.stats.preemptions > 0 and llm.engine.stats.accepted_draft_tokens > 0
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    assert _run(llm, prompts, params) == _run(plain, prompts, params)
+    # Again: now the prompts and outputs hit what the first run cached.
+    assert _run(llm, prompts, params) == _run(plain, prompts, params)
+
+
+class _Oracle:
+    """A drafter that knows each sequence's continuation (from a run without speculation) and
+    proposes it, corrupting each draft with probability `wrong`: right, wrong and partly right
+    drafts, all in the engine's Drafter contract (batchpage/speculative/drafter.py)."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]], wrong: float, seed: int):
+        self.answers, self.wrong, self.rng = answers, wrong, random.Random(seed)
+        self.tokens: dict[int, list[int]] = {}
+
+    def start(self, key: int, prompt_token_ids) -> None:
+        self.tokens[key] = list(prompt_token_ids)
+
+    def append(self, key: int, tokens) -> None:
+        self.tokens[key] += [int(t) for t in tokens]
+
+    def propose(self, key: int, k: int) -> np.ndarray:
+        toks = self.tokens[key]
+        for prompt, answer in self.answers.items():
+            if tuple(toks[: len(prompt)]) == prompt:
+                done = len(toks) - len(prompt)
+                draft = list(answer[done : done + k])
+                for i in range(len(draft)):
+                    if self.rng.random() < self.wrong:
+                        draft[i] = self.rng.randrange(3, 200)
+                return np.array(draft, dtype=np.int64)
+        return np.zeros(0, dtype=np.int64)
+
+    def propose_many(self, keys: list[int], k: np.ndarray):
+        drafts = [self.propose(key, int(n)) for key, n in zip(keys, k.tolist(), strict=True)]
+        out = np.zeros((len(keys), max(int(k.max()), 1)), dtype=np.int64)
+        for i, d in enumerate(drafts):
+            out[i, : len(d)] = d
+        return out, np.array([len(d) for d in drafts], dtype=np.int64)
+
+    def finish(self, key: int) -> None:
+        del self.tokens[key]
+
+    def check_integrity(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("wrong", [0.0, 0.3, 1.0])
+def test_right_wrong_and_partly_right_drafts_never_change_greedy_output(
+    tiny_folder: Path, plain: LLM, wrong: float
+) -> None:
+    prompts = _prompts(12, seed=11)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = _run(plain, prompts, params)
+    answers = {tuple(p): row[0][0] for p, row in zip(prompts, want, strict=True)}
+    llm = _llm(tiny_folder, NGRAM)
+    assert llm.engine.drafts is not None
+    oracle = _Oracle(answers, wrong, seed=int(wrong * 10))
+    llm.engine.drafts.reset = lambda: None  # keep the oracle for the run
+    llm.engine.drafts.drafter = oracle
+    assert _run(llm, prompts, params) == want
+    stats = llm.engine.stats
+    assert stats.draft_tokens > 0
+    if wrong == 0.0:  # every draft right: accepted but where the length limit cut them
+        assert stats.accepted_draft_tokens == stats.draft_tokens
+    if wrong == 1.0:  # a random token is right only by chance
+        assert stats.accepted_draft_tokens < stats.draft_tokens / 10
+
+
+def test_batch_invariant_logprobs_are_bitwise_those_without(tiny_folder: Path) -> None:
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True)
+    prompts = _prompts(5, seed=2)
+    got = _logprobs(_llm(tiny_folder, NGRAM, batch_invariant=True), prompts, params)
+    want = _logprobs(_llm(tiny_folder, None, batch_invariant=True), prompts, params)
+    assert got == want
+
+
+def test_accepted_counts_against_a_plain_loop() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n, k = int(rng.integers(1, 6)), int(rng.integers(1, 6))
+        counts = rng.integers(1, k + 1, size=n)
+        targets = rng.integers(0, 3, size=(n, k))
+        drafts = rng.integers(0, 3, size=(n, k - 1))
+        want = []
+        for i in range(n):
+            a = 0
+            while a < counts[i] - 1 and drafts[i, a] == targets[i, a]:
+                a += 1
+            want.append(a)
+        assert accepted_counts(targets, drafts, counts).tolist() == want
+
+
+def test_speculative_config_errors_name_the_option(tiny_folder: Path) -> None:
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(str(tiny_folder), speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="kv_allocator"):
+        LLM(str(tiny_folder), kv_allocator="static", speculative_config=NGRAM)

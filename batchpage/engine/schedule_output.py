@@ -21,8 +21,9 @@ class ScheduledSeq(NamedTuple):
 
     @property
     def completes_prefill(self) -> bool:
-        """After this step all of the sequence's tokens are computed: it samples a token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """After this step all of the sequence's tokens are computed (and any drafts it runs
+        after its newest): it samples."""
+        return self.seq.num_computed_tokens + self.num_new_tokens >= self.seq.num_tokens
 
 
 @dataclass(frozen=True)

@@ -115,11 +115,13 @@ def simulate(
     cost: StepCost,
     max_num_batched_tokens: int,
     keep_steps: bool = False,
+    acceptance: float | None = None,
 ) -> SimResult:
     """Run the requests through the engine's scheduling with simulated steps."""
     return simulate_windows(
-        [requests], cfg, num_blocks, max_model_len, cost, max_num_batched_tokens, keep_steps
-    )
+        [requests], cfg, num_blocks, max_model_len, cost, max_num_batched_tokens, keep_steps,
+        acceptance,
+    )  # fmt: skip
 
 
 def simulate_windows(
@@ -130,13 +132,17 @@ def simulate_windows(
     cost: StepCost,
     max_num_batched_tokens: int,
     keep_steps: bool = False,
+    acceptance: float | None = None,
 ) -> SimResult:
     """Each window's requests added once the previous window's have all finished, as a job's
     generate calls go: one scheduler, so a later window's prompts hit what an earlier one
-    cached."""
+    cached. With cfg.speculative_config and an `acceptance` (each draft's odds of being
+    accepted, given the ones before it were), every decode row runs num_speculative_tokens
+    drafts a step (within its length limit) and keeps a run of them drawn at those odds."""
     scheduler = build_scheduler(cfg, num_blocks, max_model_len, max_num_batched_tokens)
     result = SimResult()
-    run = _Run(scheduler, cost, cfg.block_size, result, keep_steps)
+    drafts = cfg.num_speculative_tokens if acceptance is not None else 0
+    run = _Run(scheduler, cost, cfg.block_size, result, keep_steps, drafts, acceptance or 0.0)
     for window in windows:
         seqs = [_sequence(result.requests + i, r, max_model_len) for i, r in enumerate(window)]
         run.targets.update((s.seq_id, r.output_len) for s, r in zip(seqs, window, strict=True))
@@ -153,10 +159,19 @@ class _Run:
     """The steps of one simulation, as Engine.step takes them."""
 
     def __init__(
-        self, scheduler: Scheduler, cost: StepCost, block_size: int, result: SimResult, keep: bool
+        self,
+        scheduler: Scheduler,
+        cost: StepCost,
+        block_size: int,
+        result: SimResult,
+        keep: bool,
+        drafts: int = 0,
+        acceptance: float = 0.0,
     ) -> None:
         self.scheduler, self.cost, self.block_size = scheduler, cost, block_size
         self.result, self.keep = result, keep
+        self.drafts, self.acceptance = drafts, acceptance
+        self.rng = np.random.default_rng(0)  # the drafts' acceptance draws
         self.commit = StepCommit(scheduler, factory=None)
         self.stats = RunStats(scheduler.kv.num_blocks, block_size)
         self.targets: dict[int, int] = {}  # seq_id -> the tokens it generates
@@ -166,6 +181,8 @@ class _Run:
 
     def step(self) -> None:
         scheduler, result = self.scheduler, self.result
+        if self.drafts:
+            self._draft()
         out = scheduler.schedule()
         if not len(out.rows):
             raise RuntimeError("the scheduler could not run any sequence: this is a bug")
@@ -174,19 +191,33 @@ class _Run:
         swapped = {s.seq_id for s in out.swap_out}
         self.recomputing.update(s.seq_id for s in out.preempted if s.seq_id not in swapped)
         self._time(out)
-        rows, tokens = [], []
-        for s in out.scheduled:
+        rows, tokens, counts = [], [], []
+        rejected = np.zeros(len(out.rows), dtype=np.int64)
+        for i, s in enumerate(out.scheduled):
             seq = s.seq
             if seq.seq_id not in self.first_prefill:
                 result.cached_prompt_tokens += seq.num_cached_tokens
                 self.first_prefill[seq.seq_id] = seq.num_prompt_tokens - seq.num_cached_tokens
             if s.completes_prefill:
+                ran = seq.num_computed_tokens + s.num_new_tokens - seq.num_tokens  # drafts
+                accepted = self._accepted(ran)
+                rejected[i] = ran - accepted
+                left = self.targets[seq.seq_id] - seq.num_output_tokens
+                take = min(accepted + 1, left)
+                row = [_FIRST_OUTPUT_ID + seq.seq_id] * (self.drafts + 1)
+                if take == left:  # the simulated end: an EOS as its last token
+                    row[take - 1] = _EOS
                 rows.append(seq.row)
-                done = seq.num_output_tokens + 1 >= self.targets[seq.seq_id]
-                tokens.append(_EOS if done else _FIRST_OUTPUT_ID + seq.seq_id)
+                tokens.append(row)
+                counts.append(take)
         stats = self.stats
         prefill_before = stats.prefill_tokens_computed
-        step = StepResult.one_each(np.array(rows, dtype=np.int64), tokens)
+        step = StepResult(
+            np.array(rows, dtype=np.int64),
+            np.array(tokens, dtype=np.int64).reshape(len(rows), self.drafts + 1),
+            np.array(counts, dtype=np.int64),
+            rejected=rejected if self.drafts else None,
+        )
         for seq in self.commit.commit(out, step, stats):
             self.recomputing.discard(seq.seq_id)
         self.computed_prefill += stats.prefill_tokens_computed - prefill_before
@@ -197,6 +228,23 @@ class _Run:
         result.peak_running = max(result.peak_running, len(running))
         result.used_slot_steps = stats.used_slot_steps
         result.reserved_slot_steps = stats.reserved_slot_steps
+
+    def _draft(self) -> None:
+        """Every decode row runs its drafts this step, as many as its length limit allows."""
+        batch = self.scheduler.batch
+        batch.num_drafts[:] = 0
+        decoding = batch.speculates & (batch.computed == batch.num_tokens - 1)
+        rows = np.flatnonzero(decoding & (batch.num_tokens > batch.num_prompt))
+        room = batch.stop_len[rows] - batch.num_tokens[rows] - 1
+        batch.num_drafts[rows] = np.clip(room, 0, self.drafts)
+
+    def _accepted(self, drafts: int) -> int:
+        """How many of `drafts` are accepted: each at the acceptance odds, while all before it
+        were."""
+        accepted = 0
+        while accepted < drafts and self.rng.random() < self.acceptance:
+            accepted += 1
+        return accepted
 
     def _time(self, out: SchedulerOutput) -> None:
         """The step's seconds, in parts (read before the step's tokens are committed)."""

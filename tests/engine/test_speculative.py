@@ -14,24 +14,11 @@ import pytest
 
 from batchpage import LLM, SamplingParams
 from batchpage.speculative.verify import accepted_counts
+from tests.engine.speculation import Oracle, WeightBound
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}  # fmt: skip
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 5}
-
-
-class _WeightBound:
-    """A step cost model fixed where every draft pays (a step that reads weights, each token
-    nearly free), so these tests speculate on any machine, however busy; the measured one
-    (speculative/budget.py) is tested against brute force in tests/speculative."""
-
-    ready = True
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        pass
-
-    def coefficients(self) -> tuple[float, float]:
-        return 1.0, 1e-9
 
 
 def _llm(folder: Path, spec: dict | None, **kw: object) -> LLM:
@@ -41,7 +28,7 @@ def _llm(folder: Path, spec: dict | None, **kw: object) -> LLM:
     llm = LLM(str(folder), speculative_config=spec, **options)
     llm.engine.check_integrity_each_step = True
     if llm.engine.drafts is not None:
-        llm.engine.drafts.cost = _WeightBound()  # type: ignore[assignment]
+        llm.engine.drafts.cost = WeightBound()  # type: ignore[assignment]
     return llm
 
 
@@ -135,47 +122,6 @@ def test_preemption_and_the_prefix_cache_keep_outputs(tiny_folder: Path, plain: 
     assert _run(llm, prompts, params) == _run(plain, prompts, params)
 
 
-class _Oracle:
-    """A drafter that knows each sequence's continuation (from a run without speculation) and
-    proposes it, corrupting each draft with probability `wrong`: right, wrong and partly right
-    drafts, all in the engine's Drafter contract (batchpage/speculative/drafter.py)."""
-
-    def __init__(self, answers: dict[tuple[int, ...], list[int]], wrong: float, seed: int):
-        self.answers, self.wrong, self.rng = answers, wrong, random.Random(seed)
-        self.tokens: dict[int, list[int]] = {}
-
-    def start(self, key: int, prompt_token_ids) -> None:
-        self.tokens[key] = list(prompt_token_ids)
-
-    def append(self, key: int, tokens) -> None:
-        self.tokens[key] += [int(t) for t in tokens]
-
-    def propose(self, key: int, k: int) -> np.ndarray:
-        toks = self.tokens[key]
-        for prompt, answer in self.answers.items():
-            if tuple(toks[: len(prompt)]) == prompt:
-                done = len(toks) - len(prompt)
-                draft = list(answer[done : done + k])
-                for i in range(len(draft)):
-                    if self.rng.random() < self.wrong:
-                        draft[i] = self.rng.randrange(3, 200)
-                return np.array(draft, dtype=np.int64)
-        return np.zeros(0, dtype=np.int64)
-
-    def propose_many(self, keys: list[int], k: np.ndarray):
-        drafts = [self.propose(key, int(n)) for key, n in zip(keys, k.tolist(), strict=True)]
-        out = np.zeros((len(keys), max(int(k.max()), 1)), dtype=np.int64)
-        for i, d in enumerate(drafts):
-            out[i, : len(d)] = d
-        return out, np.array([len(d) for d in drafts], dtype=np.int64)
-
-    def finish(self, key: int) -> None:
-        del self.tokens[key]
-
-    def check_integrity(self) -> None:
-        pass
-
-
 @pytest.mark.parametrize("wrong", [0.0, 0.3, 1.0])
 def test_right_wrong_and_partly_right_drafts_never_change_greedy_output(
     tiny_folder: Path, plain: LLM, wrong: float
@@ -186,7 +132,7 @@ def test_right_wrong_and_partly_right_drafts_never_change_greedy_output(
     answers = {tuple(p): row[0][0] for p, row in zip(prompts, want, strict=True)}
     llm = _llm(tiny_folder, NGRAM)
     assert llm.engine.drafts is not None
-    oracle = _Oracle(answers, wrong, seed=int(wrong * 10))
+    oracle = Oracle(answers, wrong, seed=int(wrong * 10))
     llm.engine.drafts.reset = lambda: None  # keep the oracle for the run
     llm.engine.drafts.drafter = oracle
     assert _run(llm, prompts, params) == want

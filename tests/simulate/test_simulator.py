@@ -19,6 +19,7 @@ from batchpage.model.loader import resolve_model_source
 from batchpage.simulate.devices import DeviceSpec
 from batchpage.simulate.simulator import SimRequest, simulate
 from batchpage.simulate.step_cost import Efficiency, ModelShape, StepCost
+from tests.engine.speculation import Oracle, WeightBound
 
 ENGINE = {"dtype": "float32", "max_model_len": 256, "block_size": 8}
 
@@ -75,6 +76,39 @@ def test_the_simulated_schedule_is_the_engines(tiny_folder: Path, engine: dict) 
     assert got.kv_waste == pytest.approx(llm.stats["kv_waste"], abs=1e-12)
     if "kv_cache_memory" in engine and engine["kv_cache_memory"] < 2**20:
         assert got.preemptions > 0  # the tight pools do preempt: the case is exercised
+
+
+def test_a_speculative_run_is_the_engines_step_for_step(tiny_folder: Path) -> None:
+    """Every draft right (an oracle drafter in the engine, acceptance 1 in the simulator): the
+    same steps, batches and tokens, drafts run after each decode row's newest token."""
+    reqs = requests(24, seed=3)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    engine = {**ENGINE, "kv_cache_memory": 2**21, "speculative_config": spec}
+    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    prompts = [r.prompt_token_ids for r in reqs]
+    plain = LLM(str(tiny_folder), **ENGINE, kv_cache_memory=2**21)
+    answers = {
+        tuple(p): o.outputs[0].token_ids
+        for p, o in zip(prompts, plain.generate(prompts, params, use_tqdm=False), strict=True)
+    }
+    llm = LLM(str(tiny_folder), **engine)
+    assert llm.engine.drafts is not None
+    llm.engine.drafts.cost = WeightBound()  # type: ignore[assignment]
+    llm.engine.drafts.drafter = Oracle(answers, wrong=0.0, seed=0)
+    llm.engine.drafts.reset = lambda: None  # keep the oracle for the run
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [answers[tuple(p)] for p in prompts]
+    stats = llm.run_stats
+    assert stats.accepted_draft_tokens == stats.draft_tokens > 0
+    cfg = EngineConfig(**engine)
+    got = simulate(
+        reqs, cfg, llm.plan.num_blocks, llm.plan.max_model_len, cost_of(tiny_folder),
+        cfg.batched_tokens(torch.device("cpu")), acceptance=1.0,
+    )  # fmt: skip
+    assert got.steps == stats.steps < plain.run_stats.steps
+    assert got.peak_running == stats.peak_running
+    assert got.generated_tokens == stats.generated_tokens
+    assert got.kv_waste == pytest.approx(llm.stats["kv_waste"], abs=1e-12)
 
 
 def test_an_eos_the_engine_does_not_know_in_advance(tiny_folder: Path) -> None:

@@ -1,0 +1,69 @@
+"""Test doubles for speculative decoding: a drafter that knows the answers, and a step cost
+model fixed where every draft pays (so tests speculate on any machine, however busy)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class WeightBound:
+    """A step cost model fixed where every draft pays (a step that reads weights, each token
+    nearly free), so these tests speculate on any machine, however busy; the measured one
+    (speculative/budget.py) is tested against brute force in tests/speculative."""
+
+    ready = True
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def coefficients(self) -> tuple[float, float]:
+        return 1.0, 1e-9
+
+
+class Oracle:
+    """A drafter that knows each sequence's continuation (from a run without speculation) and
+    proposes it, corrupting each draft with probability `wrong`: right, wrong and partly right
+    drafts, all in the engine's Drafter contract (batchpage/speculative/drafter.py)."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]], wrong: float, seed: int):
+        self.answers, self.wrong, self.rng = answers, wrong, random.Random(seed)
+        self.tokens: dict[int, list[int]] = {}
+
+    def start(self, key: int, prompt_token_ids: Sequence[int]) -> None:
+        self.tokens[key] = list(prompt_token_ids)
+
+    def append(self, key: int, tokens: Sequence[int]) -> None:
+        self.tokens[key] += [int(t) for t in tokens]
+
+    def propose(self, key: int, k: int) -> np.ndarray:
+        toks = self.tokens[key]
+        # The longest prompt the tokens begin with whose answer they follow so far.
+        fits = [
+            p for p, a in self.answers.items()
+            if tuple(toks[: len(p)]) == p and toks[len(p) :] == a[: len(toks) - len(p)]
+        ]  # fmt: skip
+        if not fits:
+            return np.zeros(0, dtype=np.int64)
+        prompt = max(fits, key=len)
+        done = len(toks) - len(prompt)
+        draft = list(self.answers[prompt][done : done + k])
+        for i in range(len(draft)):
+            if self.rng.random() < self.wrong:
+                draft[i] = self.rng.randrange(3, 200)
+        return np.array(draft, dtype=np.int64)
+
+    def propose_many(self, keys: list[int], k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        drafts = [self.propose(key, int(n)) for key, n in zip(keys, k.tolist(), strict=True)]
+        out = np.zeros((len(keys), max(int(k.max()), 1)), dtype=np.int64)
+        for i, d in enumerate(drafts):
+            out[i, : len(d)] = d
+        return out, np.array([len(d) for d in drafts], dtype=np.int64)
+
+    def finish(self, key: int) -> None:
+        del self.tokens[key]
+
+    def check_integrity(self) -> None:
+        pass

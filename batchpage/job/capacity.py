@@ -46,9 +46,9 @@ def job_capacity(
         cal = cached_calibration(engine, source, eplan.dtype, eplan.device)
     llm = None
     if (cal is None and any(d.name == "this" for d in devices)) or wanted.kind == "sample":
+        started = time.perf_counter()  # the engine's import is part of a job's load too
         from batchpage.llm import LLM  # here: a dry run that estimates nothing loads no engine
 
-        started = time.perf_counter()
         llm = LLM(cfg.model.path, **asdict(cfg.engine))
         load_s = time.perf_counter() - started
     try:
@@ -80,25 +80,3 @@ def window_rows(prepared: list[Any], task: str) -> list[Row]:
 
     once = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     return [Row(p.prompts, once) for p in prepared]
-
-
-def run_estimate(
-    cfg: JobConfig, plan: JobPlan, sample: WindowSample, setup_s: float, io_s: float
-) -> dict[str, Any] | None:
-    """The estimate run.json records beside what happened (issue #73 item 3): this machine's,
-    over the windows the job ran (`sample`, fed as the dry run feeds it: sample.add(
-    window_rows(ready, task)) for each window's ready rows), under plan.output_tokens when it
-    is `max` or a length (never sample:N: a job generates nothing twice), from the cached
-    calibration only: None where none is cached (a job does not calibrate; `dry_run=true
-    plan.devices=[this]` does, once). Its `wall_s` against run.json's gives estimate_error
-    (simulate.capacity.estimate_error)."""
-    engine = EngineConfig(**asdict(cfg.engine))
-    cal = cached_calibration(engine, plan.source, plan.engine.dtype, plan.engine.device)
-    if cal is None:
-        return None
-    wanted = parse_output_tokens(cfg.plan.output_tokens)
-    lengths, _ = lengths_for(wanted if wanted.kind != "sample" else wanted._replace(kind="max"),
-                             None, sample)  # fmt: skip
-    here = HereFacts(plan.engine, weight_bytes(plan.source, plan.engine.dtype), cal, setup_s, io_s)
-    result = plan_capacity(sample, engine, plan.source, here, [], lengths)
-    return result.here.as_dict()["estimate"]

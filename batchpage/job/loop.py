@@ -28,15 +28,24 @@ from typing import Any
 import pyarrow as pa
 
 from batchpage.data.spec import iter_windows
+from batchpage.job.capacity import window_rows
 from batchpage.job.config import JobConfig
 from batchpage.job.humaneval_scores import code_of, score_output
 from batchpage.job.input_watch import InputWatch
+from batchpage.job.job_estimate import JobEstimate, job_estimate
 from batchpage.job.plan import JobConfigError, JobPlan, JobStoppedError, plan_job
 from batchpage.job.pooled_columns import check_url, pool_result, pool_rows
 from batchpage.job.progress import JobProgress, job_rate
 from batchpage.job.progress_file import ProgressFile
 from batchpage.job.prompts import Prepared, prepare_window, to_result
-from batchpage.job.report import JobResult, ThisRun, resolved_settings, summarize, write_report
+from batchpage.job.report import (
+    JobResult,
+    RunParts,
+    ThisRun,
+    resolved_settings,
+    summarize,
+    write_report,
+)
 from batchpage.metrics import RunStats
 from batchpage.output import OutputDirError, ShardWriter, finalize
 from batchpage.output.batch_files import write_batch_files
@@ -47,6 +56,8 @@ from batchpage.storage import OutputLostError, StorageError
 
 LLMFactory = Callable[..., Any]
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# Seconds between progress.json's rewrites while rows finish and steps run.
+PROGRESS_EVERY_S = 10.0
 
 
 def run_job(cfg: JobConfig, llm_factory: LLMFactory | None = None) -> JobResult:
@@ -116,11 +127,18 @@ def _run(
     by_adapter: Counter[str] = Counter()  # rows generated per adapter (dataset.lora_column)
     llm: Any = None
     progress = JobProgress(plan.info.num_rows, cfg.progress)
-    status = ProgressFile(out, progress, store=store)
+    status = ProgressFile(out, progress, store=store, every_s=PROGRESS_EVERY_S)
+    estimate, no_estimate = job_estimate(cfg, plan, writer.num_done)
+    if estimate is not None:
+        progress.eta_model = estimate.eta_s
+    clock = time.perf_counter
+    parts = RunParts(setup=clock() - started[1])
     try:
         if writer.num_done:
             progress.note(f"resuming into {out}: {writer.num_done} rows already done")
+        mark = clock()  # reading the next window starts
         for window in iter_windows(cfg.dataset, plan.info, plan.stores):
+            away = 0.0  # of this window's seconds: the model's load and the generate call
             # Read before the check: if the file changed, this window may hold new rows.
             watch.check()
             rows += len(window)
@@ -130,7 +148,9 @@ def _run(
             resumed += len(window) - len(todo)
             progress.rows_skipped(len(window) - len(todo))
             if llm is None and any(r.error is None for r in todo):
+                loading = clock()
                 llm = _load_llm(cfg, llm_factory, progress)
+                parts.load = away = clock() - loading
                 status.executor = _executor_figures(llm)
                 progress.replicas = getattr(llm, "replica_line", None)
             # Without an LLM every row left has an error, and error rows need no tokenizer.
@@ -140,13 +160,28 @@ def _run(
             )
             writer.add_many(failed)  # written now: a bad row never waits for the window
             progress.rows_skipped(len(failed), failed=True)
+            if estimate is not None:
+                estimate.rows_read(len(window), len(window) - len(todo))
             if ready:
+                if estimate is not None:
+                    estimate.window(window_rows(ready, plan.engine.task))
+                calling = clock()
                 window_stats.append(
-                    _generate(llm, plan, ready, writer, progress, window_stats, status)
+                    _generate(llm, plan, ready, writer, progress, window_stats, status, estimate)
                 )
+                spent = clock() - calling
+                parts.generate += spent
+                away += spent
+                if estimate is not None:
+                    estimate.window_done()
                 generated += len(ready)
                 by_adapter.update(p.lora.lora_name if p.lora else "base" for p in ready)
             status.write()
+            now = clock()
+            parts.io += now - mark - away
+            if estimate is not None:
+                estimate.outside(now - mark - away)
+            mark = now
         watch.check()  # a file cut short ends the reading early: the row count tells nothing
         watch.check_digests()
     except (OSError, ValueError, pa.ArrowException):
@@ -171,9 +206,12 @@ def _run(
         written.append((SCORES_FILE, score["samples"]))
     writer.check()  # still this job's folder: then commit, last of the output files
     commit(store, out, written, final.shards, writer.fingerprint)
+    wall_s = time.perf_counter() - started[1]
+    parts.finish = wall_s - parts.setup - parts.load - parts.io - parts.generate
     run = ThisRun(
-        started[0], time.perf_counter() - started[1], generated, resumed,
-        RunStats.merged(window_stats), dict(by_adapter) if plan.adapters else {},
+        started[0], wall_s, generated, resumed,
+        RunStats.merged(window_stats), dict(by_adapter) if plan.adapters else {}, parts,
+        estimate.report(parts.setup) if estimate is not None else None, no_estimate,
     )  # fmt: skip
     metrics = write_report(store, out, cfg, plan, _settings(plan, llm), run, rows, score)
     reasons, samples, first_error = summarize(store, final.path)
@@ -202,8 +240,10 @@ def _generate(
     progress: JobProgress,
     before: list[RunStats],
     status: ProgressFile,
+    estimate: JobEstimate | None = None,
 ) -> RunStats:
-    """One window through the engine; each row is saved the moment it finishes."""
+    """One window through the engine; each row is saved the moment it finishes (and told to
+    the job's estimate, with each step)."""
     max_len = plan.engine.max_model_len
 
     def budget(p: Prepared) -> int:
@@ -227,11 +267,15 @@ def _generate(
         if plan.adapters is not None:
             status.rows_by_adapter[p.lora.lora_name if p.lora else "base"] += 1
         used = sum(len(c.token_ids) for c in out.outputs)
+        if estimate is not None and out.error is None:
+            estimate.finished([len(c.token_ids) for c in out.outputs])
         unused = max(0, budget(p) - used) if out.error is None else 0
         progress.row_finished(unused_budget=unused, failed=out.error is not None)
         status.maybe_write()
 
     def stepped(stats: RunStats) -> None:
+        if estimate is not None:
+            estimate.step(stats)
         progress.step(stats, job_rate(done_before, stats))
         status.maybe_write()
 

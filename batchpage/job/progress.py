@@ -78,6 +78,9 @@ class JobProgress:
         # An executor's replicas in a few words (ReplicaPool.replica_line), shown beside the
         # rows; None for the local engine.
         self.replicas: Callable[[], str] | None = None
+        # The seconds left by the job's estimate (JobEstimate.eta_s; None from it: not yet);
+        # None: the job has no estimate, the ETA is the token work left at the rate so far.
+        self.eta_model: Callable[[], float | None] | None = None
 
     def note(self, message: str) -> None:
         tqdm.write(message, file=sys.stderr)  # above the bar; plain stderr when there is none
@@ -118,9 +121,14 @@ class JobProgress:
 
     def snapshot(self) -> dict[str, Any]:
         """The bar's figures as data: rows, the stage, the job's output rate and the seconds
-        left at the rate the bar's token work has gone so far (None before any)."""
+        left: by the job's estimate (`eta_from` "estimate"), or where it has none at the rate
+        the bar's token work has gone so far ("rate"; None before any)."""
         elapsed = time.monotonic() - self._started
-        eta = self.work.eta_s(self.work.done / elapsed if elapsed > 0 else 0.0)
+        eta = self.eta_model() if self.eta_model is not None else None
+        basis = "estimate"
+        if eta is None:
+            eta = self.work.eta_s(self.work.done / elapsed if elapsed > 0 else 0.0)
+            basis = "rate"
         return {
             "stage": self._stage,
             "rows_total": self.rows_total,
@@ -129,6 +137,7 @@ class JobProgress:
             "out_tok_s": self._out_tok_s,
             "elapsed_s": round(elapsed, 1),
             "eta_s": None if eta is None else round(eta, 1),
+            "eta_from": basis,
         }
 
     def _refresh(self, tok_s: float | None = None) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pyarrow.parquet as pq
@@ -16,6 +16,7 @@ from batchpage.job.plan import JobPlan
 from batchpage.metrics import RunStats
 from batchpage.output import RUN_FILE, write_run_json
 from batchpage.output.files import PROGRESS_FILE
+from batchpage.simulate.capacity import estimate_error
 from batchpage.storage import Store, safe_url
 
 
@@ -38,6 +39,17 @@ class JobResult:
     completions: str = ""  # the path (or URL) of completions.parquet
 
 
+@dataclass
+class RunParts:
+    """Where a run's wall time went, measured (run.json's runs[].parts_s)."""
+
+    setup: float = 0.0  # planning and opening the output, up to the first window
+    load: float = 0.0  # the model's
+    io: float = 0.0  # reading and tokenizing the rows, writing bad ones, estimating windows
+    generate: float = 0.0  # the windows' generate calls, their rows saved as they finish
+    finish: float = 0.0  # the rest: the last shard, completions.parquet, scores, the commit
+
+
 @dataclass(frozen=True)
 class ThisRun:
     """One invocation of the job, for run.json's history."""
@@ -48,6 +60,10 @@ class ThisRun:
     rows_resumed: int
     stats: RunStats
     rows_by_adapter: dict[str, int] = field(default_factory=dict)  # with dataset.lora_column
+    parts: RunParts = field(default_factory=RunParts)
+    # This machine's estimate of the run (job_estimate.JobEstimate.report); None: none, and why.
+    estimate: dict[str, Any] | None = None
+    no_estimate: str | None = None
 
     def figures(self) -> dict[str, Any]:
         """Its metrics (the names of run.json's) with its wall time; zeros when it generated
@@ -93,6 +109,8 @@ def write_report(
                 "wall_s": run.wall_s,
                 "rows_generated": run.rows_generated,
                 "rows_resumed": run.rows_resumed,
+                "parts_s": asdict(run.parts),
+                **_estimate_fields(run),
                 "settings": settings,
                 "stats": run.stats.to_record(),
                 "metrics": run.stats.as_dict(),
@@ -137,6 +155,14 @@ def write_report(
     }
     write_run_json(out, config, totals, runs=runs, store=store)
     return totals
+
+
+def _estimate_fields(run: ThisRun) -> dict[str, Any]:
+    """A run entry's `estimate` and `estimate_error` (its wall_s over the run's, less 1), or
+    `estimate` None and `no_estimate`, why."""
+    if run.estimate is None:
+        return {"estimate": None, "no_estimate": run.no_estimate}
+    return {"estimate": run.estimate, "estimate_error": estimate_error(run.estimate, run.wall_s)}
 
 
 def _previous_runs(store: Store, out: str) -> list[dict[str, Any]]:

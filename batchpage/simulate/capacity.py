@@ -205,21 +205,3 @@ def estimate_error(estimate: dict[str, Any], measured_wall_s: float) -> float | 
     where the estimate has no time: this machine was not calibrated)."""
     wall = estimate.get("wall_s")
     return None if wall is None or measured_wall_s <= 0 else wall / measured_wall_s - 1
-
-
-def eta_seconds(
-    estimate: dict[str, Any], generated_tokens: int, generating_s: float
-) -> float | None:
-    """progress.json's ETA: the estimate's generation seconds still to come (its prefill,
-    decode and preemption parts, in the share of its tokens not generated yet), scaled by how
-    the steps so far ran against the estimate (`generating_s` measured for `generated_tokens`
-    against the estimate's seconds for as many). None without a timed estimate."""
-    parts, total = estimate.get("parts_s"), estimate.get("generated_tokens") or 0
-    if parts is None or total <= 0:
-        return None
-    seconds = parts["prefill"] + parts["decode"] + parts["preemption"]
-    done = min(1.0, generated_tokens / total)
-    if done <= 0 or generating_s <= 0:
-        return seconds
-    pace = generating_s / (seconds * done) if seconds > 0 else 1.0
-    return seconds * (1 - done) * pace

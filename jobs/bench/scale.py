@@ -118,12 +118,18 @@ def main() -> None:
     p.add_argument("--what", choices=("dry", "job", "all"), default="all")
     p.add_argument("--source", choices=("local", "s3", "both"), default="both")
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument(
+        "--kv-cache-memory", type=int, default=None,
+        help="engine.kv_cache_memory in bytes: a pool both jobs fill, so the RSS comparison is "
+        "of what grows with rows (the default pool is touched only as far as a job fills it)",
+    )  # fmt: skip
     args = p.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="scale-"))
     workdir.mkdir(parents=True, exist_ok=True)
     model = random_model_folder("tiny")
     print(f"command: `{command_line()}`  \nCPU: {cpu_model()}  \nmodel: tiny random, "
-          f"{args.max_tokens} tokens out\n", flush=True)  # fmt: skip
+          f"{args.max_tokens} tokens out, KV pool "
+          f"{args.kv_cache_memory or 'default'} bytes\n", flush=True)  # fmt: skip
     big = workdir / "big.jsonl"
     if not big.exists():
         log(f"writing {args.rows:,} prompts")
@@ -139,9 +145,11 @@ def main() -> None:
             s3.client().upload_file(str(small), bucket, "in/small.jsonl")
         common = [f"model.path={model}", f"sampling.max_tokens={args.max_tokens}",
                   "sampling.ignore_eos=true", "progress=false"]  # fmt: skip
+        if args.kv_cache_memory:
+            common.append(f"engine.kv_cache_memory={args.kv_cache_memory}")
         print(
             "| what | source | rows | exit | wall s | peak RSS MB | first shard s | rows/s | "
-            "ETA error at 10% |\n|---|---|---|---|---|---|---|---|---|",
+            "ETA error at 10% | load (1 min) |\n|---|---|---|---|---|---|---|---|---|---|",
             flush=True,
         )
         for source in sources:
@@ -177,7 +185,8 @@ def _row(what: str, source: str, rows: int, ran: Ran) -> None:
     rate = f"{rows / ran.wall_s:,.0f}" if what == "job" else ""
     eta = "" if ran.eta_error is None else f"{ran.eta_error:+.1%}"
     print(f"| {what} | {source} | {rows:,} | {ran.code} | {ran.wall_s:.1f} | "
-          f"{ran.peak_rss_mb:,.0f} | {first} | {rate} | {eta} |", flush=True)  # fmt: skip
+          f"{ran.peak_rss_mb:,.0f} | {first} | {rate} | {eta} | {os.getloadavg()[0]:.1f} |",
+          flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -20,21 +19,14 @@ from safetensors import safe_open
 
 from batchpage import LLM, SamplingParams
 from batchpage.data import DatasetSpec
-from batchpage.data.spec import iter_windows
 from batchpage.engine.config import EngineConfig
 from batchpage.job import run_job
-from batchpage.job.capacity import run_estimate, window_rows
 from batchpage.job.config import JobConfig, ModelSpec, SamplingConfig
 from batchpage.job.dry_run import dry_run
-from batchpage.job.plan import plan_job
 from batchpage.job.plan_options import PlanConfig
-from batchpage.job.prompts import prepare_window
-from batchpage.model.loader import load_tokenizer
 from batchpage.run import _print_report, compose_job
-from batchpage.simulate.calibrate import calibration_key
-from batchpage.simulate.capacity import WindowSample, estimate_error, eta_seconds
 from batchpage.simulate.devices import GPUS
-from batchpage.simulate.measured import CalibrationCache, MeasuredDevice
+from batchpage.simulate.measured import MeasuredDevice
 from batchpage.simulate.step_cost import Efficiency
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -247,36 +239,3 @@ def test_the_estimated_wall_time_is_within_20_percent_of_the_job(tmp_path, tiny_
     assert estimate["preemptions"] == metrics["preemptions"] == 0
     measured = {k: metrics[k] for k in ("wall_s", "elapsed_s", "steps", "preemptions")}
     assert estimate["wall_s"] == pytest.approx(metrics["wall_s"], rel=0.2), (estimate, measured)
-
-
-def test_run_json_and_progress_hooks(tmp_path, tiny_folder, monkeypatch) -> None:
-    """What run.json's estimate and progress.json's ETA are to call: run_estimate is None until
-    this setup has a calibration, then the dry run's own estimate of the same rows; the ETA
-    scales what is left by the pace measured so far."""
-    monkeypatch.setenv("BATCHPAGE_CACHE", str(tmp_path / "cache"))
-    data = write_rows(tmp_path / "d.jsonl", 20)
-    cfg = job(data, tiny_folder, tmp_path / "out", plan=PlanConfig(devices=["this"]))
-    plan = plan_job(cfg)
-    tokenizer = load_tokenizer(plan.source)
-    sample = WindowSample(cfg.plan.simulated_rows, cfg.dataset.window_rows)
-    for window in iter_windows(cfg.dataset, plan.info):
-        ready, _ = prepare_window(window, tokenizer, plan.params, plan.base_seed, plan.prompts)
-        sample.add(window_rows(ready, "generate"))
-    assert run_estimate(cfg, plan, sample, 1.0, 0.5) is None
-    engine = EngineConfig(**asdict(cfg.engine))
-    key = calibration_key(engine, plan.source, plan.engine.dtype, plan.engine.device)
-    cached = MeasuredDevice(GPUS["l4"], Efficiency(overhead_s=2e-3), "a test's", 0.25, key=key)
-    CalibrationCache(key).put(cached)
-    found = run_estimate(cfg, plan, sample, 1.0, 0.5)
-    assert found is not None and found["parts_s"]["setup"] == pytest.approx(1.25)
-    assert found["generated_tokens"] == 20 * 16
-    report = dry_run(cfg)["this_machine"]["estimate"]
-    assert report["generated_tokens"] == found["generated_tokens"]
-    assert report["parts_s"]["decode"] == pytest.approx(found["parts_s"]["decode"])
-    assert estimate_error(found, found["wall_s"] / 2) == pytest.approx(1.0)
-    parts = found["parts_s"]
-    generating = parts["prefill"] + parts["decode"] + parts["preemption"]
-    half = found["generated_tokens"] // 2
-    # Half the tokens in twice their estimated time: the other half takes twice its estimate.
-    eta = eta_seconds(found, half, generating * half / found["generated_tokens"] * 2)
-    assert eta == pytest.approx(generating * (1 - half / found["generated_tokens"]) * 2)

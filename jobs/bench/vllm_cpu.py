@@ -162,6 +162,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, required=True)
     p.add_argument("--prefix-caching", choices=("on", "off"), default="on")
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's")
+    p.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        help='vLLM\'s speculative_config as JSON, e.g. {"method": "ngram", ...} (default: off)',
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--lora",
@@ -196,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.max_num_seqs is not None:
         engine_args["max_num_seqs"] = args.max_num_seqs
+    if args.speculative_config is not None:
+        engine_args["speculative_config"] = args.speculative_config
     if args.task == "embed":
         engine_args["runner"] = "pooling"
     if args.lora:

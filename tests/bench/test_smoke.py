@@ -212,3 +212,36 @@ def test_lora_adapters_against_the_base_model(tmp_path) -> None:
     ratio = saved["results"]["adapters"]["output_tok_s"] / saved["results"]["base"]["output_tok_s"]
     assert saved["ratio"] == pytest.approx(ratio)
     assert f"adapters / base: {ratio:.2f}x" in done.stdout
+
+
+def test_speculative_against_none_on_the_tiny_model(tmp_path) -> None:
+    """jobs.bench.speculative --smoke on the tiny model under batch_invariant: a pair for every
+    workload and method, in the order run; each ratio the two out tok/s it saved; acceptance
+    the accepted share of what was drafted; every row's greedy tokens those without
+    speculation; every ShareGPT row generated to its length (ignore_eos); the table printed
+    row by row; vLLM-CPU (no venv given) not run, and the report says why."""
+    done = run_bench("jobs.bench.random_models", "tiny")
+    assert done.returncode == 0, done.stderr
+    model, out = done.stdout.strip(), tmp_path / "speculative.json"
+    done = run_bench(
+        "jobs.bench.speculative", "--smoke", "--model", model, "--sharegpt-models", "tiny",
+        "--batch-invariant", "--vllm-venv", str(tmp_path / "no-venv"), "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())["results"]
+    pairs = results["pairs"]
+    cases = (("rename-4", 2), ("extract-4", 2), ("sharegpt-8", 8))
+    assert [(p["workload"], p["running"], p["method"]) for p in pairs] == [
+        (w, n, m) for w, n in cases for m in ("ngram", "suffix")
+    ]
+    for p in pairs:
+        assert p["ratio"] == pytest.approx(p["spec_output_tok_s"] / p["off_output_tok_s"])
+        assert 0 <= p["accepted_draft_tokens"] <= p["draft_tokens"]
+        assert p["same_greedy"] == p["compared_rows"] == p["rows"] and not p["mismatches"]
+    assert sum(p["accepted_draft_tokens"] for p in pairs) > 0  # it did speculate
+    for p in pairs[-2:]:  # 8 ShareGPT replies, each clamped to 4..8 tokens, all generated
+        assert 32 <= p["generated_tokens"] <= 64
+    rows = table_with(markdown_tables(done.stdout), "acceptance")
+    assert [r["ratio"] for r in rows] == [f"{p['ratio']:.3f}x" for p in pairs]
+    assert [r["same greedy"] for r in rows] == [f"{p['rows']}/{p['rows']}" for p in pairs]
+    assert "no-venv" in results["vllm"]["not_run"] and "vLLM-CPU: not run here" in done.stdout

@@ -212,8 +212,15 @@ class Scheduler:
             return budget
         batch, bs = self.batch, self.kv.block_size
         rows = np.array(self._rows[start:], dtype=np.int64)
-        # A decode row with drafts (speculative decoding) runs them after its newest token.
-        take = batch.num_tokens[rows] - batch.computed[rows] + batch.num_drafts[rows]
+        take = batch.num_tokens[rows] - batch.computed[rows]
+        drafts = batch.num_drafts[rows]
+        if drafts.any():
+            # A decode row with drafts (speculative decoding) runs them after its newest token,
+            # in what the budget leaves once every row has its own tokens: drafts never push a
+            # row's newest token out of the step.
+            room = max(budget - int(take.sum()), 0)
+            before = np.cumsum(drafts) - drafts
+            take = take + np.clip(room - before, 0, drafts)
         served = np.cumsum(take)
         count = int(np.searchsorted(served, budget, side="right"))  # served whole
         if count < len(rows):

@@ -173,3 +173,27 @@ def test_speculative_config_errors_name_the_option(tiny_folder: Path) -> None:
         LLM(str(tiny_folder), speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="kv_allocator"):
         LLM(str(tiny_folder), kv_allocator="static", speculative_config=NGRAM)
+
+
+def test_drafts_take_only_the_budget_every_rows_newest_token_leaves(
+    tiny_folder: Path, plain: LLM
+) -> None:
+    """A step's budget (max_num_batched_tokens) goes to every running row's own token first:
+    drafts never push a row out of a step, so speculation takes no more steps than none."""
+    prompts = [[3 + i, 40 + i, 7, 9] for i in range(12)]  # all admitted within two steps
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    tight = {"max_num_batched_tokens": 24, "max_num_seqs": 12}
+    without = _llm(tiny_folder, None, **tight)
+    llm = _llm(tiny_folder, NGRAM, **tight)
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+
+    def every_decode_row_runs():  # noqa: ANN202
+        decoding = {s.row for s in scheduler.running if s.num_computed_tokens == s.num_tokens - 1}
+        out = schedule()
+        assert decoding <= set(out.rows.tolist()), "a decode row was left out for drafts"
+        return out
+
+    scheduler.schedule = every_decode_row_runs  # type: ignore[method-assign]
+    assert _run(llm, prompts, params) == _run(without, prompts, params)
+    assert llm.engine.stats.draft_tokens > 0

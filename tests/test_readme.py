@@ -11,6 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -148,10 +149,17 @@ def shell_with(line: str, cwd: Path, environ: dict[str, str]) -> subprocess.Comp
     bin_dir.mkdir(exist_ok=True)
     # Scripts, not links: a link to a virtual environment's python that lies outside it starts
     # the base interpreter, without the environment's packages.
+    # Written once and atomically: the dry-run test runs two lines at a time, and rewriting a
+    # script another thread is executing fails that one with "Text file busy".
     for name, command in (("python", ""), ("python3", ""), ("batchpage", " -m batchpage.cli")):
         script = bin_dir / name
-        script.write_text(f'#!/bin/sh\nexec "{sys.executable}"{command} "$@"\n')
-        script.chmod(0o755)
+        text = f'#!/bin/sh\nexec "{sys.executable}"{command} "$@"\n'
+        if script.exists() and script.read_text() == text:
+            continue
+        draft = bin_dir / f".{name}.{threading.get_ident()}"
+        draft.write_text(text)
+        draft.chmod(0o755)
+        os.replace(draft, script)
     env = {
         **environ,
         "PATH": f"{bin_dir}{os.pathsep}{environ['PATH']}",

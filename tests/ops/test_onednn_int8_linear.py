@@ -110,6 +110,19 @@ dense.apply(torch.randn(64, 256).to(torch.bfloat16), None)
 AMX = {"amx_int8", "amx_bf16"} <= cpu_flags()
 
 
+def _probe(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run a probe script in a process of its own (oneDNN's ISA and verbose log are set at its
+    start), from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+
+
 @needs_onednn
 @pytest.mark.skipif(
     not AMX and "avx512_vnni" not in cpu_flags(), reason="this CPU has neither AMX nor VNNI"
@@ -118,14 +131,7 @@ def test_onednn_multiplies_on_amx_tiles_where_the_cpu_has_them() -> None:
     """oneDNN's verbose log names the implementation of each primitive it runs: on an AMX CPU
     the int8 and the bf16 matmuls must be its AMX ones (elsewhere the int8 one its VNNI one)."""
     env = {**os.environ, "ONEDNN_VERBOSE": "1"}
-    run = subprocess.run(
-        [sys.executable, "-c", AMX_PROBE],
-        env=env,
-        cwd=Path(__file__).parents[2],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    run = _probe(AMX_PROBE, env)
     # The probe's 64-row products (the layer's own tiny probe at setup may run on other tiles).
     ran = [
         ln
@@ -176,14 +182,7 @@ def test_offered_only_where_exact_at_the_saturating_corner(level: str | None) ->
             env.update(lesser_cpu_env(level))
         except ValueError:
             pytest.skip(f"this CPU cannot act as {level}")
-    run = subprocess.run(
-        [sys.executable, "-c", CORNER_PROBE],
-        env=env,
-        cwd=Path(__file__).parents[2],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    run = _probe(CORNER_PROBE, env)
     seen = json.loads(run.stdout.splitlines()[-1])
     assert seen["offered"] == (seen["err"] < 2**-7), seen
     if level is None:  # this CPU's own oneDNN is offered (needs_onednn): exact

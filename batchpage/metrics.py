@@ -8,18 +8,96 @@ Throughput is defined once: generated tokens over the wall time spent generating
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 
-def percentile(values: list[float], q: float) -> float:
+# Samples per sealed block of `Samples`: large enough that a block's own object is a small share
+# of it, small enough that the unsealed tail (a list) stays small.
+SAMPLES_BLOCK = 4096
+
+
+class Samples:
+    """Float samples in the order recorded (a run's time-to-first-token figures, one per
+    request), exact: sealed float64 blocks of SAMPLES_BLOCK plus a short list being filled. A
+    job pools every request's figure, so what it holds grows with its rows: a float64 a sample
+    here, where a list holds a float object and a pointer to it. Absorbing another Samples
+    shares its sealed blocks (never changed once sealed) instead of copying them."""
+
+    __slots__ = ("_blocks", "_tail", "_sealed")
+
+    def __init__(self, values: Iterable[float] = ()) -> None:
+        self._blocks: list[np.ndarray] = []
+        self._sealed = 0  # samples in _blocks
+        self._tail: list[float] = []
+        self.extend(values)
+
+    def append(self, value: float) -> None:
+        self._tail.append(value)
+        if len(self._tail) >= SAMPLES_BLOCK:
+            self._seal()
+
+    def extend(self, values: Iterable[float]) -> None:
+        """Append every value of `values` (another Samples: its blocks are shared)."""
+        if not isinstance(values, Samples):
+            for value in values:
+                self.append(value)
+            return
+        blocks, tail = list(values._blocks), list(values._tail)  # `values` may be self
+        for block in blocks:
+            self._seal()  # the order recorded: what is in the tail came first
+            self._blocks.append(block)
+            self._sealed += len(block)
+        for value in tail:
+            self.append(value)
+
+    def array(self) -> np.ndarray:
+        """Every sample as one float64 array (a copy)."""
+        return np.concatenate([*self._blocks, np.array(self._tail, dtype=np.float64)])
+
+    def check_integrity(self) -> None:
+        assert self._sealed == sum(len(b) for b in self._blocks), "sealed count"
+        assert len(self._tail) < SAMPLES_BLOCK, "an unsealed full tail"
+        assert all(b.dtype == np.float64 and b.ndim == 1 and len(b) for b in self._blocks)
+
+    def __len__(self) -> int:
+        return self._sealed + len(self._tail)
+
+    def __iter__(self) -> Iterator[float]:
+        for block in self._blocks:
+            yield from block.tolist()
+        yield from self._tail
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Samples):
+            other = other.array()
+        elif isinstance(other, (list, tuple)):
+            other = np.array(other, dtype=np.float64)
+        else:
+            return NotImplemented
+        return bool(np.array_equal(self.array(), other))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        return f"Samples({len(self)} values)"
+
+    def _seal(self) -> None:
+        if self._tail:
+            self._blocks.append(np.array(self._tail, dtype=np.float64))
+            self._sealed += len(self._tail)
+            self._tail = []
+
+
+def percentile(values: Sequence[float] | Samples, q: float) -> float:
     """Nearest-rank percentile; 0.0 for no values."""
-    if not values:
+    data = values.array() if isinstance(values, Samples) else np.asarray(values, np.float64)
+    if not len(data):
         return 0.0
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[rank]
+    rank = max(0, min(len(data) - 1, round(q / 100 * len(data) + 0.5) - 1))
+    return float(np.partition(data, rank)[rank])
 
 
 # RunStats fields that add up over runs, and those that take the maximum.
@@ -70,7 +148,9 @@ class RunStats:
     # Speculative decoding: drafted tokens run, and those accepted.
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
-    first_token_s: list[float] = field(default_factory=list)
+    # Each request's seconds from the run's start to its first token (a list assigned here
+    # is taken as it is).
+    first_token_s: Samples | list[float] = field(default_factory=Samples)
     # Seconds spent in each of STEP_PARTS, summed over the run's steps.
     step_time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
     # What the engine's model holds (CausalLM.weight_bytes, weight_formats), fixed at setup.
@@ -85,24 +165,34 @@ class RunStats:
         """Several runs as one: counts add up, peaks take the maximum, the elapsed times add up
         (so rates are over the time spent generating), and each run's time-to-first-token
         samples (measured from its own start) are pooled."""
-        total = cls(
-            kv_blocks_total=max((r.kv_blocks_total for r in runs), default=0),
-            block_size=runs[0].block_size if runs else 0,
-            start=0.0,
-            end=sum(r.elapsed_s for r in runs),
-        )
-        for name in _SUMMED:
-            setattr(total, name, sum(getattr(r, name) for r in runs))
-        for name in _PEAKS:
-            setattr(total, name, max((getattr(r, name) for r in runs), default=0))
-        total.first_token_s = [t for r in runs for t in r.first_token_s]
-        total.step_time_s = {p: sum(r.step_time_s[p] for r in runs) for p in STEP_PARTS}
-        if runs:  # every run of one job loads the same model
-            total.weight_bytes = runs[-1].weight_bytes
-            total.weight_formats = dict(runs[-1].weight_formats)
-            total.linear_methods = dict(runs[-1].linear_methods)
-            total.linear_measurement = dict(runs[-1].linear_measurement)
+        total = cls(kv_blocks_total=0, block_size=runs[0].block_size if runs else 0, start=0.0)
+        total.end = 0.0
+        for run in runs:
+            total.absorb(run)
         return total
+
+    def absorb(self, run: RunStats) -> None:
+        """Merge `run` into this merged total (one of `merged`, then absorbing run after run),
+        in place: `merged([*runs, run])` without going over the runs again, for a job that
+        merges its windows as they finish. The run's sealed samples are shared, not copied."""
+        assert self.start == 0.0 and self.end is not None, "absorb into a merged total"
+        if not self.block_size:
+            self.block_size = run.block_size
+        self.kv_blocks_total = max(self.kv_blocks_total, run.kv_blocks_total)
+        self.end += run.elapsed_s
+        for name in _SUMMED:
+            setattr(self, name, getattr(self, name) + getattr(run, name))
+        for name in _PEAKS:
+            setattr(self, name, max(getattr(self, name), getattr(run, name)))
+        if not isinstance(self.first_token_s, Samples):
+            self.first_token_s = Samples(self.first_token_s)
+        self.first_token_s.extend(run.first_token_s)
+        self.step_time_s = {p: self.step_time_s[p] + run.step_time_s[p] for p in STEP_PARTS}
+        # Every run of one job loads the same model: the last run's figures stand.
+        self.weight_bytes = run.weight_bytes
+        self.weight_formats = dict(run.weight_formats)
+        self.linear_methods = dict(run.linear_methods)
+        self.linear_measurement = dict(run.linear_measurement)
 
     def to_record(self) -> dict[str, Any]:
         """The counters, JSON-able, for a job's run history: `from_record` restores a RunStats

@@ -122,7 +122,9 @@ def _run(
     """The job's body, under the writer's lock: windows, the final merge, scores, the commit
     point (_SUCCESS), run.json."""
     out, store = writer.output_dir, writer.store
-    window_stats: list[RunStats] = []
+    # The windows' figures merged as each ends (not kept one by one: a job has windows by the
+    # thousand, each with a figure per row).
+    generated_stats = RunStats.merged([])
     rows = resumed = generated = 0
     by_adapter: Counter[str] = Counter()  # rows generated per adapter (dataset.lora_column)
     llm: Any = None
@@ -166,8 +168,8 @@ def _run(
                 if estimate is not None:
                     estimate.window(window_rows(ready, plan.engine.task))
                 calling = clock()
-                window_stats.append(
-                    _generate(llm, plan, ready, writer, progress, window_stats, status, estimate)
+                generated_stats.absorb(
+                    _generate(llm, plan, ready, writer, progress, generated_stats, status, estimate)
                 )
                 spent = clock() - calling
                 parts.generate += spent
@@ -210,7 +212,7 @@ def _run(
     parts.finish = wall_s - parts.setup - parts.load - parts.io - parts.generate
     run = ThisRun(
         started[0], wall_s, generated, resumed,
-        RunStats.merged(window_stats), dict(by_adapter) if plan.adapters else {}, parts,
+        generated_stats, dict(by_adapter) if plan.adapters else {}, parts,
         estimate.report(parts.setup) if estimate is not None else None, no_estimate,
     )  # fmt: skip
     metrics = write_report(store, out, cfg, plan, _settings(plan, llm), run, rows, score)
@@ -238,12 +240,12 @@ def _generate(
     ready: list[Prepared],
     writer: ShardWriter,
     progress: JobProgress,
-    before: list[RunStats],
+    before: RunStats,
     status: ProgressFile,
     estimate: JobEstimate | None = None,
 ) -> RunStats:
     """One window through the engine; each row is saved the moment it finishes (and told to
-    the job's estimate, with each step)."""
+    the job's estimate, with each step). `before`: the job's windows so far, merged."""
     max_len = plan.engine.max_model_len
 
     def budget(p: Prepared) -> int:
@@ -251,7 +253,6 @@ def _generate(
         return p.params.n * min(p.params.max_tokens or room, room)
 
     progress.window_started([len(p.prompt_ids) + budget(p) for p in ready])
-    done_before = RunStats.merged(before)
 
     def saved(out: RequestOutput, index: int) -> None:
         p = ready[index]
@@ -276,7 +277,7 @@ def _generate(
     def stepped(stats: RunStats) -> None:
         if estimate is not None:
             estimate.step(stats)
-        progress.step(stats, job_rate(done_before, stats))
+        progress.step(stats, job_rate(before, stats))
         status.maybe_write()
 
     task = plan.engine.task

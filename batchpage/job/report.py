@@ -19,6 +19,9 @@ from batchpage.output.files import PROGRESS_FILE
 from batchpage.simulate.capacity import estimate_error
 from batchpage.storage import Store, safe_url
 
+# Rows of completions.parquet the summary holds as Python objects at once.
+SUMMARY_BATCH_ROWS = 8192
+
 
 @dataclass
 class JobResult:
@@ -179,18 +182,20 @@ def summarize(
     store: Store, path: str, n_samples: int = 2
 ) -> tuple[dict[str, int], list[dict[str, Any]], str]:
     """The finish reasons of the rows without an error, counted (none for a pooling job's rows),
-    a few finished rows and the first error of completions.parquet."""
-    with store.open_read(path) as f:
-        table = pq.read_table(f, columns=["id", "completion", "finish_reason", "error"])
+    a few finished rows and the first error of completions.parquet. Read a batch of rows at a
+    time: the file has a row per input row."""
     reasons: Counter[str] = Counter()
     samples: list[dict[str, Any]] = []
     first_error = ""
-    for rec in table.to_pylist():
-        if rec["error"] is not None:
-            first_error = first_error or rec["error"]
-            continue
-        found = rec["finish_reason"]
-        reasons.update(r for r in (found if isinstance(found, list) else [found]) if r)
-        if len(samples) < n_samples and rec["completion"]:
-            samples.append({"id": rec["id"], "completion": rec["completion"]})
+    columns = ["id", "completion", "finish_reason", "error"]
+    with store.open_read(path) as f:
+        for batch in pq.ParquetFile(f).iter_batches(SUMMARY_BATCH_ROWS, columns=columns):
+            for rec in batch.to_pylist():
+                if rec["error"] is not None:
+                    first_error = first_error or rec["error"]
+                    continue
+                found = rec["finish_reason"]
+                reasons.update(r for r in (found if isinstance(found, list) else [found]) if r)
+                if len(samples) < n_samples and rec["completion"]:
+                    samples.append({"id": rec["id"], "completion": rec["completion"]})
     return dict(reasons), samples, first_error

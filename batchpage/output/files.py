@@ -37,6 +37,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchpage.output.row_set import RowSet
 from batchpage.storage import Store, Stores, is_url, local_path
 
 WORK_DIR = ".batchpage"
@@ -201,14 +202,14 @@ def read_each(store: Store, paths: Sequence[str], ahead: int = 8) -> Iterator[by
             yield done.result()
 
 
-def scan_shards(store: Store, output_dir: str) -> tuple[set[int], int]:
+def scan_shards(store: Store, output_dir: str) -> tuple[RowSet, int]:
     """Indices held by the shards in output_dir, and the highest shard number (-1 if none).
 
     A shard that cannot be parsed is renamed aside (never deleted: it is evidence) and its rows
     are generated again; shards are created whole, so only something else damages one. A shard
     that cannot be fetched (a store that fails) raises: that says nothing about the shard.
     """
-    done: set[int] = set()
+    done = RowSet()
     shards = list_shards(store, output_dir)
     for (_, path), data in zip(shards, read_each(store, [p for _, p in shards]), strict=True):
         try:
@@ -217,7 +218,7 @@ def scan_shards(store: Store, output_dir: str) -> tuple[set[int], int]:
             warnings.warn(f"unreadable shard {path} set aside ({e})", stacklevel=2)
             store.move_aside(path, f".corrupt-{store.name(path)}")
             continue
-        done.update(table.column(0).to_pylist())
+        done.update(table.column(0).to_numpy())
     return done, max((number for number, _ in shards), default=-1)
 
 

@@ -34,6 +34,9 @@ from batchpage.output.manifest import ShardEntry, commit, retract, sha256_of
 from batchpage.storage import Store
 
 VERSIONED_PACKAGES = ("batchpage", "torch", "triton", "transformers", "pyarrow", "datasets")
+# Rows merged in memory at once (and a row group of completions.parquet): about what a small
+# job holds, so that a large job's merge does not set its peak memory.
+ROWS_PER_BUCKET = 16_384
 
 
 class FinalizeResult(NamedTuple):
@@ -47,7 +50,7 @@ def finalize(
     output_dir: str | os.PathLike,
     total_rows: int,
     *,
-    rows_per_bucket: int = 250_000,
+    rows_per_bucket: int = ROWS_PER_BUCKET,
     store: Store | None = None,
     commit_now: bool = True,
 ) -> FinalizeResult:

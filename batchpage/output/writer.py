@@ -114,7 +114,8 @@ class ShardWriter:
     # --- public -------------------------------------------------------------------------------
 
     def done_indices(self) -> frozenset[int]:
-        """Indices written (on disk or buffered). A copy: call it once, then use is_done."""
+        """Indices written (on disk or buffered). A copy (a set: an int object and a hash slot
+        a row, where the writer keeps a bit): call it once, then use is_done."""
         return frozenset(self._done)
 
     def is_done(self, index: int) -> bool:

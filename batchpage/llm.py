@@ -21,8 +21,10 @@ from batchpage.engine.sequence import Request, Sequence
 from batchpage.llm_pooling import PoolingMethods
 from batchpage.lora.request import LoRARequest
 from batchpage.metrics import RunStats, tokens_per_s
+from batchpage.model.image_prompt import ImagePrompts, PromptImage
 from batchpage.model.loader import load_model, resolve_model_source
 from batchpage.model.tokenizer import check_chat_template_kwargs, resolve_chat_template
+from batchpage.prompt_images import MULTI_MODAL_KEYS, PromptImageReader, multi_modal_sources
 from batchpage.prompt_list import PromptType, as_prompt_list, is_token_id
 from batchpage.request_outputs import (
     BeamSearchOutput,
@@ -73,6 +75,13 @@ class LLM(PoolingMethods):
                 peers.close()
             raise
         self.model_config = loaded.config
+        # A vision-language model's image processor and placeholder rule (None: a text model).
+        image_prompts = None
+        if loaded.config.vision is not None:
+            image_prompts = ImagePrompts.from_model(
+                loaded.source.path, loaded.config, loaded.tokenizer
+            )
+        self.images = PromptImageReader(image_prompts, cfg.image_limits())
         self.source = loaded.source  # the checkpoint (its headers' counts; LLM.estimate)
         self.tokenizer = loaded.tokenizer
         self.workers = peers  # ranks 1.. of a tensor-parallel engine
@@ -186,8 +195,9 @@ class LLM(PoolingMethods):
         loras = self._per_prompt_lora(lora_request, len(conversations))
         requests = []
         for i, (conv, sp, lora) in enumerate(zip(conversations, params, loras, strict=True)):
-            try:
-                turns = normalize_messages(conv)
+            images: list[Any] = []
+            try:  # a vision model's image parts are collected, in order
+                turns = normalize_messages(conv, images if self.images.prompts else None)
             except ValueError as exc:
                 requests.append(Request(i, None, [], sp, error=f"bad messages: {exc}"))
                 continue
@@ -201,7 +211,7 @@ class LLM(PoolingMethods):
             except Exception as exc:  # a template can fail on one odd chat: only its request
                 requests.append(Request(i, None, [], sp, error=f"chat template failed: {exc}"))
                 continue
-            requests.append(self._make_request(i, ids, sp, lora))
+            requests.append(self._make_request(i, ids, sp, lora, images))
         return self._run(requests, use_tqdm, on_output)
 
     def _require_generation(self) -> None:
@@ -232,12 +242,21 @@ class LLM(PoolingMethods):
         return loras
 
     def _make_request(
-        self, index: int, prompt: Any, params: SamplingParams, lora: LoRARequest | None = None
+        self,
+        index: int,
+        prompt: Any,
+        params: SamplingParams,
+        lora: LoRARequest | None = None,
+        images: list[Any] | None = None,
     ) -> Request:
+        """The request of one prompt (text, token ids or a prompt dict) and its `images` (a
+        chat's image parts), or one whose `error` says what is wrong with them."""
+        images = list(images or ())
         if isinstance(prompt, dict):
-            prompt, error = _unwrap_prompt(prompt)
+            prompt, own, error = _unwrap_prompt(prompt)
             if error is not None:
                 return Request(index, None, [], params, error=error)
+            images += own
         text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt) if prompt else []
@@ -255,6 +274,11 @@ class LLM(PoolingMethods):
             )
         error = None
         vocab = self.model_config.vocab_size
+        placed: tuple[PromptImage, ...] = ()
+        try:
+            ids, placed = self.images.place(ids, images)
+        except ValueError as exc:
+            return Request(index, text, [], params, error=str(exc))
         if not ids:
             error = "prompt is empty: give at least one token of text"
         elif len(ids) >= self.max_model_len:
@@ -275,7 +299,9 @@ class LLM(PoolingMethods):
         if error is None and lora is not None:
             assert self.engine.adapters is not None
             error = self.engine.adapters.check(lora)
-        return Request(index, text, ids, params, error=error, grammar=grammar, lora=lora)
+        return Request(
+            index, text, ids, params, error=error, grammar=grammar, lora=lora, images=placed
+        )
 
     def _check_params(self, params: SamplingParams, prompt_len: int) -> str | None:
         """What the engine's limits rule out for these params; None when they fit."""
@@ -354,18 +380,23 @@ class LLM(PoolingMethods):
         return [make(r, done.get(r.index, [])) for r in requests]
 
 
-def _unwrap_prompt(prompt: dict[str, Any]) -> tuple[Any, str | None]:
-    """vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids}: (the text
-    or ids, None), or (None, why the dict is not one)."""
-    keys = set(prompt)
-    if keys == {"prompt"}:
-        return prompt["prompt"], None
-    if keys == {"prompt_token_ids"}:
-        return prompt["prompt_token_ids"], None
-    return None, (
-        'a prompt dict must hold exactly one of "prompt" (text) or "prompt_token_ids" (token '
-        f"ids); got keys {sorted(map(str, keys))}"
-    )
+def _unwrap_prompt(prompt: dict[str, Any]) -> tuple[Any, list[Any], str | None]:
+    """vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids}, either with
+    "multi_modal_data": {"image": ...}: (the text or ids, the images, None), or (None, [], why
+    the dict is not one)."""
+    keys = set(prompt) - set(MULTI_MODAL_KEYS)
+    if keys not in ({"prompt"}, {"prompt_token_ids"}):
+        why = (
+            'a prompt dict must hold exactly one of "prompt" (text) or "prompt_token_ids" (token '
+            f"ids), and may hold {' and '.join(MULTI_MODAL_KEYS)}; got keys "
+            f"{sorted(map(str, prompt))}"
+        )
+        return None, [], why
+    try:
+        images = multi_modal_sources(prompt)
+    except ValueError as exc:
+        return None, [], str(exc)
+    return prompt[keys.pop()], images, None
 
 
 def _per_prompt(
@@ -392,21 +423,22 @@ def _request_output(req: Request, seqs: list[Sequence]) -> RequestOutput:
         num_cached_tokens=max((s.num_cached_tokens for s in seqs), default=0),
     )
     first = min(seqs, key=lambda s: s.sample_index, default=None)
-    if first is not None and first.prompt_logprobs is not None:
+    if first is not None and first.result.prompt_logprobs is not None:
         out.prompt_logprobs = [
-            None if lp is None else _logprob_dict(lp) for lp in first.prompt_logprobs
+            None if lp is None else _logprob_dict(lp) for lp in first.result.prompt_logprobs
         ]
     for seq in sorted(seqs, key=lambda s: s.sample_index):
+        result = seq.result
         out.outputs.append(
             CompletionOutput(
                 index=seq.sample_index,
-                text=seq.text,
+                text=result.text,
                 token_ids=seq.output_token_ids,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                logprobs=[_logprob_dict(lp) for lp in seq.logprobs] if seq.logprobs else None,
+                finish_reason=result.finish_reason,
+                stop_reason=result.stop_reason,
+                logprobs=[_logprob_dict(lp) for lp in result.logprobs] if result.logprobs else None,
                 reasoning=reasoning_text(seq),
-                cumulative_logprob=seq.cumulative_logprob,
+                cumulative_logprob=result.cumulative_logprob,
             )
         )
     return out

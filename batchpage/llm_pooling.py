@@ -222,8 +222,9 @@ class PoolingMethods:
         def make(req: Request, seqs: list[Sequence]) -> PoolingRequestOutput:
             out = PoolingRequestOutput(str(req.index), req.prompt_token_ids, None, error=req.error)
             if seqs:
-                assert seqs[0].pooled is not None
-                out.outputs = output(seqs[0].pooled)
+                pooled = seqs[0].result.pooled
+                assert pooled is not None
+                out.outputs = output(pooled)
                 out.num_cached_tokens = seqs[0].num_cached_tokens
             return out
 

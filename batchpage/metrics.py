@@ -114,6 +114,8 @@ _SUMMED = (
     "reserved_slot_steps",
     "draft_tokens",
     "accepted_draft_tokens",
+    "images_encoded",
+    "encoder_cache_hits",
 )
 _PEAKS = ("peak_running", "peak_kv_blocks_used")
 # The parts of an engine step, timed apart (RunStats.step_time_s). On a device that runs
@@ -148,6 +150,9 @@ class RunStats:
     # Speculative decoding: drafted tokens run, and those accepted.
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # Images: those the vision tower encoded, and image uses served by its cached rows.
+    images_encoded: int = 0
+    encoder_cache_hits: int = 0
     # Each request's seconds from the run's start to its first token (a list assigned here
     # is taken as it is).
     first_token_s: Samples | list[float] = field(default_factory=Samples)
@@ -280,6 +285,8 @@ class RunStats:
             "steps": self.steps,
             "draft_tokens": self.draft_tokens,
             "accepted_draft_tokens": self.accepted_draft_tokens,
+            "images_encoded": self.images_encoded,
+            "encoder_cache_hits": self.encoder_cache_hits,
             "step_time_s": dict(self.step_time_s),
             "weight_bytes": self.weight_bytes,
             "weight_formats": dict(self.weight_formats),

@@ -15,7 +15,7 @@ def is_token_id(value: Any) -> bool:
 
 
 def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[Any]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | dict):  # one prompt (a dict: vLLM's TextPrompt / TokensPrompt)
         return [prompts]
     prompts = list(prompts)
     if prompts and all(is_token_id(t) for t in prompts):

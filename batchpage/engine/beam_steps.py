@@ -97,7 +97,8 @@ class Beams:
             seq.token_ids += hyp.tokens
             seq.status = SeqStatus.FINISHED
             ended = bool(hyp.tokens) and hyp.tokens[-1] in search.eos_ids
-            seq.finish_reason = "stop" if ended else "length"
+            out = seq.result
+            out.finish_reason = "stop" if ended else "length"
             answer = hyp.tokens
             thinking = seq.feature(ThinkingTracker)
             if thinking is not None:  # the split of a reasoning model's output
@@ -106,7 +107,7 @@ class Beams:
                 begin = thinking.answer_start
                 answer = hyp.tokens[begin:] if begin is not None else []
             skip = req.params.skip_special_tokens
-            seq.text = self.factory.tokenizer.decode(answer, skip_special_tokens=skip)
-            seq.cumulative_logprob = hyp.cum_logprob
+            out.text = self.factory.tokenizer.decode(answer, skip_special_tokens=skip)
+            out.cumulative_logprob = hyp.cum_logprob
             results.append(seq)
         return results

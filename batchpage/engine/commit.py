@@ -13,9 +13,10 @@ the simulator, which samples nothing) and consumed here, in one order:
    tokens were accepted): grammars advance, the stop checks run over the batch's columns (Python
    only for the rows whose token needs it, InputBatch.rows_to_check), and a row that stops takes
    none of its later tokens;
-5. pooled outputs and prompt logprobs land on their sequences; finished sequences leave the
-   running set and give their blocks back (the scheduler's `finish`), and the run's stats count
-   it all.
+5. pooled outputs, prompt and token logprobs, and a finished sequence's finish reason, stop
+   reason and text land in the sequences' results (Sequence.result, a SeqResult); finished
+   sequences leave the running set and give their blocks back (the scheduler's `finish`), and
+   the run's stats count it all.
 Nothing else appends a token, runs a stop check or finishes a sequence.
 """
 
@@ -33,7 +34,7 @@ from batchpage.engine.reasoning import ThinkingTracker
 from batchpage.engine.sampler import TopLogprobs
 from batchpage.engine.schedule_output import SchedulerOutput
 from batchpage.engine.scheduler import Scheduler
-from batchpage.engine.sequence import Sequence
+from batchpage.engine.sequence import PendingForks, Sequence
 from batchpage.engine.sequence_factory import SequenceFactory
 from batchpage.engine.stop_checker import StopDecision
 from batchpage.metrics import RunStats
@@ -143,8 +144,11 @@ class StepCommit:
             child = self.factory.make(parent.request, index)
             scheduler.kv.fork(parent, child)
             scheduler.add_forked(child)
-            parent.pending_forks.remove(index)
-            if not parent.pending_forks:
+            pending = parent.feature(PendingForks)
+            assert pending is not None, "a fork from a sequence with none pending"
+            pending.indices.remove(index)
+            if not pending.indices:
+                parent.detach(PendingForks)
                 batch.forking[parent_row] = False
             new_rows.append(child.row)
         k = tokens.shape[1]
@@ -180,14 +184,14 @@ class StepCommit:
         return finished
 
     def _prompt_results(self, result: StepResult, stats: RunStats) -> list[Sequence]:
-        """Prompt logprobs land on their sequences; pooling sequences get their outputs and
-        finish."""
+        """Prompt logprobs land in their sequences' results; pooling sequences get their outputs
+        and finish."""
         for seq, scored in result.prompt_logprobs:
-            assert seq.prompt_logprobs is not None
-            seq.prompt_logprobs += scored
+            assert seq.result.prompt_logprobs is not None
+            seq.result.prompt_logprobs += scored
         for seq, pooled in result.pooled:
-            seq.pooled = pooled
-            seq.finish_reason = "stop"
+            seq.result.pooled = pooled
+            seq.result.finish_reason = "stop"
             stats.cached_prompt_tokens += seq.num_cached_tokens
             self.scheduler.finish(seq)
         return [seq for seq, _ in result.pooled]
@@ -258,9 +262,10 @@ class StepCommit:
             stats.record_first_token()
             stats.cached_prompt_tokens += seq.num_cached_tokens
         if logprobs is not None:
-            if seq.logprobs is None:
-                seq.logprobs = []
-            seq.logprobs.append(logprobs)
+            out = seq.result
+            if out.logprobs is None:
+                out.logprobs = []
+            out.logprobs.append(logprobs)
         thinking, stop = seq.feature(ThinkingTracker), seq.stop
         if thinking is not None and thinking.append(token) and not stop.text_open:
             stop.open_text(tokens[-5:-1])  # the answer begins with this token
@@ -287,6 +292,7 @@ def _stops(seq: Sequence, constraint: Constraint | None, decision: StopDecision 
             decision, text = StopDecision("stop", hit.stop), text[: hit.end]
     if decision is None:
         return False
-    seq.finish_reason, seq.stop_reason = decision.finish_reason, decision.stop_reason
-    seq.text = seq.stop.text if text is None else text
+    out = seq.result
+    out.finish_reason, out.stop_reason = decision.finish_reason, decision.stop_reason
+    out.text = seq.stop.text if text is None else text
     return True

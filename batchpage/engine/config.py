@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from batchpage.cache.radix_cache import EVICTION_POLICIES
+from batchpage.data.images import DEFAULT_MAX_PIXELS, ImageLimits
 from batchpage.engine.pooled_states import POOLING_TYPES, TASKS
 from batchpage.engine.reasoning import REASONING_PARSERS
 from batchpage.ops.select import LINEAR_BACKENDS
@@ -102,6 +103,15 @@ class EngineConfig:
     # verified in the one forward, so greedy and seeded rows take the tokens they take without.
     # Typed Any: Hydra cannot set a mapping on an empty typed one (as storage.s3).
     speculative_config: Any = None
+    # A vision-language model's encoder rows kept by image content between steps (engine/
+    # encoder_cache.py), in GiB: an image used again (more questions about it, more samples,
+    # a recomputed prompt) is encoded once while its rows fit.
+    encoder_cache_gb: float = 1.0
+    # Images the API is given as paths, URLs or bytes (batchpage/prompt_images.py): at most
+    # this many pixels each (checked before decoding), and http(s) URLs fetched only when
+    # allowed (vLLM fetches them; an offline job should not reach the network unasked).
+    max_image_pixels: int = DEFAULT_MAX_PIXELS
+    allow_image_http: bool = False
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -138,6 +148,9 @@ class EngineConfig:
                 "not attention_backend='torch': use attention_backend='auto'"
             )
         at_least("block_size", 1)
+        at_least("max_image_pixels", 1)
+        if not self.encoder_cache_gb >= 0:
+            raise ValueError(f"encoder_cache_gb must be >= 0; got {self.encoder_cache_gb!r}")
         at_least("max_num_seqs", 1)
         at_least("max_model_len", 1)
         at_least("max_num_batched_tokens", 1)
@@ -208,6 +221,10 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def image_limits(self) -> ImageLimits:
+        """What an image given to the API may be (batchpage/data/images.py)."""
+        return ImageLimits(max_pixels=self.max_image_pixels, allow_http=self.allow_image_http)
 
     def batched_tokens(self, device: torch.device) -> int:
         """The step's token budget. Every running decode waits for the whole step, prompt chunks

@@ -24,6 +24,7 @@ from batchpage.engine.commit import Forks, StepCommit, StepResult
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.constraint import Constraint, GrammarMasks
 from batchpage.engine.drafts import DraftStage
+from batchpage.engine.encoder_cache import EncoderCache
 from batchpage.engine.grammar_cache import GrammarCache
 from batchpage.engine.kv_manager import KVCacheManager
 from batchpage.engine.model_runner import Peers, build_model_runner
@@ -45,7 +46,7 @@ from batchpage.engine.sampler import (
     sample_greedy,
 )
 from batchpage.engine.scheduler import build_scheduler
-from batchpage.engine.sequence import Request, Sequence
+from batchpage.engine.sequence import PendingForks, Request, Sequence
 from batchpage.engine.sequence_factory import SequenceFactory, sequence_seed
 from batchpage.engine.step_inputs import StepBuilder, StepInputs
 from batchpage.host_memory import keep_freed_memory
@@ -120,6 +121,12 @@ class Engine:
         self.commit = StepCommit(self.scheduler, self.factory)
         spec = cfg.speculative()
         self.drafts = None if spec is None else DraftStage(spec, self.batch, plan.max_model_len)
+        # A vision-language model's encoder rows by image content (engine/encoder_cache.py).
+        encode = getattr(model, "encode_images", None)
+        self.encoder = None
+        if encode is not None:
+            budget = int(cfg.encoder_cache_gb * 2**30)
+            self.encoder = EncoderCache(encode, budget, plan.device)
         self.stats = self._new_stats()
         # Tests set this to check every invariant after every step.
         self.check_integrity_each_step = False
@@ -192,7 +199,11 @@ class Engine:
         t1 = clock()
         inputs = self.step_builder.build(out.rows, out.num_new)
         t2 = clock()
-        logits, prompt_logits, pooled = self.runner.execute(inputs, out)
+        embeds = None
+        if inputs.images:
+            assert self.encoder is not None, "image positions on a model without a vision tower"
+            embeds = self.encoder.embeds(inputs.images, stats)
+        logits, prompt_logits, pooled = self.runner.execute(inputs, out, embeds)
         t3 = clock()
         parts["schedule"] += t1 - t0
         parts["inputs"] += t2 - t1
@@ -372,7 +383,9 @@ class Engine:
         parents: list[int] = []
         indices: list[int] = []
         for i in np.flatnonzero(batch.forking[rows]).tolist():
-            for index in batch.seq_at(int(rows[i])).pending_forks:
+            forks = batch.seq_at(int(rows[i])).feature(PendingForks)
+            assert forks is not None, "a forking row's sequence has forks pending"
+            for index in forks.indices:
                 parents.append(i)
                 indices.append(index)
         return np.array(parents, dtype=np.int64), indices

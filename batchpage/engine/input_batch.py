@@ -24,7 +24,7 @@ from batchpage.engine.admission import OutputLimits
 from batchpage.engine.constraint import Constraint
 from batchpage.engine.reasoning import ThinkingTracker
 from batchpage.engine.sampler import RowParams
-from batchpage.engine.sequence import Sequence
+from batchpage.engine.sequence import PendingForks, Sequence
 
 
 class InputBatch:
@@ -68,6 +68,9 @@ class InputBatch:
         self.forking = np.zeros(capacity, dtype=bool)
         # A beam of a beam search: its logits go to the search (beam_steps.py), not the sampler.
         self.beam = np.zeros(capacity, dtype=bool)
+        # Its prompt has images: the step builder gives the forward their encoder rows for the
+        # image positions a step computes (Request.images).
+        self.has_images = np.zeros(capacity, dtype=bool)
         # The row's sampling settings (sampler.RowParams), and whether a grammar constrains it.
         empty = RowParams.of([])
         self.sampling = RowParams(*(np.zeros(capacity, dtype=c.dtype) for c in empty))
@@ -126,8 +129,9 @@ class InputBatch:
         self.last_token[row] = tokens[-1]
         self.reads_rows[row] = seq.reads_every_prompt_row
         self.plain_greedy[row] = seq.plain_greedy
-        self.forking[row] = bool(seq.pending_forks)
+        self.forking[row] = seq.feature(PendingForks) is not None
         self.beam[row] = seq.params.use_beam_search
+        self.has_images[row] = bool(seq.request.images)
         for column, value in zip(self.sampling, RowParams.of([seq.params]), strict=True):
             column[row] = value[0]
         self.constrained[row] = seq.feature(Constraint) is not None
@@ -226,7 +230,7 @@ class InputBatch:
         self.block_tables[row, : self.table_len[row]] = 0
         self.table_len[row] = 0
         self.computed[row] = self.num_tokens[row] = self.synced[row] = 0
-        self.speculates[row] = False
+        self.speculates[row] = self.has_images[row] = False
         self.num_drafts[row] = 0
         self.draft_hits[row] = self.draft_tries[row] = 0.0
         self.lora_rows -= int(self.lora_slot[row] >= 0)
@@ -261,6 +265,7 @@ class InputBatch:
             if seq is None:
                 assert n == 0 and self.lora_slot[row] == -1
                 assert not self.speculates[row] and not self.num_drafts[row], f"row {row}: drafts"
+                assert not self.has_images[row], f"row {row}: images"
                 assert self.computed[row] == self.num_tokens[row] == 0, f"row {row}: not zero"
                 continue
             assert seq.batch is self and seq.row == row, f"row {row}: not its sequence's"
@@ -271,8 +276,10 @@ class InputBatch:
             assert self.computed[row] <= self.num_tokens[row], f"row {row}: computed"
             assert self.reads_rows[row] == seq.reads_every_prompt_row
             assert self.plain_greedy[row] == seq.plain_greedy
-            assert self.forking[row] == bool(seq.pending_forks), f"row {row}: forking"
+            forking = seq.feature(PendingForks) is not None
+            assert self.forking[row] == forking, f"row {row}: forking"
             assert self.beam[row] == seq.params.use_beam_search, f"row {row}: beam"
+            assert self.has_images[row] == bool(seq.request.images), f"row {row}: images"
             own = RowParams.of([seq.params])
             assert all(c[row] == v[0] for c, v in zip(self.sampling, own, strict=True))
             assert self.constrained[row] == (seq.feature(Constraint) is not None)

@@ -17,11 +17,15 @@ Contracts:
 - K/V computed under a LoRA adapter is only ever served to rows of that adapter: the tree's key
   of an adapter's token t is t + (lora_int_id << 32) (`tree_key`), so keys of different
   adapters (and the base model's, 0) never match, while one adapter's rows share as usual.
+- K/V over an image's placeholder positions is served only to prompts with the same picture
+  there: those positions' key is the image's content key (PromptImage.key), not the token.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+import numpy as np
 
 from batchpage.cache.block_pool import BlockPool, OutOfBlocks
 from batchpage.cache.radix_cache import EvictionPolicy, RadixCache, RadixNode
@@ -38,10 +42,19 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 def tree_key(seq: Sequence, n: int) -> list[int]:
-    """The prefix cache's key of seq's first n tokens: the tokens, offset by the adapter's id
-    for a LoRA request (vocabularies are far below 2**32)."""
+    """The prefix cache's key of seq's first n tokens: the tokens, an image's positions holding
+    its content key in place of their placeholder token (equal placeholders over different
+    pictures never share K/V), all offset by the adapter's id for a LoRA request (vocabularies
+    are far below 2**32, image keys above 2**62)."""
     tokens = seq.token_ids[:n]
-    lora = seq.request.lora
+    request = seq.request
+    if request.images:
+        key = np.asarray(tokens, dtype=object)
+        for image in request.images:
+            at = np.asarray(image.positions, dtype=np.int64)
+            key[at[at < n]] = image.key
+        tokens = key.tolist()
+    lora = request.lora
     if lora is None:
         return tokens
     offset = lora.lora_int_id << 32

@@ -27,7 +27,7 @@ from batchpage.engine.step_inputs import StepInputs
 from batchpage.lora.adapter import LoRAAdapter
 from batchpage.lora.model import LoRAModel
 from batchpage.lora.registry import AdapterRegistry
-from batchpage.model.causal_lm import BindReport, CausalLM
+from batchpage.model.causal_lm import BindReport, CausalLM, ImageEmbeds
 from batchpage.model.quant_layout import linears
 from batchpage.ops.collective import Collective
 from batchpage.ops.select import select_model_ops
@@ -124,10 +124,15 @@ class ForwardStep(NamedTuple):
     pool_rows: torch.Tensor | None  # int64 [R]; None: no row is pooled
     lora_loads: list[tuple[int, LoRAAdapter]]  # adapters into their slots, before the forward
     token_lora: torch.Tensor | None  # int64 [T]: each token's slot (-1 base); None: no adapter
+    embeds: ImageEmbeds | None  # rows that replace token embeddings (images); None: none
 
     @classmethod
     def of(
-        cls, inputs: StepInputs, decision: SchedulerOutput, adapters: AdapterRegistry | None
+        cls,
+        inputs: StepInputs,
+        decision: SchedulerOutput,
+        adapters: AdapterRegistry | None,
+        embeds: ImageEmbeds | None = None,
     ) -> ForwardStep:
         loads = []
         if decision.lora_loads:
@@ -145,6 +150,7 @@ class ForwardStep(NamedTuple):
             inputs.pool_rows if inputs.pool_owners else None,
             loads,
             inputs.token_lora,
+            embeds,
         )
 
 
@@ -192,9 +198,12 @@ class ModelRunner:
         self.lora = lora
         self.adapters = None if lora is None else AdapterRegistry(lora.targets, lora.max_rank)
 
-    def execute(self, inputs: StepInputs, decision: SchedulerOutput) -> StepOutput:
-        """The step's logits (or a pooling model's hidden states): see StepOutput."""
-        step = ForwardStep.of(inputs, decision, self.adapters)
+    def execute(
+        self, inputs: StepInputs, decision: SchedulerOutput, embeds: ImageEmbeds | None = None
+    ) -> StepOutput:
+        """The step's logits (or a pooling model's hidden states): see StepOutput. `embeds`:
+        the encoder rows of the image positions the step computes (engine/encoder_cache.py)."""
+        step = ForwardStep.of(inputs, decision, self.adapters, embeds)
         if self.peers is None:
             return self.run(step)
         try:
@@ -225,11 +234,12 @@ class ModelRunner:
             and meta.num_seqs <= graphs.max_size
             and step.logits_indices.numel() == meta.num_seqs
             and step.prompt_rows is None
+            and step.embeds is None
         ):
             return StepOutput(graphs.run(step.input_ids, step.positions, meta))
         # What every layer's attention does depends only on the step's metadata: planned once.
         attention = self.attention.plan(meta)
-        hidden = self.model(step.input_ids, step.positions, meta, self.kv, attention)
+        hidden = self.model(step.input_ids, step.positions, meta, self.kv, attention, step.embeds)
         # index_select rather than advanced indexing: a plain row gather costs far less per step.
         # A step of decodes alone samples every row, in order: no gather at all.
         rows = step.logits_indices

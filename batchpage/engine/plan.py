@@ -99,6 +99,11 @@ def check_tensor_parallel(cfg: EngineConfig, source: ModelSource, dtype: torch.d
     if world == 1:
         return
     problems = []
+    if source.config.vision is not None:
+        problems.append(
+            "a vision-language model runs on one device for now: use tensor_parallel_size=1 "
+            "(and replicas, executor=ray, for more devices)"
+        )
     # Only where every weight must stay quantized: else a share that is not whole groups loads
     # dense (model/quant_layout.py rank_holds).
     quant = source.config.quant

@@ -208,7 +208,7 @@ def reasoning_text(seq: EngineSequence) -> str | None:
     ids = thinking.reasoning_ids(seq.output_token_ids)
     if ids is None:
         return None
-    if thinking.reasoning_end is None and seq.finish_reason == "stop" and ids:
+    if thinking.reasoning_end is None and seq.result.finish_reason == "stop" and ids:
         ids = ids[:-1]  # the EOS or stop token that ended it while thinking
     start = seq.num_prompt_tokens + thinking.reasoning_start
     return seq.stop.decode_span(seq.token_ids[max(0, start - 4) : start], ids)

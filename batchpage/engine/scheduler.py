@@ -32,6 +32,7 @@ blocks. Its decision each step is a SchedulerOutput (schedule_output.py).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from enum import Enum
 from itertools import groupby
 
@@ -49,7 +50,7 @@ from batchpage.engine.kv_manager import (
     blocks_for,
 )
 from batchpage.engine.schedule_output import Picks, SchedulerOutput, Swap
-from batchpage.engine.sequence import SeqStatus, Sequence
+from batchpage.engine.sequence import PendingForks, SeqStatus, Sequence
 
 
 class Admit(Enum):
@@ -58,6 +59,14 @@ class Admit(Enum):
     ADMITTED = "admitted"
     WAITS = "waits"  # it shares an uncomputed block with one admitted this step
     NO_ROOM = "no room"  # the budget or the pool: nothing behind it goes either
+
+
+@dataclass(frozen=True)
+class SwappedOut:
+    """Attached to a sequence preempted by a swap-out (preemption_mode "swap") until it is
+    readmitted: the K/V of its first `tokens` tokens waits in host memory."""
+
+    tokens: int
 
 
 class Scheduler:
@@ -126,7 +135,6 @@ class Scheduler:
     def _start(self, seq: Sequence, at: int) -> None:
         """seq runs from now on, at position `at` of the running set, in a row of the batch."""
         seq.status = SeqStatus.RUNNING
-        seq.admitted_once = True
         row = self.batch.join(seq)
         self.running.insert(at, seq)
         self._rows.insert(at, row)
@@ -166,8 +174,9 @@ class Scheduler:
                 break
             if not self.adapters.can_take(seq.request.lora):
                 break
-            if seq.swapped_tokens:
-                chunk = self._swap_in(seq, budget, out)
+            swapped = seq.feature(SwappedOut)
+            if swapped is not None:
+                chunk = self._swap_in(seq, swapped.tokens, budget, out)
                 if chunk is None:
                     break
             else:
@@ -329,7 +338,7 @@ class Scheduler:
         rows = np.array(self._rows, dtype=np.int64)
         copies = np.ones(len(rows), dtype=np.int64)
         for i in np.flatnonzero(batch.forking[rows]).tolist():
-            copies[i] += len(self.running[i].pending_forks)
+            copies[i] = _copies(self.running[i])
         now = batch.num_tokens[rows]
         limits = batch.limits.take(rows)
         to_come = self.growth.expected_tokens(now, limits, self.max_model_len)
@@ -374,21 +383,23 @@ class Scheduler:
             self.kv.free(seq, cache=False)  # give the lent prefix back; it stays queued
             seq.num_computed_tokens = 0
             return verdict, 0
-        if not seq.admitted_once:
+        if seq.status is SeqStatus.WAITING:  # its first admission (not a preempted one's)
             seq.num_cached_tokens = cached
         out.copies += self.kv.allocate(seq, chunk)
         return verdict, chunk
 
-    def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
-        """Readmit a swapped-out sequence: fresh blocks for its saved K/V, then its next token.
-        Returns the tokens it computes this step; None: the pool has no room for it."""
-        n = min(seq.num_tokens - seq.swapped_tokens, budget)
-        if blocks_for(seq.swapped_tokens + n, self.kv.block_size) > self.kv.num_free_blocks:
+    def _swap_in(self, seq: Sequence, saved: int, budget: int, out: SchedulerOutput) -> int | None:
+        """Readmit a swapped-out sequence: fresh blocks for its `saved` tokens' K/V, then its
+        next token. Returns the tokens it computes this step; None: the pool has no room for
+        it."""
+        n = min(seq.num_tokens - saved, budget)
+        if blocks_for(saved + n, self.kv.block_size) > self.kv.num_free_blocks:
             return None
         seq.num_computed_tokens = 0
-        self.kv.allocate(seq, seq.swapped_tokens)
+        self.kv.allocate(seq, saved)
         out.swap_in.append(Swap(seq.seq_id, list(seq.block_table)))
-        seq.num_computed_tokens, seq.swapped_tokens = seq.swapped_tokens, 0
+        seq.num_computed_tokens = saved
+        seq.detach(SwappedOut)
         out.copies += self.kv.allocate(seq, n)
         return n
 
@@ -415,10 +426,10 @@ class Scheduler:
 
     def _preempt(self, out: SchedulerOutput) -> Sequence:
         """Preempt the most recently admitted running sequence; returns it."""
-        seq = self._stop(len(self.running) - 1, SeqStatus.WAITING)
+        seq = self._stop(len(self.running) - 1, SeqStatus.PREEMPTED)
         if self.preemption_mode == "swap" and seq.num_computed_tokens:
             out.swap_out.append(Swap(seq.seq_id, list(seq.block_table)))
-            seq.swapped_tokens = seq.num_computed_tokens
+            seq.attach(SwappedOut(seq.num_computed_tokens))
             self.num_swaps += 1
         self.kv.free(seq)
         seq.num_computed_tokens = 0
@@ -464,7 +475,10 @@ class Scheduler:
         assert not any(s.params.use_beam_search for s in self.running[beams:])
         groups = [s.request for s in self.running[:beams]]
         assert len(set(groups)) == len([r for r, _ in groupby(groups)]), "a group split"
-        assert all(s.status is SeqStatus.WAITING and not s.block_table for s in self.waiting)
+        queued = (SeqStatus.WAITING, SeqStatus.PREEMPTED)
+        assert all(s.status in queued and not s.block_table for s in self.waiting)
+        swapped = [s for s in (*self.waiting, *self.running) if s.feature(SwappedOut) is not None]
+        assert all(s.status is SeqStatus.PREEMPTED for s in swapped), "swapped out, not preempted"
         assert all(s.batch is None for s in self.waiting)
         assert self._rows == [s.row for s in self.running], "rows out of order"
         assert len(self.batch) == len(self.running)
@@ -483,7 +497,8 @@ def _copies(seq: Sequence) -> int:
     the samples forked from it."""
     if seq.params.use_beam_search:
         return seq.params.effective_beam_width
-    return 1 + len(seq.pending_forks)
+    forks = seq.feature(PendingForks)
+    return 1 if forks is None else 1 + len(forks.indices)
 
 
 def build_scheduler(

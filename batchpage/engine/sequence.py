@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from batchpage.engine.sampler import TopLogprobs
     from batchpage.engine.stop_checker import StopChecker
     from batchpage.lora.request import LoRARequest
+    from batchpage.model.image_prompt import PromptImage
 
 
 @dataclass(eq=False)
@@ -37,6 +38,9 @@ class Request:
     pooling: PoolingType | None = None
     # The LoRA adapter it runs with; None: the base model.
     lora: LoRARequest | None = None
+    # Its images, in prompt order: each one's encoder rows replace the token embeddings at its
+    # positions, and its content key replaces those tokens in the prefix cache's key.
+    images: tuple[PromptImage, ...] = ()
 
 
 T = TypeVar("T")
@@ -55,9 +59,38 @@ class RowHome(Protocol):
 
 
 class SeqStatus(enum.Enum):
-    WAITING = "waiting"
+    WAITING = "waiting"  # queued, never run: its first admission is still to come
     RUNNING = "running"
+    PREEMPTED = "preempted"  # queued again after it ran (its blocks given back or swapped out)
     FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class SeqResult:
+    """What a sequence produced, for the API and the job to read (llm.py's _request_output,
+    llm_pooling.py): filled by the step's commit (engine/commit.py) as the sequence runs, or at
+    once by a beam search for its results (beam_steps.py). `finish_reason` is None while it
+    runs."""
+
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+    text: str = ""  # its output's text (the answer, after any thinking)
+    logprobs: list[TopLogprobs] | None = None  # one per output token, with params.logprobs
+    # With params.prompt_logprobs: None for the first prompt token, then one per token scored so
+    # far (a preempted sequence's recompute scores none twice).
+    prompt_logprobs: list[TopLogprobs | None] | None = None
+    cumulative_logprob: float | None = None  # a beam-search result's tokens' logprobs summed
+    # A pooling request's output: the model's head on the pooled vector (pooled_states.py).
+    pooled: torch.Tensor | None = None
+
+
+@dataclass(eq=False, slots=True)
+class PendingForks:
+    """Attached to the one sequence that prefills an n > 1 request's prompt for all of its
+    samples (SequenceFactory.for_request): the sample indices still to fork from it once its
+    prompt is computed. The commit detaches it when the last one is forked."""
+
+    indices: list[int]
 
 
 class Sequence:
@@ -68,17 +101,17 @@ class Sequence:
     token is appended with `append_token` (the engine appends a whole step's with
     InputBatch.append_tokens), never to the list itself.
 
-    It holds scheduling state and its results (text, finish reason, logprobs, pooled output).
-    A feature's own state is attached by the feature (`attach`, `feature`: structured outputs'
-    Constraint, reasoning's ThinkingTracker, pooling's PoolSum), never a field here; the batch's
-    row flags tell a step which rows need it."""
+    It holds its identity (request, sample index, seed), its tokens (the request's prompt, then
+    its own), its scheduling state (computed count, blocks, status, row) and its stop checker;
+    what it produced is its `result` (SeqResult). A feature's own state is attached by the
+    feature (`attach`, `feature`: structured outputs' Constraint, reasoning's ThinkingTracker,
+    pooling's PoolSum, the samples still to fork (PendingForks), a swapped-out preemption's
+    K/V (scheduler.SwappedOut)), never a field here; the batch's row flags tell a step which
+    rows need it."""
 
     __slots__ = (
-        "seq_id", "request", "sample_index", "_tokens", "seed", "stop",
-        "num_prompt_tokens", "_computed", "num_cached_tokens", "block_table", "status",
-        "admitted_once", "finish_reason", "stop_reason", "text", "logprobs", "prompt_logprobs",
-        "cumulative_logprob", "swapped_tokens", "pending_forks", "pooled", "batch", "row",
-        "_features",
+        "seq_id", "request", "sample_index", "_tokens", "seed", "stop", "_computed",
+        "num_cached_tokens", "block_table", "status", "result", "batch", "row", "_features",
     )  # fmt: skip
 
     def __init__(
@@ -90,32 +123,19 @@ class Sequence:
         seed: int,
         stop: StopChecker,
     ) -> None:
+        """`token_ids`: its own copy of the request's prompt."""
+        assert len(token_ids) == len(request.prompt_token_ids), "a sequence starts at its prompt"
         self.seq_id = seq_id
         self.request = request
         self.sample_index = sample_index
         self._tokens = token_ids
         self.seed = seed  # its sampled tokens' draws are keyed by it (sampler.draw_keys)
         self.stop = stop
-        self.num_prompt_tokens = len(token_ids)
         self._computed = 0  # while it holds no row; then the row's
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.block_table: list[int] = []
         self.status = SeqStatus.WAITING
-        self.admitted_once = False
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.text = ""
-        self.logprobs: list[TopLogprobs] | None = None
-        # With params.prompt_logprobs: None for the first prompt token, then one per token.
-        self.prompt_logprobs: list[TopLogprobs | None] | None = None
-        # A beam-search result's: its tokens' logprobs summed.
-        self.cumulative_logprob: float | None = None
-        # Tokens whose K/V waits in host memory after a swap-out preemption (0: none).
-        self.swapped_tokens = 0
-        # Sample indices still to fork from this sequence once its prompt is computed (n > 1).
-        self.pending_forks: list[int] = []
-        # A pooling request's output: the model's head on the pooled vector (pooled_states.py).
-        self.pooled: torch.Tensor | None = None
+        self.result = SeqResult()
         self._features: dict[type, object] = {}
         # The input batch and row it holds while it runs (InputBatch.join / leave).
         self.batch: RowHome | None = None
@@ -176,6 +196,12 @@ class Sequence:
     @property
     def params(self) -> SamplingParams:
         return self.request.params
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Its prompt's length: every sequence of a request starts from the request's prompt
+        (forked samples and beams too: SequenceFactory.make)."""
+        return len(self.request.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -7,7 +7,7 @@ from collections.abc import Collection
 
 from batchpage.engine.constraint import Constraint
 from batchpage.engine.reasoning import Phase, ReasoningMarkers, ThinkingTracker, prompt_phase
-from batchpage.engine.sequence import Request, Sequence
+from batchpage.engine.sequence import PendingForks, Request, Sequence
 from batchpage.engine.stop_checker import StopChecker
 from batchpage.model.tokenizer import Tokenizer
 
@@ -86,7 +86,7 @@ class SequenceFactory:
             if state is not None:
                 seq.attach(state)
         if req.params.prompt_logprobs is not None:
-            seq.prompt_logprobs = [None]  # the first prompt token has nothing before it
+            seq.result.prompt_logprobs = [None]  # the first prompt token has nothing before it
         self._next_id += 1
         return seq
 
@@ -95,6 +95,6 @@ class SequenceFactory:
         forked from it when it is done (they share its blocks); otherwise n independent ones."""
         if share_prompt and req.params.n > 1:
             parent = self.make(req, 0)
-            parent.pending_forks = list(range(1, req.params.n))
+            parent.attach(PendingForks(list(range(1, req.params.n))))
             return [parent]
         return [self.make(req, i) for i in range(req.params.n)]

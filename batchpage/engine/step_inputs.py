@@ -12,6 +12,7 @@ CUDA the step's integer inputs travel in one pinned host tensor and a single cop
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -19,6 +20,18 @@ import torch
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.engine.input_batch import InputBatch
 from batchpage.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from batchpage.model.image_prompt import PromptImage
+
+
+class ImageSlice(NamedTuple):
+    """The part of one prompt image a step computes: the image's encoder rows `rows` (indices
+    into its rows, in order) replace the token embeddings of the step's token rows `tokens`."""
+
+    image: PromptImage
+    rows: np.ndarray  # int64 [K]
+    tokens: np.ndarray  # int64 [K]
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,8 @@ class StepInputs:
     sample_entries: np.ndarray  # int64 [N]: where each sample row is in `rows`
     # Each token row's LoRA slot (-1: the base model); None when no row runs an adapter.
     token_lora: torch.Tensor | None = None
+    # The image positions this step computes, per image part (none for a text-only step).
+    images: tuple[ImageSlice, ...] = ()
 
 
 class StepBuilder:
@@ -102,6 +117,9 @@ class StepBuilder:
         else:
             logits_indices = last - 1
         sample_rows = rows[samples]
+        images = ()
+        if batch.has_images[rows].any():
+            images = _image_slices(batch, rows, start, end, query_start)
         reads = np.flatnonzero(batch.reads_rows[rows]).tolist()
         prompt, pool = _rows_read(batch, rows, num_new, reads, query_start.tolist())
         prompt_rows, prompt_targets, prompt_owners = prompt
@@ -146,7 +164,28 @@ class StepBuilder:
             sample_counts=sample_counts,
             sample_entries=sample_entries,
             token_lora=token_lora,
+            images=images,
         )
+
+
+def _image_slices(
+    batch: InputBatch,
+    rows: np.ndarray,
+    start: np.ndarray,
+    end: np.ndarray,
+    query_start: np.ndarray,
+) -> tuple[ImageSlice, ...]:
+    """The image parts of the scheduled rows that compute prompt positions of an image."""
+    slices = []
+    prompt = np.flatnonzero(batch.has_images[rows] & (start < batch.num_prompt[rows]))
+    for i in prompt.tolist():
+        a, b = int(start[i]), int(end[i])
+        for image in batch.seq_at(int(rows[i])).request.images:
+            at = np.asarray(image.positions, dtype=np.int64)
+            inside = np.flatnonzero((at >= a) & (at < b))
+            if len(inside):
+                slices.append(ImageSlice(image, inside, at[inside] - a + query_start[i]))
+    return tuple(slices)
 
 
 _PromptRows = tuple[list[int], list[int], list[tuple[Sequence, int]]]
@@ -174,10 +213,11 @@ def _rows_read(
         start = seq.num_computed_tokens
         end = start + n
         row0 = query_start[i] - start  # the step row of the sequence's position 0
-        if seq.prompt_logprobs is not None:
+        scored = seq.result.prompt_logprobs
+        if scored is not None:
             # Position p's logits score prompt token p + 1; positions already scored (before
             # a recompute) are not scored again.
-            first = max(start, len(seq.prompt_logprobs) - 1)
+            first = max(start, len(scored) - 1)
             last = min(end, seq.num_prompt_tokens - 1)
             if first < last:
                 prompt_rows += range(row0 + first, row0 + last)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -53,6 +53,18 @@ class BindReport:
     linears: int
     extra_bytes: int
     weight_formats: dict[str, int]
+
+
+class ImageEmbeds(NamedTuple):
+    """Inputs that replace token embeddings in a step (a prompt's image positions, whose rows
+    come from the vision tower): `rows[i]` is the input of token row `index[i]`."""
+
+    index: torch.Tensor  # int64 [K]
+    rows: torch.Tensor  # [K, hidden]
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x ([T, hidden], the step's token embeddings) with the rows replaced, in place."""
+        return x.index_copy_(0, self.index, self.rows.to(x.dtype))
 
 
 class CausalLM(nn.Module):
@@ -122,9 +134,12 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         kv: KVCache,
         attn: StepAttention,  # this step's attention, planned by the backend
+        embeds: ImageEmbeds | None = None,  # rows that replace token embeddings (images)
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         cos, sin = self.rotary(positions, meta)
         residual = self.embed_tokens(input_ids)  # the stream, updated in place by every layer
+        if embeds is not None:
+            embeds.apply(residual)
         ws = Workspace(residual.shape[0], residual.dtype, residual.device)
         delta = None
         for layer in self.layers:

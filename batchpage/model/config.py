@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from batchpage.errors import UnsupportedModelError
+from batchpage.model.vision_config import VisionConfig
 
 if TYPE_CHECKING:
     from batchpage.quant.scheme import QuantScheme
@@ -28,6 +29,9 @@ FAMILIES: dict[tuple[Literal["hf", "gguf"], str], str] = {
     ("hf", "gemma2"): "gemma2",
     ("hf", "gemma3_text"): "gemma3",
     ("hf", "gemma3"): "gemma3",  # the multimodal folder: its text model runs, images do not
+    ("hf", "llava"): "llava",  # a CLIP tower + projector before a llama/mistral/qwen2 model
+    ("hf", "idefics3"): "idefics3",  # a SigLIP tower + pixel shuffle before a llama model
+    ("hf", "smolvlm"): "idefics3",  # Idefics3's layout and numbers under another name
     ("gguf", "llama"): "llama",
     ("gguf", "qwen2"): "llama",
     ("gguf", "qwen3"): "qwen3",
@@ -147,6 +151,8 @@ class ModelConfig:
     # The checkpoint's quantization_config (batchpage/quant/scheme.py); None: float weights.
     quant: QuantScheme | None = None
     head: HeadConfig = HeadConfig()
+    # A vision-language checkpoint's image side; None: a text model.
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.rotary_dim:
@@ -206,5 +212,6 @@ __all__ = [
     "MoEConfig",
     "RopeScaling",
     "UnsupportedModelError",
+    "VisionConfig",
     "family_for",
 ]

@@ -8,7 +8,9 @@ import torch
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
 from batchpage.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from batchpage.model.idefics3 import Idefics3ForConditionalGeneration
 from batchpage.model.llama import LlamaForCausalLM
+from batchpage.model.llava import LlavaForConditionalGeneration
 from batchpage.model.mixtral import MixtralForCausalLM
 from batchpage.model.phi3 import Phi3ForCausalLM
 from batchpage.model.qwen3 import Qwen3ForCausalLM
@@ -25,6 +27,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
         MixtralForCausalLM,
         Gemma2ForCausalLM,
         Gemma3ForCausalLM,
+        LlavaForConditionalGeneration,
+        Idefics3ForConditionalGeneration,
     )
 }
 

@@ -20,7 +20,7 @@ from torch import nn
 from batchpage.attention.backend import StepAttention
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.cache.kv_cache import KVCache
-from batchpage.model.causal_lm import CausalLM, ShardKey
+from batchpage.model.causal_lm import CausalLM, ImageEmbeds, ShardKey
 from batchpage.model.config import ModelConfig
 from batchpage.model.gemma_layers import GeGLUMLP, GemmaAttention, GemmaDecoderLayer, GemmaRMSNorm
 from batchpage.model.llama import SPLIT_PROJECTIONS
@@ -80,11 +80,14 @@ class Gemma2ForCausalLM(CausalLM):
         meta: AttentionMetadata,
         kv: KVCache,
         attn: StepAttention,
+        embeds: ImageEmbeds | None = None,  # rows that replace token embeddings (images)
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         x = self.embed_tokens(input_ids)
         ws = Workspace(x.shape[0], x.dtype, x.device)
         # HF rounds the scale to the model dtype before multiplying, so do the same
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        if embeds is not None:  # image rows enter unscaled, as in HF's Gemma 3
+            embeds.apply(x)
         rope = self.rotary(positions, meta)
         local = rope if self.local_rotary is None else self.local_rotary(positions, meta)
         for i, layer in enumerate(self.layers):

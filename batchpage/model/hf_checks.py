@@ -76,6 +76,12 @@ def check_weights(folder: Path, cfg: ModelConfig, shapes: Shapes) -> int:
             f"{folder}: config.json says {cfg.num_layers} layers (num_hidden_layers) but the "
             f"weights hold only {len(shapes)} tensors: use the config.json that came with them"
         )
+    if cfg.vision is not None and cfg.vision.num_layers > len(shapes):  # the same for a tower
+        raise ValueError(
+            f"{folder}: config.json says {cfg.vision.num_layers} vision tower layers "
+            f"(vision_config num_hidden_layers) but the weights hold only {len(shapes)} "
+            "tensors: use the config.json that came with them"
+        )
     try:
         model = build_model(cfg, torch.float32, "meta", 1)
         tensors = _meta_tensors(shapes)

@@ -8,7 +8,7 @@ missing or malformed key, a rope variant or activation that is not implemented.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from batchpage.model.config import (
@@ -20,9 +20,24 @@ from batchpage.model.config import (
 from batchpage.model.gemma_config import gemma_config_from_hf
 from batchpage.model.hf_fields import float_field, id_tuple, int_field, require_keys, rope_fields
 from batchpage.model.hf_head import read_head
+from batchpage.model.idefics3_config import idefics3_text_config, idefics3_vision_config
+from batchpage.model.llava_config import llava_text_config, llava_vision_config
+from batchpage.model.vision_config import VisionConfig
 from batchpage.quant.scheme import read_quant_scheme
 
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+# Vision-language families: (their text_config as the language model's config.json, their
+# image side given the text model's vocabulary size).
+_VISION_READERS: dict[
+    str,
+    tuple[
+        Callable[[Mapping[str, Any]], dict[str, Any]],
+        Callable[[Mapping[str, Any], int], VisionConfig],
+    ],
+] = {
+    "llava": (llava_text_config, llava_vision_config),
+    "idefics3": (idefics3_text_config, idefics3_vision_config),
+}
 _MOE_REQUIRED = {
     "qwen3_moe": ("num_experts_per_tok", "moe_intermediate_size"),
     "mixtral": ("num_experts_per_tok", "num_local_experts", "intermediate_size"),
@@ -38,6 +53,11 @@ def model_config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
     if family in ("gemma2", "gemma3"):
         gemma = gemma_config_from_hf(cfg, family)
         return dataclasses.replace(gemma, quant=quant, head=read_head(cfg))
+    if family in _VISION_READERS:  # the text_config is a Llama's; the image side beside it
+        read_text, read_vision = _VISION_READERS[family]
+        text = model_config_from_hf(read_text(cfg))
+        vision = read_vision(cfg, text.vocab_size)
+        return dataclasses.replace(text, family=family, vision=vision)
     require_keys(cfg, _REQUIRED + _MOE_REQUIRED.get(str(model_type), ()))
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):

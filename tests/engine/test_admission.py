@@ -149,8 +149,7 @@ def sharegpt_like(seed: int, n: int, ignore_eos: bool) -> tuple[list, dict[int, 
         seq = make_seq(i, prompt, params)
         # Distinct prompts: no prefix sharing, so the pool's size alone decides.
         seq.token_ids = [rng.randrange(900) for _ in range(prompt)]
-        seq.request.prompt_token_ids = list(seq.token_ids)
-        seq.num_prompt_tokens = prompt
+        seq.request.prompt_token_ids = list(seq.token_ids)  # its prompt's length: prompt
         seqs.append(seq)
         targets[i] = out
     return seqs, targets

@@ -8,13 +8,14 @@ sequence has its full output and every block is free.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchpage.engine.admission import GrowthEstimate
 from batchpage.engine.kv_manager import KVCacheManager, blocks_for
 from batchpage.engine.schedule_output import SchedulerOutput
-from batchpage.engine.scheduler import Scheduler
+from batchpage.engine.scheduler import Scheduler, SwappedOut
 from batchpage.engine.sequence import SeqStatus, Sequence
 from batchpage.sampling_params import SamplingParams
 from tests.engine.simulate import make_seq, simulate
@@ -98,8 +99,52 @@ def test_small_pool_preempts_the_newest_and_recovers():
             s.seq.num_computed_tokens += s.num_new_tokens
             s.seq.append_token(1)
     assert sched.num_preemptions == 1
-    assert seqs[2].status is SeqStatus.WAITING and seqs[2].num_computed_tokens == 0
+    assert seqs[2].status is SeqStatus.PREEMPTED and seqs[2].num_computed_tokens == 0
     assert list(sched.waiting) == [seqs[2]]
+    sched.check_integrity()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_preempted_sequence_waits_as_preempted_and_keeps_its_first_cached_count(mode) -> None:
+    """Preempted, a sequence is queued as PREEMPTED (never WAITING again: that is a sequence
+    whose first admission is still to come); swapped out, its saved K/V is attached
+    (SwappedOut: the tokens it had computed) until it is readmitted with them computed. Its
+    num_cached_tokens stays what the cache served at its first admission (nothing: its prompt
+    is its own), though its readmission borrows its own published blocks back."""
+    kv = KVCacheManager(num_blocks=7, block_size=4, prefix_caching=True)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, preemption_mode=mode)
+    seqs = [make_seq(i, 7) for i in range(3)]  # 2 blocks each to start, 1 spare
+    for i, seq in enumerate(seqs):  # distinct prompts: nothing cached at first admission
+        seq.token_ids = [100 * (i + 1) + t for t in range(7)]
+        seq.request.prompt_token_ids = list(seq.token_ids)
+        sched.add(seq)
+    victim = seqs[2]
+    computed_before = 0
+    while sched.num_preemptions == 0:
+        computed_before = victim.num_computed_tokens
+        out = sched.schedule()
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            kv.cache_progress(s.seq)
+            s.seq.append_token(1)
+        sched.check_integrity()
+    assert out.preempted == [victim] and victim.num_cached_tokens == 0
+    assert victim.status is SeqStatus.PREEMPTED and list(sched.waiting) == [victim]
+    swapped = victim.feature(SwappedOut)
+    assert (swapped.tokens if swapped is not None else None) == (
+        computed_before if mode == "swap" else None
+    )
+    for seq in seqs[:2]:
+        sched.finish(seq)
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [victim] and victim.status is SeqStatus.RUNNING
+    assert victim.feature(SwappedOut) is None
+    if mode == "swap":
+        assert [w.seq_id for w in out.swap_in] == [victim.seq_id]
+        assert out.scheduled[0].num_new_tokens == victim.num_tokens - computed_before
+    else:  # its own first block, published before it was preempted, is lent back
+        assert out.scheduled[0].num_new_tokens < victim.num_tokens
+    assert victim.num_cached_tokens == 0
     sched.check_integrity()
 
 

@@ -28,7 +28,7 @@ def _seq(seq_id: int, prompt: list[int], params: SamplingParams | None = None) -
     stop = StopChecker(lambda ids: "", params, prompt_len=len(prompt))
     seq = Sequence(seq_id, req, 0, list(prompt), 0, stop=stop)
     if params.prompt_logprobs is not None:
-        seq.prompt_logprobs = [None]
+        seq.result.prompt_logprobs = [None]
     return seq
 
 
@@ -49,8 +49,9 @@ def _expected(
         lens.append(a + n)
         if a + n == len(truth[seq.seq_id]):
             logits.append(starts[-1] - 1)
-        if seq.prompt_logprobs is not None:
-            first = max(a, len(seq.prompt_logprobs) - 1)
+        scored = seq.result.prompt_logprobs
+        if scored is not None:
+            first = max(a, len(scored) - 1)
             prompt_rows += range(row0 + first, row0 + min(a + n, seq.num_prompt_tokens - 1))
     tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in scheduled]
     return {
@@ -142,9 +143,10 @@ def test_steps_equal_inputs_written_afresh(seed: int) -> None:
         # Commit the step as the scheduler and the engine do.
         batch.advance(inputs.rows, inputs.num_new)
         for seq, _ in scheduled:
-            if seq.prompt_logprobs is not None:
+            scored = seq.result.prompt_logprobs
+            if scored is not None:
                 last = min(seq.num_computed_tokens, seq.num_prompt_tokens - 1)
-                seq.prompt_logprobs += [None] * max(0, last - len(seq.prompt_logprobs) + 1)
+                scored += [None] * max(0, last - len(scored) + 1)
             kv.cache_progress(seq)
         tokens = [rng.randrange(50) for _ in sampling]
         for seq, token in zip(sampling, tokens, strict=True):

@@ -55,8 +55,10 @@ def test_content_parts_are_joined_text_and_unknown_roles_refused() -> None:
     ]
     with pytest.raises(ValueError, match=r"messages\[1\] has role 'human'"):
         normalize_messages([{"role": "user", "content": "x"}, {"role": "human", "content": "y"}])
-    with pytest.raises(ValueError, match=r"content\[0\] is not a text part \(type 'image_url'\)"):
+    with pytest.raises(ValueError, match=r"content\[0\] is an image part, and this model takes no"):
         normalize_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    with pytest.raises(ValueError, match=r"is not a text or image part \(type 'audio'\)"):
+        normalize_messages([{"role": "user", "content": [{"type": "audio"}]}])
     for bad in ([], "hi", [{"role": "user"}], [{"content": "x"}]):
         with pytest.raises(ValueError, match="messages"):
             normalize_messages(bad)

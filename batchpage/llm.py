@@ -24,7 +24,12 @@ from batchpage.metrics import RunStats, tokens_per_s
 from batchpage.model.image_prompt import ImagePrompts, PromptImage
 from batchpage.model.loader import load_model, resolve_model_source
 from batchpage.model.tokenizer import check_chat_template_kwargs, resolve_chat_template
-from batchpage.prompt_images import MULTI_MODAL_KEYS, PromptImageReader, multi_modal_sources
+from batchpage.prompt_images import (
+    MULTI_MODAL_KEYS,
+    PromptImageReader,
+    multi_modal_sources,
+    multi_modal_uuids,
+)
 from batchpage.prompt_list import PromptType, as_prompt_list, is_token_id
 from batchpage.request_outputs import (
     BeamSearchOutput,
@@ -252,8 +257,9 @@ class LLM(PoolingMethods):
         """The request of one prompt (text, token ids or a prompt dict) and its `images` (a
         chat's image parts), or one whose `error` says what is wrong with them."""
         images = list(images or ())
+        uuids = None
         if isinstance(prompt, dict):
-            prompt, own, error = _unwrap_prompt(prompt)
+            prompt, own, uuids, error = _unwrap_prompt(prompt)
             if error is not None:
                 return Request(index, None, [], params, error=error)
             images += own
@@ -276,7 +282,7 @@ class LLM(PoolingMethods):
         vocab = self.model_config.vocab_size
         placed: tuple[PromptImage, ...] = ()
         try:
-            ids, placed = self.images.place(ids, images)
+            ids, placed = self.images.place(ids, images, uuids)
         except ValueError as exc:
             return Request(index, text, [], params, error=str(exc))
         if not ids:
@@ -380,10 +386,10 @@ class LLM(PoolingMethods):
         return [make(r, done.get(r.index, [])) for r in requests]
 
 
-def _unwrap_prompt(prompt: dict[str, Any]) -> tuple[Any, list[Any], str | None]:
+def _unwrap_prompt(prompt: dict[str, Any]) -> tuple[Any, list[Any], list | None, str | None]:
     """vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids}, either with
-    "multi_modal_data": {"image": ...}: (the text or ids, the images, None), or (None, [], why
-    the dict is not one)."""
+    "multi_modal_data": {"image": ...} (and "multi_modal_uuids"): (the text or ids, the images,
+    their uuids or None, None), or (None, [], None, why the dict is not one)."""
     keys = set(prompt) - set(MULTI_MODAL_KEYS)
     if keys not in ({"prompt"}, {"prompt_token_ids"}):
         why = (
@@ -391,12 +397,13 @@ def _unwrap_prompt(prompt: dict[str, Any]) -> tuple[Any, list[Any], str | None]:
             f"ids), and may hold {' and '.join(MULTI_MODAL_KEYS)}; got keys "
             f"{sorted(map(str, prompt))}"
         )
-        return None, [], why
+        return None, [], None, why
     try:
         images = multi_modal_sources(prompt)
+        uuids = multi_modal_uuids(prompt, len(images))
     except ValueError as exc:
-        return None, [], str(exc)
-    return prompt[keys.pop()], images, None
+        return None, [], None, str(exc)
+    return prompt[keys.pop()], images, uuids, None
 
 
 def _per_prompt(

@@ -116,6 +116,7 @@ _SUMMED = (
     "accepted_draft_tokens",
     "images_encoded",
     "encoder_cache_hits",
+    "encoder_disk_hits",
 )
 _PEAKS = ("peak_running", "peak_kv_blocks_used")
 # The parts of an engine step, timed apart (RunStats.step_time_s). On a device that runs
@@ -150,9 +151,11 @@ class RunStats:
     # Speculative decoding: drafted tokens run, and those accepted.
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
-    # Images: those the vision tower encoded, and image uses served by its cached rows.
+    # Images: those the vision tower encoded, image uses served by its rows kept in memory, and
+    # images whose rows were read from encoder_cache_dir.
     images_encoded: int = 0
     encoder_cache_hits: int = 0
+    encoder_disk_hits: int = 0
     # Each request's seconds from the run's start to its first token (a list assigned here
     # is taken as it is).
     first_token_s: Samples | list[float] = field(default_factory=Samples)
@@ -287,6 +290,7 @@ class RunStats:
             "accepted_draft_tokens": self.accepted_draft_tokens,
             "images_encoded": self.images_encoded,
             "encoder_cache_hits": self.encoder_cache_hits,
+            "encoder_disk_hits": self.encoder_disk_hits,
             "step_time_s": dict(self.step_time_s),
             "weight_bytes": self.weight_bytes,
             "weight_formats": dict(self.weight_formats),

@@ -21,14 +21,33 @@ MULTI_MODAL_KEYS = ("multi_modal_data", "multi_modal_uuids")
 def multi_modal_sources(prompt: Mapping[str, Any]) -> list[Any]:
     """The images of a prompt dict's `multi_modal_data` ({"image": one | [several]}), as given
     (PIL images, bytes, paths, URLs); ValueError for another modality or shape."""
-    data = prompt.get("multi_modal_data")
+    return _images_of(prompt, "multi_modal_data")
+
+
+def multi_modal_uuids(prompt: Mapping[str, Any], count: int) -> list[str | None] | None:
+    """vLLM's `multi_modal_uuids` ({"image": one | [one per image]}, each a str or None): the
+    caller's names of the prompt's `count` images; None when it gives none. ValueError when
+    they are not one per image or not strings."""
+    uuids = _images_of(prompt, "multi_modal_uuids")
+    if not uuids:
+        return None
+    if len(uuids) != count or not all(u is None or isinstance(u, str) for u in uuids):
+        raise ValueError(
+            f'multi_modal_uuids must give {{"image": [...]}} one str (or None) per image: '
+            f"{count} images, got {uuids!r:.80}"
+        )
+    return uuids
+
+
+def _images_of(prompt: Mapping[str, Any], key: str) -> list[Any]:
+    data = prompt.get(key)
     if data is None:
         return []
     if not isinstance(data, Mapping):
-        raise ValueError(f'multi_modal_data must be {{"image": ...}}, got {type(data).__name__}')
+        raise ValueError(f'{key} must be {{"image": ...}}, got {type(data).__name__}')
     other = sorted(set(map(str, data)) - {"image"})
     if other:
-        raise ValueError(f"multi_modal_data holds {other}: batchpage takes images only")
+        raise ValueError(f"{key} holds {other}: batchpage takes images only")
     images = data.get("image")
     if images is None:
         return []
@@ -44,10 +63,11 @@ class PromptImageReader:
     limits: ImageLimits
 
     def place(
-        self, token_ids: list[int], sources: list[Any]
+        self, token_ids: list[int], sources: list[Any], uuids: list[str | None] | None = None
     ) -> tuple[list[int], tuple[PromptImage, ...]]:
-        """token_ids with each image's placeholder expanded, and the images; ValueError (the
-        prompt's error) for a bad image or a mismatch."""
+        """token_ids with each image's placeholder expanded, and the images (named by `uuids`
+        where given: multi_modal_uuids); ValueError (the prompt's error) for a bad image or a
+        mismatch."""
         if not sources:
             return token_ids, ()
         if self.prompts is None:
@@ -60,4 +80,4 @@ class PromptImageReader:
                 images.append(load_image(source, self.limits))
             except ValueError as exc:
                 raise ValueError(f"image {i}: {exc}") from None
-        return self.prompts.place(token_ids, images)
+        return self.prompts.place(token_ids, images, uuids)

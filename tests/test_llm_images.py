@@ -166,3 +166,59 @@ def test_tensor_parallel_vision_is_refused_before_loading(llava) -> None:
     folder, _, _ = llava
     with pytest.raises(ValueError, match="vision-language model runs on one device"):
         LLM(str(folder), tensor_parallel_size=2, kv_cache_memory=2**24)
+
+
+def test_rows_on_disk_spare_the_tower_across_runs(llava, tmp_path) -> None:
+    """A second engine with the same encoder_cache_dir (a rerun, a resumed job) encodes no
+    picture the first did, and gives the same tokens; another tower never reads those rows;
+    a damaged file is encoded again."""
+    folder, hf, image_token = llava
+    cache = tmp_path / "encoder"
+    images = sample_images()[:2]
+    prompts = [{"prompt": "<image> what", "multi_modal_data": {"image": im}} for im in images]
+    first = make_llm(folder, encoder_cache_dir=str(cache))
+    outs = first.generate(prompts, params(), use_tqdm=False)
+    assert first.stats["images_encoded"] == 2 and first.stats["encoder_disk_hits"] == 0
+    files = sorted(cache.rglob("*.safetensors"))
+    assert len(files) == 2
+    again = make_llm(folder, encoder_cache_dir=str(cache))
+    outs2 = again.generate(prompts, params(), use_tqdm=False)
+    assert again.stats["images_encoded"] == 0 and again.stats["encoder_disk_hits"] == 2
+    assert [o.outputs[0].token_ids for o in outs2] == [o.outputs[0].token_ids for o in outs]
+    ids = expanded(again, "<image> what", image_token)
+    assert outs2[1].outputs[0].token_ids == hf_llava_greedy(hf, ids, images[1:], MAX_NEW)
+    other_folder, _, _ = llava_folder(tmp_path / "other", seed=1)
+    other = make_llm(other_folder, encoder_cache_dir=str(cache))
+    other.generate(prompts, params(), use_tqdm=False)
+    assert other.stats["images_encoded"] == 2 and other.stats["encoder_disk_hits"] == 0
+    files[0].write_bytes(b"not safetensors")
+    third = make_llm(folder, encoder_cache_dir=str(cache))
+    outs3 = third.generate(prompts, params(), use_tqdm=False)
+    assert third.stats["images_encoded"] == 1 and third.stats["encoder_disk_hits"] == 1
+    assert [o.outputs[0].token_ids for o in outs3] == [o.outputs[0].token_ids for o in outs]
+
+
+def test_multi_modal_uuids_name_the_pictures(llava) -> None:
+    """vLLM's multi_modal_uuids: a uuid stands for its picture in the cache (its pixels are not
+    hashed), so the same uuid shares K/V and encoder rows; other uuids for the same picture do
+    not; a wrong count is the prompt's error."""
+    folder, hf, image_token = llava
+    llm = make_llm(folder)
+    photo = sample_images()[0]
+
+    def prompt(uuid):
+        return {"prompt": "<image> a", "multi_modal_data": {"image": photo},
+                "multi_modal_uuids": {"image": [uuid]}}  # fmt: skip
+
+    first = llm.generate(prompt("photo-1"), params())
+    ids = expanded(llm, "<image> a", image_token)
+    assert first[0].outputs[0].token_ids == hf_llava_greedy(hf, ids, [photo], MAX_NEW)
+    again = llm.generate(prompt("photo-1"), params())
+    assert llm.stats["cached_prompt_tokens"] >= llm.config.block_size
+    assert llm.stats["images_encoded"] == 0 and llm.stats["encoder_cache_hits"] == 1
+    other = llm.generate(prompt("photo-2"), params())
+    assert llm.stats["images_encoded"] == 1
+    assert again[0].outputs[0].token_ids == other[0].outputs[0].token_ids
+    bad = {"prompt": "<image> a", "multi_modal_data": {"image": photo},
+           "multi_modal_uuids": {"image": ["x", "y"]}}  # fmt: skip
+    assert "one str (or None) per image" in llm.generate(bad, params())[0].error

@@ -1,9 +1,9 @@
 """One line of an OpenAI Batch input file -> one checked `Row`.
 
 A line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" |
-"/v1/embeddings", "body": {...}}``. The body's prompt (``messages`` for chat, ``prompt`` for
-completions, ``input`` for embeddings) and its sampling fields become the row's prompt and
-per-row overrides; ``model`` and the bookkeeping
+"/v1/embeddings", "body": {...}}``. The body's prompt (``messages`` for chat, whose image_url
+parts are the row's images, ``prompt`` for completions, ``input`` for embeddings) and its
+sampling fields become the row's prompt and per-row overrides; ``model`` and the bookkeeping
 fields OpenAI accepts are ignored (the job's model runs). Anything else in the body, an unknown
 url, a missing prompt or a value of the wrong kind is that line's error: it gets its line in
 batch_errors.jsonl and the other requests run.
@@ -87,6 +87,7 @@ def make_batch_row(
             raise ValueError(size_problem)
     except ValueError as e:
         row.error = str(e)
+        row.images = None  # nothing of a failed line is read
     return row
 
 
@@ -117,7 +118,9 @@ def _read_body(row: Row, body: dict[str, Any], url: str) -> None:
     if chat:
         if "messages" not in body:
             raise ValueError(f"a {CHAT_URL} body needs messages")
-        row.messages = normalize_messages(body["messages"])
+        images: list[Any] = []  # its image parts' sources, in order
+        row.messages = normalize_messages(body["messages"], images)
+        row.images = images or None
     else:
         row.prompt = _prompt(body.get("prompt"))
     overrides = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}

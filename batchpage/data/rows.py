@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from batchpage.chat_messages import normalize_messages
+from batchpage.data.image_sources import column_images
 from batchpage.data.readers import DEFAULT_MAX_PROMPT_BYTES
 from batchpage.data.text_checks import escaped, size_error, text_error, utf8_size
 from batchpage.sampling_params import StructuredOutputsParams
@@ -75,7 +76,9 @@ class Row:
     # unreadable line of an input with an id column.
     id: str | None
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None  # system_prompt already prepended
+    # system_prompt already prepended; a turn with images has a list of text and
+    # {"type": "image"} parts as its content (chat_messages.normalize_messages)
+    messages: list[dict[str, Any]] | None = None
     system_prompt: str | None = None  # set for plain prompts only (chats carry it inside)
     response: str | None = None  # dataset.response_column's reply to score after the prompt
     # An /v1/embeddings line's inputs when they are not one text: several texts, or token ids
@@ -83,12 +86,17 @@ class Row:
     inputs: list[str | list[int]] | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # non-null per-row sampling values
     lora: str | None = None  # dataset.lora_column's adapter (a model.loras name or a folder)
+    # Its images' sources as given, in prompt order (the image column's, or its chat's image
+    # parts'), not decoded; None: none. Relative paths are read from image_folder: the folder
+    # (or object-storage prefix) of the data file the row came from.
+    images: list[Any] | None = None
+    image_folder: str | None = None
     error: str | None = None
     # Values of the output's extra columns that come from the input: the carried columns (and an
     # OpenAI Batch line's url), by column name.
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def chat_messages(self) -> list[dict[str, str]] | None:
+    def chat_messages(self) -> list[dict[str, Any]] | None:
         """The row as a chat: its messages, or [system?, user prompt]; None for an error row."""
         if self.error is not None:
             return None
@@ -115,12 +123,15 @@ def make_row(
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
     response_column: str | None = None,
     lora_column: str | None = None,
+    image_column: str | None = None,
 ) -> Row:
     """Check one record. `rec` is a str when the reader could not parse it (it says why).
 
     from_text: the values are all text (CSV), so numbers in override columns are parsed.
     carried: the input columns copied to the output row as they are.
-    max_prompt_bytes: a longer prompt (a chat: its contents together) is the row's error.
+    max_prompt_bytes: a longer prompt (a chat: its text together) is the row's error.
+    image_column: the row's images (one or a list); a chat's image parts are its images too,
+    and a row with both is its error.
     """
     if isinstance(rec, str):
         # The line's id is unknown: null, rather than the row index, which may be another
@@ -130,8 +141,9 @@ def make_row(
     errors, bad = _unencodable_columns(
         index,
         rec,
-        [text_column, id_column, response_column, lora_column, *override_columns, *carried],
-    )
+        [text_column, id_column, response_column, lora_column, image_column, *override_columns,
+         *carried],
+    )  # fmt: skip
     if bad:  # a value no UTF-8 writer takes goes nowhere: the row holds a null instead
         rec = {k: (None if k in bad else v) for k, v in rec.items()}
     row = Row(index=index, id=_row_id(rec, id_column, index))
@@ -139,10 +151,12 @@ def make_row(
         row.id = escaped(bad[id_column])
     row.extra = {name: rec.get(name) for name in carried}
     err = None
+    images: list[Any] = []
     if text_column in bad:
         pass  # its error is in errors already
     elif messages_column is not None:
-        row.messages, err = _check_messages(rec.get(messages_column, _MISSING), system_prompt)
+        value = rec.get(messages_column, _MISSING)
+        row.messages, err = _check_messages(value, system_prompt, images)
         err = err or messages_size_error(row.messages, max_prompt_bytes)
         row.messages = None if err else row.messages
     else:
@@ -162,6 +176,18 @@ def make_row(
         row.lora, err = _check_adapter(rec.get(lora_column))
         if err:
             errors.append(err)
+    if image_column is not None and image_column not in bad:
+        column, err = column_images(rec.get(image_column))
+        if column and images:
+            err = (
+                "the row has images both in its image column and in its chat's image parts: "
+                'give them in one place (a chat may hold bare {"type": "image"} parts where '
+                "the column's images go)"
+            )
+        images = images or column
+        if err:
+            errors.append(err)
+    row.images = images or None
     for name in override_columns:
         value = rec.get(name)
         blank = from_text and isinstance(value, str) and not value.strip()
@@ -176,6 +202,8 @@ def make_row(
         except ValueError as e:
             errors.append(f"bad {name}: {e}")
     row.error = "; ".join(errors) or None
+    if row.error is not None:
+        row.images = None  # nothing of a failed row is read
     return row
 
 
@@ -201,12 +229,20 @@ def size_error_of(text: str | None, bound: int, what: str) -> str | None:
     return size_error(what, size, bound) if size is not None else None
 
 
-def messages_size_error(messages: list[dict[str, str]] | None, bound: int) -> str | None:
-    """The error of a chat whose contents together are over `bound` UTF-8 bytes, else None."""
+def messages_size_error(messages: list[dict[str, Any]] | None, bound: int) -> str | None:
+    """The error of a chat whose text together is over `bound` UTF-8 bytes, else None."""
     if not messages:
         return None
-    size = utf8_size("".join(m["content"] for m in messages), bound)
+    size = utf8_size("".join(map(_content_text, messages)), bound)
     return size_error("the chat's content", size, bound) if size is not None else None
+
+
+def _content_text(message: dict[str, Any]) -> str:
+    """A normalised message's text: its content, or its text parts' (image parts hold none)."""
+    content = message["content"]
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content)
 
 
 def _unencodable_columns(
@@ -291,7 +327,10 @@ def _check_text(value: Any, what: str, blank_ok: bool = True) -> tuple[str | Non
     return value, None
 
 
-def _check_messages(value: Any, system_prompt: str | None) -> tuple[list | None, str | None]:
+def _check_messages(
+    value: Any, system_prompt: str | None, images: list[Any]
+) -> tuple[list | None, str | None]:
+    """The chat, or its error; its image parts' sources are appended to `images`."""
     if value is _MISSING:
         return None, "the row has no messages field"
     if isinstance(value, dict) and isinstance(value.get("role"), list):
@@ -306,8 +345,9 @@ def _check_messages(value: Any, system_prompt: str | None) -> tuple[list | None,
         except (json.JSONDecodeError, RecursionError):  # json.loads recurses once per level
             return None, "messages is text that is not JSON; expected a list of {role, content}"
     try:
-        messages = normalize_messages(value)
+        messages = normalize_messages(value, images)
     except ValueError as e:
+        images.clear()
         return None, str(e)
     if system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})

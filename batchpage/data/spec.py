@@ -22,8 +22,10 @@ and rerunning resumes the same job.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -31,6 +33,8 @@ import pyarrow as pa
 import batchpage.data.presets as presets
 from batchpage.data.carry import carried_columns, carried_schema, check_window
 from batchpage.data.dataset_path import resolve_path
+from batchpage.data.image_sources import check_image_options, image_fingerprint
+from batchpage.data.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
 from batchpage.data.input_files import storage_error
 from batchpage.data.jsonl_scan import scan_json_lines
 from batchpage.data.openai_batch import ID_FIELD, REQUEST_FIELDS, make_batch_row
@@ -46,7 +50,7 @@ from batchpage.data.readers import (
 )
 from batchpage.data.row_ids import IdTally
 from batchpage.data.rows import DEFAULT_OVERRIDES, OVERRIDE_FIELDS, Row, make_row
-from batchpage.storage import StorageError, Store, Stores
+from batchpage.storage import StorageError, Store, Stores, is_url
 
 FORMATS = ("auto", "parquet", "jsonl", "csv", "hf", "openai_batch")
 CHAT_TEMPLATE_MODES = ("auto", "true", "false")
@@ -89,6 +93,12 @@ class DatasetSpec:
     and without holding the line in memory; a longer CSV record may fail the file (Arrow's
     reader cannot skip it), at once and naming its line. It changes which rows fail, so a
     value other than the default is part of the fingerprint.
+    image_column: each row's images for a vision-language model, one or a list: encoded bytes,
+    a {bytes, path} image struct (HF datasets, Parquet), a path (relative: beside the row's
+    data file; not read yet for data in object storage), a file:/data: URL, or an http(s) URL
+    with allow_image_http. Chats' image parts (a messages column, OpenAI Batch bodies) are
+    their rows' images without it. max_image_pixels / max_image_bytes bound each image before
+    it is decoded, image_http_timeout_s each download; a bad image is its row's error.
     """
 
     path: str = "evals"
@@ -112,6 +122,11 @@ class DatasetSpec:
     # Each row's LoRA adapter: a name of model.loras or an adapter folder; null or empty: the
     # base model. Needs engine.enable_lora=true.
     lora_column: str | None = None
+    image_column: str | None = None
+    max_image_pixels: int = DEFAULT_MAX_PIXELS
+    max_image_bytes: int = DEFAULT_MAX_BYTES
+    allow_image_http: bool = False
+    image_http_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,7 @@ class DatasetInfo:
     carried_schema: pa.Schema = field(default_factory=lambda: pa.schema([]))
     response_column: str | None = None
     lora_column: str | None = None
+    image_column: str | None = None
 
 
 # --- validate ----------------------------------------------------------------------------------
@@ -165,6 +181,7 @@ def _validate(spec: DatasetSpec, stores: Stores) -> DatasetInfo:
             f"dataset.max_prompt_bytes={spec.max_prompt_bytes} must be >= 1 (default "
             f"{DEFAULT_MAX_PROMPT_BYTES})"
         )
+    check_image_options(spec)
     bound = spec.max_prompt_bytes
     chat_template = str(spec.chat_template).lower()
     if chat_template not in CHAT_TEMPLATE_MODES:
@@ -215,7 +232,7 @@ def _validate(spec: DatasetSpec, stores: Stores) -> DatasetInfo:
         prompt_col, messages_col = _text_columns(spec)
         overrides = _override_columns(spec, columns)
         for col in (prompt_col, messages_col, id_column, spec.response_column, spec.lora_column,
-                    *overrides):  # fmt: skip
+                    spec.image_column, *overrides):  # fmt: skip
             if col is not None and col not in columns:
                 raise DatasetError(_missing_column_message(col, columns, spec, files))
     tally = scan.ids.get(id_column) if scan is not None and id_column is not None else None
@@ -233,12 +250,14 @@ def _validate(spec: DatasetSpec, stores: Stores) -> DatasetInfo:
             "an OpenAI Batch file has no adapter column: drop dataset.lora_column (its "
             "requests' model field is not read as an adapter yet)"
         )
+    if batch and spec.image_column is not None:
+        raise DatasetError(
+            "an OpenAI Batch file has no image column: drop dataset.image_column (its chat "
+            "bodies' image_url parts are their requests' images)"
+        )
     response = spec.response_column
-    consumed = (
-        REQUEST_FIELDS
-        if batch
-        else (prompt_col, messages_col, id_column, response, spec.lora_column, *overrides)
-    )
+    own = (prompt_col, messages_col, id_column, response, spec.lora_column, spec.image_column)
+    consumed = REQUEST_FIELDS if batch else (*own, *overrides)
     carried = carried_columns(columns, consumed, spec.keep_columns, files[0])
 
     if num_rows is None and fmt == "csv":
@@ -263,6 +282,7 @@ def _validate(spec: DatasetSpec, stores: Stores) -> DatasetInfo:
         key["lora_column"] = spec.lora_column
     if spec.max_prompt_bytes != DEFAULT_MAX_PROMPT_BYTES:  # only then: other jobs keep their key
         key["max_prompt_bytes"] = spec.max_prompt_bytes
+    key.update(image_fingerprint(spec))
     return DatasetInfo(
         format=fmt,
         files=tuple(files),
@@ -278,6 +298,7 @@ def _validate(spec: DatasetSpec, stores: Stores) -> DatasetInfo:
         chat_template=chat_template,
         response_column=response,
         lora_column=spec.lora_column,
+        image_column=spec.image_column,
         carried=carried,
         carried_schema=carried_schema(
             fmt, files, spec.split, carried, scan.columns if scan else None, store
@@ -348,6 +369,8 @@ def _missing_column_message(col: str, columns: list[str], spec: DatasetSpec, fil
     chatty = [c for c in columns if c in ("messages", "conversations", "chat")]
     if col == spec.prompt_column and chatty:
         msg += f" For chats set dataset.messages_column={chatty[0]}."
+    elif col == spec.image_column:
+        msg += " Name the column of each row's images with dataset.image_column=..."
     else:
         msg += " Pick one with dataset.prompt_column=/messages_column=/id_column=..."
     return msg
@@ -406,20 +429,18 @@ def iter_rows(
         info.id_column,
         info.response_column,
         info.lora_column,
+        info.image_column,
         *info.override_columns,
         *info.carried,
     ]
     wanted = list(dict.fromkeys(c for c in columns if c))  # unique, in order
     bound = spec.max_prompt_bytes
     store = stores.store_for(info.files[0])
-    records = open_records(
-        info.format, info.files, spec.split, wanted, spec.window_rows, bound, store
-    )
-    for index, rec in enumerate(records):
+    for index, (folder, rec) in enumerate(_records(spec, info, wanted, store)):
         if info.format == "openai_batch":
-            yield make_batch_row(index, rec, info.carried, bound)
+            row = make_batch_row(index, rec, info.carried, bound)
         else:
-            yield make_row(
+            row = make_row(
                 index,
                 rec,
                 prompt_column=info.prompt_column,
@@ -432,9 +453,33 @@ def iter_rows(
                 max_prompt_bytes=bound,
                 response_column=info.response_column,
                 lora_column=info.lora_column,
+                image_column=info.image_column,
             )
+        if row.images:
+            row.image_folder = folder
+        yield row
         if spec.limit is not None and index + 1 >= spec.limit:
             return
+
+
+def _records(
+    spec: DatasetSpec, info: DatasetInfo, columns: list[str], store: Store
+) -> Iterator[tuple[str, dict[str, Any] | str]]:
+    """The records of `columns` in input order, each with the folder (or object-storage prefix)
+    of its data file: where its relative image paths are read. An HF dataset is read as one
+    (a saved folder, or files loaded together): its folder is its first entry's."""
+    groups = [info.files] if info.format == "hf" else [[f] for f in info.files]
+    for files in groups:
+        first = files[0]
+        if is_url(first):
+            folder = first.rsplit("/", 1)[0]
+        else:
+            folder = first if os.path.isdir(first) else str(Path(first).parent)
+        records = open_records(
+            info.format, files, spec.split, columns, spec.window_rows, spec.max_prompt_bytes, store
+        )
+        for rec in records:
+            yield folder, rec
 
 
 def iter_windows(

@@ -107,6 +107,9 @@ class EngineConfig:
     # encoder_cache.py), in GiB: an image used again (more questions about it, more samples,
     # a recomputed prompt) is encoded once while its rows fit.
     encoder_cache_gb: float = 1.0
+    # A folder that keeps those rows across runs (engine/encoder_files.py), per vision tower and
+    # image: a rerun or a resumed job encodes no picture it encoded before. None: memory only.
+    encoder_cache_dir: str | None = None
     # Images the API is given as paths, URLs or bytes (batchpage/prompt_images.py): at most
     # this many pixels each (checked before decoding), and http(s) URLs fetched only when
     # allowed (vLLM fetches them; an offline job should not reach the network unasked).

@@ -4,7 +4,8 @@ budget, however many prompts, samples, chunks or recomputations use it.
 Keyed by the image's digest (a hash of its decoded pixels), so two prompts with the same picture
 share its rows and two pictures never do. Least recently used rows go first when the budget is
 full; an image whose rows are gone is encoded again when a step needs it (a recomputed prompt
-after a preemption, a later request).
+after a preemption, a later request), unless `encoder_cache_dir` holds them
+(engine/encoder_files.py: rows kept across runs).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from batchpage.engine.encoder_files import EncoderFiles
 from batchpage.metrics import RunStats
 from batchpage.model.causal_lm import ImageEmbeds
 
@@ -27,12 +29,20 @@ Encode = Callable[[list[dict[str, torch.Tensor]]], list[torch.Tensor]]
 
 
 class EncoderCache:
-    def __init__(self, encode: Encode, max_bytes: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        encode: Encode,
+        max_bytes: int,
+        device: torch.device,
+        files: EncoderFiles | None = None,
+    ) -> None:
         """encode: the model's `encode_images` (each image's processor outputs -> its encoder
-        rows [rows, hidden]); max_bytes: the rows kept between steps."""
+        rows [rows, hidden]); max_bytes: the rows kept between steps; files: rows on disk,
+        read before encoding and written after."""
         self.encode = encode
         self.max_bytes = max_bytes
         self.device = device
+        self.files = files
         self._rows: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self._bytes = 0
 
@@ -40,9 +50,9 @@ class EncoderCache:
         return len(self._rows)
 
     def embeds(self, slices: Sequence[ImageSlice], stats: RunStats) -> ImageEmbeds:
-        """The step's image inputs: the rows of every slice, encoding the images not held (in
-        one call of the tower), in the order of `slices`; counted in stats.images_encoded and
-        stats.encoder_cache_hits."""
+        """The step's image inputs: the rows of every slice, in the order of `slices`, encoding
+        the images neither held nor on disk (in one call of the tower); counted in
+        stats.images_encoded, stats.encoder_cache_hits and stats.encoder_disk_hits."""
         held: dict[bytes, torch.Tensor] = {}
         missing: dict[bytes, PromptImage] = {}
         for s in slices:
@@ -56,6 +66,14 @@ class EncoderCache:
                 self._rows.move_to_end(digest)
                 held[digest] = rows
                 stats.encoder_cache_hits += 1
+        if missing and self.files is not None:
+            for digest, image in list(missing.items()):
+                rows = self.files.read(image.inputs, len(image.positions))
+                if rows is not None:
+                    held[digest] = rows = rows.to(self.device)
+                    self._keep(digest, rows)
+                    del missing[digest]
+                    stats.encoder_disk_hits += 1
         if missing:
             images = list(missing.values())
             encoded = self.encode([self._inputs(im) for im in images])
@@ -68,6 +86,8 @@ class EncoderCache:
                     )
                 held[image.digest] = rows
                 self._keep(image.digest, rows)
+                if self.files is not None:
+                    self.files.write(image.inputs, rows)
             stats.images_encoded += len(images)
         index = torch.from_numpy(np.concatenate([s.tokens for s in slices]))
         parts = [held[s.image.digest][torch.from_numpy(s.rows)] for s in slices]

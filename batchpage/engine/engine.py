@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from batchpage.engine.config import EngineConfig
 from batchpage.engine.constraint import Constraint, GrammarMasks
 from batchpage.engine.drafts import DraftStage
 from batchpage.engine.encoder_cache import EncoderCache
+from batchpage.engine.encoder_files import EncoderFiles, vision_key
 from batchpage.engine.grammar_cache import GrammarCache
 from batchpage.engine.kv_manager import KVCacheManager
 from batchpage.engine.model_runner import Peers, build_model_runner
@@ -90,6 +92,16 @@ class Engine:
         if cfg.classifier_from_token is not None:  # before bind: the lm_head as loaded
             rows = model.head_rows(_token_ids(tokenizer, cfg.classifier_from_token))
             model.score = token_classifier(rows, model.embed_tokens.weight.dtype)
+        # A vision-language model's encoder rows by image content (engine/encoder_cache.py); the
+        # tower's key for rows on disk is hashed before bind packs its linears.
+        self.encoder = None
+        encode = getattr(model, "encode_images", None)
+        if encode is not None:
+            files = None
+            if cfg.encoder_cache_dir is not None:
+                files = EncoderFiles(Path(cfg.encoder_cache_dir), vision_key(model.vision))
+            budget = int(cfg.encoder_cache_gb * 2**30)
+            self.encoder = EncoderCache(encode, budget, plan.device, files)
         # Linears are measured with the threads rank 0 runs its steps with.
         with peers.rank_threads() if peers is not None else contextlib.nullcontext():
             built = build_model_runner(model, cfg, plan, peers)
@@ -121,12 +133,6 @@ class Engine:
         self.commit = StepCommit(self.scheduler, self.factory)
         spec = cfg.speculative()
         self.drafts = None if spec is None else DraftStage(spec, self.batch, plan.max_model_len)
-        # A vision-language model's encoder rows by image content (engine/encoder_cache.py).
-        encode = getattr(model, "encode_images", None)
-        self.encoder = None
-        if encode is not None:
-            budget = int(cfg.encoder_cache_gb * 2**30)
-            self.encoder = EncoderCache(encode, budget, plan.device)
         self.stats = self._new_stats()
         # Tests set this to check every invariant after every step.
         self.check_integrity_each_step = False

@@ -48,6 +48,7 @@ from batchpage.engine.kv_manager import (
     KVCacheManager,
     StaticKVCacheManager,
     blocks_for,
+    tree_key,
 )
 from batchpage.engine.schedule_output import Picks, SchedulerOutput, Swap
 from batchpage.engine.sequence import PendingForks, SeqStatus, Sequence
@@ -116,12 +117,14 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_batch(self, seqs: list[Sequence]) -> None:
-        """Queue a batch. With schedule="prefix" the batch is queued in token order: prompts
+        """Queue a batch. With schedule="prefix" the batch is queued in the prefix cache's key
+        order (kv_manager.tree_key: the tokens, an image's positions its content key): prompts
         that share a prefix run back to back (depth-first over the prompts' trie), so their
-        shared blocks are computed once and are still cached when the next one arrives. The
-        order of results is the caller's business."""
+        shared blocks are computed once and are still cached when the next one arrives, and
+        prompts about the same picture run together. The order of results is the caller's
+        business."""
         if self.schedule_order == "prefix":
-            seqs = sorted(seqs, key=lambda s: (_adapter_id(s), s.token_ids))
+            seqs = sorted(seqs, key=lambda s: (_adapter_id(s), tree_key(s, s.num_tokens)))
         self.waiting.extend(seqs)
 
     def add_forked(self, child: Sequence) -> None:

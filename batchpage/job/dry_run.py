@@ -1,7 +1,11 @@
 """Dry run: the job's shape (rows, prompt tokens, shared prefixes, KV blocks and bytes) before
 any generation, with its capacity plan (memory, preemption, and with plan.devices its wall time:
 batchpage/job/capacity.py). Tokenizes every row with the model's tokenizer; loads no weights
-unless the plan must run the model (a calibration, sampled output lengths)."""
+unless the plan must run the model (a calibration, sampled output lengths). Rows' images are
+read and decoded as the job would (a bad one counts among the rows with errors) and placed by
+the model's image processor: prompt tokens count each image's placeholders as the engine
+expands them, and rows share an image's positions only with rows of the same picture, as the
+engine's prefix cache does."""
 
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from batchpage.job.capacity import job_capacity, window_rows
 from batchpage.job.config import JobConfig
 from batchpage.job.plan import plan_job
 from batchpage.job.prompts import prepare_window
+from batchpage.job.row_images import placed_prompt
+from batchpage.model.image_prompt import ImagePrompts
 from batchpage.model.loader import load_tokenizer
 from batchpage.simulate.capacity import WindowSample
 from batchpage.simulate.memory import plan_pool
@@ -86,6 +92,10 @@ def dry_run(cfg: JobConfig) -> dict[str, Any]:
     blocks_max = blocks_all = blocks_prompt_full = 0
     sample = WindowSample(cfg.plan.simulated_rows, cfg.dataset.window_rows)
     longest: list[int] = []  # the max_num_seqs longest sequences' blocks (a heap)
+    # A vision-language model's image processor and placeholder rule (its files, no weights).
+    image_prompts = None
+    if plan.prompts.image_limits is not None:
+        image_prompts = ImagePrompts.from_model(plan.source.path, plan.source.config)
     for window in iter_windows(cfg.dataset, plan.info, plan.stores):
         rows += len(window)
         ready, failed = prepare_window(
@@ -94,13 +104,22 @@ def dry_run(cfg: JobConfig) -> dict[str, Any]:
         bad += len(failed)
         kept = []
         for p in ready:
-            ids = p.prompt_ids
+            ids = key = p.prompt_ids
+            if p.images:
+                assert image_prompts is not None  # prepare_window decodes for such a job only
+                try:
+                    ids, key = placed_prompt(image_prompts, p.prompt_ids, p.images)
+                except ValueError:  # placeholders that are not the images: the engine's error
+                    bad += 1
+                    continue
+                # The simulator runs the expanded ids (its cache cannot tell the pictures apart).
+                p = p._replace(prompt_ids=ids, images=())
             if not ids or len(ids) >= limit:
                 too_long += bool(ids)
                 bad += not ids
                 continue
             kept.append(p)
-            packed.append(pack_tokens(ids))
+            packed.append(pack_tokens(key))
             out_len = min(p.params.max_tokens or limit, limit - len(ids))
             seq_blocks = math.ceil((len(ids) + out_len) / bs)
             full = len(ids) // bs  # a request's n samples share its full prompt blocks

@@ -46,6 +46,7 @@ from batchpage.job.report import (
     summarize,
     write_report,
 )
+from batchpage.job.row_images import image_order
 from batchpage.metrics import RunStats
 from batchpage.output import OutputDirError, ShardWriter, finalize
 from batchpage.output.batch_files import write_batch_files
@@ -178,6 +179,7 @@ def _run(
                     estimate.window_done()
                 generated += len(ready)
                 by_adapter.update(p.lora.lora_name if p.lora else "base" for p in ready)
+            del ready  # with its rows' decoded images: not kept while the next window is read
             status.write()
             now = clock()
             parts.io += now - mark - away
@@ -245,8 +247,10 @@ def _generate(
     estimate: JobEstimate | None = None,
 ) -> RunStats:
     """One window through the engine; each row is saved the moment it finishes (and told to
-    the job's estimate, with each step). `before`: the job's windows so far, merged."""
+    the job's estimate, with each step). `before`: the job's windows so far, merged. Rows with
+    images go with them, those of the same images together (row_images.image_order)."""
     max_len = plan.engine.max_model_len
+    ready = image_order(ready)
 
     def budget(p: Prepared) -> int:
         room = max_len - len(p.prompt_ids)
@@ -294,7 +298,7 @@ def _generate(
         return llm.run_stats
     loras = [p.lora for p in ready]
     llm.generate(
-        [p.prompt_ids for p in ready],
+        [p.engine_prompt for p in ready],
         [p.params for p in ready],
         use_tqdm=False,
         on_output=saved,
@@ -313,7 +317,7 @@ def _load_llm(cfg: JobConfig, factory: LLMFactory | None, progress: JobProgress)
 
         factory = LLM
     try:
-        llm = factory(cfg.model.path, **asdict(cfg.engine))
+        llm = factory(cfg.model.path, **_engine_options(cfg))
     except ValueError as e:  # checked in plan_job already; a model file can still be broken
         raise JobConfigError(str(e)) from None
     plan = llm.plan
@@ -324,6 +328,14 @@ def _load_llm(cfg: JobConfig, factory: LLMFactory | None, progress: JobProgress)
         f"{plan.num_blocks} KV blocks"
     )
     return llm
+
+
+def _engine_options(cfg: JobConfig) -> dict[str, Any]:
+    """The LLM's arguments: engine.*, its image bound raised to the dataset's, so that the
+    images the job decoded within dataset.max_image_pixels are taken as they are."""
+    options = asdict(cfg.engine)
+    pixels = max(cfg.engine.max_image_pixels, cfg.dataset.max_image_pixels)
+    return {**options, "max_image_pixels": pixels}
 
 
 def _executor_factory(cfg: JobConfig) -> LLMFactory | None:

@@ -9,13 +9,15 @@ same job.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from batchpage.data.dataset_path import input_root
+from batchpage.data.image_sources import image_limits
+from batchpage.data.images import ImageLimits
 from batchpage.data.spec import DatasetInfo, validate
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.grammar_cache import check_constraint
@@ -104,6 +106,7 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         if cfg.score is not None:
             check_scorable(cfg.score, info, cfg.dataset, stores.store_for(info.files[0]))
         style, prompts = _prompt_plan(cfg, info, source)
+        prompts = replace(prompts, image_limits=_image_limits(cfg, info, source, engine.task))
         if style == "completion" and info.styles is not None:
             stops = [*(params.stop or []), *info.styles.completion_stop]
             params = params.replace(stop=list(dict.fromkeys(stops)))
@@ -202,6 +205,28 @@ def _adapters(cfg: JobConfig, engine_cfg: EngineConfig, task: str) -> JobAdapter
             "use LLM.embed / classify with lora_request, or drop dataset.lora_column"
         )
     return JobAdapters(dict(cfg.model.loras), engine_cfg.max_lora_rank)
+
+
+def _image_limits(
+    cfg: JobConfig, info: DatasetInfo, source: ModelSource, task: str
+) -> ImageLimits | None:
+    """How the rows' images are read; None where the job takes none (a text model, a pooling
+    job, Ray replicas): then an image column is the job's error, a chat's image parts their
+    row's."""
+    if source.config.vision is None:
+        why = (
+            f"model {cfg.model.path} takes no images: use a vision-language model (LLaVA, "
+            "Idefics3 / SmolVLM)"
+        )
+    elif task != "generate":
+        why = f"engine.task={task} takes no images yet: images go to generation jobs"
+    elif cfg.executor.kind != "local":
+        why = f"executor={cfg.executor.kind} takes no images yet: run it with executor=local"
+    else:
+        return image_limits(cfg.dataset)
+    if info.image_column is not None:
+        raise ValueError(f"dataset.image_column={info.image_column} gives rows images, and {why}")
+    return None
 
 
 def _check_sampling(

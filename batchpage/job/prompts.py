@@ -11,6 +11,13 @@ Prompts are tokenized here, so the job knows every row's cost before it is gener
 that reaches the tokenizer is bounded by dataset.max_prompt_bytes (the chat template renders
 within that many characters, its work and time bounded too: batchpage.model.chat_render); a
 row past a bound is that row's error.
+
+A row with images (an image column, a chat's image parts) for a vision-language model: posed as
+a chat without image parts (a prompt through the template, or a messages chat that holds none),
+its images go as {"type": "image"} parts before the text of its first user turn, where the
+template writes the family's placeholder; a raw-text prompt holds its placeholders itself. Its
+images are decoded here (job.row_images: bounded, a bad one is the row's error) and go to the
+engine with its token ids, which expands each placeholder.
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from batchpage.data.images import ImageLimits
 from batchpage.data.readers import DEFAULT_MAX_PROMPT_BYTES
 from batchpage.data.rows import Row, prompt_size_error
+from batchpage.job.row_images import WindowImages
 from batchpage.lora.request import LoRARequest
 from batchpage.model.render_budget import RenderLimits, TemplateLimitError
 from batchpage.model.tokenizer import Tokenizer
@@ -32,6 +41,8 @@ from batchpage.request_outputs import RequestOutput
 from batchpage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from PIL import Image
+
     from batchpage.job.adapters import JobAdapters
 
 
@@ -42,6 +53,9 @@ class PromptPlan:
     template: str | None = None  # engine.chat_template's text; None: the model's own
     template_kwargs: dict[str, Any] | None = None  # dataset.chat_template_kwargs
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # dataset.max_prompt_bytes
+    # How rows' images are read (the dataset.*image* options); None: the job takes none (a
+    # text model, a pooling job, executor=ray), and a row with images is its error.
+    image_limits: ImageLimits | None = None
 
     @property
     def limits(self) -> RenderLimits:
@@ -56,11 +70,21 @@ class Prepared(NamedTuple):
     # An embeddings line's inputs (Row.inputs), each as token ids; None: one prompt.
     inputs: list[list[int]] | None = None
     lora: LoRARequest | None = None  # the row's adapter (dataset.lora_column); None: the base
+    # Its images, decoded (job.row_images), one per placeholder token in prompt_ids, in order.
+    images: tuple[Image.Image, ...] = ()
 
     @property
     def prompts(self) -> list[list[int]]:
         """What the engine runs for this row: its inputs, or its one prompt."""
         return self.inputs if self.inputs is not None else [self.prompt_ids]
+
+    @property
+    def engine_prompt(self) -> list[int] | dict[str, Any]:
+        """What LLM.generate takes for this row: its token ids, with its images as vLLM's
+        multi_modal_data when it has some (the engine expands each placeholder)."""
+        if not self.images:
+            return self.prompt_ids
+        return {"prompt_token_ids": self.prompt_ids, "multi_modal_data": {"image": self.images}}
 
 
 def row_seed(base_seed: int, index: int) -> int:
@@ -79,17 +103,33 @@ def row_params(row: Row, base: SamplingParams, base_seed: int) -> SamplingParams
     return params
 
 
-def chat_of(row: Row, plan: PromptPlan) -> list[dict[str, str]] | None:
-    """The row as a chat, or None when its prompt is sent as raw text."""
+def chat_of(row: Row, plan: PromptPlan) -> list[dict[str, Any]] | None:
+    """The row as a chat, or None when its prompt is sent as raw text. A row with images whose
+    chat has no image parts gets them before the text of its first user turn."""
     if row.messages is not None:
-        return row.messages
+        return _with_images(row.messages, len(row.images or ()))
     prompt = row.prompt or ""
     if plan.instruct is not None:
         prompt = plan.instruct.replace("{prompt}", prompt)
     elif plan.chat_template != "true" and not row.system_prompt:
         return None
     system = [{"role": "system", "content": row.system_prompt}] if row.system_prompt else []
-    return [*system, {"role": "user", "content": prompt}]
+    return _with_images([*system, {"role": "user", "content": prompt}], len(row.images or ()))
+
+
+def _with_images(chat: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """The chat with `count` image parts before the text of its first user turn, unless it
+    places its images itself (it has image parts) or has no user turn (the engine then says
+    that the placeholders are not the images)."""
+    if not count or any(not isinstance(m["content"], str) for m in chat):
+        return chat
+    at = next((i for i, m in enumerate(chat) if m["role"] == "user"), None)
+    if at is None:
+        return chat
+    text = chat[at]["content"]
+    parts = [{"type": "image"} for _ in range(count)]
+    parts += [{"type": "text", "text": text}] if text else []
+    return [*chat[:at], {"role": "user", "content": parts}, *chat[at + 1 :]]
 
 
 def prepare_window(
@@ -107,8 +147,10 @@ def prepare_window(
     plan = plan or PromptPlan()
     posed: list[_Posed] = []
     failed: list[ResultRow] = []
+    limits = plan.image_limits
+    images = WindowImages(limits) if limits is not None else None  # this window's, then dropped
     for row in rows:
-        found = _pose(row, tokenizer, base, base_seed, plan, adapters)
+        found = _pose(row, tokenizer, base, base_seed, plan, adapters, images)
         if isinstance(found, _Failed):
             prompt = row.prompt if found.keeps_prompt else None
             failed.append(ResultRow.failed(row.index, row.id, found.error, prompt, row.extra))
@@ -136,7 +178,8 @@ def prepare_window(
             flat = [t for one in each for t in one]
             ready.append(Prepared(p.row, flat, json.dumps(p.row.inputs), p.params, each, p.lora))
         else:
-            ready.append(Prepared(p.row, ids_of[id(p)], text_of[id(p)], p.params, lora=p.lora))
+            ids, text = ids_of[id(p)], text_of[id(p)]
+            ready.append(Prepared(p.row, ids, text, p.params, lora=p.lora, images=p.images))
     return ready, failed
 
 
@@ -148,6 +191,7 @@ class _Posed(NamedTuple):
     text: str
     params: SamplingParams
     lora: LoRARequest | None
+    images: tuple[Image.Image, ...] = ()
 
 
 class _Failed(NamedTuple):
@@ -162,10 +206,18 @@ def _pose(
     base_seed: int,
     plan: PromptPlan,
     adapters: JobAdapters | None,
+    images: WindowImages | None = None,
 ) -> _Posed | _Failed:
-    """The row's text to tokenize and its params, or its error."""
+    """The row's text to tokenize, its params and its images (decoded by `images`, the
+    window's), or its error."""
     if row.error is not None:
         return _Failed(row.error, True)
+    if row.images and images is None:
+        return _Failed(
+            "this row has images, and this job takes none: images need a vision-language model, "
+            "in a generation job (engine.task=generate) with executor=local",
+            True,
+        )
     try:
         params = row_params(row, base, base_seed)
     except (ValueError, TypeError) as e:
@@ -185,7 +237,9 @@ def _pose(
     if chat is None:
         text = (row.prompt or "") + (row.response or "")
         too_long = prompt_size_error(text, plan.max_prompt_bytes)
-        return _Failed(too_long, False) if too_long else _Posed(row, "raw", text, params, lora)
+        if too_long:
+            return _Failed(too_long, False)
+        return _with_decoded(_Posed(row, "raw", text, params, lora), images)
     try:
         if row.response is not None:  # the reply to score: the last turn, not a prompt
             chat = [*chat, {"role": "assistant", "content": row.response}]
@@ -201,7 +255,15 @@ def _pose(
     too_long = prompt_size_error(text, plan.max_prompt_bytes)
     if too_long:
         return _Failed(f"after the chat template, {too_long.removeprefix('the ')}", False)
-    return _Posed(row, "chat", text, params, lora)
+    return _with_decoded(_Posed(row, "chat", text, params, lora), images)
+
+
+def _with_decoded(posed: _Posed, images: WindowImages | None) -> _Posed | _Failed:
+    """The posed row with its images decoded, or its error (the first image that fails)."""
+    if not posed.row.images or images is None:
+        return posed
+    decoded = images.load(posed.row)
+    return _Failed(decoded, True) if isinstance(decoded, str) else posed._replace(images=decoded)
 
 
 def check_template(

@@ -7,7 +7,8 @@ not installed beside batchpage's torch, and the PIL backend is what HF falls bac
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -113,13 +114,18 @@ class ImagePrompts:
             ) from None
 
     def place(
-        self, token_ids: list[int], images: list[Image.Image]
+        self,
+        token_ids: list[int],
+        images: list[Image.Image],
+        uuids: Sequence[str | None] | None = None,
     ) -> tuple[list[int], tuple[PromptImage, ...]]:
         """Each placeholder token (cfg.vision.image_token_id) in token_ids, in order, replaced by
         the image's tokens (LLaVA: tokens_per_image placeholders; Idefics3: its tiles' text and
         placeholders); raises ValueError when the number of placeholders is not the number of
         images, saying both. `images` are decoded (load_image's RGB output); an image given
-        twice is processed once."""
+        twice is processed once. `uuids` (vLLM's multi_modal_uuids, one per image or None):
+        the caller's identity of an image, which then stands for its content (its digest is
+        the uuid's, the pixels are not hashed): equal uuids must mean equal images."""
         placeholder = self.vision.image_token_id
         where = [i for i, t in enumerate(token_ids) if t == placeholder]
         # Counted before anything is expanded, so the result is at most what the images make.
@@ -132,9 +138,10 @@ class ImagePrompts:
         placed: list[PromptImage] = []
         seen: dict[bytes, tuple[dict[str, torch.Tensor], Replacement]] = {}
         start = 0
-        for at, image in zip(where, images, strict=True):
+        uuids = list(uuids) if uuids is not None else [None] * len(images)
+        for at, image, uuid in zip(where, images, uuids, strict=True):
             ids.extend(token_ids[start:at])
-            digest = image_digest(image)
+            digest = image_digest(image) if uuid is None else uuid_digest(uuid)
             known = seen.get(digest)
             if known is None:
                 outputs = self._outputs(image)
@@ -146,6 +153,12 @@ class ImagePrompts:
             start = at + 1
         ids.extend(token_ids[start:])
         return ids, tuple(placed)
+
+
+def uuid_digest(uuid: str) -> bytes:
+    """The digest that stands for an image the caller names by `uuid` (never equal to a pixel
+    digest: the input is prefixed)."""
+    return hashlib.sha256(b"multi_modal_uuid\0" + uuid.encode()).digest()
 
 
 def _tensors(outputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ import torch
 from batchpage.engine.encoder_cache import EncoderCache
 from batchpage.engine.input_batch import InputBatch
 from batchpage.engine.kv_manager import KVCacheManager, tree_key
+from batchpage.engine.scheduler import Scheduler
 from batchpage.engine.sequence import Request, Sequence
 from batchpage.engine.step_inputs import ImageSlice, StepBuilder
 from batchpage.engine.stop_checker import StopChecker
@@ -72,6 +73,27 @@ def test_equal_placeholders_over_other_images_share_no_blocks() -> None:
     assert kv.lend_prefix(same) == 10  # all but the last token, whose logits are needed
     assert kv.lend_prefix(other) == 2  # the block before the image only
     kv.check_integrity([same, other])
+
+
+def test_prompts_about_the_same_picture_queue_together() -> None:
+    """The prefix order sorts by the cache's key: questions behind equal placeholders group
+    by picture (a brute-force check: every picture's prompts are adjacent, text prompts too)."""
+    rng = random.Random(3)
+    kv = KVCacheManager(num_blocks=64, block_size=4, prefix_caching=True)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    seqs = []
+    for i in range(24):
+        picture = rng.choice(["cat", "dog", "fox", None])
+        question = [rng.randrange(50) for _ in range(3)]
+        if picture is None:
+            seqs.append(seq_of(i, [1, 2, 3, *question]))
+        else:
+            images = (image(picture, [1, 2, 3]),)
+            seqs.append(seq_of(i, [1, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER, *question], images))
+    sched.add_batch(seqs)
+    order = [s.request.images[0].digest if s.request.images else None for s in sched.waiting]
+    runs = [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k]
+    assert len(runs) == len(set(order)), order
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -25,10 +25,12 @@ commit) is not in it.
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from batchpage.engine.config import EngineConfig
 from batchpage.job.config import JobConfig
@@ -62,11 +64,46 @@ NOT_CALIBRATED = (
 )
 
 
+log = logging.getLogger(__name__)
+_R = TypeVar("_R")
+
+
+def _never_stops_the_job(method: Callable[..., _R]) -> Callable[..., _R | None]:
+    """A JobEstimate method that fails stops the estimate (`failed` says why, run.json's
+    no_estimate) and returns None: the estimate is a report on the job, never a reason for it
+    to fail."""
+
+    @functools.wraps(method)
+    def guarded(self: JobEstimate, *args: Any, **kwargs: Any) -> _R | None:
+        if self.failed is not None:
+            return None
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:  # any bug or odd input in the estimate: the rows go on
+            self.failed = f"the estimate failed ({type(exc).__name__}: {exc}); the job ran on"
+            log.warning("%s", self.failed, exc_info=True)
+            return None
+
+    return guarded
+
+
 def job_estimate(
     cfg: JobConfig, plan: JobPlan, done_before: int = 0
 ) -> tuple[JobEstimate | None, str | None]:
     """The job's estimate, or None and why there is none. A job does not calibrate: the
-    calibration's steps cost more than a few seconds, which a small job would notice."""
+    calibration's steps cost more than a few seconds, which a small job would notice. An
+    estimate that fails to start is none, with why."""
+    try:
+        return _job_estimate(cfg, plan, done_before)
+    except Exception as exc:  # as _never_stops_the_job: the job runs without it
+        why = f"the estimate failed ({type(exc).__name__}: {exc}); the job ran without it"
+        log.warning("%s", why, exc_info=True)
+        return None, why
+
+
+def _job_estimate(
+    cfg: JobConfig, plan: JobPlan, done_before: int
+) -> tuple[JobEstimate | None, str | None]:
     if cfg.executor.kind != "local":
         return None, (
             f"executor={cfg.executor.kind}: the rows run on its replicas, which this machine's "
@@ -161,6 +198,7 @@ class JobEstimate:
         self.done_s = 0.0  # of the running window's estimated seconds, done (see `step`)
         self.window_started = 0.0
         self.simulating_s = 0.0  # the simulations' own seconds so far
+        self.failed: str | None = None  # why it stopped estimating (a bug), if it did
         self.read = 0  # rows read from the input (resumed and failed ones included)
         self.resumed = 0  # of them: done by an earlier run
         self.done_before = done_before
@@ -169,18 +207,21 @@ class JobEstimate:
 
     # --- what the job tells it ------------------------------------------------------------
 
+    @_never_stops_the_job
     def rows_read(self, count: int, resumed: int = 0) -> None:
         """`count` more rows read, `resumed` of them done by an earlier run (before their
         window, if any, is estimated)."""
         self.read += count
         self.resumed += resumed
 
+    @_never_stops_the_job
     def outside(self, seconds: float) -> None:
         """A window's `seconds` outside the model's load and the generate call: reading and
         tokenizing it, bad rows written, its estimate, progress.json."""
         self.outside_s += seconds
         self.outside_rows = self.read
 
+    @_never_stops_the_job
     def window(self, rows: list[Row]) -> None:
         """A window's rows to generate, about to start: estimated now."""
         prompt = sum(len(p) for r in rows for p in r.prompts)
@@ -201,6 +242,7 @@ class JobEstimate:
         self.windows.append(figures)
         self.running, self.done_s, self.window_started = True, 0.0, self.clock()
 
+    @_never_stops_the_job
     def step(self, stats: RunStats) -> None:
         """The running window's figures after an engine step."""
         if not self.running:
@@ -213,11 +255,13 @@ class JobEstimate:
         )
         self.done_s = w.prefill_s * prefilled + (w.seconds - w.prefill_s) * generated
 
+    @_never_stops_the_job
     def finished(self, lengths: list[int]) -> None:
         """A row finished without an error: its samples' output lengths."""
         if len(self.lengths) < KEPT_LENGTHS:
             self.lengths += lengths[: KEPT_LENGTHS - len(self.lengths)]
 
+    @_never_stops_the_job
     def window_done(self) -> None:
         if self.running:
             self.measured.append(self.clock() - self.window_started)
@@ -239,6 +283,7 @@ class JobEstimate:
             spent += self.clock() - self.window_started
         return spent / est if est > 0 else 1.0
 
+    @_never_stops_the_job
     def eta_s(self) -> float | None:
         """Seconds left (None before the first window is estimated)."""
         todo = self.read - self.resumed
@@ -257,6 +302,7 @@ class JobEstimate:
         share = min(SIM_SHARE, self.simulating_s / elapsed) if elapsed > 0 else 0.0
         return ((left + unread_todo * per_row) * self.pace + unread * outside) * (1 + share)
 
+    @_never_stops_the_job
     def report(self, setup_s: float) -> dict[str, Any]:
         """The estimate of the run for run.json, in the dry run's form (simulate/capacity.py
         wall_parts): planning (`setup_s`, measured) and the model's load (the calibration's),

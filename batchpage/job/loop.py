@@ -212,10 +212,12 @@ def _run(
     commit(store, out, written, final.shards, writer.fingerprint)
     wall_s = time.perf_counter() - started[1]
     parts.finish = wall_s - parts.setup - parts.load - parts.io - parts.generate
+    report = estimate.report(parts.setup) if estimate is not None else None
+    if estimate is not None and estimate.failed is not None:
+        no_estimate = estimate.failed
     run = ThisRun(
         started[0], wall_s, generated, resumed,
-        generated_stats, dict(by_adapter) if plan.adapters else {}, parts,
-        estimate.report(parts.setup) if estimate is not None else None, no_estimate,
+        generated_stats, dict(by_adapter) if plan.adapters else {}, parts, report, no_estimate,
     )  # fmt: skip
     metrics = write_report(store, out, cfg, plan, _settings(plan, llm), run, rows, score)
     reasons, samples, first_error = summarize(store, final.path)

@@ -111,6 +111,29 @@ def test_run_json_estimates_the_steps_the_engine_took(tmp_path, tiny_folder, mon
     assert progress["eta_from"] == "estimate"
 
 
+@pytest.mark.parametrize("where", ["start", "window"])
+def test_an_estimate_that_fails_never_stops_the_job(
+    tmp_path, tiny_folder, monkeypatch, where: str
+) -> None:
+    """A bug in the estimate (at its start, or in a window's simulation): every row is still
+    generated, and run.json says why there is no estimate."""
+    monkeypatch.setenv("BATCHPAGE_CACHE", str(tmp_path / "cache"))
+    data = numbered_rows(tmp_path / "d.jsonl", 12)
+    cfg = job(data, tiny_folder, tmp_path / "out", dataset={"window_rows": 5})
+    cache_calibration(cfg, ONLY_OVERHEAD)
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    target = "plan_pool" if where == "start" else "schedule"
+    monkeypatch.setattr(job_estimate_module, target, broken)
+    result = run_job(cfg)
+    run = last_run(tmp_path / "out")
+    assert result.rows_generated == 12 and result.errors == 0
+    assert run["estimate"] is None
+    assert "the estimate failed (ZeroDivisionError: a bug)" in run["no_estimate"]
+
+
 def test_windows_past_the_simulation_budget_are_scaled_from_the_simulated_ones(
     tmp_path, tiny_folder, monkeypatch
 ) -> None:

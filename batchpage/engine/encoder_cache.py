@@ -49,6 +49,11 @@ class EncoderCache:
     def __len__(self) -> int:
         return len(self._rows)
 
+    def holds(self, digest: bytes) -> bool:
+        """Whether the image's rows are kept (a step that uses them runs no tower for it; the
+        scheduler's image budget asks)."""
+        return digest in self._rows
+
     def embeds(self, slices: Sequence[ImageSlice], stats: RunStats) -> ImageEmbeds:
         """The step's image inputs: the rows of every slice, in the order of `slices`, encoding
         the images neither held nor on disk (in one call of the tower); counted in

@@ -28,6 +28,7 @@ from batchpage.engine.drafts import DraftStage
 from batchpage.engine.encoder_cache import EncoderCache
 from batchpage.engine.encoder_files import EncoderFiles, vision_key
 from batchpage.engine.grammar_cache import GrammarCache
+from batchpage.engine.image_budget import holds_nothing
 from batchpage.engine.kv_manager import KVCacheManager
 from batchpage.engine.model_runner import Peers, build_model_runner
 from batchpage.engine.plan import EnginePlan
@@ -85,13 +86,6 @@ class Engine:
         self.max_model_len = plan.max_model_len
         if plan.device.type == "cpu":
             keep_freed_memory()  # see host_memory.py: freed pages are not faulted in again
-        self.scheduler = build_scheduler(
-            cfg, plan.num_blocks, plan.max_model_len, cfg.batched_tokens(plan.device)
-        )
-        self.kv_manager: KVCacheManager = self.scheduler.kv
-        if cfg.classifier_from_token is not None:  # before bind: the lm_head as loaded
-            rows = model.head_rows(_token_ids(tokenizer, cfg.classifier_from_token))
-            model.score = token_classifier(rows, model.embed_tokens.weight.dtype)
         # A vision-language model's encoder rows by image content (engine/encoder_cache.py); the
         # tower's key for rows on disk is hashed before bind packs its linears.
         self.encoder = None
@@ -102,6 +96,17 @@ class Engine:
                 files = EncoderFiles(Path(cfg.encoder_cache_dir), vision_key(model.vision))
             budget = int(cfg.encoder_cache_gb * 2**30)
             self.encoder = EncoderCache(encode, budget, plan.device, files)
+        self.scheduler = build_scheduler(
+            cfg,
+            plan.num_blocks,
+            plan.max_model_len,
+            cfg.batched_tokens(plan.device),
+            holds_nothing if self.encoder is None else self.encoder.holds,
+        )
+        self.kv_manager: KVCacheManager = self.scheduler.kv
+        if cfg.classifier_from_token is not None:  # before bind: the lm_head as loaded
+            rows = model.head_rows(_token_ids(tokenizer, cfg.classifier_from_token))
+            model.score = token_classifier(rows, model.embed_tokens.weight.dtype)
         # Linears are measured with the threads rank 0 runs its steps with.
         with peers.rank_threads() if peers is not None else contextlib.nullcontext():
             built = build_model_runner(model, cfg, plan, peers)

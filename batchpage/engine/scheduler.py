@@ -32,6 +32,7 @@ blocks. Its decision each step is a SchedulerOutput (schedule_output.py).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from itertools import groupby
@@ -43,6 +44,7 @@ from batchpage.engine.adapter_slots import AdapterSlots
 from batchpage.engine.admission import Demand, GrowthEstimate, OutputLimits
 from batchpage.engine.beam_group import worst_case_blocks
 from batchpage.engine.config import EngineConfig
+from batchpage.engine.image_budget import ImageBudget, holds_nothing
 from batchpage.engine.input_batch import InputBatch
 from batchpage.engine.kv_manager import (
     KVCacheManager,
@@ -83,11 +85,14 @@ class Scheduler:
         growth: GrowthEstimate | None = None,
         adapters: AdapterSlots | None = None,
         max_drafts: int = 0,
+        encoder_holds: Callable[[bytes], bool] = holds_nothing,
     ) -> None:
         """With `growth` (and max_model_len, which bounds a sequence's budget), admission keeps
         room for the growth it expects; without, a sequence is admitted when its prompt fits.
         `adapters`: the LoRA slots (None: no LoRA request may come). `max_drafts`: speculative
-        decoding's drafts a row may run after its newest token (engine/drafts.py; 0: off)."""
+        decoding's drafts a row may run after its newest token (engine/drafts.py; 0: off).
+        `encoder_holds`: whether the encoder cache holds an image's rows (image_budget.py: the
+        tower's work a step starts is budgeted like its tokens)."""
         if growth is not None and max_model_len is None:
             raise ValueError("admission by expected growth needs max_model_len")
         self.kv = kv
@@ -112,6 +117,7 @@ class Scheduler:
         self.num_beams = 0
         self.num_preemptions = 0
         self.num_swaps = 0
+        self.images = ImageBudget(max_num_batched_tokens, encoder_holds)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -154,6 +160,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(self.batch)
         picks = Picks()
+        self.images.new_step()
         budget = self._schedule_beams(out, picks)
         budget = self._schedule_running(out, picks, budget)
 
@@ -241,6 +248,13 @@ class Scheduler:
                 take[count] = left
                 count += 1
         rows, take = rows[:count], take[:count]
+        # Prompt chunks over images: the vision tower's work is budgeted too (image_budget.py).
+        imaged = np.flatnonzero(
+            batch.has_images[rows] & (batch.computed[rows] < batch.num_prompt[rows])
+        )
+        for i in imaged.tolist():
+            seq = self.running[start + i]
+            take[i] = self.images.cut(seq, int(batch.computed[rows[i]]), int(take[i]))
         short = batch.computed[rows] + take > batch.table_len[rows] * bs
         tails = self.kv.shared_tails()
         if tails:  # forked sequences whose partly filled last block may be shared
@@ -259,7 +273,8 @@ class Scheduler:
                     if victim is seq:
                         break
         if count:
-            picks.many(rows[:count], take[:count])
+            run = np.flatnonzero(take[:count])  # a row cut to nothing before an image waits
+            picks.many(rows[run], take[run])
         return budget - int(take[:count].sum())
 
     def _schedule_beams(self, out: SchedulerOutput, picks: Picks) -> int:
@@ -373,11 +388,14 @@ class Scheduler:
         cached = self.kv.lend_prefix(seq)
         n = seq.num_uncomputed_tokens
         chunk = min(n, budget)
+        if seq.request.images:  # the vision tower's work is budgeted too (image_budget.py)
+            chunk = self.images.cut(seq, seq.num_computed_tokens, chunk)
         verdict = Admit.ADMITTED
         if self._waits_for_shared_prefix(seq, admitted):
             verdict = Admit.WAITS
         elif (
-            (n > budget and not self.enable_chunked_prefill)
+            chunk == 0
+            or (n > budget and not self.enable_chunked_prefill)
             or not self.kv.can_allocate(seq, chunk)
             or not self._fits(seq, demand, future)
         ):
@@ -505,10 +523,15 @@ def _copies(seq: Sequence) -> int:
 
 
 def build_scheduler(
-    cfg: EngineConfig, num_blocks: int, max_model_len: int, max_num_batched_tokens: int
+    cfg: EngineConfig,
+    num_blocks: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    encoder_holds: Callable[[bytes], bool] = holds_nothing,
 ) -> Scheduler:
     """The engine's scheduler over a KV manager of num_blocks (paged or static, as cfg says),
-    admitting by expected growth: what Engine runs, and what the simulator drives."""
+    admitting by expected growth: what Engine runs, and what the simulator drives.
+    `encoder_holds`: the encoder cache's membership (a vision-language model's)."""
     if cfg.kv_allocator == "static":
         kv: KVCacheManager = StaticKVCacheManager(num_blocks, cfg.block_size, max_model_len)
     else:
@@ -524,4 +547,5 @@ def build_scheduler(
         growth=GrowthEstimate(),
         adapters=AdapterSlots(cfg.max_loras if cfg.enable_lora else 0),
         max_drafts=cfg.num_speculative_tokens,
+        encoder_holds=encoder_holds,
     )

@@ -97,6 +97,51 @@ def test_prompts_about_the_same_picture_queue_together() -> None:
 
 
 @pytest.mark.parametrize("seed", range(6))
+def test_a_step_starts_at_most_its_budget_of_the_towers_work(seed: int) -> None:
+    """Prompts with images through the scheduler, with an encoder cache that keeps every image
+    it encoded: each step's new images (overlapping its chunks, not held) total at most the
+    token budget in rows, or are one image; every image is encoded once; every prompt ends."""
+    rng = random.Random(seed)
+    held: set[bytes] = set()
+    budget = 12
+    kv = KVCacheManager(num_blocks=256, block_size=4, prefix_caching=True)
+    sched = Scheduler(kv, 4, budget, encoder_holds=held.__contains__)
+    pictures = {f"{seed}-{k}": rng.randrange(2, 16) for k in range(5)}
+    seqs = []
+    for i in range(8):
+        tokens, images = [rng.randrange(50)], []
+        for name in rng.sample(sorted(pictures), rng.randrange(0, 3)):
+            n = pictures[name]
+            images.append(image(name, list(range(len(tokens), len(tokens) + n))))
+            tokens += [PLACEHOLDER] * n + [rng.randrange(50) for _ in range(rng.randrange(0, 3))]
+        seqs.append(seq_of(i, tokens, tuple(images)))
+    sched.add_batch(seqs)
+    encoded: list[bytes] = []
+    for _ in range(500):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        assert out.scheduled, "no progress"
+        new: dict[bytes, int] = {}
+        for s in out.scheduled:
+            a, b = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens
+            for im in s.seq.request.images:
+                if im.positions[0] < b and im.positions[-1] >= a and im.digest not in held:
+                    new[im.digest] = len(im.positions)
+        assert len(new) <= 1 or sum(new.values()) <= budget, new
+        encoded += new
+        held.update(new)
+        sampling = [s.seq for s in out.scheduled if s.completes_prefill]
+        sched.update_from_output(out)
+        for seq in sampling:
+            seq.append_token(1)
+            sched.finish(seq)
+        sched.check_integrity()
+    assert not sched.has_unfinished()
+    assert sorted(encoded) == sorted({im.digest for s in seqs for im in s.request.images})
+
+
+@pytest.mark.parametrize("seed", range(6))
 def test_each_image_position_gets_its_row_once_over_the_chunks(seed: int) -> None:
     """Prompts with images computed in random chunks: every image position is given its
     image's row exactly once, at the step row of that position (a brute-force walk)."""

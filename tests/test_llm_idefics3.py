@@ -37,7 +37,8 @@ def make_llm(folder, **kw) -> LLM:
 
 
 def params() -> SamplingParams:
-    return SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    # min_tokens as HF's min_new_tokens (hf_*_greedy): EOS masked in both until the end.
+    return SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0, ignore_eos=True)
 
 
 def test_generate_with_images_equals_transformers(idefics3) -> None:

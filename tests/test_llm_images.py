@@ -30,7 +30,8 @@ def make_llm(folder, **kw) -> LLM:
 
 
 def params() -> SamplingParams:
-    return SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    # min_tokens as HF's min_new_tokens (hf_*_greedy): EOS masked in both until the end.
+    return SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0, ignore_eos=True)
 
 
 def expanded(llm: LLM, text: str, image_token: int) -> list[int]:

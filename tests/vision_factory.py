@@ -56,40 +56,59 @@ def sample_images() -> list:
     ]
 
 
-def llava_folder(folder: Path, seed: int = 0):
-    """A float32 LLaVA (Llama text model, CLIP tower, MLP projector) with every parameter
-    random, saved with a tokenizer that has an <image> token and an image-aware chat template
-    and CLIP's processor config. Returns (folder, the HF model, the <image> token id)."""
-    from transformers import LlavaConfig, LlavaForConditionalGeneration
-
-    tok = tiny_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    tok.chat_template = IMAGE_CHATML
-    image_token = tok.convert_tokens_to_ids("<image>")
-    text = dict(
+def text_config(vocab_size: int, bos: int, eos: int) -> dict:
+    """The tiny Llama language model of every vision test checkpoint."""
+    return dict(
         model_type="llama",
-        vocab_size=len(tok),
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
+        bos_token_id=bos,
+        eos_token_id=eos,
     )
+
+
+def randomized(make, seed: int):
+    """The model `make()` builds, seeded, in float32 with every parameter random: layer norms
+    near 1 (their names do not end in `norm.weight`, which randomize_weights sets so), the rest
+    as randomize_weights."""
+    torch.manual_seed(seed)
+    model = randomize_weights(make().to(torch.float32))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layer_norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+def build_llava(text: dict, image_token: int, seed: int = 0, **changes):
+    """A float32 HF LLaVA (the `text` Llama, the tiny CLIP tower, an MLP projector), every
+    parameter random; `changes` go to its config (vision_feature_layer, ...)."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
     config = LlavaConfig(
         text_config=text,
         vision_config=VISION,
         image_token_index=image_token,
         attn_implementation="eager",
+        **changes,
     )
-    torch.manual_seed(seed)
-    model = randomize_weights(LlavaForConditionalGeneration(config).to(torch.float32))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "layer_norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-    model.eval()
+    return randomized(lambda: LlavaForConditionalGeneration(config), seed)
+
+
+def llava_folder(folder: Path, seed: int = 0):
+    """A float32 LLaVA (Llama text model, CLIP tower, MLP projector) with every parameter
+    random, saved with a tokenizer that has an <image> token and an image-aware chat template
+    and CLIP's processor config. Returns (folder, the HF model, the <image> token id)."""
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tok.chat_template = IMAGE_CHATML
+    image_token = tok.convert_tokens_to_ids("<image>")
+    text = text_config(len(tok), tok.bos_token_id, tok.eos_token_id)
+    model = build_llava(text, image_token, seed)
     save_hf_folder(model, folder, tok)
     clip_processor().save_pretrained(folder)
     return folder, model, image_token
@@ -157,17 +176,7 @@ def build_idefics3(tok, model_type: str = "idefics3", seed: int = 0, **changes):
     prefix = "SmolVLM" if model_type == "smolvlm" else "Idefics3"
     config_class = getattr(transformers, f"{prefix}Config")
     model_class = getattr(transformers, f"{prefix}ForConditionalGeneration")
-    text = dict(
-        model_type="llama",
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
+    text = text_config(len(tok), tok.bos_token_id, tok.eos_token_id)
     config = config_class(
         text_config=text,
         vision_config=IDEFICS3_VISION,
@@ -176,13 +185,7 @@ def build_idefics3(tok, model_type: str = "idefics3", seed: int = 0, **changes):
         attn_implementation="eager",
         **changes,
     )
-    torch.manual_seed(seed)
-    model = randomize_weights(model_class(config).to(torch.float32))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "layer_norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-    return model.eval()
+    return randomized(lambda: model_class(config), seed)
 
 
 def idefics3_folder(folder: Path, model_type: str = "idefics3", seed: int = 0):

@@ -37,56 +37,29 @@ from tests.model_factory import (
     new_kv_cache,
     prefill_logits,
     prefill_meta,
-    randomize_weights,
     save_hf_folder,
     tiny_tokenizer,
 )
+from tests.vision_factory import VISION, text_config
+from tests.vision_factory import build_llava as build_hf_llava
 
 Image = require("PIL.Image", "dev")
 skimage_data = require("skimage.data", "dev")
 
 ATOL = 1e-5
 VOCAB, IMAGE_TOKEN = 320, 319
-TEXT = dict(
-    model_type="llama",
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-VISION = dict(
-    model_type="clip_vision_model",
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    image_size=30,
-    patch_size=6,
-)
+TEXT = text_config(VOCAB, 1, 2)
 
 
 def build_llava(feature_layer: int | list[int] = -2, select: str = "default", seed: int = 0):
-    """A float32 HF LLaVA (Llama text model, CLIP tower) with every parameter random: layer
-    norms near 1 (their names do not end in `norm.weight`), the rest as randomize_weights."""
-    config = LlavaConfig(
-        text_config=TEXT,
-        vision_config=VISION,
-        image_token_index=IMAGE_TOKEN,
+    """A float32 HF LLaVA of the tiny shapes, every parameter random (vision_factory)."""
+    return build_hf_llava(
+        TEXT,
+        IMAGE_TOKEN,
+        seed,
         vision_feature_layer=feature_layer,
         vision_feature_select_strategy=select,
-        attn_implementation="eager",
     )
-    torch.manual_seed(seed)
-    model = randomize_weights(LlavaForConditionalGeneration(config).to(torch.float32))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "layer_norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-    return model.eval()
 
 
 def processor() -> CLIPImageProcessorPil:

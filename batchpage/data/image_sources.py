@@ -13,20 +13,29 @@ from __future__ import annotations
 import hashlib
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from batchpage.data.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, ImageLimits
 from batchpage.data.input_files import DatasetError
 
-if TYPE_CHECKING:
-    from batchpage.data.spec import DatasetSpec
+
+class ImageOptions(Protocol):
+    """The dataset's image options (DatasetSpec has them; named here by shape, since the spec
+    reads rows through this module)."""
+
+    image_column: str | None
+    max_image_pixels: int | float
+    max_image_bytes: int | float
+    allow_image_http: bool
+    image_http_timeout_s: int | float
+
 
 # How the job's user names ImageLimits' settings (ImageLimits.option).
 OPTION_PREFIX = "dataset."
 _IMAGE_TYPES = (bytes, bytearray, memoryview, str, dict)
 
 
-def check_image_options(spec: DatasetSpec) -> None:
+def check_image_options(spec: ImageOptions) -> None:
     """DatasetError (one line, before the model loads) for an image bound that is not a
     positive number."""
     for name in ("max_image_pixels", "max_image_bytes", "image_http_timeout_s"):
@@ -37,7 +46,7 @@ def check_image_options(spec: DatasetSpec) -> None:
             raise DatasetError(f"{OPTION_PREFIX}{name}={value} must be finite")
 
 
-def image_fingerprint(spec: DatasetSpec) -> dict[str, Any]:
+def image_fingerprint(spec: ImageOptions) -> dict[str, Any]:
     """The fingerprint's image settings: what decides which rows' images are read (and so which
     rows fail); only those set otherwise than their defaults, so other jobs keep their key."""
     key: dict[str, Any] = {}
@@ -53,7 +62,7 @@ def image_fingerprint(spec: DatasetSpec) -> dict[str, Any]:
     return key
 
 
-def image_limits(spec: DatasetSpec, base_dir: Path | None = None) -> ImageLimits:
+def image_limits(spec: ImageOptions, base_dir: Path | None = None) -> ImageLimits:
     """What the job reads of each image (the dataset.*image* options); relative paths from
     base_dir."""
     return ImageLimits(

@@ -162,7 +162,8 @@ def test_the_callers_image_is_not_the_one_returned(photo: np.ndarray) -> None:
 
 
 def test_rgb_conversion_is_transformers(photo: np.ndarray) -> None:
-    convert_to_rgb = pytest.importorskip("transformers.image_transforms").convert_to_rgb
+    from transformers.image_transforms import convert_to_rgb
+
     rng = np.random.default_rng(0)
     alpha = rng.integers(0, 256, photo.shape[:2], dtype=np.uint8)
     rgba = Image.fromarray(np.dstack([photo, alpha]))

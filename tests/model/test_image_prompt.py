@@ -115,8 +115,9 @@ def test_the_processor_is_transformers_pil_one_loaded_silently(folder: Path, pho
     # (Another test's leftovers collected meanwhile are not this test's business.)
     said.messages += [str(w.message) for w in caught if w.category is not ResourceWarning]
     assert not said.messages
-    backends = pytest.importorskip("transformers.image_processing_backends")
-    assert isinstance(prompts.processor, backends.PilBackend)
+    from transformers.image_processing_backends import PilBackend
+
+    assert isinstance(prompts.processor, PilBackend)
 
 
 def test_pixel_values_are_transformers_clip_processors(prompts: ImagePrompts, photos: list) -> None:

@@ -58,6 +58,7 @@ from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
 from batchpage.model.score_head import token_classifier
 from batchpage.model.tokenizer import Tokenizer
+from batchpage.model.vision_lm import VisionLanguageModel
 from batchpage.speculative.verify import accepted_counts
 
 log = logging.getLogger(__name__)
@@ -89,13 +90,12 @@ class Engine:
         # A vision-language model's encoder rows by image content (engine/encoder_cache.py); the
         # tower's key for rows on disk is hashed before bind packs its linears.
         self.encoder = None
-        encode = getattr(model, "encode_images", None)
-        if encode is not None:
+        if isinstance(model, VisionLanguageModel):
             files = None
             if cfg.encoder_cache_dir is not None:
                 files = EncoderFiles(Path(cfg.encoder_cache_dir), vision_key(model.vision))
             budget = int(cfg.encoder_cache_gb * 2**30)
-            self.encoder = EncoderCache(encode, budget, plan.device, files)
+            self.encoder = EncoderCache(model.encode_images, budget, plan.device, files)
         self.scheduler = build_scheduler(
             cfg,
             plan.num_blocks,

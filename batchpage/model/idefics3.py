@@ -19,12 +19,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from batchpage.model.config import ModelConfig
 from batchpage.model.layers import linear
-from batchpage.model.llama import LlamaForCausalLM
-from batchpage.model.shard import TensorShard
 from batchpage.model.siglip_vision import SiglipVisionTower, patch_mask
 from batchpage.model.vision_config import VisionConfig
+from batchpage.model.vision_lm import VisionLanguageModel
 from batchpage.ops.linear import LinearOp
 
 _TEXT = ("model.text_model.", "model.")
@@ -67,25 +65,9 @@ def real_tiles(pixels: torch.Tensor) -> torch.Tensor:
     return pixels.flatten(-3).ne(0).any(dim=-1)
 
 
-class Idefics3ForConditionalGeneration(LlamaForCausalLM):
+class Idefics3ForConditionalGeneration(VisionLanguageModel):
+    VISION = Idefics3Vision
     family = "idefics3"
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        max_positions: int | None = None,
-        shard: TensorShard | None = None,
-    ):
-        """The tower and projection are whole on every tensor-parallel rank (small beside the
-        language model, run once per image)."""
-        super().__init__(cfg, dtype=dtype, device=device, max_positions=max_positions, shard=shard)
-        if cfg.vision is None:
-            raise ValueError("an Idefics3 model needs its VisionConfig (ModelConfig.vision)")
-        where = torch.device(device if device is not None else "cpu")
-        self.vision = Idefics3Vision(cfg.vision, cfg.hidden_size, dtype, where)
 
     @torch.no_grad()
     def encode_images(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:

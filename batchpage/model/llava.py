@@ -21,11 +21,9 @@ import torch
 from torch import nn
 
 from batchpage.model.clip_vision import ACTIVATIONS, ClipVisionTower
-from batchpage.model.config import ModelConfig
 from batchpage.model.layers import linear
-from batchpage.model.llama import LlamaForCausalLM
-from batchpage.model.shard import TensorShard
 from batchpage.model.vision_config import VisionConfig
+from batchpage.model.vision_lm import VisionLanguageModel
 from batchpage.ops.linear import LinearOp
 
 # The checkpoint's language-model prefixes -> CausalLM's names.
@@ -77,25 +75,9 @@ class LlavaVision(nn.Module):
         return self.projector(torch.cat(states, dim=-1))
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
+class LlavaForConditionalGeneration(VisionLanguageModel):
+    VISION = LlavaVision
     family = "llava"
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        max_positions: int | None = None,
-        shard: TensorShard | None = None,
-    ):
-        """The tower and projector are whole on every tensor-parallel rank (they are small
-        beside the language model, and run once per image)."""
-        super().__init__(cfg, dtype=dtype, device=device, max_positions=max_positions, shard=shard)
-        if cfg.vision is None:
-            raise ValueError("a LLaVA model needs its VisionConfig (ModelConfig.vision)")
-        where = torch.device(device if device is not None else "cpu")
-        self.vision = LlavaVision(cfg.vision, cfg.hidden_size, dtype, where)
 
     @torch.no_grad()
     def encode_images(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:

@@ -1,0 +1,48 @@
+"""What every vision-language family shares: a Llama language model behind a vision tower.
+
+A family says which module is its tower and projector (`VISION`, built from ModelConfig.vision)
+and how an image's processor outputs become its embedding rows (`encode_images`); the engine
+feeds those rows in place of the image's placeholder embeddings (CausalLM.forward's `embeds`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from batchpage.model.config import ModelConfig
+from batchpage.model.llama import LlamaForCausalLM
+from batchpage.model.shard import TensorShard
+from batchpage.model.vision_config import VisionConfig
+
+VisionFactory = Callable[[VisionConfig, int, torch.dtype, torch.device], nn.Module]
+
+
+class VisionLanguageModel(LlamaForCausalLM):
+    # (the VisionConfig, the text model's hidden size, dtype, device) -> the tower + projector
+    VISION: ClassVar[VisionFactory]
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        max_positions: int | None = None,
+        shard: TensorShard | None = None,
+    ):
+        """The tower and projector are whole on every tensor-parallel rank (small beside the
+        language model, run once per image)."""
+        super().__init__(cfg, dtype=dtype, device=device, max_positions=max_positions, shard=shard)
+        if cfg.vision is None:
+            raise ValueError(f"a {self.family} model needs its VisionConfig (ModelConfig.vision)")
+        where = torch.device(device if device is not None else "cpu")
+        self.vision = type(self).VISION(cfg.vision, cfg.hidden_size, dtype, where)
+
+    def encode_images(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each image's processor outputs -> its embedding rows [rows, text hidden] in the
+        model's dtype, in the order of `inputs`, as HF's get_image_features."""
+        raise NotImplementedError(f"{type(self).__name__} must encode its images")

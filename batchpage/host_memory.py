@@ -72,6 +72,45 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     return end > start and madvise(start, end - start, MADV_HUGEPAGE) == 0
 
 
+SMAPS = Path("/proc/self/smaps")
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_pages_advisable(mode: Path | None = None) -> bool:
+    """Whether advise_huge_pages gets 2 MiB pages here: transparent huge pages in "always" or
+    "madvise" mode (`mode`: the sysfs file, THP_MODE by default)."""
+    try:
+        chosen = (mode or THP_MODE).read_text().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return False
+    return chosen in ("always", "madvise")
+
+
+def resident_bytes(tensors: list[torch.Tensor], smaps: Path | None = None) -> int:
+    """The resident bytes of the CPU tensors' memory (the pages written so far of a pool mapped
+    untouched), from this process's /proc/self/smaps: each mapping's Rss, pro rata to the part
+    of it the tensors cover. 0 where smaps cannot be read."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors if t.nbytes)
+    if not spans:
+        return 0
+    try:
+        text = (smaps or SMAPS).read_text()
+    except OSError:
+        return 0
+    total = 0.0
+    start = end = 0
+    for line in text.splitlines():
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            a, b = head.split("-")
+            start, end = int(a, 16), int(b, 16)
+        elif head == "Rss:" and end > start:
+            covered = sum(max(0, min(end, hi) - max(start, lo)) for lo, hi in spans)
+            if covered:
+                total += int(line.split()[1]) * 1024 * covered / (end - start)
+    return int(total)
+
+
 MEMINFO = Path("/proc/meminfo")
 CGROUP = Path("/sys/fs/cgroup")  # cgroup v2: this process's group, as a container sees it
 

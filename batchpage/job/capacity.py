@@ -53,13 +53,13 @@ def job_capacity(
         load_s = time.perf_counter() - started
     try:
         if llm is not None and cal is None and any(d.name == "this" for d in devices):
-            cal = calibrate(llm, source, load_s)
+            cal = calibrate(llm, source, load_s, runtime_bytes=runtime)
         lengths, facts = lengths_for(wanted, llm, sample)
     finally:
         if llm is not None and llm.workers is not None:  # tensor-parallel ranks
             llm.workers.close()
     here = HereFacts(eplan, weight_bytes(source, eplan.dtype), cal, setup_s, io_s, runtime,
-                     blocks_used)  # fmt: skip
+                     blocks_used, cal.engine_bytes if cal else None)  # fmt: skip
     result = plan_capacity(sample, engine, source, here, devices, lengths, full_batch_blocks)
     found = result.as_dict()
     if not found["devices"]:

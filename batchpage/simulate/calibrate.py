@@ -25,11 +25,13 @@ import torch
 from batchpage.cpu_info import cpu_flags, cpu_model
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.sequence import Request
+from batchpage.host_memory import resident_bytes
 from batchpage.model.loader import ModelSource
 from batchpage.sampling_params import SamplingParams
 from batchpage.simulate.devices import DeviceSpec, cuda_datasheet, this_cpu
 from batchpage.simulate.fit import FitGroup, fit_efficiency
 from batchpage.simulate.measured import CALIBRATION_VERSION, CalibrationCache, MeasuredDevice
+from batchpage.simulate.memory import host_runtime_bytes
 from batchpage.simulate.simulator import SimRequest, simulate
 from batchpage.simulate.step_cost import Efficiency, ModelShape, StepCost, StepWork
 
@@ -42,6 +44,8 @@ _ENGINE_KEYS = (
 
 # Rounds of the calibration runs at most (a fast model repeats them until min_seconds).
 MAX_ROUNDS = 5
+# Prompt tokens the sequences of the shared-prefix run have alike.
+SHARED_PREFIX = 256
 # Seconds of prefill the long-context run may take (its sequences are sized to them).
 LONG_RUN_SECONDS = 3.0
 
@@ -51,6 +55,7 @@ class CalibrationRun(NamedTuple):
     prompt_tokens: int
     output_tokens: int
     output_spread: int = 0  # request i generates output_tokens + i % (spread + 1)
+    shared: int = 0  # of prompt_tokens, the first ones every sequence of the run has alike
 
     def outputs(self) -> list[int]:
         return [self.output_tokens + i % (self.output_spread + 1) for i in range(self.sequences)]
@@ -59,14 +64,17 @@ class CalibrationRun(NamedTuple):
 def calibration_runs(cfg: EngineConfig) -> list[CalibrationRun]:
     """The timed runs of short contexts: decodes at 1, 8 and 32 running, whose prompts (of 16
     and 64 tokens, so that a prompt token's own cost and its attention's come apart) fill
-    prefill chunks too; and one and a half max_num_seqs (at most 384) of short prompts whose
-    outputs differ in length, so that steps mix admissions with decodes as a job's do."""
+    prefill chunks too; decodes of 32 sequences behind one shared prefix (its K/V read by every
+    one of them, as a job's system prompt is); and one and a half max_num_seqs (at most 384) of
+    short prompts whose outputs differ in length, so that steps mix admissions with decodes as
+    a job's do."""
     most = cfg.max_num_seqs
     return [
         CalibrationRun(1, 16, 16),
         CalibrationRun(min(8, most), 16, 12),
         CalibrationRun(min(32, most), 16, 8),
         CalibrationRun(min(8, most), 64, 8),
+        CalibrationRun(min(32, most), SHARED_PREFIX + 8, 12, shared=SHARED_PREFIX),
         CalibrationRun(min(384, most * 3 // 2), 4, 2, output_spread=8),
     ]
 
@@ -123,13 +131,16 @@ def cached_calibration(llm_config: EngineConfig, source: ModelSource, dtype: tor
 
 
 def calibrate(
-    llm: Any, source: ModelSource, load_s: float | None = None, min_seconds: float = 2.0
-) -> MeasuredDevice:
+    llm: Any, source: ModelSource, load_s: float | None = None, min_seconds: float = 2.0,
+    runtime_bytes: int | None = None,
+) -> MeasuredDevice:  # fmt: skip
     """Time the calibration runs on `llm`'s engine (an LLM, untyped here: batchpage.llm imports
     this package), fit this machine's Efficiency, cache it and return it. The runs repeat (new
     prompts each round, at most MAX_ROUNDS) until they have taken `min_seconds`, so that a
     fast model's few milliseconds are not all noise. `load_s`: how long LLM(...) took,
-    recorded without the linears' measuring."""
+    recorded without the linears' measuring; `runtime_bytes`: the process's resident bytes
+    before LLM(...), so that what the engine holds beyond its weights and K/V is measured
+    (on a CPU engine without tensor-parallel workers)."""
     plan, cfg = llm.plan, llm.config
     spec = this_device(plan.device, plan.dtype)
     weight_bytes = int(llm.engine.weight_bytes)
@@ -142,7 +153,9 @@ def calibrate(
     _time_run(llm, CalibrationRun(2, 8, 2), rng, vocab)  # first calls: allocations, primitives
     groups: dict[str, FitGroup] = {}
     started = time.perf_counter()
-    runs = calibration_runs(cfg)
+    fits = plan.max_model_len
+    runs = [r for r in calibration_runs(cfg) if r.prompt_tokens + max(r.outputs()) <= fits]
+    first_round = len(runs)
     for _ in range(MAX_ROUNDS):
         for run in runs:
             prompts, steps = _time_run(llm, run, rng, vocab)
@@ -153,7 +166,7 @@ def calibrate(
                 was = groups.get(kind, FitGroup([], 0.0))
                 groups[kind] = FitGroup([*was.works, *group.works], was.measured_s +
                                         group.measured_s, was.fixed_s + group.fixed_s)  # fmt: skip
-        if len(runs) == len(calibration_runs(cfg)):  # after the first round: its prefill rate
+        if len(runs) == first_round:  # after the first round: its prefill rate
             runs = [*runs, long_context_run(cfg, plan.max_model_len, _prefill_rate(groups))]
         elif time.perf_counter() - started >= min_seconds:
             break
@@ -169,16 +182,29 @@ def calibrate(
          "modelled_s": sum(fitted.seconds(w) for w in g.works) + g.fixed_s}
         for kind, g in groups.items()
     ]  # fmt: skip
+    held = _engine_bytes(llm, runtime_bytes, weight_bytes)
     measuring = float(llm.engine.linear_measurement.get("seconds", 0.0) or 0.0)
     key = calibration_key(cfg, source, plan.dtype, plan.device)
     measured = MeasuredDevice(
         spec, eff, f"calibrated {time.strftime('%Y-%m-%d %H:%M')}",
         load_s=None if load_s is None else max(0.0, load_s - measuring),
         weight_bytes=weight_bytes, per_request_s=_per_request(llm, rng, vocab), checks=checks,
-        key=key,
+        key=key, engine_bytes=held,
     )  # fmt: skip
     CalibrationCache(key).put(measured)
     return measured
+
+
+def _engine_bytes(llm: Any, runtime_bytes: int | None, weight_bytes: int) -> int | None:
+    """What the process holds now beyond what it held before LLM(...), the weights and the K/V
+    pages written: the step's working memory (the allocator keeps a step's freed temporaries:
+    host_memory.keep_freed_memory) and the engine's buffers and libraries. None where it is not
+    measured: no `runtime_bytes`, a GPU, or ranks in other processes."""
+    if runtime_bytes is None or llm.plan.device.type != "cpu" or llm.workers is not None:
+        return None
+    kv = llm.engine.runner.kv
+    pages = resident_bytes([*kv.k, *kv.v])
+    return max(0, host_runtime_bytes() - runtime_bytes - weight_bytes - pages)
 
 
 def _prefill_rate(groups: dict[str, FitGroup]) -> float:
@@ -194,6 +220,8 @@ def _groups(
     """A run's steps with prompt tokens and its decode-only steps, as two fit groups; the whole
     run as one where the engine took other steps than the replay (it should not)."""
     tag = f"{run.sequences}x{run.prompt_tokens}+{run.output_tokens}"
+    if run.shared:
+        tag += f" ({run.shared} shared)"
     if len(works) != len(steps):
         return [(f"{tag} all", FitGroup(works, sum(steps), fixed_s))]
     out = []
@@ -244,6 +272,8 @@ def _time_run(
 
 
 def _prompts(run: CalibrationRun, rng: random.Random, vocab: int) -> list[list[int]]:
-    """Random token ids (above the first few, which tokenizers keep for special tokens)."""
-    length = run.prompt_tokens
-    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(run.sequences)]
+    """Random token ids (above the first few, which tokenizers keep for special tokens), the
+    first `run.shared` of them alike in every prompt."""
+    shared = [rng.randrange(3, vocab) for _ in range(run.shared)]
+    own = run.prompt_tokens - run.shared
+    return [shared + [rng.randrange(3, vocab) for _ in range(own)] for _ in range(run.sequences)]

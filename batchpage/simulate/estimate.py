@@ -59,6 +59,9 @@ class HereFacts:
     # engine loads; None: now (memory.host_runtime_bytes).
     runtime_bytes: int | None = None
     blocks_used: int | None = None  # KV blocks the job allocates in all (None: unknown)
+    # The step's working memory a calibration measured in a process that started bare, as a
+    # job's does (None: modelled; a process that holds its engine already counts it in runtime).
+    engine_bytes: int | None = None
 
 
 def plan_capacity(
@@ -89,7 +92,7 @@ def plan_capacity(
     )  # fmt: skip
     runtime = here.runtime_bytes if here.runtime_bytes is not None else host_runtime_bytes()
     memory = job_memory(pool, cfg, model, weights, spec, tp, runtime if on_cpu else None,
-                        here.blocks_used)  # fmt: skip
+                        here.blocks_used, here.engine_bytes)  # fmt: skip
     shape = ModelShape.of(model, weights / max(1, source.num_weights), here.plan.dtype.itemsize)
     if cal is None and full_batch_blocks is not None and full_batch_blocks <= pool.num_blocks:
         unneeded = {"preemptions": 0, "recomputed_tokens": 0, "simulated": False}

@@ -23,7 +23,7 @@ from batchpage.simulate.step_cost import Efficiency
 log = logging.getLogger(__name__)
 
 # Bump when the calibration's steps or the fit change: cached calibrations are then measured again.
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,9 @@ class MeasuredDevice:
     # Each calibration group: its kind, measured and modelled seconds.
     checks: list[dict[str, Any]] = field(default_factory=list)
     key: dict[str, str] = field(default_factory=dict)  # what decides the calibration
+    # On a CPU: what the engine held after the calibration's steps beyond its weights and K/V
+    # pages (activations the allocator keeps, kernel buffers, libraries); None: not measured.
+    engine_bytes: int | None = None
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -59,6 +62,7 @@ class MeasuredDevice:
                 float(data.get("per_request_s", 0.0)),
                 list(data.get("checks", [])),
                 dict(data.get("key", {})),
+                data.get("engine_bytes"),
             )
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
             raise ValueError(f"not a measured device ({type(e).__name__}: {e})") from None

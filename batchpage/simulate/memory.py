@@ -4,9 +4,14 @@ On this machine the pool is the engine plan's (plan_engine: the very blocks LLM(
 and the weights are what the checkpoint's headers count at the dtype (or, once a calibration
 has loaded the model, what the loaded model holds). On a named GPU the pool is what plan_engine
 would cut from the datasheet's memory: kv_cache_memory's bytes as given, or its fraction (0.9
-unset) of what the weights leave. Activations are modelled, not measured: the largest step's
-hidden states through one layer at a time (the residual, the normed copy, q/k/v, the attention
-output, the MLP's gate/up and activation) and the logits of the rows that sample (float32).
+unset) of what the weights leave. A CPU pool's pages are resident as its blocks are first
+written, each of its tensors (a K and a V per layer) in whole 2 MiB pages where huge pages are
+advised (host_memory.py). The step's working memory is measured on a calibrated CPU (what the engine
+held beyond its weights and K/V pages after the calibration's steps: activations the allocator
+keeps, kernel buffers and libraries: simulate/calibrate.py), and modelled where it is not: the
+largest step's hidden states through one layer at a time (the residual, the normed copy,
+q/k/v, the attention output, the MLP's gate/up and activation) and the logits of the rows that
+sample (float32).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from batchpage.cache.kv_cache import bytes_per_block
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.plan import WORKER_BASE_BYTES, EnginePlan, _capped_length
+from batchpage.host_memory import huge_pages_advisable
 from batchpage.model.config import ModelConfig
 from batchpage.model.loader import ModelSource, resolve_dtype
 from batchpage.model.shard import shard_config
@@ -27,6 +33,7 @@ from batchpage.simulate.devices import DeviceSpec
 # What a CUDA process holds on its device before the engine allocates (the context, cuBLAS's
 # workspace): an allowance, in the order of what such a context takes.
 CUDA_CONTEXT_BYTES = 768 << 20
+_HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
 
 
 @dataclass(frozen=True)
@@ -128,20 +135,35 @@ def host_runtime_bytes() -> int:
         return 0
 
 
+def touched_pool_bytes(pool: Pool, blocks: int, tensors: int, huge: bool) -> int:
+    """The resident bytes of a CPU pool (one rank's) whose first `blocks` blocks were written,
+    spread over its `tensors` mappings (a K and a V per layer), each in whole 2 MiB pages where
+    `huge` pages are advised."""
+    per_tensor = blocks * pool.block_bytes // tensors
+    if huge:
+        whole = pool.num_blocks * pool.block_bytes // tensors
+        per_tensor = min(whole, -(-per_tensor // _HUGE_PAGE) * _HUGE_PAGE)
+    return per_tensor * tensors
+
+
 def job_memory(
     pool: Pool, cfg: EngineConfig, model: ModelConfig, weights: int, spec: DeviceSpec, tp: int,
-    runtime: int | None = None, blocks_used: int | None = None,
+    runtime: int | None = None, blocks_used: int | None = None, engine: int | None = None,
 ) -> Memory:  # fmt: skip
     """The peak: on the host (`runtime`: the process's own bytes, for a CPU engine: every
     rank's share, the workers), or on each of `tp` GPUs (None: one rank's share and a CUDA
     context). A CPU pool's pages are backed as its blocks are first written, and the pool
     hands out blocks first in, first out, so a job that allocates `blocks_used` blocks in all
-    (None: unknown) holds that many of the pool's, at most all of them."""
+    (None: unknown) holds that many of the pool's, at most all of them. `engine`: the step's
+    working memory as a calibration measured it (None: modelled)."""
     rows = cfg.max_num_seqs
     act = activation_bytes(model, pool.batched_tokens, rows, pool.dtype, tp)
     if runtime is not None:
         touched = pool.num_blocks if blocks_used is None else min(pool.num_blocks, blocks_used)
-        kv = touched * pool.block_bytes * tp  # CPU ranks share the host: each its heads' share
+        huge = huge_pages_advisable()
+        # CPU ranks share the host: each its heads' share
+        kv = touched_pool_bytes(pool, touched, 2 * model.num_layers, huge) * tp
         workers = (tp - 1) * WORKER_BASE_BYTES
-        return Memory(weights, kv, act * tp, workers, runtime, int(spec.memory))
+        working = act * tp if engine is None else engine
+        return Memory(weights, kv, working, workers, runtime, int(spec.memory))
     return Memory(weights // tp, pool.bytes, act, 0, CUDA_CONTEXT_BYTES, int(spec.memory))

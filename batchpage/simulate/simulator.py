@@ -253,6 +253,7 @@ class _Run:
                 out.scheduled]  # fmt: skip
         prefill = [s.seq.is_prefilling for s in out.scheduled]
         work = cost.work(rows)
+        work.read_once(_repeated_context(out, self.block_size))
         seconds = cost.seconds(work)
         swap = _swap_seconds(out, cost, self.block_size)
         result.seconds += seconds + swap
@@ -263,9 +264,9 @@ class _Run:
             result.decode_seconds += seconds
             return
         if not all(prefill):
-            decodes = cost.seconds(
-                cost.work(r for r, p in zip(rows, prefill, strict=True) if not p)
-            )
+            alone = cost.work(r for r, p in zip(rows, prefill, strict=True) if not p)
+            alone.read_once(_repeated_context(out, self.block_size, decodes_only=True))
+            decodes = cost.seconds(alone)
             result.decode_seconds += decodes
             seconds -= decodes
         again = sum(
@@ -276,6 +277,23 @@ class _Run:
         share = again / sum(r[0] for r, p in zip(rows, prefill, strict=True) if p)
         result.recompute_seconds += seconds * share
         result.prefill_seconds += seconds * (1 - share)
+
+
+def _repeated_context(out: SchedulerOutput, block_size: int, decodes_only: bool = False) -> int:
+    """Context tokens of the step's sequences (of its decodes alone with `decodes_only`) in
+    blocks that an earlier one of them reads too: a shared prefix's blocks, which the step reads
+    from memory once."""
+    seen: set[int] = set()
+    listed = 0
+    for s in out.scheduled:
+        seq = s.seq
+        if decodes_only and seq.is_prefilling:
+            continue
+        full = seq.num_computed_tokens // block_size  # a partial block is never shared
+        blocks = seq.block_table[:full]
+        listed += len(blocks)
+        seen.update(blocks)
+    return (listed - len(seen)) * block_size
 
 
 def _sequence(index: int, r: SimRequest, max_model_len: int) -> Sequence:

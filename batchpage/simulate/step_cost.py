@@ -9,7 +9,9 @@ Work of a step whose sequences compute `new` tokens each after `context` cached 
   head_dim FLOPs per key; a chunk of `new` tokens after `context` sees context + (new + 1) / 2
   keys on average (causal);
 - bytes: every weight once (the step's matmuls stream them), each sequence's K/V read
-  (context + new tokens) and written (new tokens);
+  (context + new tokens) and written (new tokens), except that a block several of the step's
+  sequences read (a shared prefix's, from the radix cache) is read from memory once: the other
+  reads find it in the CPU's caches or the GPU's L2;
 - under tensor parallelism each rank holds 1/tp of the weights, heads and K/V, and each layer
   all-reduces its attention and MLP outputs: 2 all-reduces of [tokens, hidden] a layer.
 
@@ -118,6 +120,11 @@ class StepWork:
         self.tokens += new
         self.seqs += 1
         self.prefills += new > 1 or context == 0
+
+    def read_once(self, tokens: int) -> None:
+        """`tokens` of the context `add` counted are read again by another sequence of the step
+        (blocks of a shared prefix): the step reads their K/V from memory once, not again."""
+        self.bytes -= tokens * self.shape.kv_bytes_per_token / self.tp
 
     @property
     def allreduce_bytes(self) -> float:

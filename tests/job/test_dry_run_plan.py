@@ -20,10 +20,12 @@ from safetensors import safe_open
 from batchpage import LLM, SamplingParams
 from batchpage.data import DatasetSpec
 from batchpage.engine.config import EngineConfig
+from batchpage.host_memory import huge_pages_advisable
 from batchpage.job import run_job
 from batchpage.job.config import JobConfig, ModelSpec, SamplingConfig
 from batchpage.job.dry_run import dry_run
 from batchpage.job.plan_options import PlanConfig
+from batchpage.model.loader import resolve_model_source
 from batchpage.run import _print_report, compose_job
 from batchpage.simulate.devices import GPUS
 from batchpage.simulate.measured import MeasuredDevice
@@ -98,8 +100,15 @@ def test_the_report_gives_kv_bytes_and_memory_from_the_checkpoint(tmp_path, tiny
     assert memory["weights"] == elements * 4  # float32, from the headers: nothing loaded
     assert here["kv_pool_bytes"] == report["kv_bytes_pool"]
     # A CPU pool's pages are backed as blocks are first written, first in first out: the
-    # job's rows' blocks (shared prefixes once), or the whole pool.
-    assert memory["kv_pool"] == min(report["kv_bytes_pool"], report["kv_bytes_all_rows_shared"])
+    # job's rows' blocks (shared prefixes once), or the whole pool; each layer's K and V in
+    # whole huge pages where they are advised.
+    blocks = min(report["kv_blocks_pool"], report["kv_blocks_all_rows_shared"])
+    tensors = 2 * resolve_model_source(str(tiny_folder)).config.num_layers
+    written = blocks * per_block // tensors
+    if huge_pages_advisable():
+        whole = report["kv_bytes_pool"] // tensors
+        written = min(whole, -(-written // (2 << 20)) * (2 << 20))
+    assert memory["kv_pool"] == written * tensors
     parts = ("weights", "kv_pool", "activations", "workers", "runtime")
     assert memory["total"] == sum(memory[p] for p in parts) and memory["runtime"] > 0
     # Not asked for a wall time; the pool holds max_num_seqs of the longest rows, so nothing

@@ -5,6 +5,7 @@ the same scheduler), and a step's work against a FLOP count of HF transformers' 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from batchpage.engine.config import EngineConfig
 from batchpage.model.loader import resolve_model_source
 from batchpage.simulate.devices import DeviceSpec
 from batchpage.simulate.simulator import SimRequest, simulate
-from batchpage.simulate.step_cost import Efficiency, ModelShape, StepCost
+from batchpage.simulate.step_cost import Efficiency, ModelShape, StepCost, StepWork
 from tests.engine.speculation import Oracle, WeightBound
 
 ENGINE = {"dtype": "float32", "max_model_len": 256, "block_size": 8}
@@ -140,3 +141,37 @@ def test_a_decode_steps_flops_are_hf_transformers(tiny_folder: Path) -> None:
     shape = cost.shape
     assert shape.num_weights == sum(p.numel() for p in hf.parameters())
     assert asdict(shape)["kv_heads"] == hf.config.num_key_value_heads
+
+
+def test_a_shared_prefix_is_read_once_a_step(tiny_folder: Path) -> None:
+    """Sequences behind one prefix of 5 full blocks (block size 8): once the first has
+    published it, the others take it from the radix cache, and a step's K/V bytes count it
+    once: brute force from each step's (new, context) rows, the prefix's 40 tokens subtracted
+    for every sequence past the first that reads them."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 300) for _ in range(40)]
+    tails = [[rng.randrange(3, 300) for _ in range(3 + i)] for i in range(6)]
+    reqs = [SimRequest(prefix + t, 4, 4) for t in tails]
+    cfg = EngineConfig(**ENGINE, kv_cache_memory=2**21)
+    base = cost_of(tiny_folder)
+    steps: list[tuple[list[tuple[int, int, bool]], StepWork]] = []
+
+    class Recorded(StepCost):
+        def work(self, seqs: Iterable[tuple[int, int, bool]]) -> StepWork:
+            rows = list(seqs)
+            done = super().work(rows)
+            steps.append((rows, done))
+            return done
+
+    got = simulate(reqs, cfg, 512, 256, Recorded(base.shape, base.device, base.eff), 512)
+    assert got.cached_prompt_tokens == 40 * (len(reqs) - 1)
+    per_token = base.shape.kv_bytes_per_token
+    weights = base.shape.num_weights * base.shape.weight_bytes
+    shared_steps = 0
+    for rows, work in steps:
+        readers = sum(context >= 40 for _, context, _ in rows)
+        repeats = max(0, readers - 1) * 40
+        shared_steps += repeats > 0
+        listed = sum(context + 2 * new for new, context, _ in rows)
+        assert work.bytes == pytest.approx(weights + (listed - repeats) * per_token)
+    assert shared_steps >= 3

@@ -75,6 +75,24 @@ class Constraint:
                 return StopHit(stop, end)
         return None
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order from where the grammar stands, it accepts before one
+        it rejects or one that ends it (the drafts a row may run: speculative decoding; the
+        position after an end has no mask to draw from, and the row draws the end itself);
+        the matcher is left where it was."""
+        taken = 0
+        for token in tokens:
+            if not self.matcher.accept_token(int(token)):
+                break
+            taken += 1
+            if self.matcher.is_terminated():
+                taken -= 1
+                self.matcher.rollback(1)
+                break
+        if taken:
+            self.matcher.rollback(taken)
+        return taken
+
     def is_complete(self, text: str) -> bool:
         """Whether ``text`` is a whole sentence of the grammar (checked on a fresh matcher)."""
         matcher = self._new_matcher()
@@ -89,14 +107,35 @@ class GrammarMasks:
         self.vocab_size = vocab_size  # the logits' width
         self._batch = xgr.BatchGrammarMatcher()
 
-    def fill(self, constraints: Sequence[Constraint | None]) -> TokenMask | None:
-        """The mask for the rows whose constraint is set; None when no row has one."""
+    def fill(
+        self,
+        constraints: Sequence[Constraint | None],
+        drafted: Sequence[Sequence[int]] | None = None,
+    ) -> TokenMask | None:
+        """The mask for the rows whose constraint is set; None when no row has one. A row that
+        ran drafts (speculative decoding) has a logits row per position: `drafted[i]` are the
+        drafts before row i's position (its row's first offset drafts), and row i's mask is
+        the grammar's after them. The positions are filled depth by depth, each matcher taking
+        its draft between, then rolled back: every matcher ends where it began."""
         rows = [i for i, c in enumerate(constraints) if c is not None]
         if not rows:
             return None
         bitmask = xgr.allocate_token_bitmask(len(constraints), self.vocab_size)
-        matchers = [constraints[i].matcher for i in rows]  # type: ignore[union-attr]
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+        depth = {i: 0 if drafted is None else len(drafted[i]) for i in rows}
+        ran: dict[int, tuple[Constraint, int]] = {}  # each matcher and the drafts it takes
+        for d in range(max(depth.values()) + 1):
+            at = [i for i in rows if depth[i] == d]
+            for i in at if d else ():  # the draft before this position
+                constraint = constraints[i]
+                assert constraint is not None and drafted is not None
+                if not constraint.matcher.accept_token(int(drafted[i][d - 1])):
+                    raise RuntimeError("a row ran a draft its grammar rejects: this is a bug")
+                ran[id(constraint)] = (constraint, d)
+            if at:
+                matchers = [constraints[i].matcher for i in at]  # type: ignore[union-attr]
+                self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=at)
+        for constraint, taken in ran.values():
+            constraint.matcher.rollback(taken)
         return TokenMask(bitmask, rows)
 
 

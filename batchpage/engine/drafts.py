@@ -12,7 +12,9 @@ gives back the computed count of the rejected ones.
 
 A row speculates (InputBatch.speculates, set when it joins) when its tokens depend on nothing
 a draft would have to be checked against one by one: no penalties, logit bias or min_tokens (the
-token history), no grammar, no thinking budget, no beam search. A row's drafts never take it past
+token history), no thinking budget, no beam search. A grammar row's drafts are cut at the first
+its grammar rejects, and the sampler masks each of its positions by the grammar after the drafts
+before it. A row's drafts never take it past
 its length limit or max_model_len. While the cost model drafts nothing (a large batch on a CPU)
 the drafter stops following rows after a while, so it costs nothing per row; rows are started
 again (with all their tokens) when drafts pay again.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from batchpage.engine.commit import StepResult
+from batchpage.engine.constraint import Constraint
 from batchpage.engine.input_batch import InputBatch
 from batchpage.engine.sequence import Sequence
 from batchpage.speculative.budget import StepCostFit, draft_counts
@@ -111,6 +114,11 @@ class DraftStage:
                 self._following.add(key)
                 self.drafter.start(key, seq.token_ids)
         drafts, counts = self.drafter.propose_many(keys, k)
+        for i in np.flatnonzero(batch.constrained[rows]).tolist():
+            # A grammar row runs its drafts up to the first its grammar rejects.
+            constraint = batch.seq_at(int(rows[i])).feature(Constraint)
+            assert constraint is not None, "a constrained row's sequence has its grammar"
+            counts[i] = constraint.valid_prefix(drafts[i, : counts[i]])
         batch.drafts[rows, : drafts.shape[1]] = drafts
         batch.num_drafts[rows] = counts
 

@@ -445,8 +445,9 @@ class Engine:
         sample it forks, with that sample's seed, and for each draft it ran, `offsets` past its
         newest token), not all plain greedy: settings from the batch's columns, draw keys from
         `seeds` and the position; sequences are read only for the rows that carry lists
-        (penalties' token histories, grammars and their thinking; such rows run no drafts).
-        Grammars take the tokens at the commit."""
+        (penalties' token histories, grammars and their thinking; of those, only grammar rows
+        run drafts, each position masked by the grammar after the drafts before it). Grammars
+        take the tokens at the commit."""
         batch, n = self.batch, len(rows)
         params = batch.sampling.take(rows)
         keys = draw_keys(seeds, batch.num_tokens[rows] + offsets)
@@ -471,7 +472,11 @@ class Engine:
                 if tracker is not None:
                     thinking[i] = tracker
                 constraints[i] = _active_constraint(seq, tracker)
-            token_mask = self.masks.fill(constraints)
+            drafted = None
+            if offsets.any():  # a row's position past its newest token sees its drafts before
+                pairs = zip(rows.tolist(), offsets.tolist(), strict=True)
+                drafted = [batch.drafts[r, :o] for r, o in pairs]
+            token_mask = self.masks.fill(constraints, drafted)
             if token_mask is not None and self.reasoning is not None:
                 before = [i for i in token_mask.rows if (t := thinking.get(i)) and t.may_open]
                 allow_start_marker(token_mask, before, self.reasoning.start_id)

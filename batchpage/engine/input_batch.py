@@ -297,10 +297,9 @@ class InputBatch:
 
 def _may_speculate(seq: Sequence, batch: InputBatch, row: int) -> bool:
     """Whether seq's row may take drafted tokens (its sampling columns written): nothing checks
-    its tokens one by one (penalties, logit bias, min_tokens, a grammar, thinking, beams)."""
+    its tokens one by one (penalties, logit bias, min_tokens, thinking, beams). A grammar row
+    may: its drafts are cut where the grammar rejects one (engine/drafts.py) and each position
+    is masked by the grammar after the drafts before it (GrammarMasks.fill)."""
     return not (
-        batch.sampling.processed[row]
-        or batch.constrained[row]
-        or batch.beam[row]
-        or seq.feature(ThinkingTracker) is not None
+        batch.sampling.processed[row] or batch.beam[row] or seq.feature(ThinkingTracker) is not None
     )

@@ -6,13 +6,14 @@ often right, and with drafters that are right, wrong and partly right on purpose
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from batchpage import LLM, SamplingParams
+from batchpage import LLM, SamplingParams, StructuredOutputsParams
 from batchpage.speculative.verify import accepted_counts
 from tests.engine.speculation import Oracle, WeightBound
 
@@ -197,3 +198,38 @@ def test_drafts_take_only_the_budget_every_rows_newest_token_leaves(
     scheduler.schedule = every_decode_row_runs  # type: ignore[method-assign]
     assert _run(llm, prompts, params) == _run(without, prompts, params)
     assert llm.engine.stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("wrong", [0.0, 0.4])
+def test_grammar_rows_speculate_and_keep_their_tokens(
+    tiny_folder: Path, plain: LLM, wrong: float
+) -> None:
+    """Structured-output rows run drafts: drafts are cut at the first one their grammar rejects
+    and each drafted position is masked by the grammar after the drafts before it, so greedy
+    and seeded rows take the tokens (and text) of the run without speculation, and every
+    output still matches its grammar."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+              "required": ["a", "b"]}  # fmt: skip
+    kinds = [StructuredOutputsParams(regex="[a-z]+( [a-z]+)*"),
+             StructuredOutputsParams(json=schema)]  # fmt: skip
+    prompts = _prompts(8, seed=13)
+    params = [
+        SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=28,
+                       structured_outputs=kinds[i % 2])
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    want = _run(plain, prompts, params)
+    answers = {tuple(p): row[0][0] for p, row in zip(prompts, want, strict=True)}
+    llm = _llm(tiny_folder, NGRAM)
+    assert llm.engine.drafts is not None
+    llm.engine.drafts.reset = lambda: None  # keep the oracle for the run
+    llm.engine.drafts.drafter = Oracle(answers, wrong, seed=7)
+    assert _run(llm, prompts, params) == want
+    stats = llm.engine.stats
+    assert stats.accepted_draft_tokens > 0
+    if wrong == 0.0:  # right drafts are all in the grammar: every one run is accepted
+        assert stats.accepted_draft_tokens == stats.draft_tokens
+    for (_, _, text), kind in zip((r[0] for r in want), (p.structured_outputs for p in params),
+                                  strict=True):  # fmt: skip
+        if kind is not None and kind.json is not None and text.endswith("}"):
+            assert set(json.loads(text)) == {"a", "b"}

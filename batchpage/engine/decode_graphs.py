@@ -12,6 +12,9 @@ it like any other block, and no real sequence sees it. The planned attention of 
 sized for max_model_len (the kernels take it as an upper bound on the context), so one capture
 serves every context length.
 
+An M-RoPE model's (Qwen2.5-VL's) positions are [3, B] (engine/mrope_steps.py: a one-token step
+of a prompt may be an image's row), captured as such; padding rows are at 0 on every axis.
+
 Without capture (another device, or enforce_eager) the same padded forward runs eagerly: the
 CPU tests check it gives exactly the unpadded step's logits and K/V.
 """
@@ -68,7 +71,8 @@ class DecodeGraphs:
         device = kv.k[0].device
         n, max_blocks = sizes[-1], -(-max_model_len // self.block_size)
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        axes = (3,) if model.config.mrope_section else ()
+        self.positions = torch.zeros((*axes, n), dtype=torch.long, device=device)
         self.slots = torch.full((n,), self.pad_slot, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -94,7 +98,7 @@ class DecodeGraphs:
     def run(
         self,
         input_ids: torch.Tensor,  # int64 [B]
-        positions: torch.Tensor,  # int64 [B]
+        positions: torch.Tensor,  # int64 [B]; an M-RoPE model's [3, B]
         meta: AttentionMetadata,  # a decode step of B sequences
     ) -> torch.Tensor:  # [B, vocab]: a view, valid until the next run
         batch = input_ids.shape[0]
@@ -105,7 +109,7 @@ class DecodeGraphs:
             graph = self._graphs[size] = self._capture(size)
         width = meta.block_tables.shape[1]
         self.input_ids[:batch].copy_(input_ids, non_blocking=True)
-        self.positions[:batch].copy_(positions, non_blocking=True)
+        self.positions[..., :batch].copy_(positions, non_blocking=True)
         self.slots[:batch].copy_(meta.slot_mapping, non_blocking=True)
         self.seq_lens[:batch].copy_(meta.seq_lens, non_blocking=True)
         # Columns past this step's width may hold an earlier, longer step's blocks: harmless,
@@ -121,7 +125,7 @@ class DecodeGraphs:
         # Rows batch..size are padding: a one-token sequence on the pad block.
         if batch < size:
             self.input_ids[batch:size].zero_()
-            self.positions[batch:size].zero_()
+            self.positions[..., batch:size].zero_()
             self.slots[batch:size].fill_(self.pad_slot)
             self.seq_lens[batch:size].fill_(1)
             self.tables[batch:size, 0].fill_(self.pad_slot // self.block_size)
@@ -142,7 +146,8 @@ class DecodeGraphs:
 
     def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
         plan = self.attention.plan(meta)
-        hidden = self.model(self.input_ids[:size], self.positions[:size], meta, self.kv, plan)
+        positions = self.positions[..., :size]
+        hidden = self.model(self.input_ids[:size], positions, meta, self.kv, plan)
         return self.model.compute_logits(hidden)
 
     def _capture(self, size: int) -> _Graph:

@@ -56,6 +56,7 @@ from batchpage.host_memory import keep_freed_memory
 from batchpage.metrics import RunStats
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
+from batchpage.model.mrope import prompt_positions
 from batchpage.model.score_head import token_classifier
 from batchpage.model.tokenizer import Tokenizer
 from batchpage.model.vision_lm import VisionLanguageModel
@@ -133,7 +134,13 @@ class Engine:
             tokenizer, self.eos_ids, plan.max_model_len, cfg.seed, self.reasoning
         )
         self.batch = self.scheduler.batch  # the running sequences' rows
-        self.step_builder = StepBuilder(self.batch, cfg.block_size, plan.device)
+        # M-RoPE (Qwen2.5-VL): 3-D positions, a prompt's with images from its images' grids
+        # of this spatial merge; None: 1-D positions.
+        self.mrope_merge: int | None = None
+        if model_cfg.mrope_section:
+            self.mrope_merge = model_cfg.vision.spatial_merge_size if model_cfg.vision else 1
+        mrope = self.mrope_merge is not None
+        self.step_builder = StepBuilder(self.batch, cfg.block_size, plan.device, mrope)
         self.beams = Beams(self.factory, plan.max_model_len)
         self.commit = StepCommit(self.scheduler, self.factory)
         spec = cfg.speculative()
@@ -173,6 +180,9 @@ class Engine:
                     f"task is {self.task}"
                 )
             self._compile_grammar(req)
+            if self.mrope_merge is not None and req.images and req.mrope is None:
+                n = len(req.prompt_token_ids)
+                req.mrope = prompt_positions(n, req.images, self.mrope_merge)
             self.stats.requests += 1
             self.stats.prompt_tokens += len(req.prompt_token_ids)
             if req.params.use_beam_search:

@@ -71,6 +71,9 @@ class InputBatch:
         # Its prompt has images: the step builder gives the forward their encoder rows for the
         # image positions a step computes (Request.images).
         self.has_images = np.zeros(capacity, dtype=bool)
+        # An M-RoPE model's offset of every position past the prompt (Request.mrope's delta;
+        # 0 for a prompt without images): step_inputs.py gives p + rope_delta on each axis.
+        self.rope_delta = np.zeros(capacity, dtype=np.int64)
         # The row's sampling settings (sampler.RowParams), and whether a grammar constrains it.
         empty = RowParams.of([])
         self.sampling = RowParams(*(np.zeros(capacity, dtype=c.dtype) for c in empty))
@@ -132,6 +135,7 @@ class InputBatch:
         self.forking[row] = seq.feature(PendingForks) is not None
         self.beam[row] = seq.params.use_beam_search
         self.has_images[row] = bool(seq.request.images)
+        self.rope_delta[row] = _rope_delta(seq)
         for column, value in zip(self.sampling, RowParams.of([seq.params]), strict=True):
             column[row] = value[0]
         self.constrained[row] = seq.feature(Constraint) is not None
@@ -231,6 +235,7 @@ class InputBatch:
         self.table_len[row] = 0
         self.computed[row] = self.num_tokens[row] = self.synced[row] = 0
         self.speculates[row] = self.has_images[row] = False
+        self.rope_delta[row] = 0
         self.num_drafts[row] = 0
         self.draft_hits[row] = self.draft_tries[row] = 0.0
         self.lora_rows -= int(self.lora_slot[row] >= 0)
@@ -266,6 +271,7 @@ class InputBatch:
                 assert n == 0 and self.lora_slot[row] == -1
                 assert not self.speculates[row] and not self.num_drafts[row], f"row {row}: drafts"
                 assert not self.has_images[row], f"row {row}: images"
+                assert not self.rope_delta[row], f"row {row}: rope delta"
                 assert self.computed[row] == self.num_tokens[row] == 0, f"row {row}: not zero"
                 continue
             assert seq.batch is self and seq.row == row, f"row {row}: not its sequence's"
@@ -280,6 +286,7 @@ class InputBatch:
             assert self.forking[row] == forking, f"row {row}: forking"
             assert self.beam[row] == seq.params.use_beam_search, f"row {row}: beam"
             assert self.has_images[row] == bool(seq.request.images), f"row {row}: images"
+            assert self.rope_delta[row] == _rope_delta(seq), f"row {row}: rope delta"
             own = RowParams.of([seq.params])
             assert all(c[row] == v[0] for c, v in zip(self.sampling, own, strict=True))
             assert self.constrained[row] == (seq.feature(Constraint) is not None)
@@ -293,6 +300,11 @@ class InputBatch:
             assert all(c[row] == v[0] for c, v in zip(self.limits, limits, strict=True))
             assert self.lora_slot[row] == self.adapters.slot_of(seq.request.lora), "lora slot"
             assert self.block_tables[row, :n].tolist() == seq.block_table, f"row {row}: table"
+
+
+def _rope_delta(seq: Sequence) -> int:
+    mrope = seq.request.mrope
+    return 0 if mrope is None else mrope.delta
 
 
 def _may_speculate(seq: Sequence, batch: InputBatch, row: int) -> bool:

@@ -117,7 +117,7 @@ class ForwardStep(NamedTuple):
     swap_in: list[Swap]
     copies: list[BlockCopy]
     input_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]; an M-RoPE model's [3, T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [N]
     prompt_rows: torch.Tensor | None  # int64 [P]; None: no row scores its prompt

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from batchpage.engine.stop_checker import StopChecker
     from batchpage.lora.request import LoRARequest
     from batchpage.model.image_prompt import PromptImage
+    from batchpage.model.mrope import PromptPositions
 
 
 @dataclass(eq=False)
@@ -41,6 +42,9 @@ class Request:
     # Its images, in prompt order: each one's encoder rows replace the token embeddings at its
     # positions, and its content key replaces those tokens in the prefix cache's key.
     images: tuple[PromptImage, ...] = ()
+    # An M-RoPE model's 3-D positions of its prompt, which has images (model/mrope.py; set by
+    # Engine.add_requests); None: its positions are p + 0 on every axis.
+    mrope: PromptPositions | None = None
 
 
 T = TypeVar("T")

@@ -19,6 +19,7 @@ import torch
 
 from batchpage.attention.metadata import AttentionMetadata
 from batchpage.engine.input_batch import InputBatch
+from batchpage.engine.mrope_steps import step_positions
 from batchpage.engine.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class ImageSlice(NamedTuple):
 @dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]; an M-RoPE model's [3, T] (mrope_steps.py)
     meta: AttentionMetadata
     # int64 [L]: the rows whose logits are sampled: the last row of each sequence that samples,
     # and before it the row of its newest token and of each draft but the last when it runs
@@ -66,10 +67,14 @@ class StepInputs:
 class StepBuilder:
     """Builds StepInputs from the scheduler's persistent input batch (input_batch.py)."""
 
-    def __init__(self, batch: InputBatch, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, batch: InputBatch, block_size: int, device: torch.device, mrope: bool = False
+    ) -> None:
+        """`mrope`: the model's rope has M-RoPE sections, so positions are [3, T]."""
         self.batch = batch
         self.block_size = block_size
         self.device = torch.device(device)
+        self.mrope = mrope
 
     def build(self, rows: np.ndarray, num_new: np.ndarray) -> StepInputs:
         """The step's tensors: `rows` of the batch compute num_new tokens each (the scheduler's
@@ -129,7 +134,10 @@ class StepBuilder:
         tables = torch.from_numpy(batch.block_tables[rows, :width])  # a contiguous copy
         # Every integer input in one host tensor (one copy to a device), then views of it.
         read = [np.array(r, dtype=np.int64) for r in (prompt_rows, pool_rows)]
-        parts = [input_ids, positions, slots, logits_indices, *read, query_start, end]
+        rope = positions
+        if self.mrope:
+            rope = step_positions(batch, rows, token_rows, positions, start, end, query_start)
+        parts = [input_ids, rope.reshape(-1), slots, logits_indices, *read, query_start, end]
         if batch.lora_rows:
             parts.append(batch.lora_slot[token_rows])
         flat = torch.from_numpy(np.concatenate(parts))
@@ -139,6 +147,8 @@ class StepBuilder:
         views = flat.split([len(p) for p in parts])
         ids, pos, slot_mapping, logits_rows, prompt_index, pool_index, starts, lens = views[:8]
         token_lora = views[8] if batch.lora_rows else None
+        if self.mrope:
+            pos = pos.view(3, -1)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=starts.to(torch.int32),

@@ -130,7 +130,7 @@ class CausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # int64 [T]
-        positions: torch.Tensor,  # int64 [T], absolute position of each token in its sequence
+        positions: torch.Tensor,  # int64 [T], each token's position ([3, T]: M-RoPE, rope.py)
         meta: AttentionMetadata,
         kv: KVCache,
         attn: StepAttention,  # this step's attention, planned by the backend

@@ -32,6 +32,8 @@ FAMILIES: dict[tuple[Literal["hf", "gguf"], str], str] = {
     ("hf", "llava"): "llava",  # a CLIP tower + projector before a llama/mistral/qwen2 model
     ("hf", "idefics3"): "idefics3",  # a SigLIP tower + pixel shuffle before a llama model
     ("hf", "smolvlm"): "idefics3",  # Idefics3's layout and numbers under another name
+    # A windowed vision transformer + patch merger before a qwen2 model with M-RoPE positions
+    ("hf", "qwen2_5_vl"): "qwen2_5_vl",
     ("gguf", "llama"): "llama",
     ("gguf", "qwen2"): "llama",
     ("gguf", "qwen3"): "qwen3",
@@ -153,6 +155,10 @@ class ModelConfig:
     head: HeadConfig = HeadConfig()
     # A vision-language checkpoint's image side; None: a text model.
     vision: VisionConfig | None = None
+    # M-RoPE (Qwen2.5-VL): positions are 3-D (temporal, height, width; model/mrope.py), and the
+    # rotary half-dimensions go to the axes in sections of these sizes, in turn (summing to
+    # rotary_dim / 2); (): plain 1-D positions.
+    mrope_section: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.rotary_dim:
@@ -173,6 +179,13 @@ class ModelConfig:
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(
                 f"{len(self.layer_windows)} layer windows for {self.num_layers} layers"
+            )
+        if self.mrope_section and (
+            sum(self.mrope_section) != self.rotary_dim // 2 or min(self.mrope_section) <= 0
+        ):
+            raise ValueError(
+                f"mrope_section {list(self.mrope_section)} must be positive sizes that sum to "
+                f"half the rotary dimension, {self.rotary_dim // 2}"
             )
         if self.moe and len(self.moe.sparse_layers) != self.num_layers:
             raise ValueError(

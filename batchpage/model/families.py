@@ -13,6 +13,7 @@ from batchpage.model.llama import LlamaForCausalLM
 from batchpage.model.llava import LlavaForConditionalGeneration
 from batchpage.model.mixtral import MixtralForCausalLM
 from batchpage.model.phi3 import Phi3ForCausalLM
+from batchpage.model.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from batchpage.model.qwen3 import Qwen3ForCausalLM
 from batchpage.model.qwen3_moe import Qwen3MoeForCausalLM
 from batchpage.model.shard import TensorShard, shard_config
@@ -29,6 +30,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
         Gemma3ForCausalLM,
         LlavaForConditionalGeneration,
         Idefics3ForConditionalGeneration,
+        Qwen2_5_VLForConditionalGeneration,
     )
 }
 

@@ -22,6 +22,11 @@ from batchpage.model.hf_fields import float_field, id_tuple, int_field, require_
 from batchpage.model.hf_head import read_head
 from batchpage.model.idefics3_config import idefics3_text_config, idefics3_vision_config
 from batchpage.model.llava_config import llava_text_config, llava_vision_config
+from batchpage.model.qwen2_5_vl_config import (
+    mrope_section,
+    qwen2_5_vl_text_config,
+    qwen2_5_vl_vision_config,
+)
 from batchpage.model.vision_config import VisionConfig
 from batchpage.quant.scheme import read_quant_scheme
 
@@ -37,6 +42,7 @@ _VISION_READERS: dict[
 ] = {
     "llava": (llava_text_config, llava_vision_config),
     "idefics3": (idefics3_text_config, idefics3_vision_config),
+    "qwen2_5_vl": (qwen2_5_vl_text_config, qwen2_5_vl_vision_config),
 }
 _MOE_REQUIRED = {
     "qwen3_moe": ("num_experts_per_tok", "moe_intermediate_size"),
@@ -57,7 +63,9 @@ def model_config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
         read_text, read_vision = _VISION_READERS[family]
         text = model_config_from_hf(read_text(cfg))
         vision = read_vision(cfg, text.vocab_size)
-        return dataclasses.replace(text, family=family, vision=vision)
+        # Qwen2.5-VL's language model takes 3-D positions (M-RoPE); the others 1-D ones.
+        mrope = mrope_section(cfg) if family == "qwen2_5_vl" else ()
+        return dataclasses.replace(text, family=family, vision=vision, mrope_section=mrope)
     require_keys(cfg, _REQUIRED + _MOE_REQUIRED.get(str(model_type), ()))
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):

@@ -3,7 +3,8 @@ that replace it and which of them take the image's encoder rows, as the family's
 expands it.
 
 A rule is built once per model (`REPLACEMENT_RULES[family](vision, tokenizer)`) and called with
-each image's image-processor outputs. LLaVA's is a run of placeholders; Idefics3's / SmolVLM's is
+each image's image-processor outputs. LLaVA's is a run of placeholders, as is Qwen2.5-VL's (as
+many as the image's size makes); Idefics3's / SmolVLM's is
 text around each tile's placeholders (`<fake_token_around_image>`, `<row_i_col_j>`, newlines,
 `<global-img>`), tokenized by the model's own tokenizer, so the ids are the ones HF's processor
 gets by tokenizing its expanded prompt (the expansion starts and ends with an added token, so
@@ -197,8 +198,47 @@ def _one(outputs: Mapping[str, Any], key: str) -> int:
         ) from None
 
 
+class Qwen2_5_VLRule:
+    """Qwen2.5-VL: one <|image_pad|> becomes grid t * h * w / spatial_merge_size**2 of them,
+    every one an encoder row, as HF's Qwen2_5_VLProcessor expands it (the prompt's own
+    <|vision_start|> and <|vision_end|> stay around them)."""
+
+    processor_kwargs: Mapping[str, Any] = {}
+
+    def __init__(self, vision: VisionConfig) -> None:
+        self.vision = vision
+
+    @classmethod
+    def build(cls, vision: VisionConfig, tokenizer: Callable[[], Tokenizer]) -> Qwen2_5_VLRule:
+        return cls(vision)
+
+    def __call__(self, outputs: Mapping[str, Any]) -> Replacement:
+        vision = self.vision
+        merge = vision.spatial_merge_size
+        patch = vision.num_channels * vision.temporal_patch_size * vision.patch_size**2
+        grid, pixels = outputs.get("image_grid_thw"), outputs["pixel_values"]
+        t, h, w = (int(n) for n in grid.reshape(-1).tolist()) if grid is not None else (0, 0, 0)
+        if (
+            grid is None
+            or grid.numel() != 3
+            or tuple(pixels.shape) != (t * h * w, patch)
+            or h % merge
+            or w % merge
+        ):
+            raise ValueError(
+                f"the image processor makes pixel_values of shape {tuple(pixels.shape)} for a "
+                f"grid of {t}x{h}x{w} patches; this model takes patches of {patch} values "
+                f"(patch_size={vision.patch_size}, temporal_patch_size="
+                f"{vision.temporal_patch_size}) in grids whose sides are multiples of "
+                f"spatial_merge_size={merge}: preprocessor_config.json must match config.json"
+            )
+        n = t * h * w // merge**2
+        return Replacement((vision.image_token_id,) * n, tuple(range(n)))
+
+
 # The one table: family -> what replaces its placeholder token.
 REPLACEMENT_RULES: Mapping[str, RuleBuilder] = {
     "llava": LlavaRule.build,
     "idefics3": Idefics3Rule.build,
+    "qwen2_5_vl": Qwen2_5_VLRule.build,
 }

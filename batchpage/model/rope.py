@@ -8,12 +8,17 @@ HF transformers, which picks them from the longest position of each forward pass
 Here that length is the token's sequence length at the end of its engine step (meta.seq_lens),
 which equals HF's choice when a prompt is prefilled in one step and decoded token by token.
 
+A model with M-RoPE sections (Qwen2.5-VL) takes positions [3, T] (model/mrope.py): each rotary
+half-dimension's angle is from the position on its section's axis. Positions [T] are the same
+position on all three axes (a text-only sequence's), which is plain RoPE.
+
 All frequencies and tables are float32 like the HF reference, so both round the angles alike.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -106,6 +111,23 @@ def static_inv_freq(cfg: ModelConfig) -> torch.Tensor:  # float32 [rotary_dim //
     raise ValueError(f"unknown rope scaling kind {s.kind!r}")
 
 
+def section_axes(sections: Sequence[int]) -> torch.Tensor:
+    """int64 [sum(sections)]: the axis (0 temporal, 1 height, 2 width) each rotary
+    half-dimension takes its position from: section i's dimensions take axis i % 3."""
+    return torch.cat([torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(sections)])
+
+
+def by_sections(
+    table: torch.Tensor,  # [max positions, R/2]: a cos or sin table
+    positions: torch.Tensor,  # int64 [3, T]
+    axes: torch.Tensor,  # int64 [R/2]: section_axes, on the table's device
+) -> torch.Tensor:  # [T, R/2]
+    """Each token's row of `table` per half-dimension, at its position on that dimension's axis
+    (transformers' mrope recomposition of the cos / sin of its three position rows)."""
+    rows = torch.stack([table.index_select(0, p) for p in positions.unbind(0)])  # [3, T, R/2]
+    return rows.gather(0, axes.expand(1, rows.shape[1], -1)).squeeze(0)
+
+
 def _tables(inv_freq: torch.Tensor, positions: int, scale: float, device: torch.device):
     freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)  # [P, rot / 2]
     return (freqs.cos() * scale).to(device), (freqs.sin() * scale).to(device)
@@ -133,12 +155,22 @@ class RotaryEmbedding(nn.Module):
             long_cos, long_sin = _tables(long, max_positions, scale, device)
             self.register_buffer("long_cos", long_cos, persistent=False)
             self.register_buffer("long_sin", long_sin, persistent=False)
+        self.mrope = bool(cfg.mrope_section)
+        if self.mrope:  # config readers refuse the length-dependent variants with it
+            axes = section_axes(cfg.mrope_section).to(device)
+            self.register_buffer("axes", axes, persistent=False)
 
     def forward(
         self,
-        positions: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T], or [3, T] for M-RoPE
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # float32 [T, 1, rotary_dim // 2] each
+        if self.mrope and positions.dim() == 2:
+            cos, sin = (
+                by_sections(self.cos, positions, self.axes),
+                by_sections(self.sin, positions, self.axes),
+            )
+            return cos[:, None, :], sin[:, None, :]
         # index_select: a plain row gather, cheaper per step than advanced indexing.
         cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
         s = self.scaling

@@ -13,7 +13,7 @@ class VisionConfig:
     """A vision-language checkpoint's vision tower, projector and placeholder numbers."""
 
     # "clip": LLaVA's CLIP tower; "idefics3": Idefics3's / SmolVLM's SigLIP tower, pixel shuffle
-    # and one linear (later: "qwen2_5_vl", ...)
+    # and one linear; "qwen2_5_vl": Qwen2.5-VL's windowed vision transformer and patch merger
     kind: str
     hidden_size: int
     intermediate_size: int
@@ -36,11 +36,21 @@ class VisionConfig:
     feature_select: str  # "default" (the CLS row dropped) | "full" (Idefics3: no CLS row)
     image_token_id: int  # the placeholder token (config's image_token_id / image_token_index)
     # Placeholder rows one image takes in the prompt. Idefics3: one tile's (image_seq_len), of an
-    # image_size tile; an image is one or several tiles.
+    # image_size tile; an image is one or several tiles. Qwen2.5-VL: one merged unit's (1); an
+    # image takes as many as its size makes (its grid t * h * w / spatial_merge_size**2).
     tokens_per_image: int
     # Idefics3's pixel shuffle: each row the projection takes is scale_factor x scale_factor
     # neighbouring patches side by side (1: none, LLaVA).
     scale_factor: int = 1
+    # Qwen2.5-VL: spatial_merge_size x spatial_merge_size neighbouring patches make one row of
+    # the merger's output (1: none); a patch spans temporal_patch_size frames (an image is
+    # repeated over them); rows attend within windows of window_size pixels a side, except in
+    # the full_attention_layers (fullatt_block_indexes); the 2-D rotary base is rope_theta.
+    spatial_merge_size: int = 1
+    temporal_patch_size: int = 1
+    window_size: int = 0
+    full_attention_layers: tuple[int, ...] = ()
+    rope_theta: float = 10000.0
 
     @property
     def selected_layers(self) -> tuple[int, ...]:

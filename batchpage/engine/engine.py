@@ -58,7 +58,7 @@ from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
 from batchpage.model.score_head import token_classifier
 from batchpage.model.tokenizer import Tokenizer
-from batchpage.model.vision_lm import VisionLanguageModel
+from batchpage.model.vision_lm import VisionLanguageBase
 from batchpage.speculative.verify import accepted_counts
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,9 @@ class Engine:
         # A vision-language model's encoder rows by image content (engine/encoder_cache.py); the
         # tower's key for rows on disk is hashed before bind packs its linears.
         self.encoder = None
-        if isinstance(model, VisionLanguageModel):
+        # Its image rows attend both ways (Gemma 3): spans are scheduled and attended whole.
+        whole_spans = isinstance(model, VisionLanguageBase) and model.BIDIRECTIONAL_IMAGES
+        if isinstance(model, VisionLanguageBase):
             files = None
             if cfg.encoder_cache_dir is not None:
                 files = EncoderFiles(Path(cfg.encoder_cache_dir), vision_key(model.vision))
@@ -102,6 +104,7 @@ class Engine:
             plan.max_model_len,
             cfg.batched_tokens(plan.device),
             holds_nothing if self.encoder is None else self.encoder.holds,
+            whole_spans,
         )
         self.kv_manager: KVCacheManager = self.scheduler.kv
         if cfg.classifier_from_token is not None:  # before bind: the lm_head as loaded
@@ -133,7 +136,7 @@ class Engine:
             tokenizer, self.eos_ids, plan.max_model_len, cfg.seed, self.reasoning
         )
         self.batch = self.scheduler.batch  # the running sequences' rows
-        self.step_builder = StepBuilder(self.batch, cfg.block_size, plan.device)
+        self.step_builder = StepBuilder(self.batch, cfg.block_size, plan.device, whole_spans)
         self.beams = Beams(self.factory, plan.max_model_len)
         self.commit = StepCommit(self.scheduler, self.factory)
         spec = cfg.speculative()

@@ -8,6 +8,7 @@ import torch
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
 from batchpage.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from batchpage.model.gemma3_vl import Gemma3ForConditionalGeneration
 from batchpage.model.idefics3 import Idefics3ForConditionalGeneration
 from batchpage.model.llama import LlamaForCausalLM
 from batchpage.model.llava import LlavaForConditionalGeneration
@@ -29,6 +30,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
         Gemma3ForCausalLM,
         LlavaForConditionalGeneration,
         Idefics3ForConditionalGeneration,
+        Gemma3ForConditionalGeneration,
     )
 }
 

@@ -9,6 +9,9 @@ too. The two kernels sum in different orders (the decode kernel a whole softmax 
 prefill kernel an online one over chunks of keys fixed by position), so a token computed once by
 each (a decode, then recomputed after a preemption, or read as a cached prefix) would differ;
 one kernel, whose sums for a row do not depend on the other rows of its tile, does not.
+
+A sequence whose image rows see their whole span (AttentionMetadata.span_seqs: Gemma 3) skips
+the prefill kernel, which attends causally: it attends through the torch parts (spans.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from batchpage.attention.backend import check_planned_for, check_window_and_softcap
 from batchpage.attention.metadata import AttentionMetadata
+from batchpage.attention.spans import SpanParts
 from batchpage.cache.kv_cache import KVCache
 from batchpage.kernels.cpu_paged_decode import CpuPagedDecode
 from batchpage.kernels.cpu_paged_prefill import CpuPagedPrefill
@@ -37,6 +41,7 @@ class CpuStepAttention:
     decode_tables: torch.Tensor  # int32 [Nk, max_blocks]: each kernel row's sequence's table
     decode_lens: torch.Tensor  # int32 [Nk]: the context each kernel row sees, itself included
     prefill_seqs: torch.Tensor  # int32 [S]: the sequences whose rows the prefill kernel takes
+    spans: SpanParts | None = None  # the sequences whose rows see past themselves (spans.py)
 
     def __call__(
         self,
@@ -88,6 +93,8 @@ class CpuStepAttention:
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.prefill_seqs, scale, out, **window, tables_checked=checked,
         )  # fmt: skip
+        if self.spans is not None:
+            self.spans.attend(q, k_cache, v_cache, sliding_window, scale, out, logit_softcap)
         return out
 
 
@@ -124,6 +131,12 @@ class CpuPagedAttention:
             meta.block_tables.index_select(0, seqs),
             meta.seq_lens.index_select(0, seqs),
             torch.tensor(
-                [b for b, n in enumerate(lens) if n > 1 or self.batch_invariant], dtype=torch.int32
+                [
+                    b
+                    for b, n in enumerate(lens)
+                    if (n > 1 or self.batch_invariant) and b not in meta.span_seqs
+                ],
+                dtype=torch.int32,
             ),
+            SpanParts.of(meta),
         )

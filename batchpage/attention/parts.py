@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -161,10 +162,19 @@ def plan_parts(meta: AttentionMetadata, window: int | None = None) -> list[Atten
         spans = tuple(length - f * bs for length, f in zip(meta.seq_lens_cpu, first, strict=True))
         for group in length_groups(decode, spans):
             parts.append(_decode_part(group, starts, tables, meta, first, lo))
-    for b, n in enumerate(meta.query_lens_cpu):
-        if n > 1:
-            parts.append(_extend_part(b, n, starts[b], tables, meta, window))
-    return parts
+    extend = [b for b, n in enumerate(meta.query_lens_cpu) if n > 1]
+    return parts + extend_parts(meta, extend, window)
+
+
+def extend_parts(
+    meta: AttentionMetadata, seqs: list[int], window: int | None
+) -> list[AttentionPart]:
+    """One part per sequence of `seqs` (each with several new rows): its rows causal, or bounded
+    by meta.key_end where the sequence is one of meta.span_seqs (metadata.py)."""
+    lens = meta.query_lens_cpu
+    starts = [0, *accumulate(lens)]  # query_start_loc's, from the host copy
+    tables = meta.block_tables.long()
+    return [_extend_part(b, lens[b], starts[b], tables, meta, window) for b in seqs]
 
 
 def _extend_part(
@@ -175,7 +185,8 @@ def _extend_part(
     meta: AttentionMetadata,
     window: int | None,
 ) -> AttentionPart:
-    """Sequence b's n new rows, reading its blocks from its first row's window start on."""
+    """Sequence b's n new rows, reading its blocks from its first row's window start on; each
+    row sees keys up to its own position, or up to its key_end (meta.key_end)."""
     device, bs = tables.device, meta.block_size
     length = meta.seq_lens_cpu[b]
     # Query row i sits at position p = length - n + i and sees keys 0..p, or p - window + 1..p.
@@ -183,7 +194,10 @@ def _extend_part(
     first = lo // bs
     q_pos = torch.arange(length - n, length, device=device)[:, None]
     k_pos = torch.arange(first * bs, length, device=device)[None, :]
-    mask = k_pos <= q_pos
+    if meta.key_end is not None and b in meta.span_seqs:  # rows of an image span see it whole
+        mask = k_pos < meta.key_end[start : start + n, None]
+    else:
+        mask = k_pos <= q_pos
     if window is not None:
         mask &= k_pos > q_pos - window
     return AttentionPart(

@@ -8,7 +8,9 @@ a prompt was split and whatever the batch (extend_attention.py); the decode kern
 context into as many partitions as the batch leaves room for. Per
 layer: write the new tokens' K/V into their slots, then one attention launch over the whole batch.
 Both kernels take the layer's sliding window (reading only the blocks inside it) and logit
-soft-cap, with the meaning backend.py gives them.
+soft-cap, with the meaning backend.py gives them. A step's sequences whose image rows see their
+whole span (AttentionMetadata.span_seqs: Gemma 3) have their rows overwritten after the extend
+kernel by the torch parts, which allow it (spans.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from batchpage.attention.backend import check_planned_for, check_window_and_softcap
 from batchpage.attention.metadata import AttentionMetadata
+from batchpage.attention.spans import SpanParts
 from batchpage.cache.kv_cache import KVCache
 from batchpage.kernels.extend_attention import extend_attention
 from batchpage.kernels.kv_write import write_kv
@@ -36,6 +39,7 @@ class TritonStepAttention:
     max_seqlen_k: int
     max_seqlen_q: int
     num_splits: int  # decode split-KV partitions, 0 = chosen per launch from the shapes
+    spans: SpanParts | None = None  # the sequences whose rows see past themselves (spans.py)
 
     def __call__(
         self,
@@ -87,6 +91,8 @@ class TritonStepAttention:
                 sliding_window=sliding_window,
                 logit_softcap=logit_softcap,
             )
+            if self.spans is not None:
+                self.spans.attend(q_in, k_cache, v_cache, sliding_window, scale, out, logit_softcap)
         return out.to(q.dtype)
 
 
@@ -117,4 +123,5 @@ class TritonPagedAttention:
             max_seqlen_k=meta.max_seq_len,
             max_seqlen_q=meta.max_query_len,
             num_splits=self.num_splits,
+            spans=SpanParts.of(meta),
         )

@@ -60,6 +60,7 @@ def to_device(step: ForwardStep, device: torch.device) -> ForwardStep:
         query_start_loc=meta.query_start_loc.to(device),
         seq_lens=meta.seq_lens.to(device),
         block_tables=meta.block_tables.to(device),
+        key_end=None if meta.key_end is None else meta.key_end.to(device),
     )
     rows = [None if t is None else t.to(device) for t in (step.prompt_rows, step.pool_rows)]
     return step._replace(

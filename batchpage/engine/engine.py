@@ -59,7 +59,7 @@ from batchpage.model.config import ModelConfig
 from batchpage.model.mrope import prompt_positions
 from batchpage.model.score_head import token_classifier
 from batchpage.model.tokenizer import Tokenizer
-from batchpage.model.vision_lm import VisionLanguageModel
+from batchpage.model.vision_lm import VisionLanguageBase
 from batchpage.speculative.verify import accepted_counts
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,9 @@ class Engine:
         # A vision-language model's encoder rows by image content (engine/encoder_cache.py); the
         # tower's key for rows on disk is hashed before bind packs its linears.
         self.encoder = None
-        if isinstance(model, VisionLanguageModel):
+        # Its image rows attend both ways (Gemma 3): spans are scheduled and attended whole.
+        whole_spans = isinstance(model, VisionLanguageBase) and model.BIDIRECTIONAL_IMAGES
+        if isinstance(model, VisionLanguageBase):
             files = None
             if cfg.encoder_cache_dir is not None:
                 files = EncoderFiles(Path(cfg.encoder_cache_dir), vision_key(model.vision))
@@ -103,6 +105,7 @@ class Engine:
             plan.max_model_len,
             cfg.batched_tokens(plan.device),
             holds_nothing if self.encoder is None else self.encoder.holds,
+            whole_spans,
         )
         self.kv_manager: KVCacheManager = self.scheduler.kv
         if cfg.classifier_from_token is not None:  # before bind: the lm_head as loaded
@@ -140,7 +143,7 @@ class Engine:
         if model_cfg.mrope_section:
             self.mrope_merge = model_cfg.vision.spatial_merge_size if model_cfg.vision else 1
         mrope = self.mrope_merge is not None
-        self.step_builder = StepBuilder(self.batch, cfg.block_size, plan.device, mrope)
+        self.step_builder = StepBuilder(self.batch, cfg.block_size, plan.device, mrope, whole_spans)
         self.beams = Beams(self.factory, plan.max_model_len)
         self.commit = StepCommit(self.scheduler, self.factory)
         spec = cfg.speculative()

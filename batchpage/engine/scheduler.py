@@ -45,6 +45,7 @@ from batchpage.engine.admission import Demand, GrowthEstimate, OutputLimits
 from batchpage.engine.beam_group import worst_case_blocks
 from batchpage.engine.config import EngineConfig
 from batchpage.engine.image_budget import ImageBudget, holds_nothing
+from batchpage.engine.image_spans import whole_spans
 from batchpage.engine.input_batch import InputBatch
 from batchpage.engine.kv_manager import (
     KVCacheManager,
@@ -86,13 +87,16 @@ class Scheduler:
         adapters: AdapterSlots | None = None,
         max_drafts: int = 0,
         encoder_holds: Callable[[bytes], bool] = holds_nothing,
+        whole_image_spans: bool = False,
     ) -> None:
         """With `growth` (and max_model_len, which bounds a sequence's budget), admission keeps
         room for the growth it expects; without, a sequence is admitted when its prompt fits.
         `adapters`: the LoRA slots (None: no LoRA request may come). `max_drafts`: speculative
         decoding's drafts a row may run after its newest token (engine/drafts.py; 0: off).
         `encoder_holds`: whether the encoder cache holds an image's rows (image_budget.py: the
-        tower's work a step starts is budgeted like its tokens)."""
+        tower's work a step starts is budgeted like its tokens). `whole_image_spans`: the
+        model's image rows attend both ways, so no prompt chunk ends inside an image's span
+        (image_spans.py)."""
         if growth is not None and max_model_len is None:
             raise ValueError("admission by expected growth needs max_model_len")
         self.kv = kv
@@ -118,6 +122,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps = 0
         self.images = ImageBudget(max_num_batched_tokens, encoder_holds)
+        self.whole_image_spans = whole_image_spans
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -254,7 +259,8 @@ class Scheduler:
         )
         for i in imaged.tolist():
             seq = self.running[start + i]
-            take[i] = self.images.cut(seq, int(batch.computed[rows[i]]), int(take[i]))
+            done = int(batch.computed[rows[i]])
+            take[i] = self._spans(seq, done, self.images.cut(seq, done, int(take[i])))
         short = batch.computed[rows] + take > batch.table_len[rows] * bs
         tails = self.kv.shared_tails()
         if tails:  # forked sequences whose partly filled last block may be shared
@@ -289,8 +295,13 @@ class Scheduler:
             while end < self.num_beams and running[end].request is req:
                 end += 1
             group, i = running[i:end], end
-            need = [min(s.num_uncomputed_tokens, budget) for s in group]
-            if sum(need) > budget:
+            need = [
+                self._spans(s, s.num_computed_tokens, min(s.num_uncomputed_tokens, budget))
+                for s in group
+            ]
+            # A search's prompt (a group of one) may pass the budget only to finish an image
+            # span (image_spans.whole_spans), as any prompt chunk may.
+            if sum(need) > budget and len(group) > 1:
                 continue
             for seq, n in zip(group, need, strict=True):
                 while True:
@@ -389,7 +400,9 @@ class Scheduler:
         n = seq.num_uncomputed_tokens
         chunk = min(n, budget)
         if seq.request.images:  # the vision tower's work is budgeted too (image_budget.py)
-            chunk = self.images.cut(seq, seq.num_computed_tokens, chunk)
+            chunk = self._spans(
+                seq, seq.num_computed_tokens, self.images.cut(seq, seq.num_computed_tokens, chunk)
+            )
         verdict = Admit.ADMITTED
         if self._waits_for_shared_prefix(seq, admitted):
             verdict = Admit.WAITS
@@ -409,11 +422,18 @@ class Scheduler:
         out.copies += self.kv.allocate(seq, chunk)
         return verdict, chunk
 
+    def _spans(self, seq: Sequence, start: int, take: int) -> int:
+        """take, moved so that the chunk ends outside every image span when the model needs
+        spans whole (image_spans.whole_spans); as is otherwise."""
+        if not self.whole_image_spans or not seq.request.images:
+            return take
+        return whole_spans(seq, start, take)
+
     def _swap_in(self, seq: Sequence, saved: int, budget: int, out: SchedulerOutput) -> int | None:
         """Readmit a swapped-out sequence: fresh blocks for its `saved` tokens' K/V, then its
         next token. Returns the tokens it computes this step; None: the pool has no room for
         it."""
-        n = min(seq.num_tokens - saved, budget)
+        n = self._spans(seq, saved, min(seq.num_tokens - saved, budget))
         if blocks_for(saved + n, self.kv.block_size) > self.kv.num_free_blocks:
             return None
         seq.num_computed_tokens = 0
@@ -528,10 +548,12 @@ def build_scheduler(
     max_model_len: int,
     max_num_batched_tokens: int,
     encoder_holds: Callable[[bytes], bool] = holds_nothing,
+    whole_image_spans: bool = False,
 ) -> Scheduler:
     """The engine's scheduler over a KV manager of num_blocks (paged or static, as cfg says),
     admitting by expected growth: what Engine runs, and what the simulator drives.
-    `encoder_holds`: the encoder cache's membership (a vision-language model's)."""
+    `encoder_holds`: the encoder cache's membership (a vision-language model's);
+    `whole_image_spans`: its image rows attend both ways (image_spans.py)."""
     if cfg.kv_allocator == "static":
         kv: KVCacheManager = StaticKVCacheManager(num_blocks, cfg.block_size, max_model_len)
     else:
@@ -548,4 +570,5 @@ def build_scheduler(
         adapters=AdapterSlots(cfg.max_loras if cfg.enable_lora else 0),
         max_drafts=cfg.num_speculative_tokens,
         encoder_holds=encoder_holds,
+        whole_image_spans=whole_image_spans,
     )

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from batchpage.attention.metadata import AttentionMetadata
+from batchpage.engine.image_spans import span_key_ends
 from batchpage.engine.input_batch import InputBatch
 from batchpage.engine.mrope_steps import step_positions
 from batchpage.engine.sequence import Sequence
@@ -68,13 +69,21 @@ class StepBuilder:
     """Builds StepInputs from the scheduler's persistent input batch (input_batch.py)."""
 
     def __init__(
-        self, batch: InputBatch, block_size: int, device: torch.device, mrope: bool = False
+        self,
+        batch: InputBatch,
+        block_size: int,
+        device: torch.device,
+        mrope: bool = False,
+        image_spans: bool = False,
     ) -> None:
-        """`mrope`: the model's rope has M-RoPE sections, so positions are [3, T]."""
+        """`mrope`: the model's rope has M-RoPE sections, so positions are [3, T];
+        `image_spans`: the model's image rows see their whole span (image_spans.py), so a step
+        over image positions bounds their keys (AttentionMetadata.key_end)."""
         self.batch = batch
         self.block_size = block_size
         self.device = torch.device(device)
         self.mrope = mrope
+        self.image_spans = image_spans
 
     def build(self, rows: np.ndarray, num_new: np.ndarray) -> StepInputs:
         """The step's tensors: `rows` of the batch compute num_new tokens each (the scheduler's
@@ -125,6 +134,11 @@ class StepBuilder:
         images = ()
         if batch.has_images[rows].any():
             images = _image_slices(batch, rows, start, end, query_start)
+        key_end, span_seqs = None, ()
+        if images and self.image_spans:
+            spans = [(s.tokens, s.image.positions[-1] + 1) for s in images]
+            row_ends = np.repeat(end, num_new)
+            key_end, span_seqs = span_key_ends(spans, positions, row_ends, query_start)
         reads = np.flatnonzero(batch.reads_rows[rows]).tolist()
         prompt, pool = _rows_read(batch, rows, num_new, reads, query_start.tolist())
         prompt_rows, prompt_targets, prompt_owners = prompt
@@ -157,6 +171,8 @@ class StepBuilder:
             block_size=bs,
             query_lens_cpu=tuple(num_new.tolist()),
             seq_lens_cpu=tuple(end.tolist()),
+            key_end=None if key_end is None else torch.from_numpy(key_end).to(self.device),
+            span_seqs=span_seqs,
         )
         return StepInputs(
             input_ids=ids,

@@ -216,7 +216,7 @@ def _image_limits(
     if source.config.vision is None:
         why = (
             f"model {cfg.model.path} takes no images: use a vision-language model (LLaVA, "
-            "Idefics3 / SmolVLM)"
+            "Idefics3 / SmolVLM, Gemma 3)"
         )
     elif task != "generate":
         why = f"engine.task={task} takes no images yet: images go to generation jobs"

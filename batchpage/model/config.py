@@ -28,7 +28,9 @@ FAMILIES: dict[tuple[Literal["hf", "gguf"], str], str] = {
     ("hf", "mixtral"): "mixtral",
     ("hf", "gemma2"): "gemma2",
     ("hf", "gemma3_text"): "gemma3",
-    ("hf", "gemma3"): "gemma3",  # the multimodal folder: its text model runs, images do not
+    # the multimodal folder, images too; without a vision_config its text model alone, as
+    # "gemma3" (gemma3_vl_config.py)
+    ("hf", "gemma3"): "gemma3_vl",
     ("hf", "llava"): "llava",  # a CLIP tower + projector before a llama/mistral/qwen2 model
     ("hf", "idefics3"): "idefics3",  # a SigLIP tower + pixel shuffle before a llama model
     ("hf", "smolvlm"): "idefics3",  # Idefics3's layout and numbers under another name

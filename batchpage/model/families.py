@@ -8,6 +8,7 @@ import torch
 from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
 from batchpage.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from batchpage.model.gemma3_vl import Gemma3ForConditionalGeneration
 from batchpage.model.idefics3 import Idefics3ForConditionalGeneration
 from batchpage.model.llama import LlamaForCausalLM
 from batchpage.model.llava import LlavaForConditionalGeneration
@@ -31,6 +32,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
         LlavaForConditionalGeneration,
         Idefics3ForConditionalGeneration,
         Qwen2_5_VLForConditionalGeneration,
+        Gemma3ForConditionalGeneration,
     )
 }
 

@@ -17,6 +17,7 @@ from batchpage.model.config import (
     UnsupportedModelError,
     family_for,
 )
+from batchpage.model.gemma3_vl_config import with_gemma3_vision
 from batchpage.model.gemma_config import gemma_config_from_hf
 from batchpage.model.hf_fields import float_field, id_tuple, int_field, require_keys, rope_fields
 from batchpage.model.hf_head import read_head
@@ -56,8 +57,10 @@ def model_config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
     model_type = cfg.get("model_type")
     family = family_for("hf", model_type)
     quant = read_quant_scheme(cfg)
-    if family in ("gemma2", "gemma3"):
+    if family in ("gemma2", "gemma3", "gemma3_vl"):
         gemma = gemma_config_from_hf(cfg, family)
+        if family == "gemma3_vl":  # the text model's config, with its image side
+            gemma = with_gemma3_vision(gemma, cfg)
         return dataclasses.replace(gemma, quant=quant, head=read_head(cfg))
     if family in _VISION_READERS:  # the text_config is a Llama's; the image side beside it
         read_text, read_vision = _VISION_READERS[family]

@@ -121,11 +121,13 @@ class ImagePrompts:
     ) -> tuple[list[int], tuple[PromptImage, ...]]:
         """Each placeholder token (cfg.vision.image_token_id) in token_ids, in order, replaced by
         the image's tokens (LLaVA: tokens_per_image placeholders; Idefics3: its tiles' text and
-        placeholders); raises ValueError when the number of placeholders is not the number of
-        images, saying both. `images` are decoded (load_image's RGB output); an image given
-        twice is processed once. `uuids` (vLLM's multi_modal_uuids, one per image or None):
-        the caller's identity of an image, which then stands for its content (its digest is
-        the uuid's, the pixels are not hashed): equal uuids must mean equal images."""
+        placeholders; Gemma 3: <start_of_image>, its soft tokens and <end_of_image> between
+        blank lines, merged with the newlines around them); raises ValueError when the number
+        of placeholders is not the number of images, saying both. `images` are decoded
+        (load_image's RGB output); an image given twice is processed once. `uuids` (vLLM's
+        multi_modal_uuids, one per image or None): the caller's identity of an image, which
+        then stands for its content (its digest is the uuid's, the pixels are not hashed):
+        equal uuids must mean equal images."""
         placeholder = self.vision.image_token_id
         where = [i for i, t in enumerate(token_ids) if t == placeholder]
         # Counted before anything is expanded, so the result is at most what the images make.
@@ -139,19 +141,20 @@ class ImagePrompts:
         seen: dict[bytes, tuple[dict[str, torch.Tensor], Replacement]] = {}
         start = 0
         uuids = list(uuids) if uuids is not None else [None] * len(images)
+        join = self.rule.join  # where the expansion meets the text, as the tokenizer joins them
         for at, image, uuid in zip(where, images, uuids, strict=True):
-            ids.extend(token_ids[start:at])
+            join(ids, token_ids[start:at])
             digest = image_digest(image) if uuid is None else uuid_digest(uuid)
             known = seen.get(digest)
             if known is None:
                 outputs = self._outputs(image)
                 known = seen[digest] = (_tensors(outputs), self.rule(outputs))
             inputs, replacement = known
-            offset = len(ids)
-            ids.extend(replacement.ids)
+            join(ids, replacement.ids)  # a join changes only tokens before its rows
+            offset = len(ids) - len(replacement.ids)
             placed.append(PromptImage(digest, inputs, tuple(offset + r for r in replacement.rows)))
             start = at + 1
-        ids.extend(token_ids[start:])
+        join(ids, token_ids[start:])
         return ids, tuple(placed)
 
 

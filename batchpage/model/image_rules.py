@@ -8,13 +8,18 @@ many as the image's size makes); Idefics3's / SmolVLM's is
 text around each tile's placeholders (`<fake_token_around_image>`, `<row_i_col_j>`, newlines,
 `<global-img>`), tokenized by the model's own tokenizer, so the ids are the ones HF's processor
 gets by tokenizing its expanded prompt (the expansion starts and ends with an added token, so
-its text tokenizes alike alone and inside a prompt).
+its text tokenizes alike alone and inside a prompt). Gemma 3's starts and ends with a blank line
+("\\n\\n"), which Gemma's tokenizer merges with the newlines next to it (a run of newlines is one
+token): its rule's `join` re-encodes each run of newline tokens where the expansion meets the
+prompt's text, so the ids are again HF's processor's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import torch
 
 from batchpage.model.idefics3 import real_tiles
 
@@ -42,13 +47,26 @@ class ReplacementRule(Protocol):
         ValueError when the outputs do not fit the model."""
         ...
 
+    def join(self, ids: list[int], more: Sequence[int]) -> None:
+        """ids extended by `more` (the prompt's text and the replacements, in turn), as the
+        model's tokenizer tokenizes their texts joined: a change, if any, only to the tokens
+        on both sides of the seam that the family's expansion begins or ends with."""
+        ...
+
+
+class PlainJoin:
+    """A rule whose expansion tokenizes alike alone and inside a prompt: joins are appends."""
+
+    def join(self, ids: list[int], more: Sequence[int]) -> None:
+        ids.extend(more)
+
 
 # Builds a family's rule from the model's VisionConfig and its tokenizer (called only by the
 # rules that need it: a folder without one still places LLaVA's images).
 RuleBuilder = Callable[["VisionConfig", Callable[[], "Tokenizer"]], ReplacementRule]
 
 
-class LlavaRule:
+class LlavaRule(PlainJoin):
     """LLaVA: tokens_per_image placeholders, every one an encoder row; the processor's image must
     make that many patch rows in the CLIP tower (the CLS row too with feature_select "full")."""
 
@@ -111,7 +129,7 @@ class Idefics3Strings(NamedTuple):
         return f"{grid}\n{whole}"
 
 
-class Idefics3Rule:
+class Idefics3Rule(PlainJoin):
     """Idefics3 / SmolVLM: the tiles' expansion (Idefics3Strings.expansion) in the model's
     tokens, whose placeholder tokens take the encoder rows, tile after tile."""
 
@@ -198,7 +216,7 @@ def _one(outputs: Mapping[str, Any], key: str) -> int:
         ) from None
 
 
-class Qwen2_5_VLRule:
+class Qwen2_5_VLRule(PlainJoin):
     """Qwen2.5-VL: one <|image_pad|> becomes grid t * h * w / spatial_merge_size**2 of them,
     every one an encoder row, as HF's Qwen2_5_VLProcessor expands it (the prompt's own
     <|vision_start|> and <|vision_end|> stay around them)."""
@@ -236,9 +254,89 @@ class Qwen2_5_VLRule:
         return Replacement((vision.image_token_id,) * n, tuple(range(n)))
 
 
+class NewlineJoin:
+    """Joins as a tokenizer whose runs of newlines are tokens of their own (Gemma's) joins texts:
+    the newline-only tokens that end `ids` and begin `more` become the tokens of one run."""
+
+    def __init__(self, encode: Callable[[str], list[int]], decode: Callable[[int], str]) -> None:
+        """encode: text -> the model's token ids, no BOS added; decode: one token's text."""
+        self.encode = encode
+        self.decode = decode
+        self._newlines: dict[int, int] = {}  # token -> the newlines it is (0: anything else)
+
+    def newlines(self, token: int) -> int:
+        count = self._newlines.get(token)
+        if count is None:
+            text = self.decode(token)
+            count = self._newlines[token] = len(text) if text and not text.strip("\n") else 0
+        return count
+
+    def __call__(self, ids: list[int], more: Sequence[int]) -> None:
+        left, right, run = len(ids), 0, 0
+        while left and (n := self.newlines(ids[left - 1])):
+            left, run = left - 1, run + n
+        while right < len(more) and (n := self.newlines(more[right])):
+            right, run = right + 1, run + n
+        if left < len(ids) and right:  # newlines on both sides of the seam: one run
+            del ids[left:]
+            ids.extend(self.encode("\n" * run))
+            ids.extend(more[right:])
+        else:
+            ids.extend(more)
+
+
+class Gemma3Rule:
+    """Gemma 3: the placeholder <start_of_image> becomes HF Gemma3Processor's full image
+    sequence, "\\n\\n<start_of_image>", tokens_per_image <image_soft_token>, then
+    "<end_of_image>\\n\\n", whose soft tokens take the encoder rows; its blank lines merge with
+    the prompt's newlines around it (NewlineJoin). One image is one image_size square (no
+    pan-and-scan crops)."""
+
+    processor_kwargs: Mapping[str, Any] = {}
+
+    def __init__(self, vision: VisionConfig, blank: list[int], join: NewlineJoin) -> None:
+        """blank: the tokenizer's "\\n\\n"."""
+        assert vision.soft_token_id is not None and vision.end_token_id is not None
+        self.vision = vision
+        n = vision.tokens_per_image
+        core = (vision.image_token_id, *(vision.soft_token_id,) * n, vision.end_token_id)
+        first = len(blank) + 1
+        self.replacement = Replacement((*blank, *core, *blank), tuple(range(first, first + n)))
+        self.join = join
+
+    @classmethod
+    def build(cls, vision: VisionConfig, tokenizer: Callable[[], Tokenizer]) -> Gemma3Rule:
+        tok = tokenizer()
+
+        def encode(text: str) -> list[int]:
+            return tok.encode(text, add_special_tokens=False)
+
+        join = NewlineJoin(encode, lambda t: tok.decode([t], skip_special_tokens=False))
+        return cls(vision, encode("\n\n"), join)
+
+    def __call__(self, outputs: Mapping[str, Any]) -> Replacement:
+        vision = self.vision
+        crops = outputs.get("num_crops")
+        if crops is not None and int(torch.as_tensor(crops).sum()):
+            raise ValueError(
+                "the image processor cut this image into pan-and-scan crops, which batchpage "
+                "does not place: set do_pan_and_scan to false in preprocessor_config.json"
+            )
+        pixels = outputs["pixel_values"]
+        want = (1, vision.num_channels, vision.image_size, vision.image_size)
+        if tuple(pixels.shape) != want:
+            raise ValueError(
+                f"the image processor makes pixel values of shape {tuple(pixels.shape)}, but "
+                f"this model's tower takes {want}: preprocessor_config.json's size must be "
+                f"config.json's vision_config image_size={vision.image_size}"
+            )
+        return self.replacement
+
+
 # The one table: family -> what replaces its placeholder token.
 REPLACEMENT_RULES: Mapping[str, RuleBuilder] = {
     "llava": LlavaRule.build,
     "idefics3": Idefics3Rule.build,
     "qwen2_5_vl": Qwen2_5_VLRule.build,
+    "gemma3_vl": Gemma3Rule.build,
 }

@@ -1,12 +1,13 @@
-"""SigLIP's vision transformer as Idefics3 and SmolVLM use it: a patch convolution with a bias and
-learned position embeddings (no class row, no pre-norm), CLIP's encoder layers, and a final
-LayerNorm whose output is the tower's.
+"""SigLIP's vision transformer as Idefics3, SmolVLM and Gemma 3 use it: a patch convolution with a
+bias and learned position embeddings (no class row, no pre-norm), CLIP's encoder layers, and a
+final LayerNorm whose output is the tower's.
 
-Idefics3's tiles may be smaller than the tower's image_size, or padded (a pixel mask marks the
-real pixels): a patch is real when any of its pixels is. Each tile's real patches take position
-embeddings spread over the whole image_size grid by their fraction of the tile's real extent (a
-full tile's patches take positions 0, 1, ...; padding patches take position 0), and every row
-attends to the real patches only. The linears are made with `layers.linear` /
+Gemma 3 runs it as SigLIP itself does: whole image_size images, patch i at position i, no patch
+mask. Idefics3's tiles may be smaller than the tower's image_size, or padded (a pixel mask marks
+the real pixels): a patch is real when any of its pixels is. Each tile's real patches take
+position embeddings spread over the whole image_size grid by their fraction of the tile's real
+extent (a full tile's patches take positions 0, 1, ...; padding patches take position 0), and
+every row attends to the real patches only. The linears are made with `layers.linear` /
 `merged_linear` (clip_vision.py), so `CausalLM.bind` binds them like every other linear.
 """
 
@@ -71,8 +72,12 @@ class SiglipEmbeddings(nn.Module):
             nn.Embedding, self.side**2, cfg.hidden_size, dtype=dtype, device=device
         )
 
-    def forward(self, pixels: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixels: torch.Tensor, patches: torch.Tensor | None) -> torch.Tensor:
+        """`patches` None: every image is image_size square, its patch i at position i (SigLIP's
+        own embeddings, as Gemma 3 runs them)."""
         rows = self.patch_embedding(pixels).flatten(2).transpose(1, 2)  # [N, patches, hidden]
+        if patches is None:
+            return rows + self.position_embedding.weight
         return rows + self.position_embedding(position_ids(patches, self.side))
 
 
@@ -88,12 +93,13 @@ class SiglipVisionTower(nn.Module):
         )
         self.post_layernorm = layer_norm(cfg, dtype, device)
 
-    def forward(self, pixels: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
-        """pixels [N, C, H, W] in the tower's dtype, `patches` bool [N, H/p, W/p] (patch_mask)
-        -> [N, (H/p) * (W/p), hidden]: every patch's row, padding patches' too."""
+    def forward(self, pixels: torch.Tensor, patches: torch.Tensor | None) -> torch.Tensor:
+        """pixels [N, C, H, W] in the tower's dtype, `patches` bool [N, H/p, W/p] (patch_mask;
+        None: every patch real, images of image_size) -> [N, (H/p) * (W/p), hidden]: every
+        patch's row, padding patches' too."""
         x = self.embeddings(pixels, patches)
-        real = patches.flatten(1)
-        keys = None if bool(real.all()) else real  # no mask: the faster attention
+        real = None if patches is None else patches.flatten(1)
+        keys = None if real is None or bool(real.all()) else real  # no mask: the faster attention
         for layer in self.layers:
             x = layer(x, keys)
         return self.post_layernorm(x)

@@ -1,7 +1,7 @@
 """VisionConfig: the numbers of a vision-language checkpoint's image side (its vision tower, the
 projector into the language model, and how many placeholder tokens an image takes), read from
-config.json with the language model's ModelConfig (llava_config.py, idefics3_config.py) before
-any weight."""
+config.json with the language model's ModelConfig (llava_config.py, idefics3_config.py,
+gemma3_vl_config.py) before any weight."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ class VisionConfig:
     """A vision-language checkpoint's vision tower, projector and placeholder numbers."""
 
     # "clip": LLaVA's CLIP tower; "idefics3": Idefics3's / SmolVLM's SigLIP tower, pixel shuffle
-    # and one linear; "qwen2_5_vl": Qwen2.5-VL's windowed vision transformer and patch merger
+    # and one linear; "qwen2_5_vl": Qwen2.5-VL's windowed vision transformer and patch merger;
+    # "gemma3": Gemma 3's SigLIP tower, average pooling, norm and projection
     kind: str
     hidden_size: int
     intermediate_size: int
@@ -51,6 +52,11 @@ class VisionConfig:
     window_size: int = 0
     full_attention_layers: tuple[int, ...] = ()
     rope_theta: float = 10000.0
+    # Gemma 3: the placeholder (image_token_id, <start_of_image>) stays in the prompt, followed
+    # by tokens_per_image `soft_token_id` tokens (<image_soft_token>), which take the encoder
+    # rows, and `end_token_id` (<end_of_image>). None: the placeholders take the rows.
+    soft_token_id: int | None = None
+    end_token_id: int | None = None
 
     @property
     def selected_layers(self) -> tuple[int, ...]:

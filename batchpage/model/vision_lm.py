@@ -1,8 +1,13 @@
-"""What every vision-language family shares: a Llama language model behind a vision tower.
+"""What every vision-language family shares: a language model behind a vision tower.
 
 A family says which module is its tower and projector (`VISION`, built from ModelConfig.vision)
 and how an image's processor outputs become its embedding rows (`encode_images`); the engine
 feeds those rows in place of the image's placeholder embeddings (CausalLM.forward's `embeds`).
+
+`VisionLanguageBase` goes with any language model class, listed after it among a family's bases
+(Gemma 3's: `class Gemma3ForConditionalGeneration(VisionLanguageBase, Gemma3ForCausalLM)`);
+`VisionLanguageModel` is it over Llama's (LLaVA, Idefics3). The engine knows a vision-language
+model by VisionLanguageBase.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from batchpage.model.causal_lm import CausalLM
 from batchpage.model.config import ModelConfig
 from batchpage.model.llama import LlamaForCausalLM
 from batchpage.model.shard import TensorShard
@@ -21,9 +27,13 @@ from batchpage.model.vision_config import VisionConfig
 VisionFactory = Callable[[VisionConfig, int, torch.dtype, torch.device], nn.Module]
 
 
-class VisionLanguageModel(LlamaForCausalLM):
+class VisionLanguageBase(CausalLM):
     # (the VisionConfig, the text model's hidden size, dtype, device) -> the tower + projector
     VISION: ClassVar[VisionFactory]
+    # Whether an image's rows attend to each other both ways (Gemma 3), read once by the engine:
+    # its scheduler then never ends a prompt chunk inside an image's span and its steps bound
+    # those rows' keys by the span's end (engine/image_spans.py). False: causal, as text.
+    BIDIRECTIONAL_IMAGES: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -46,3 +56,7 @@ class VisionLanguageModel(LlamaForCausalLM):
         """Each image's processor outputs -> its embedding rows [rows, text hidden] in the
         model's dtype, in the order of `inputs`, as HF's get_image_features."""
         raise NotImplementedError(f"{type(self).__name__} must encode its images")
+
+
+class VisionLanguageModel(VisionLanguageBase, LlamaForCausalLM):
+    """A Llama, Mistral or Qwen2 language model behind a vision tower (LLaVA, Idefics3)."""

@@ -5,6 +5,7 @@ transformers' own reading of them."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -141,13 +142,20 @@ def test_each_feature_changes_the_logits(checkpoints, variant, change):
     assert (prefill_logits(other, ids) - hf_logits(hf, ids)).abs().max() > 100 * ATOL
 
 
-def test_multimodal_gemma3_folder_runs_its_text_model(tmp_path):
-    """A Gemma3ForConditionalGeneration folder: text_config is read, the image tower's tensors
-    are skipped, and the text logits equal HF's model on the same ids."""
+@pytest.mark.parametrize("tower", [True, False], ids=["with_tower", "text_only"])
+def test_multimodal_gemma3_folder_runs_its_text_model(tmp_path, tower):
+    """A Gemma3ForConditionalGeneration folder: text_config is read and the text logits equal
+    HF's model on the same ids. With its vision_config it is the family with images
+    (tests/model/test_gemma3_vl.py); without, the image tower's tensors are skipped."""
     hf = build_gemma3_multimodal()
     hf.save_pretrained(tmp_path)
+    if not tower:
+        raw = json.loads((tmp_path / "config.json").read_text())
+        del raw["vision_config"]
+        (tmp_path / "config.json").write_text(json.dumps(raw))
     ours, cfg = load_hf_model(tmp_path, torch.float32, "cpu", MAX_POSITIONS)
-    assert cfg.family == "gemma3" and cfg.num_layers == 6 and cfg.local_rope_theta == 10000.0
+    assert cfg.family == ("gemma3_vl" if tower else "gemma3") and (cfg.vision is None) != tower
+    assert cfg.num_layers == 6 and cfg.local_rope_theta == 10000.0
     ids = random_ids(3 * WINDOW, seed=11, vocab=300)  # no image tokens
     torch.testing.assert_close(prefill_logits(ours, ids), hf_logits(hf, ids), atol=ATOL, rtol=0)
 
@@ -167,7 +175,16 @@ HUB_STYLE_GEMMA3 = {
         "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
         "sliding_window": 1024,
     },
-    "vision_config": {"model_type": "siglip_vision_model"},
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
 }
 
 

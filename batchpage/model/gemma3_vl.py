@@ -89,27 +89,6 @@ class Gemma3ForConditionalGeneration(VisionLanguageBase, Gemma3ForCausalLM):
     family = "gemma3_vl"
     BIDIRECTIONAL_IMAGES: ClassVar[bool] = True
 
-    @torch.no_grad()
-    def encode_images(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """Each image's processor outputs (pixel_values [1, C, S, S]) -> its embedding rows
-        [tokens_per_image, text hidden] in the model's dtype, as HF's get_image_features. The
-        images run as one batch. Raises ValueError for pixel values of another shape."""
-        if not inputs:
-            return []
-        vision = self.vision.config
-        want = (1, vision.num_channels, vision.image_size, vision.image_size)
-        for i, one in enumerate(inputs):
-            got = tuple(one["pixel_values"].shape)
-            if got != want:
-                raise ValueError(
-                    f"image {i}: pixel_values of shape {got}, this model's tower takes {want}: "
-                    "use the model's own image processor"
-                )
-        weight = self.vision.tower.embeddings.patch_embedding.weight
-        pixels = torch.cat([one["pixel_values"] for one in inputs])
-        rows = self.vision(pixels.to(device=weight.device, dtype=weight.dtype))
-        return list(rows.unbind(0))
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Takes either checkpoint layout (the module docstring): the image side's tensors are
         renamed here, the text model's by Gemma3ForCausalLM."""

@@ -15,8 +15,8 @@ from dataclasses import replace
 from typing import Any
 
 from batchpage.model.config import ModelConfig, UnsupportedModelError
-from batchpage.model.hf_fields import float_field, int_field
-from batchpage.model.llava_config import activation, config_object, tower_sizes
+from batchpage.model.hf_fields import int_field
+from batchpage.model.llava_config import config_object, siglip_vision_config, tower_sizes
 from batchpage.model.vision_config import VisionConfig
 
 _TOP_DEFAULTS: dict[str, Any] = {
@@ -85,23 +85,8 @@ def gemma3_vision_config(raw: Mapping[str, Any], vocab_size: int) -> VisionConfi
             f"{sizes['patch_size']})"
         )
     ids = {k: int_field(top, k, high=vocab_size - 1) for _, k in _TOKEN_KEYS}
-    return VisionConfig(
-        kind="gemma3",
-        hidden_size=sizes["hidden_size"],
-        intermediate_size=sizes["intermediate_size"],
-        num_layers=sizes["num_hidden_layers"],
-        num_heads=sizes["num_attention_heads"],
-        image_size=sizes["image_size"],
-        patch_size=sizes["patch_size"],
-        num_channels=sizes["num_channels"],
-        layer_norm_eps=float_field(vision, "layer_norm_eps", 1e-6),
-        hidden_act=activation(vision, "hidden_act", "Gemma 3"),
-        projector_act="linear",
-        projector_bias=False,
-        feature_layer=(-1,),
-        feature_select="full",
-        image_token_id=ids["boi_token_index"],
-        tokens_per_image=tokens,
-        soft_token_id=ids["image_token_index"],
+    return siglip_vision_config(
+        "gemma3", vision, sizes, "Gemma 3", image_token_id=ids["boi_token_index"],
+        tokens_per_image=tokens, soft_token_id=ids["image_token_index"],
         end_token_id=ids["eoi_token_index"],
-    )
+    )  # fmt: skip

@@ -13,8 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from batchpage.model.hf_fields import float_field, int_field
-from batchpage.model.llava_config import activation, config_object, text_config_of, tower_sizes
+from batchpage.model.hf_fields import int_field
+from batchpage.model.llava_config import (
+    config_object,
+    siglip_vision_config,
+    text_config_of,
+    tower_sizes,
+)
 from batchpage.model.vision_config import VisionConfig
 
 _TOP_DEFAULTS: dict[str, Any] = {
@@ -71,22 +76,8 @@ def idefics3_vision_config(raw: Mapping[str, Any], vocab_size: int) -> VisionCon
             f"config.json: the vision tower's image_size {sizes['image_size']} makes {side} "
             f"patches of {sizes['patch_size']} per side, which scale_factor={scale} must divide"
         )
-    return VisionConfig(
-        kind="idefics3",
-        hidden_size=sizes["hidden_size"],
-        intermediate_size=sizes["intermediate_size"],
-        num_layers=sizes["num_hidden_layers"],
-        num_heads=sizes["num_attention_heads"],
-        image_size=sizes["image_size"],
-        patch_size=sizes["patch_size"],
-        num_channels=sizes["num_channels"],
-        layer_norm_eps=float_field(vision, "layer_norm_eps", 1e-6),
-        hidden_act=activation(vision, "hidden_act", "Idefics3"),
-        projector_act="linear",
-        projector_bias=False,
-        feature_layer=(-1,),
-        feature_select="full",
+    return siglip_vision_config(
+        "idefics3", vision, sizes, "Idefics3",
         image_token_id=int_field(top, "image_token_id", high=vocab_size - 1),
-        tokens_per_image=(side // scale) ** 2,
-        scale_factor=scale,
-    )
+        tokens_per_image=(side // scale) ** 2, scale_factor=scale,
+    )  # fmt: skip

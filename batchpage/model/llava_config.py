@@ -173,6 +173,32 @@ def llava_vision_config(raw: Mapping[str, Any], vocab_size: int) -> VisionConfig
     )
 
 
+def siglip_vision_config(
+    kind: str, vision: Mapping[str, Any], sizes: Mapping[str, int], who: str, **image: Any
+) -> VisionConfig:
+    """The VisionConfig of a SigLIP tower whose every row is a feature (Idefics3 / SmolVLM,
+    Gemma 3): `vision` its vision_config (defaults filled in), `sizes` its tower_sizes, `who`
+    the family for error messages, `image` the family's placeholder and projector fields
+    (image_token_id, tokens_per_image, ...)."""
+    return VisionConfig(
+        kind=kind,
+        hidden_size=sizes["hidden_size"],
+        intermediate_size=sizes["intermediate_size"],
+        num_layers=sizes["num_hidden_layers"],
+        num_heads=sizes["num_attention_heads"],
+        image_size=sizes["image_size"],
+        patch_size=sizes["patch_size"],
+        num_channels=sizes["num_channels"],
+        layer_norm_eps=float_field(vision, "layer_norm_eps", 1e-6),
+        hidden_act=activation(vision, "hidden_act", who),
+        projector_act="linear",
+        projector_bias=False,
+        feature_layer=(-1,),
+        feature_select="full",
+        **image,
+    )
+
+
 def tower_sizes(vision: Mapping[str, Any]) -> dict[str, int]:
     """A vision_config's sizes (its defaults filled in); ValueError unless they are positive
     (layers may be 0) with hidden_size a multiple of num_attention_heads."""

@@ -52,10 +52,30 @@ class VisionLanguageBase(CausalLM):
         where = torch.device(device if device is not None else "cpu")
         self.vision = type(self).VISION(cfg.vision, cfg.hidden_size, dtype, where)
 
+    @torch.no_grad()
     def encode_images(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each image's processor outputs -> its embedding rows [rows, text hidden] in the
-        model's dtype, in the order of `inputs`, as HF's get_image_features."""
-        raise NotImplementedError(f"{type(self).__name__} must encode its images")
+        model's dtype, in the order of `inputs`, as HF's get_image_features.
+
+        This one is for towers that take one image_size square per image (LLaVA's CLIP, Gemma
+        3's SigLIP): pixel_values [1, C, S, S] each, run as one batch through `vision`, whose
+        tower's patch embedding says the dtype and device; ValueError for pixel values of
+        another shape. A family whose images are tiles or grids overrides it."""
+        if not inputs:
+            return []
+        vision = self.vision.config
+        want = (1, vision.num_channels, vision.image_size, vision.image_size)
+        for i, one in enumerate(inputs):
+            got = tuple(one["pixel_values"].shape)
+            if got != want:
+                raise ValueError(
+                    f"image {i}: pixel_values of shape {got}, this model's tower takes {want}: "
+                    "use the model's own image processor"
+                )
+        weight = self.vision.tower.embeddings.patch_embedding.weight
+        pixels = torch.cat([one["pixel_values"] for one in inputs])
+        rows = self.vision(pixels.to(device=weight.device, dtype=weight.dtype))
+        return list(rows.unbind(0))
 
 
 class VisionLanguageModel(VisionLanguageBase, LlamaForCausalLM):

@@ -1,7 +1,7 @@
 """The "K questions per image" workload of jobs/bench/images.py: N distinct images (crops and
 rescales of scikit-image's bundled photographs, and generated pictures) and K questions about
-each, as LLaVA-1.5 prompts in job order (an image's K questions adjacent), and the prompt tokens
-a prefix cache can save on it at best."""
+each, as the model family's prompts (TEMPLATES) in job order (an image's K questions adjacent),
+and the prompt tokens a prefix cache can save on it at best."""
 
 from __future__ import annotations
 
@@ -28,20 +28,26 @@ QUESTIONS = (
     "What is the main subject doing?",
     "What mood does this picture convey?",
 )
-TEMPLATE = "USER: <image>\n{question} ASSISTANT:"  # LLaVA-1.5's prompt
+# Each family's prompt of one image and a question: LLaVA-1.5's; SmolVLM's chat template's
+# rendering of a user turn of an image and text, then the assistant's turn.
+TEMPLATES = {
+    "llava": "USER: <image>\n{question} ASSISTANT:",
+    "idefics3": "<|im_start|>User:<image>{question}<end_of_utterance>\nAssistant:",
+}
 GENERATED_EVERY = 4  # every 4th image is generated, the others photographs' variants
 
 
 @dataclass(frozen=True)
 class ImageJob:
     """images[i] is named names[i]; row r asks questions[q] about images[i] for (i, q) =
-    rows[r], its prompt text texts[r]."""
+    rows[r], its prompt text texts[r] (`template` with the question)."""
 
     images: list[Image.Image]
     names: list[str]
     questions: list[str]
     rows: list[tuple[int, int]]
     texts: list[str]
+    template: str
 
     def prompts(self) -> list[dict[str, Any]]:
         """vLLM's prompt dicts, one per row, in job order."""
@@ -56,7 +62,7 @@ class ImageJob:
         return (f"{len(self.images)} distinct images ({photos} crops/rescales of scikit-image "
                 f"photographs, {len(self.images) - photos} generated) x {len(self.questions)} "
                 f"questions each = {len(self.rows)} prompts, image-major job order, prompt "
-                f"{TEMPLATE!r}")  # fmt: skip
+                f"{self.template!r}")  # fmt: skip
 
 
 def questions(k: int) -> list[str]:
@@ -126,13 +132,14 @@ def workload_images(n: int, seed: int = 0) -> tuple[list[Image.Image], list[str]
     return images, names
 
 
-def image_job(n: int, k: int, seed: int = 0) -> ImageJob:
-    """n images x k questions, an image's questions adjacent (the job's order)."""
+def image_job(n: int, k: int, template: str, seed: int = 0) -> ImageJob:
+    """n images x k questions, an image's questions adjacent (the job's order), each prompt
+    `template` (a value of TEMPLATES) with its question."""
     images, names = workload_images(n, seed)
     asked = questions(k)
     rows = [(i, q) for i in range(n) for q in range(k)]
-    texts = [TEMPLATE.format(question=asked[q]) for _, q in rows]
-    return ImageJob(images, names, asked, rows, texts)
+    texts = [template.format(question=asked[q]) for _, q in rows]
+    return ImageJob(images, names, asked, rows, texts, template)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

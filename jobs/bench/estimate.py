@@ -20,7 +20,9 @@ and tokenizers of the user's cache linked in), by the first dry run. Per job, in
 processes: `dry_run=true plan.devices=[this]` (its estimated wall time and peak memory), then
 the job (its run.json wall time, the peak RSS of its process from wait4, run.json's own
 estimate_error, and progress.json, rewritten every second, read every 0.2 s: the ETA error at
-the first record with a tenth of the rows done, and the median of the records up to half).
+the first record with a tenth of the rows done, and the median of the records up to half; the
+time left is to the job's end, when it commits its output and writes run.json, its last file,
+not the interpreter's exit after it).
 """
 
 from __future__ import annotations
@@ -112,12 +114,12 @@ def dry(args: list[str], env: dict[str, str]) -> dict[str, Any]:
 
 def run(args: list[str], env: dict[str, str], out: Path, workdir: Path) -> Ran:
     """The job in its own process: its run.json entry, its peak RSS and progress.json's
-    records (each with the seconds the job then took)."""
+    records (each with the seconds the job then had left, to run.json's writing)."""
     cmd = [sys.executable, "-c", _JOB, "1.0", *args, f"output_dir={out}",
            f"hydra.run.dir={workdir / 'hydra'}"]  # fmt: skip
     with open(workdir / f"{out.name}.log", "w") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
-    seen: list[tuple[float, dict[str, Any]]] = []
+    seen: list[tuple[float, dict[str, Any]]] = []  # wall-clock times: run.json's mtime ends it
     last = None
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -128,12 +130,14 @@ def run(args: list[str], env: dict[str, str], out: Path, workdir: Path) -> Ran:
         except (OSError, ValueError):
             record = None
         if record is not None and record != last:
-            seen.append((time.monotonic(), record))
+            seen.append((time.time(), record))
             last = record
         time.sleep(0.2)
-    ended = time.monotonic()
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"the job failed: see {workdir / (out.name + '.log')}")
+    # The job ends when its output is committed and run.json written, its last file; the
+    # interpreter's exit after that (its threads, freeing memory) is not the job's time.
+    ended = (out / "run.json").stat().st_mtime
     entry = json.loads((out / "run.json").read_text())["runs"][-1]
     return Ran(entry, usage.ru_maxrss * 1024, [(ended - t, r) for t, r in seen])
 

@@ -1,9 +1,11 @@
-"""Images through the job for the families beside LLaVA (issue #72): Qwen2.5-VL (M-RoPE, an
-image's token count from its size) and Gemma 3 (image spans attended both ways, its blank lines
-merged with the prompt's), each a tiny random checkpoint with real photographs. An image column
+"""Images through the job for the families beside LLaVA (issue #72): Idefics3 / SmolVLM (an
+image split into tiles), Qwen2.5-VL (M-RoPE, an image's token count from its size) and Gemma 3
+(image spans attended both ways, its blank lines merged with the prompt's), each a tiny random
+checkpoint with real photographs. An image column
 of relative paths, a list per row and a bad image among them, and an OpenAI Batch file with
 image parts: every row equals the API's answer for the same prompt and images (the API is
-checked against transformers in tests/test_llm_qwen2_5_vl.py and tests/test_llm_gemma3.py)."""
+checked against transformers in tests/test_llm_idefics3.py, tests/test_llm_qwen2_5_vl.py and
+tests/test_llm_gemma3.py)."""
 
 from __future__ import annotations
 
@@ -27,15 +29,24 @@ from tests.job.test_job_images import (
 )
 from tests.job.test_loop import job, table, write_jsonl
 from tests.qwen_vl_factory import qwen_folder
+from tests.vision_factory import idefics3_folder
 
-PLACEHOLDER = {"qwen": "<|vision_start|><|image_pad|><|vision_end|>", "gemma": "<start_of_image>"}
+PLACEHOLDER = {
+    "smolvlm": "<image>",
+    "qwen": "<|vision_start|><|image_pad|><|vision_end|>",
+    "gemma": "<start_of_image>",
+}
+MAKE = {
+    "smolvlm": lambda folder: idefics3_folder(folder, "smolvlm"),
+    "qwen": qwen_folder,
+    "gemma": gemma3_vl_folder,
+}
 
 
-@pytest.fixture(scope="module", params=["qwen", "gemma"])
+@pytest.fixture(scope="module", params=list(MAKE))
 def family(request, tmp_path_factory) -> tuple[str, Path, LLM]:
     """(its name, its folder, the API on it with the job's engine options)."""
-    make = qwen_folder if request.param == "qwen" else gemma3_vl_folder
-    folder, _, _ = make(tmp_path_factory.mktemp(request.param))
+    folder, _, _ = MAKE[request.param](tmp_path_factory.mktemp(request.param))
     api = LLM(str(folder), dtype="float32", kv_cache_memory=2**23, max_model_len=256, **ENGINE)
     return request.param, folder, api
 

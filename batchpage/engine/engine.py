@@ -485,10 +485,11 @@ class Engine:
                 if tracker is not None:
                     thinking[i] = tracker
                 constraints[i] = _active_constraint(seq, tracker)
-            drafted = None
-            if offsets.any():  # a row's position past its newest token sees its drafts before
-                pairs = zip(rows.tolist(), offsets.tolist(), strict=True)
-                drafted = [batch.drafts[r, :o] for r, o in pairs]
+            drafted: list[np.ndarray] | None = None
+            if offsets[constrained].any():  # a grammar row's drafts before each of its positions
+                drafted = [batch.drafts[0, :0]] * n
+                for i in constrained:
+                    drafted[i] = batch.drafts[rows[i], : offsets[i]]
             token_mask = self.masks.fill(constraints, drafted)
             if token_mask is not None and self.reasoning is not None:
                 before = [i for i in token_mask.rows if (t := thinking.get(i)) and t.may_open]

@@ -22,8 +22,10 @@ from tests.gemma3_vl_factory import gemma3_vl_folder
 from tests.job.test_job_images import (
     ENGINE,
     PARAMS,
+    batch_line,
     check_rows,
     data_url,
+    image_part,
     images_of,
     photos,  # noqa: F401 (a fixture)
 )
@@ -84,13 +86,7 @@ def test_an_openai_batch_file_with_image_parts(tmp_path, family, photos) -> None
     name, folder, api = family
     b, d = photos["images"]["b.png"], photos["images"]["d.png"]
 
-    def line(cid: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        body = {"model": "x", "messages": [{"role": "user", "content": parts}], "max_tokens": 5}
-        return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
-
-    def url(u: str) -> dict[str, Any]:
-        return {"type": "image_url", "image_url": {"url": u}}
-
+    line, url = batch_line, image_part
     ask = {"type": "text", "text": "what is it"}
     lines = [line("r0", [url(data_url(b)), ask]), line("r1", [url("img/d.png"), ask]),
              line("r2", [url("img/text.png"), ask])]  # fmt: skip

@@ -76,6 +76,18 @@ def data_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
 
 
+def image_part(u: str, detail: str | None = None) -> dict[str, Any]:
+    """An OpenAI image_url content part."""
+    url: dict[str, Any] = {"url": u} if detail is None else {"url": u, "detail": detail}
+    return {"type": "image_url", "image_url": url}
+
+
+def batch_line(cid: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """An OpenAI Batch request line: one user turn of `parts`, 5 tokens out."""
+    body = {"model": "x", "messages": [{"role": "user", "content": parts}], "max_tokens": 5}
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
 def images_of(photos: dict[str, Any], names: str | list[str]) -> list[Any]:
     names = [names] if isinstance(names, str) else names
     return [photos["images"][n.removeprefix("img/")] for n in names]
@@ -192,8 +204,7 @@ def test_image_parts_in_a_messages_column(tmp_path, llava, reference, photos) ->
     folder = photos["folder"]
     b, d = photos["images"]["b.png"], photos["images"]["d.png"]
 
-    def url(u: str) -> dict[str, Any]:
-        return {"type": "image_url", "image_url": {"url": u}}
+    url = image_part
 
     def text(t: str) -> dict[str, Any]:
         return {"type": "text", "text": t}
@@ -234,12 +245,10 @@ def test_an_openai_batch_file_with_image_parts(tmp_path, llava, reference, photo
     folder = photos["folder"]
     b, d = photos["images"]["b.png"], photos["images"]["d.png"]
 
-    def line(cid: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        body = {"model": "x", "messages": [{"role": "user", "content": parts}], "max_tokens": 5}
-        return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    line = batch_line
 
     def url(u: str) -> dict[str, Any]:
-        return {"type": "image_url", "image_url": {"url": u, "detail": "low"}}
+        return image_part(u, detail="low")
 
     ask = {"type": "text", "text": "what is it"}
     lines = [

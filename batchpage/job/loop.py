@@ -53,6 +53,7 @@ from batchpage.output.batch_files import write_batch_files
 from batchpage.output.files import BATCH_ERRORS_FILE, BATCH_OUTPUT_FILE, FINAL_FILE, SCORES_FILE
 from batchpage.output.manifest import commit
 from batchpage.request_outputs import PoolingRequestOutput, RequestOutput
+from batchpage.simulate.memory import peak_resident_bytes
 from batchpage.storage import OutputLostError, StorageError
 
 LLMFactory = Callable[..., Any]
@@ -218,6 +219,7 @@ def _run(
     run = ThisRun(
         started[0], wall_s, generated, resumed,
         generated_stats, dict(by_adapter) if plan.adapters else {}, parts, report, no_estimate,
+        peak_resident_bytes(),
     )  # fmt: skip
     metrics = write_report(store, out, cfg, plan, _settings(plan, llm), run, rows, score)
     reasons, samples, first_error = summarize(store, final.path)

@@ -67,6 +67,8 @@ class ThisRun:
     # This machine's estimate of the run (job_estimate.JobEstimate.report); None: none, and why.
     estimate: dict[str, Any] | None = None
     no_estimate: str | None = None
+    # The job process's peak resident bytes at its end (simulate/memory.peak_resident_bytes).
+    peak_rss_bytes: int | None = None
 
     def figures(self) -> dict[str, Any]:
         """Its metrics (the names of run.json's) with its wall time; zeros when it generated
@@ -113,6 +115,7 @@ def write_report(
                 "rows_generated": run.rows_generated,
                 "rows_resumed": run.rows_resumed,
                 "parts_s": asdict(run.parts),
+                "peak_rss_bytes": run.peak_rss_bytes,
                 **_estimate_fields(run),
                 "settings": settings,
                 "stats": run.stats.to_record(),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -133,6 +134,22 @@ def host_runtime_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def peak_resident_bytes(status: Path | None = None) -> int | None:
+    """This process's peak resident memory so far (VmHWM of /proc/self/status, `status` to read
+    another file), None where it cannot be read. Not getrusage's or wait4's ru_maxrss: a process
+    started by fork or vfork then exec counts its parent's resident pages before the exec there,
+    so a job started from a large process (a test runner, a notebook) would report that
+    process's peak as its own."""
+    try:
+        text = (status or Path("/proc/self/status")).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return None
 
 
 def touched_pool_bytes(pool: Pool, blocks: int, tensors: int, huge: bool) -> int:

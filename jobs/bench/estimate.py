@@ -113,8 +113,9 @@ def dry(args: list[str], env: dict[str, str]) -> dict[str, Any]:
 
 
 def run(args: list[str], env: dict[str, str], out: Path, workdir: Path) -> Ran:
-    """The job in its own process: its run.json entry, its peak RSS and progress.json's
-    records (each with the seconds the job then had left, to run.json's writing)."""
+    """The job in its own process: its run.json entry, its peak RSS (the job's own, in that
+    entry: wait4's would count this process's pages, held by the child until its exec) and
+    progress.json's records (each with the seconds the job then had left, to run.json's writing)."""
     cmd = [sys.executable, "-c", _JOB, "1.0", *args, f"output_dir={out}",
            f"hydra.run.dir={workdir / 'hydra'}"]  # fmt: skip
     with open(workdir / f"{out.name}.log", "w") as err:
@@ -122,7 +123,7 @@ def run(args: list[str], env: dict[str, str], out: Path, workdir: Path) -> Ran:
     seen: list[tuple[float, dict[str, Any]]] = []  # wall-clock times: run.json's mtime ends it
     last = None
     while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        pid, status = os.waitpid(proc.pid, os.WNOHANG)
         if pid:
             break
         try:
@@ -139,7 +140,7 @@ def run(args: list[str], env: dict[str, str], out: Path, workdir: Path) -> Ran:
     # interpreter's exit after that (its threads, freeing memory) is not the job's time.
     ended = (out / "run.json").stat().st_mtime
     entry = json.loads((out / "run.json").read_text())["runs"][-1]
-    return Ran(entry, usage.ru_maxrss * 1024, [(ended - t, r) for t, r in seen])
+    return Ran(entry, entry["peak_rss_bytes"], [(ended - t, r) for t, r in seen])
 
 
 def eta_errors(records: list[tuple[float, dict[str, Any]]]) -> tuple[float | None, float | None]:

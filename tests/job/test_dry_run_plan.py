@@ -242,15 +242,16 @@ def test_the_estimated_wall_time_is_within_20_percent_of_the_job(tmp_path, tiny_
     here = json.loads(done.stdout.splitlines()[-1])
     assert here["source"].startswith("calibrated")
     cmd = [sys.executable, "-m", "batchpage.run", *args]
-    with open(tmp_path / "job.log", "w") as log:
-        job_process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(job_process.pid, 0)  # its peak RSS, not the dry run's
-    assert os.waitstatus_to_exitcode(status) == 0, (tmp_path / "job.log").read_text()[-3000:]
-    peak = usage.ru_maxrss * 1024
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "run.json").read_text())
+    # The job's own peak (VmHWM), not wait4's: that one counts this test process's pages, which
+    # the child held between its vfork and its exec.
+    peak = report["runs"][-1]["peak_rss_bytes"]
     # Looser than the issue's 10% (jobs/bench/estimate.py measures that on a quiet machine): on a
     # loaded one the job has held more transient memory than its calibration saw.
     assert here["memory_bytes"]["total"] == pytest.approx(peak, rel=0.2), (here, peak)
-    metrics = json.loads((tmp_path / "out" / "run.json").read_text())["metrics"]
+    metrics = report["metrics"]
     estimate = here["estimate"]
     assert estimate["preemptions"] == metrics["preemptions"] == 0
     measured = {k: metrics[k] for k in ("wall_s", "elapsed_s", "steps", "preemptions")}

@@ -12,7 +12,7 @@ import torch
 
 from batchpage.cache.kv_cache import KVCache
 from batchpage.host_memory import huge_pages_advisable, resident_bytes
-from batchpage.simulate.memory import Pool, touched_pool_bytes
+from batchpage.simulate.memory import Pool, peak_resident_bytes, touched_pool_bytes
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/smaps is Linux's")
 PAGE = mmap.PAGESIZE
@@ -55,3 +55,38 @@ def test_a_pools_first_blocks_cost_what_the_model_says(blocks: int) -> None:
     assert abs(measured - modelled) <= slack
     if not huge:
         assert modelled == blocks * per_tensor * len(tensors)
+
+
+def test_a_child_processs_peak_is_its_own_not_its_parents() -> None:
+    """peak_resident_bytes in a process started from this one (vfork then exec, as subprocess
+    does) against this process's written pages: wait4's ru_maxrss for the same kind of child
+    counts them (the reason the job reports its own), peak_resident_bytes does not, and it is at
+    least the child's own written buffer."""
+    import os
+    import subprocess
+
+    parent_bytes = 512 << 20
+    held = bytearray(parent_bytes)
+    for i in range(0, parent_bytes, PAGE):
+        held[i] = 1
+    code = (
+        "from batchpage.simulate.memory import peak_resident_bytes; "
+        "b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); print(peak_resident_bytes())"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    out = child.stdout.read() if child.stdout else ""
+    _, status, usage = os.wait4(child.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    peak = int(out.strip())
+    assert usage.ru_maxrss * 1024 > parent_bytes  # the parent's pages, in the child's count
+    assert 64 << 20 < peak < parent_bytes
+    del held
+
+
+def test_peak_resident_bytes_reads_vmhwm(tmp_path) -> None:
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmPeak:\t 900 kB\nVmHWM:\t  1234 kB\nVmRSS:\t 1000 kB\n")
+    assert peak_resident_bytes(status) == 1234 * 1024
+    status.write_text("Name:\tpython\n")
+    assert peak_resident_bytes(status) is None
+    assert peak_resident_bytes(tmp_path / "missing") is None

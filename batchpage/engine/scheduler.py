@@ -32,10 +32,10 @@ blocks. Its decision each step is a SchedulerOutput (schedule_output.py).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
-from itertools import groupby
+from itertools import groupby, islice
 
 import numpy as np
 
@@ -176,6 +176,7 @@ class Scheduler:
         demand: Demand | None = None
         admitted: list[Sequence] = []
         deferred: list[Sequence] = []  # waiting a step for a block one admitted now computes
+        futures = self._head_futures(max(1, self.max_num_seqs - len(self.running)))
         while (not out.preempted or picks.empty) and self.waiting:
             if budget <= 0:
                 break
@@ -183,7 +184,7 @@ class Scheduler:
             # Samples forked from seq after its prefill count against max_num_seqs now.
             if len(self.running) + _copies(seq) > self.max_num_seqs:
                 break
-            future = self._future(seq) if self.growth is not None else None
+            future = next(futures)
             beam = seq.params.use_beam_search
             if beam and not self._beam_fits(seq):
                 break
@@ -350,12 +351,22 @@ class Scheduler:
         """A finished beam group's beams leave the running set; their blocks go back."""
         self.replace(beams, [])
 
-    def _future(self, seq: Sequence) -> tuple[int, int]:
-        """(tokens seq takes slots for now, tokens it is expected to append)."""
-        assert self.growth is not None and self.max_model_len is not None
-        now = np.array([seq.num_tokens], dtype=np.int64)
-        to_come = self.growth.expected_tokens(now, OutputLimits.of([seq]), self.max_model_len)
-        return seq.num_tokens, int(to_come[0])
+    def _head_futures(self, n: int) -> Iterator[tuple[int, int] | None]:
+        """The future (`_futures`) of the waiting queue's head at each pass of the admission
+        loop, computed n sequences at a time: every pass takes the head off the queue (admitted
+        or deferred) or ends the loop, so the k-th future yielded is the k-th pass's head's."""
+        while chunk := list(islice(self.waiting, n)):
+            yield from self._futures(chunk)
+
+    def _futures(self, seqs: list[Sequence]) -> list[tuple[int, int] | None]:
+        """Each sequence's (tokens it takes slots for now, tokens it is expected to append),
+        computed at once; None each without admission by growth."""
+        if self.growth is None or not seqs:
+            return [None] * len(seqs)
+        assert self.max_model_len is not None
+        now = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        to_come = self.growth.expected_tokens(now, OutputLimits.of(seqs), self.max_model_len)
+        return list(zip(now.tolist(), to_come.tolist(), strict=True))
 
     def _demand(self) -> Demand | None:
         """The running sequences' future, against which admission is checked (admission.py);

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -44,6 +47,27 @@ def keep_freed_memory() -> bool:
     if not any(mallopt(M_MMAP_THRESHOLD, value) == 1 for value in _THRESHOLDS):
         return False
     return mallopt(M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
+
+
+@contextmanager
+def older_objects_frozen() -> Iterator[None]:
+    """While the block runs, Python's cyclic garbage collector leaves the objects that existed
+    when it began alone (gc.freeze): a run allocates many short-lived objects per request, and
+    each full collection would otherwise walk the interpreter's, torch's, the tokenizer's and
+    the engine's objects again, every one of them still alive. Objects made in the block are
+    collected as usual; at its end the older ones are handed back (gc.unfreeze), so cycles they
+    formed meanwhile (an engine closed in the block) are freed by a later collection. Where
+    objects are frozen already (the application froze its own), they stay as they are. Like
+    keep_freed_memory this is process-wide; it changes what the collector scans, never what a
+    program computes."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 MADV_HUGEPAGE = 14  # from linux/mman.h

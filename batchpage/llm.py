@@ -18,6 +18,7 @@ from batchpage.engine.plan import plan_engine
 from batchpage.engine.reasoning import reasoning_text
 from batchpage.engine.sampler import TopLogprobs
 from batchpage.engine.sequence import Request, Sequence
+from batchpage.host_memory import older_objects_frozen
 from batchpage.llm_pooling import PoolingMethods
 from batchpage.lora.request import LoRARequest
 from batchpage.metrics import RunStats, tokens_per_s
@@ -363,21 +364,22 @@ class LLM(PoolingMethods):
         engine = self.engine
         stats = engine.add_requests(requests)
         try:
-            while engine.has_unfinished():
-                for seq in engine.step():
-                    seqs = done[seq.request.index]
-                    seqs.append(seq)
-                    if len(seqs) < seq.params.n:
-                        continue
-                    bar.update(1)
-                    rate = tokens_per_s(stats.generated_tokens, stats.elapsed_s)
-                    bar.set_postfix(
-                        tok_s=f"{rate:.1f}", hit=f"{stats.prefix_hit_rate:.0%}", refresh=False
-                    )
-                    if on_output is not None:
-                        on_output(make(seq.request, seqs), seq.request.index)
-                if on_step is not None:
-                    on_step(stats)
+            with older_objects_frozen():  # see host_memory.py
+                while engine.has_unfinished():
+                    for seq in engine.step():
+                        seqs = done[seq.request.index]
+                        seqs.append(seq)
+                        if len(seqs) < seq.params.n:
+                            continue
+                        bar.update(1)
+                        rate = tokens_per_s(stats.generated_tokens, stats.elapsed_s)
+                        bar.set_postfix(
+                            tok_s=f"{rate:.1f}", hit=f"{stats.prefix_hit_rate:.0%}", refresh=False
+                        )
+                        if on_output is not None:
+                            on_output(make(seq.request, seqs), seq.request.index)
+                    if on_step is not None:
+                        on_step(stats)
         finally:
             bar.close()
         stats.finish()

@@ -56,6 +56,10 @@ from batchpage.engine.kv_manager import (
 from batchpage.engine.schedule_output import Picks, SchedulerOutput, Swap
 from batchpage.engine.sequence import PendingForks, SeqStatus, Sequence
 
+# The waiting heads whose futures one numpy call computes: a step's token budget often stops
+# admission long before every free row is taken, and the rest would be computed for nothing.
+_FUTURES_AT_ONCE = 32
+
 
 class Admit(Enum):
     """What admission made of a waiting sequence this step."""
@@ -176,7 +180,7 @@ class Scheduler:
         demand: Demand | None = None
         admitted: list[Sequence] = []
         deferred: list[Sequence] = []  # waiting a step for a block one admitted now computes
-        futures = self._head_futures(max(1, self.max_num_seqs - len(self.running)))
+        futures = self._head_futures(min(_FUTURES_AT_ONCE, self.max_num_seqs - len(self.running)))
         while (not out.preempted or picks.empty) and self.waiting:
             if budget <= 0:
                 break
@@ -355,7 +359,7 @@ class Scheduler:
         """The future (`_futures`) of the waiting queue's head at each pass of the admission
         loop, computed n sequences at a time: every pass takes the head off the queue (admitted
         or deferred) or ends the loop, so the k-th future yielded is the k-th pass's head's."""
-        while chunk := list(islice(self.waiting, n)):
+        while chunk := list(islice(self.waiting, max(1, n))):
             yield from self._futures(chunk)
 
     def _futures(self, seqs: list[Sequence]) -> list[tuple[int, int] | None]:

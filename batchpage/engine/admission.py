@@ -103,33 +103,54 @@ class Demand:
     """The future of a set of sequences, each (tokens now, tokens still to come), kept sorted by
     tokens to come so that the peak is one pass. `peak_blocks` bounds the blocks they hold
     together when every sequence appends one token per step and frees its blocks when done (a
-    partly filled last block may be counted whole: it never underestimates)."""
+    partly filled last block may be counted whole: it never underestimates).
+
+    Sequences added one at a time wait in a list and are sorted in when a peak is asked for:
+    `fits` first tries a bound that needs no order (every sequence at its largest at once), which
+    settles admission whenever the pool is roomy, so most admissions sort nothing."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         # (tokens to come, tokens now) of each sequence, by tokens to come descending.
         self._to_come = np.zeros(0, dtype=np.int64)
         self._now = np.zeros(0, dtype=np.int64)
+        self._added: list[tuple[int, int]] = []  # (now, to_come) added since the last sort
+        # Sum over the sequences of tokens now + to come + block_size - 1 (`fits`' bound).
+        self._largest = 0
         self.held = 0  # blocks the sequences hold now (their block tables' lengths)
 
     def add(self, tokens_now: int, to_come: int, copies: int = 1, held: int = 0) -> None:
-        self._to_come, self._now = self._inserted(tokens_now, to_come, copies)
+        self._added += [(tokens_now, to_come)] * copies
+        self._largest += copies * (tokens_now + to_come + self.block_size - 1)
         self.held += held
 
     def add_all(self, now: np.ndarray, to_come: np.ndarray, held: int) -> None:
         """Many sequences at once (tokens now, tokens to come; arrays of one length), sorted
         once: a step's running set. Ties keep their order, as one `add` after another."""
-        to_come = np.concatenate([self._to_come, to_come])
-        order = np.argsort(-to_come, kind="stable")
-        self._to_come = to_come[order]
-        self._now = np.concatenate([self._now, now])[order]
+        self._sort_in(now, to_come)
+        self._largest += int(now.sum() + to_come.sum()) + len(now) * (self.block_size - 1)
         self.held += held
+
+    def fits(self, extra: tuple[int, int], capacity: int) -> bool:
+        """Whether the peak with `extra` (tokens now, tokens to come) added is at most
+        `capacity` blocks (`peak_blocks(extra) <= capacity`, the same answer). The peak's
+        alive sequences hold at most their largest (tokens to come being sorted descending,
+        every one alive at a step has at least as many still to come as the last): when all
+        of them at their largest fit, so does the peak, with no sort."""
+        largest = self._largest + extra[0] + extra[1] + self.block_size - 1
+        if -(-largest // self.block_size) <= capacity:
+            return True
+        return self.peak_blocks(extra) <= capacity
 
     def peak_blocks(self, extra: tuple[int, int] | None = None) -> int:
         """The peak with `extra` (tokens now, tokens to come) added, without keeping it."""
+        if self._added:
+            added = np.array(self._added, dtype=np.int64).reshape(-1, 2)
+            self._added = []
+            self._sort_in(added[:, 0], added[:, 1])
         to_come, now = self._to_come, self._now
         if extra is not None:
-            to_come, now = self._inserted(extra[0], extra[1], 1)
+            to_come, now = self._inserted(extra[0], extra[1])
         if not len(to_come):
             return 0
         # At step to_come[i] the alive = i + 1 sequences with at least that many tokens to come
@@ -139,13 +160,18 @@ class Demand:
         total = np.cumsum(now) + alive * (to_come + self.block_size - 1)
         return int((-(-total // self.block_size)).max())
 
-    def _inserted(self, now: int, to_come: int, copies: int) -> tuple[np.ndarray, np.ndarray]:
-        """The arrays with `copies` of (now, to_come) inserted after the ties they meet."""
+    def _sort_in(self, now: np.ndarray, to_come: np.ndarray) -> None:
+        """Merge sequences into the sorted arrays, after the ties they meet, in their order."""
+        to_come = np.concatenate([self._to_come, to_come])
+        order = np.argsort(-to_come, kind="stable")
+        self._to_come = to_come[order]
+        self._now = np.concatenate([self._now, now])[order]
+
+    def _inserted(self, now: int, to_come: int) -> tuple[np.ndarray, np.ndarray]:
+        """The sorted arrays with (now, to_come) inserted after the ties it meets."""
         at = int(np.searchsorted(-self._to_come, -to_come, side="right"))
         # concatenate, not np.insert: the same arrays at a fraction of its per-call cost
-        to_come_new = np.full(copies, to_come, dtype=np.int64)
-        now_new = np.full(copies, now, dtype=np.int64)
         return (
-            np.concatenate((self._to_come[:at], to_come_new, self._to_come[at:])),
-            np.concatenate((self._now[:at], now_new, self._now[at:])),
+            np.concatenate((self._to_come[:at], [to_come], self._to_come[at:])),
+            np.concatenate((self._now[:at], [now], self._now[at:])),
         )

@@ -396,9 +396,7 @@ class Scheduler:
         may grow to: the job must progress."""
         if demand is None or future is None or not self.running:
             return True
-        held = demand.held + len(seq.block_table)
-        peak = demand.peak_blocks(future)
-        return peak <= held + self.kv.num_free_blocks
+        return demand.fits(future, demand.held + len(seq.block_table) + self.kv.num_free_blocks)
 
     def _admit(
         self,

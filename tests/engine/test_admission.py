@@ -123,6 +123,31 @@ def test_peak_blocks_bounds_the_brute_force_peak(futures, extra, block_size) -> 
     assert demand.peak_blocks() == alone  # asking with `extra` does not keep it
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    futures=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60)), max_size=12),
+    extra=st.tuples(st.integers(0, 60), st.integers(0, 60)),
+    block_size=st.sampled_from([1, 4, 16]),
+    asks=st.sets(st.integers(0, 11)),
+    slack=st.integers(-3, 3),
+)
+def test_fits_is_the_peak_against_the_capacity(futures, extra, block_size, asks, slack) -> None:
+    """fits(extra, capacity) against peak_blocks(extra) <= capacity, at capacities around the
+    peak and the sum bound, with peaks asked between adds (sequences sorted in part by part),
+    and the peak against a Demand that sorted every add at once."""
+    demand, at_once = Demand(block_size), Demand(block_size)
+    for i, (now, to_come) in enumerate(futures):
+        demand.add(now, to_come)
+        at_once.add_all(np.array([now]), np.array([to_come]), held=0)
+        if i in asks:
+            assert demand.peak_blocks() == at_once.peak_blocks()
+    peak = at_once.peak_blocks(extra)
+    largest = sum(blocks_for(n + c, block_size) for n, c in [*futures, extra])
+    for capacity in {peak + slack, peak, peak - 1, largest + slack, largest, 0}:
+        assert demand.fits(extra, capacity) == (peak <= capacity), capacity
+    assert demand.peak_blocks(extra) == peak and demand.peak_blocks() == at_once.peak_blocks()
+
+
 def test_ratio_decays_to_its_floor_and_resets_on_preemption() -> None:
     g = GrowthEstimate(initial=0.7, floor=0.1, decay=0.25)
     g.stepped(preempted=False)

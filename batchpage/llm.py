@@ -362,9 +362,9 @@ class LLM(PoolingMethods):
                 if on_output is not None:
                     on_output(make(r, []), r.index)
         engine = self.engine
-        stats = engine.add_requests(requests)
-        try:
-            with older_objects_frozen():  # see host_memory.py
+        with older_objects_frozen():  # see host_memory.py
+            stats = engine.add_requests(requests)
+            try:
                 while engine.has_unfinished():
                     for seq in engine.step():
                         seqs = done[seq.request.index]
@@ -380,8 +380,8 @@ class LLM(PoolingMethods):
                             on_output(make(seq.request, seqs), seq.request.index)
                     if on_step is not None:
                         on_step(stats)
-        finally:
-            bar.close()
+            finally:
+                bar.close()
         stats.finish()
         self.run_stats = stats
         self.stats = stats.as_dict()

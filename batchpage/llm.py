@@ -382,10 +382,11 @@ class LLM(PoolingMethods):
                         on_step(stats)
             finally:
                 bar.close()
+            outputs = [make(r, done.get(r.index, [])) for r in requests]
         stats.finish()
         self.run_stats = stats
         self.stats = stats.as_dict()
-        return [make(r, done.get(r.index, [])) for r in requests]
+        return outputs
 
 
 def _unwrap_prompt(prompt: dict[str, Any]) -> tuple[Any, list[Any], list | None, str | None]:

@@ -21,6 +21,7 @@ import errno
 import time
 from collections import Counter
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchpage.data.spec import iter_windows
+from batchpage.host_memory import older_objects_frozen
 from batchpage.job.capacity import window_rows
 from batchpage.job.config import JobConfig
 from batchpage.job.humaneval_scores import code_of, score_output
@@ -137,6 +139,7 @@ def _run(
         progress.eta_model = estimate.eta_s
     clock = time.perf_counter
     parts = RunParts(setup=clock() - started[1])
+    frozen = ExitStack()  # from the model's load to the last window (host_memory.py)
     try:
         if writer.num_done:
             progress.note(f"resuming into {out}: {writer.num_done} rows already done")
@@ -155,6 +158,9 @@ def _run(
                 loading = clock()
                 llm = _load_llm(cfg, llm_factory, progress)
                 parts.load = away = clock() - loading
+                # The model, the engine and the imports stay out of the collector's walks
+                # while the windows' rows come and go.
+                frozen.enter_context(older_objects_frozen())
                 status.executor = _executor_figures(llm)
                 progress.replicas = getattr(llm, "replica_line", None)
             # Without an LLM every row left has an error, and error rows need no tokenizer.
@@ -193,6 +199,7 @@ def _run(
         watch.check()  # a reader tripped on a file changing under it: say that instead
         raise
     finally:
+        frozen.close()
         progress.close()
         if hasattr(llm, "close"):  # an executor's replicas
             llm.close()

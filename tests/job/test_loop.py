@@ -4,6 +4,7 @@ config changes, errors before the model loads, seeds independent of windows, and
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import random
 import re
@@ -126,6 +127,7 @@ def test_one_row_per_input_in_order_and_bad_rows_do_not_stop_the_job(tmp_path, t
     state = json.loads((tmp_path / "out" / run["config"]["progress_file"]).read_text())
     assert (state["stage"], state["rows_total"], state["rows_done"]) == ("done", 10, 10)
     assert state["rows_failed"] == 7 and "executor" not in state
+    assert gc.get_freeze_count() == 0  # the objects frozen while the windows ran, handed back
 
 
 def test_chats_and_system_prompts_go_through_the_chat_template(

@@ -117,26 +117,23 @@ class CpuPagedAttention:
                 self.kernel, self.prefill, meta, True, none, meta.block_tables, meta.seq_lens,
                 none.int(),
             )  # fmt: skip
-        lens = meta.query_lens_cpu
-        decode = [] if self.batch_invariant else [b for b, n in enumerate(lens) if n == 1]
+        # Over the step's sequences as tensors, not one by one: a decode step with drafts
+        # (several new rows per sequence) then plans in the same Python at any batch size.
+        lens = torch.tensor(meta.query_lens_cpu, dtype=torch.long)
+        one = (lens == 1) & (not self.batch_invariant)
         # A decode row is its sequence's only new row: it sees the sequence's whole context.
-        starts = meta.query_start_loc.tolist()
-        seqs = torch.tensor(decode, dtype=torch.long)
+        seqs = torch.nonzero(one).flatten()
+        extend = (lens > 1) | self.batch_invariant
+        if meta.span_seqs:
+            extend[torch.tensor(meta.span_seqs, dtype=torch.long)] = False
         return CpuStepAttention(
             self.kernel,
             self.prefill,
             meta,
             False,
-            torch.tensor([starts[b] for b in decode], dtype=torch.long),
+            meta.query_start_loc.index_select(0, seqs).long(),
             meta.block_tables.index_select(0, seqs),
             meta.seq_lens.index_select(0, seqs),
-            torch.tensor(
-                [
-                    b
-                    for b, n in enumerate(lens)
-                    if (n > 1 or self.batch_invariant) and b not in meta.span_seqs
-                ],
-                dtype=torch.int32,
-            ),
+            torch.nonzero(extend).flatten().int(),
             SpanParts.of(meta),
         )

@@ -18,6 +18,11 @@ before it. A row's drafts never take it past
 its length limit or max_model_len. While the cost model drafts nothing (a large batch on a CPU)
 the drafter stops following rows after a while, so it costs nothing per row; rows are started
 again (with all their tokens) when drafts pay again.
+
+The drafter follows rows through the batch's seq_id column and takes each step's calls over
+arrays of rows (Drafter.append_many, propose_many): with a columnar drafter (ngram.py) a step
+runs no Python per row (tests/engine/test_decode_step_work.py); Python runs only for a row
+started (new, or admitted again after a preemption) and for a grammar row's drafts.
 """
 
 from __future__ import annotations
@@ -48,13 +53,24 @@ class DraftStage:
         self.cost = StepCostFit()
         self.drafter = build_drafter(config)
         self._following: set[int] = set()  # seq ids the drafter has started
+        # Per row, the id of the sequence the drafter follows there as of its last (re)start
+        # (-1: none). A row is followed while it holds that sequence: one comparison with the
+        # batch's seq_id column, so a step's follow and propose loop over no rows. A sequence
+        # preempted and admitted again elsewhere is started again there with all its tokens.
+        self._row_key = np.full(batch.capacity, -1, dtype=np.int64)
         self._idle = 0  # steps in a row that drafted nothing
 
     def reset(self) -> None:
         """A new run: what the drafter followed is dropped (its learned cache too)."""
         self.drafter = build_drafter(self.config)
         self._following = set()
+        self._row_key[:] = -1
         self._idle = 0
+
+    def _followed(self, rows: np.ndarray) -> np.ndarray:
+        """bool [len(rows)]: whether the drafter follows the sequence each row holds."""
+        ids = self.batch.seq_id[rows]
+        return (self._row_key[rows] == ids) & (ids >= 0)
 
     def follow(
         self, result: StepResult, finished: list[Sequence], tokens: int, seconds: float
@@ -78,13 +94,9 @@ class DraftStage:
             batch.draft_tries[at] = _DECAY * batch.draft_tries[at] + tried
         if not following:
             return
-        for i in np.flatnonzero(batch.speculates[rows]).tolist():
-            row = int(rows[i])
-            if not batch.in_use(row):
-                continue  # it finished in the step
-            key = batch.seq_at(row).seq_id
-            if key in following:
-                drafter.append(key, result.tokens[i, : counts[i]])
+        # A row that finished in the step is free (seq_id -1), so not followed.
+        live = np.flatnonzero(self._followed(rows))
+        drafter.append_many(batch.seq_id[rows[live]], result.tokens[live], counts[live])
 
     def propose(self, num_running: int) -> None:
         """Each decode row that speculates gets the drafts the cost model finds worth running
@@ -108,12 +120,12 @@ class DraftStage:
             return self._idle_step()
         self._idle = 0
         rows, k = rows[take], k[take]
-        keys = [s.seq_id for s in batch.seqs(rows)]
-        for key, seq in zip(keys, batch.seqs(rows), strict=True):
-            if key not in self._following:  # new, or dropped while drafts did not pay
-                self._following.add(key)
-                self.drafter.start(key, seq.token_ids)
-        drafts, counts = self.drafter.propose_many(keys, k)
+        new = rows[~self._followed(rows)]
+        for seq in batch.seqs(new):  # new, restarted after preemption, or dropped while idle
+            self._following.add(seq.seq_id)
+            self.drafter.start(seq.seq_id, seq.token_ids)
+        self._row_key[new] = batch.seq_id[new]
+        drafts, counts = self.drafter.propose_many(batch.seq_id[rows], k)
         for i in np.flatnonzero(batch.constrained[rows]).tolist():
             # A grammar row runs its drafts up to the first its grammar rejects.
             constraint = batch.seq_at(int(rows[i])).feature(Constraint)
@@ -129,3 +141,4 @@ class DraftStage:
             # drafter learned from finished rows goes too.
             self.drafter = build_drafter(self.config)
             self._following = set()
+            self._row_key[:] = -1

@@ -99,6 +99,8 @@ class InputBatch:
         # running acceptance, which decides how many drafts it runs (speculative/budget.py).
         self.draft_hits = np.zeros(capacity, dtype=np.float64)
         self.draft_tries = np.zeros(capacity, dtype=np.float64)
+        # The sequence's id (-1: a free row): the drafter follows rows by it (engine/drafts.py).
+        self.seq_id = np.full(capacity, -1, dtype=np.int64)
         self._ending: set[int] = set()
         self._ending_ids = np.zeros(0, dtype=np.int64)
         self._seq: list[Sequence | None] = [None] * capacity
@@ -125,6 +127,7 @@ class InputBatch:
             raise RuntimeError(f"more than {self.capacity} running sequences: this is a bug")
         row = self._free.pop()
         self._seq[row] = seq
+        self.seq_id[row] = seq.seq_id
         tokens = seq.token_ids
         self.computed[row] = seq.num_computed_tokens
         self.num_tokens[row] = len(tokens)
@@ -238,6 +241,7 @@ class InputBatch:
         self.rope_delta[row] = 0
         self.num_drafts[row] = 0
         self.draft_hits[row] = self.draft_tries[row] = 0.0
+        self.seq_id[row] = -1
         self.lora_rows -= int(self.lora_slot[row] >= 0)
         self.lora_slot[row] = -1
         self._seq[row] = None
@@ -268,13 +272,14 @@ class InputBatch:
             n = int(self.table_len[row])
             assert not self.block_tables[row, n:].any(), f"row {row}: stale padding"
             if seq is None:
-                assert n == 0 and self.lora_slot[row] == -1
+                assert n == 0 and self.lora_slot[row] == -1 and self.seq_id[row] == -1
                 assert not self.speculates[row] and not self.num_drafts[row], f"row {row}: drafts"
                 assert not self.has_images[row], f"row {row}: images"
                 assert not self.rope_delta[row], f"row {row}: rope delta"
                 assert self.computed[row] == self.num_tokens[row] == 0, f"row {row}: not zero"
                 continue
             assert seq.batch is self and seq.row == row, f"row {row}: not its sequence's"
+            assert self.seq_id[row] == seq.seq_id, f"row {row}: sequence id"
             unread = int(self.num_tokens[row] - self.synced[row])
             assert len(seq._tokens) == self.synced[row] and unread >= 0, f"row {row}: length"
             tail = self.unread[row, unread - 1] if unread else seq._tokens[-1]

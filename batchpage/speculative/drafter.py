@@ -11,9 +11,12 @@ The engine keys sequences by an int (its seq_id) and calls, per sequence:
     finish(key)          when it ends; its state is freed (a drafter that learns across
                          sequences keeps what it learned from it)
 
-and once a step `propose_many(keys, k)` for all the rows it drafts for. A key not started (or
-already finished) is a KeyError in append, propose and finish. Drafts are a pure function of the
-calls made so far: the same calls give the same drafts.
+The engine makes the per-step calls over arrays of keys: `append_many(keys, tokens, counts)`
+after a step for the rows that took tokens, and `propose_many(keys, k)` for the rows it drafts
+for (a columnar drafter then runs the same Python at any batch size; ngram.py is one, a drafter
+with per-key structures loops, drafter.py's helpers). A key not started (or already finished) is
+a KeyError in append, propose and finish. Drafts are a pure function of the calls made so far:
+the same calls give the same drafts.
 """
 
 from __future__ import annotations
@@ -29,9 +32,16 @@ class Drafter(Protocol):
 
     def append(self, key: int, tokens: Sequence[int]) -> None: ...
 
+    def append_many(self, keys: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
+        """append for many distinct keys at once: keys[i] takes tokens[i, : counts[i]] (int64
+        [len(keys), K]; what follows in a row is ignored)."""
+        ...
+
     def propose(self, key: int, k: int) -> np.ndarray: ...
 
-    def propose_many(self, keys: list[int], k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def propose_many(
+        self, keys: Sequence[int] | np.ndarray, k: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Drafts for many keys at once: ([len(keys), max(k)] int64 drafts, [len(keys)] int64
         counts). Row i holds counts[i] <= k[i] tokens, then zeros."""
         ...
@@ -42,10 +52,11 @@ class Drafter(Protocol):
 
 
 def drafts_array(
-    draft: Callable[[int, int], list[int]], keys: list[int], k: np.ndarray
+    draft: Callable[[int, int], list[int]], keys: Sequence[int] | np.ndarray, k: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """propose_many from a per-key `draft(key, k) -> list of tokens` (one path for both
-    drafters): the drafts padded with zeros into one array, and their counts."""
+    """propose_many from a per-key `draft(key, k) -> list of tokens` (a drafter with per-key
+    structures, suffix.py): the drafts padded with zeros into one array, and their counts."""
+    keys = np.asarray(keys, dtype=np.int64).reshape(-1).tolist()
     ks = np.asarray(k, dtype=np.int64).reshape(-1)
     if len(ks) != len(keys):
         raise ValueError(f"propose_many: {len(keys)} keys but {len(ks)} values of k")
@@ -58,6 +69,20 @@ def drafts_array(
             out[i, : len(tokens)] = tokens
             counts[i] = len(tokens)
     return out, counts
+
+
+def append_each(
+    append: Callable[[int, list[int]], None],
+    keys: np.ndarray,
+    tokens: np.ndarray,
+    counts: np.ndarray,
+) -> None:
+    """append_many from a per-key `append(key, tokens)` (a drafter with per-key structures)."""
+    rows = np.asarray(tokens, dtype=np.int64).tolist()
+    for key, row, n in zip(
+        np.asarray(keys).tolist(), rows, np.asarray(counts).tolist(), strict=True
+    ):
+        append(key, row[:n])
 
 
 def token_list(tokens: Sequence[int]) -> list[int]:

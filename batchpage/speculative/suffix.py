@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from batchpage.speculative.drafter import drafts_array, token_list
+from batchpage.speculative.drafter import append_each, drafts_array, token_list
 from batchpage.speculative.suffix_automaton import ROOT, Cursor, SuffixAutomaton
 
 # The job-wide cache's default token budget. Its memory is linear in it (at most two automaton
@@ -136,10 +136,17 @@ class SuffixDrafter:
         r.tokens.extend(new)
         r.sam.extend(r.cursor, new)
 
+    def append_many(self, keys: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
+        # Per key: an automaton grows one token at a time through data-dependent suffix-link
+        # walks over dict transitions, which do not run in lockstep over rows.
+        append_each(self.append, keys, tokens, counts)
+
     def propose(self, key: int, k: int) -> np.ndarray:
         return np.array(self._draft(key, k), dtype=np.int64)
 
-    def propose_many(self, keys: list[int], k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def propose_many(
+        self, keys: Sequence[int] | np.ndarray, k: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         return drafts_array(self._draft, keys, k)
 
     def finish(self, key: int) -> None:

@@ -25,8 +25,9 @@ class WeightBound:
 
 class Oracle:
     """A drafter that knows each sequence's continuation (from a run without speculation) and
-    proposes it, corrupting each draft with probability `wrong`: right, wrong and partly right
-    drafts, all in the engine's Drafter contract (batchpage/speculative/drafter.py)."""
+    proposes it, replacing each draft with a wrong token (in [3, 200)) with probability `wrong`:
+    right, wrong and partly right drafts (wrong=1: every draft rejected), all in the engine's
+    Drafter contract (batchpage/speculative/drafter.py)."""
 
     def __init__(self, answers: dict[tuple[int, ...], list[int]], wrong: float, seed: int):
         self.answers, self.wrong, self.rng = answers, wrong, random.Random(seed)
@@ -37,6 +38,10 @@ class Oracle:
 
     def append(self, key: int, tokens: Sequence[int]) -> None:
         self.tokens[key] += [int(t) for t in tokens]
+
+    def append_many(self, keys: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
+        for key, row, n in zip(keys.tolist(), tokens.tolist(), counts.tolist(), strict=True):
+            self.append(key, row[:n])
 
     def propose(self, key: int, k: int) -> np.ndarray:
         toks = self.tokens[key]
@@ -51,12 +56,13 @@ class Oracle:
         done = len(toks) - len(prompt)
         draft = list(self.answers[prompt][done : done + k])
         for i in range(len(draft)):
-            if self.rng.random() < self.wrong:
-                draft[i] = self.rng.randrange(3, 200)
+            if self.rng.random() < self.wrong:  # another of the 197 tokens in [3, 200)
+                draft[i] = (draft[i] - 3 + self.rng.randrange(1, 197)) % 197 + 3
         return np.array(draft, dtype=np.int64)
 
-    def propose_many(self, keys: list[int], k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        drafts = [self.propose(key, int(n)) for key, n in zip(keys, k.tolist(), strict=True)]
+    def propose_many(self, keys: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        pairs = zip(np.asarray(keys).tolist(), k.tolist(), strict=True)
+        drafts = [self.propose(key, int(n)) for key, n in pairs]
         out = np.zeros((len(keys), max(int(k.max()), 1)), dtype=np.int64)
         for i, d in enumerate(drafts):
             out[i, : len(d)] = d

@@ -16,6 +16,7 @@ import pytest
 from batchpage import LLM, SamplingParams, StructuredOutputsParams
 from batchpage.speculative.verify import accepted_counts
 from tests.engine.speculation import Oracle, WeightBound
+from tests.speculative.test_ngram import reference
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}  # fmt: skip
@@ -121,6 +122,36 @@ def test_preemption_and_the_prefix_cache_keep_outputs(tiny_folder: Path, plain: 
     assert _run(llm, prompts, params) == _run(plain, prompts, params)
     # Again: now the prompts and outputs hit what the first run cached.
     assert _run(llm, prompts, params) == _run(plain, prompts, params)
+
+
+def test_each_rows_drafts_are_prompt_lookup_over_its_own_tokens(tiny_folder: Path) -> None:
+    """After every step of a run that preempts (rows admitted again elsewhere, their rows taken
+    by others), each decode row's drafts are the brute-force prompt lookup over the tokens its
+    sequence holds, as many as its length limit allows: the drafter follows each row's own
+    sequence through the batch's columns."""
+    pool = {"kv_cache_memory": 14 * 4096, "block_size": 8, "max_model_len": 96}  # 14 blocks
+    llm = _llm(tiny_folder, NGRAM, **pool)
+    engine, batch = llm.engine, llm.engine.batch
+    params = SamplingParams(n=3, temperature=0.05, seed=7, max_tokens=40, ignore_eos=True)
+    prompts = _prompts(12, seed=5)
+    engine.add_requests([llm._make_request(i, p, params) for i, p in enumerate(prompts)])
+    low, high = NGRAM["prompt_lookup_min"], NGRAM["prompt_lookup_max"]
+    k = NGRAM["num_speculative_tokens"]
+    checked = 0
+    while engine.has_unfinished():
+        engine.step()
+        for row in range(batch.capacity):
+            if not batch.in_use(row):
+                continue
+            tokens = batch.seq_at(row).token_ids
+            n = len(tokens)
+            decoding = batch.speculates[row] and batch.computed[row] == n - 1
+            cap = max(0, min(int(batch.stop_len[row]) - n - 1, 96 - n, k)) if decoding else 0
+            want = reference(tokens, low, high, cap)
+            got = batch.drafts[row, : batch.num_drafts[row]].tolist()
+            assert got == want, (row, tokens)
+            checked += bool(want)
+    assert engine.stats.preemptions > 0 and checked > 20
 
 
 @pytest.mark.parametrize("wrong", [0.0, 0.3, 1.0])

@@ -79,15 +79,25 @@ def test_the_simulated_schedule_is_the_engines(tiny_folder: Path, engine: dict) 
         assert got.preemptions > 0  # the tight pools do preempt: the case is exercised
 
 
-def test_a_speculative_run_is_the_engines_step_for_step(tiny_folder: Path) -> None:
-    """Every draft right (an oracle drafter in the engine, acceptance 1 in the simulator): the
-    same steps, batches and tokens, drafts run after each decode row's newest token."""
+@pytest.mark.parametrize(
+    ("acceptance", "memory"),
+    [(1.0, {"kv_cache_memory": 2**21}), (0.0, {"kv_cache_memory": 2**21}),
+     (0.0, {"kv_cache_memory": 24 * 8 * 2 * 2 * 2 * 32 * 4, "max_num_seqs": 16})],
+    ids=["all-right", "all-wrong", "all-wrong-tight"],
+)  # fmt: skip
+def test_a_speculative_run_is_the_engines_step_for_step(
+    tiny_folder: Path, acceptance: float, memory: dict
+) -> None:
+    """Every draft right (an oracle drafter in the engine, acceptance 1 in the simulator), or
+    every draft wrong (acceptance 0: each row's drafts take KV slots and give their computed
+    count back), in an ample pool and a tight one (24 blocks: preemptions): the same steps,
+    batches and tokens, drafts run after each decode row's newest token."""
     reqs = requests(24, seed=3)
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    engine = {**ENGINE, "kv_cache_memory": 2**21, "speculative_config": spec}
+    engine = {**ENGINE, **memory, "speculative_config": spec}
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
     prompts = [r.prompt_token_ids for r in reqs]
-    plain = LLM(str(tiny_folder), **ENGINE, kv_cache_memory=2**21)
+    plain = LLM(str(tiny_folder), **ENGINE, **memory)
     answers = {
         tuple(p): o.outputs[0].token_ids
         for p, o in zip(prompts, plain.generate(prompts, params, use_tqdm=False), strict=True)
@@ -95,21 +105,27 @@ def test_a_speculative_run_is_the_engines_step_for_step(tiny_folder: Path) -> No
     llm = LLM(str(tiny_folder), **engine)
     assert llm.engine.drafts is not None
     llm.engine.drafts.cost = WeightBound()  # type: ignore[assignment]
-    llm.engine.drafts.drafter = Oracle(answers, wrong=0.0, seed=0)
+    llm.engine.drafts.drafter = Oracle(answers, wrong=1.0 - acceptance, seed=0)
     llm.engine.drafts.reset = lambda: None  # keep the oracle for the run
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [answers[tuple(p)] for p in prompts]
     stats = llm.run_stats
-    assert stats.accepted_draft_tokens == stats.draft_tokens > 0
+    assert stats.draft_tokens > 0
+    assert stats.accepted_draft_tokens == acceptance * stats.draft_tokens
     cfg = EngineConfig(**engine)
     got = simulate(
         reqs, cfg, llm.plan.num_blocks, llm.plan.max_model_len, cost_of(tiny_folder),
-        cfg.batched_tokens(torch.device("cpu")), acceptance=1.0,
+        cfg.batched_tokens(torch.device("cpu")), acceptance=acceptance,
     )  # fmt: skip
-    assert got.steps == stats.steps < plain.run_stats.steps
+    assert got.steps == stats.steps
+    if acceptance == 1.0:
+        assert stats.steps < plain.run_stats.steps
     assert got.peak_running == stats.peak_running
+    assert got.preemptions == stats.preemptions and got.swaps == stats.swaps
     assert got.generated_tokens == stats.generated_tokens
     assert got.kv_waste == pytest.approx(llm.stats["kv_waste"], abs=1e-12)
+    if "max_num_seqs" in memory:
+        assert got.preemptions > 0  # the tight pool does preempt: the case is exercised
 
 
 def test_an_eos_the_engine_does_not_know_in_advance(tiny_folder: Path) -> None:

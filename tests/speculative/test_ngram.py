@@ -126,12 +126,12 @@ def test_restart_replaces_state_and_finish_frees_it() -> None:
             call()
 
 
-def test_index_grows_with_tokens_times_lengths_only() -> None:
-    # A repetition loop: the index keeps one entry per distinct n-gram (at most one per token
-    # per length), and a proposal still reads k tokens after the earliest occurrence.
+def test_memory_grows_with_tokens_only() -> None:
+    # A repetition loop: a sequence's state is its tokens (one int32 matrix row, at most twice
+    # as wide as the longest), and a proposal still reads k tokens after the earliest occurrence.
     d = NgramDrafter(2, 4)
     d.start(0, [1, 2, 3] * 2000)
-    assert len(d._first[0]) <= 3 * 6000
+    assert d._tokens.dtype == np.int32 and d._tokens.shape[1] <= 2 * 6000
     assert d.propose(0, 5).tolist() == [1, 2, 3, 1, 2]
 
 
@@ -140,3 +140,63 @@ def test_bad_lengths() -> None:
         NgramDrafter(0, 3)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramDrafter(4, 3)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_batch_calls_match_brute_force_row_by_row(seed: int) -> None:
+    """The engine's calls (append_many and propose_many over many keys at once, keys in any
+    order, tokens past each row's count ignored) give each row exactly the brute-force
+    lookup's drafts: n ranges of every width, vocabularies where most rows match and where many
+    match nothing, sequences starting, restarting and finishing between steps."""
+    rng = random.Random(1000 + seed)
+    low = rng.randint(1, 3)
+    high = rng.randint(low, 6)
+    vocab = [2, 5, 12][seed % 3]
+    d = NgramDrafter(low, high)
+    model: dict[int, list[int]] = {}
+    matched = unmatched = 0
+    for _ in range(40):
+        for key in rng.sample(list(model), min(len(model), rng.randint(0, 2))):
+            d.finish(key)
+            del model[key]
+        for _ in range(rng.randint(0, 4)):
+            key = rng.randrange(10**9)  # keys are sparse, like sequence ids
+            if key in model and rng.random() < 0.5:  # a restart with all its tokens
+                prompt = model[key]
+            else:
+                prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 25))]
+            d.start(key, prompt)
+            model[key] = list(prompt)
+        d.check_integrity()
+        if not model:
+            continue
+        keys = rng.sample(list(model), rng.randint(0, len(model)))
+        width = rng.randint(1, high + 2)
+        tokens = np.array([[rng.randrange(vocab) for _ in range(width)] for _ in keys])
+        counts = np.array([rng.randint(0, width) for _ in keys], dtype=np.int64)
+        d.append_many(np.array(keys, dtype=np.int64), tokens.reshape(len(keys), width), counts)
+        for key, row, n in zip(keys, tokens.tolist(), counts.tolist(), strict=True):
+            model[key] += row[:n]
+        d.check_integrity()
+        keys = rng.sample(list(model), len(model))
+        ks = np.array([rng.randint(-1, 7) for _ in keys], dtype=np.int64)
+        drafts, got = d.propose_many(np.array(keys, dtype=np.int64), ks)
+        assert drafts.shape == (len(keys), max(int(ks.max()), 0))
+        for i, key in enumerate(keys):
+            want = reference(model[key], low, high, int(ks[i]))
+            assert drafts[i, : got[i]].tolist() == want, (seed, key, int(ks[i]))
+            assert got[i] == len(want) and not drafts[i, got[i] :].any()
+            if ks[i] > 0:
+                matched += bool(want)
+                unmatched += not want
+    assert matched and unmatched  # both kinds of rows were drafted for
+
+
+def test_append_many_checks_its_keys() -> None:
+    d = NgramDrafter(1, 2)
+    d.start(3, [1, 2])
+    with pytest.raises(KeyError, match="sequence 4"):
+        d.append_many(np.array([3, 4]), np.zeros((2, 1), dtype=np.int64), np.ones(2, np.int64))
+    with pytest.raises(KeyError, match="sequence 4"):
+        d.propose_many([4], np.array([2]))
+    assert d.propose(3, 2).tolist() == []  # the failed call appended nothing

@@ -246,6 +246,29 @@ def test_propose_many_matches_propose() -> None:
         assert drafts[i, : counts[i]].tolist() == one and not drafts[i, counts[i] :].any()
 
 
+def test_append_many_is_append_key_by_key() -> None:
+    """The engine's batch call (tokens past each row's count ignored) leaves the drafter as
+    the same appends one key at a time: the same automata, the same drafts."""
+    rng = random.Random(8)
+    many, one = drafter(max_tree_depth=6), drafter(max_tree_depth=6)
+    for key in range(5):
+        prompt = [rng.randrange(3) for _ in range(rng.randint(0, 15))]
+        many.start(10 * key, prompt)
+        one.start(10 * key, prompt)
+    for _ in range(6):
+        keys = np.array(rng.sample(range(0, 50, 10), rng.randint(0, 5)), dtype=np.int64)
+        tokens = np.array([[rng.randrange(3) for _ in range(4)] for _ in keys], dtype=np.int64)
+        counts = np.array([rng.randint(0, 4) for _ in keys], dtype=np.int64)
+        many.append_many(keys, tokens.reshape(len(keys), 4), counts)
+        for key, row, n in zip(keys.tolist(), tokens.tolist(), counts.tolist(), strict=True):
+            one.append(key, row[:n])
+        many.check_integrity()
+        for key in range(0, 50, 10):
+            assert many.propose(key, 5).tolist() == one.propose(key, 5).tolist()
+    with pytest.raises(KeyError):
+        many.append_many(np.array([3]), np.zeros((1, 1), dtype=np.int64), np.ones(1, np.int64))
+
+
 def test_restart_keeps_the_prompt_boundary() -> None:
     d = drafter(max_tree_depth=6, max_cached_requests=5)
     d.start(3, [1, 2, 3])

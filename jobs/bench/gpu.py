@@ -1,8 +1,9 @@
 """The Triton paged-attention kernels and the engine on a CUDA device.
 
-    python -m jobs.bench.gpu                          # (b) + (c) on the CUDA device
+    python -m jobs.bench.gpu                          # (b) + (c) + (d) on the CUDA device
     python -m jobs.bench.gpu --parts b --dtype bfloat16 \
         --out jobs/bench/results/gpu_h200_kernels.json
+    python -m jobs.bench.gpu --parts d --e2e-formats fp8 --e2e-requests 224  # 8B, 1000/1000
     python -m jobs.bench.gpu --smoke                  # CPU: tiny shapes, Triton interpreter
 
 The kernels' correctness on CUDA is the test suite's (tests/kernels, tests/attention).
@@ -18,6 +19,9 @@ The kernels' correctness on CUDA is the test suite's (tests/kernels, tests/atten
     a step, the step against the roofline of reading its weights and K/V, and (on the same
     weights) whether its greedy tokens are the first configuration's.
     `--engine-max-seqs 512` measures the engine at 512 running.
+(d) a Llama-3.1-8B shape (random weights drawn on the GPU, FP8 blocks and bf16) at 1000 tokens
+    in / 1000 out beside TensorRT-LLM's published figure on the same GPU kind
+    (jobs/bench/gpu_8b.py, which says how the request count is sized); --smoke: a tiny stand-in.
 
 Results print as Markdown tables (ready for BENCHMARKS.md); --out also writes them as JSON.
 The exit status is 1 when the paged kernel's output differs from SDPA's by more than 0.05.
@@ -25,6 +29,7 @@ The exit status is 1 when the paged kernel's output differs from SDPA's by more 
 
 from __future__ import annotations
 
+import gc
 import random
 import sys
 import tempfile
@@ -168,7 +173,7 @@ def bench_decode(
                     max_abs_err_vs_sdpa=err,
                 )
             )
-            report.log(", ".join(f"{k} {_cell(v)}" for k, v in rows[-1].items()))
+            report.log(", ".join(f"{k} {table_cell(v)}" for k, v in rows[-1].items()))
             del q, k, v, k_cache, v_cache, table, seq_lens, out, sdpa
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -192,12 +197,16 @@ LLAMA_TINY = dict(
 
 
 def write_random_llama(
-    folder: Path, shape: dict[str, Any], dtype: torch.dtype, quant: dict[str, Any] | None = None
+    folder: Path,
+    shape: dict[str, Any],
+    dtype: torch.dtype,
+    quant: dict[str, Any] | None = None,
+    device: torch.device | str = "cpu",
 ) -> Path:
     """A HF Llama folder of random weights (jobs/bench/random_models.py; with `quant`, its
-    linears GPTQ's or FP8's) with a word-level tokenizer over the vocabulary: throughput does
-    not depend on the values, prompts are token ids, and nothing needs a dataset on the device
-    machine."""
+    linears GPTQ's or FP8's; drawn on `device`) with a word-level tokenizer over the vocabulary:
+    throughput does not depend on the values, prompts are token ids, and nothing needs a
+    dataset on the device machine."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -205,7 +214,7 @@ def write_random_llama(
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
                                    eos_token="t2")  # fmt: skip
-    return write_llama(folder, shape, dtype, fast, quant)
+    return write_llama(folder, shape, dtype, fast, quant, device)
 
 
 def quantized_configs(group: int) -> dict[str, dict[str, Any]]:
@@ -240,7 +249,7 @@ def bench_engine(
     parts, and the step against its roofline (weights and K/V read at peak_tbps). Each
     configuration that fails is reported with its error instead of stopping the script."""
     try:
-        from batchpage import LLM, SamplingParams
+        from batchpage import SamplingParams
     except ImportError as exc:
         return [dict(config="all", error=f"batchpage.LLM unavailable: {exc}")]
 
@@ -261,7 +270,9 @@ def bench_engine(
     rows: list[Row] = []
     first_tokens: list[list[int]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        dense = write_random_llama(Path(tmp) / "llama", shape, dtype)
+        # Drawn on the device (a GPU draws them faster than the host), the cache then emptied:
+        # the engine sizes its pool by the GPU's free memory.
+        dense = write_random_llama(Path(tmp) / "llama", shape, dtype, device=device)
         configs: list[tuple[str, dict[str, Any], Path]] = [
             ("paged, CUDA graphs", dict(kv_allocator="paged"), dense),
             ("paged, eager", dict(kv_allocator="paged", enforce_eager=True), dense),
@@ -270,71 +281,119 @@ def bench_engine(
              dict(kv_allocator="paged", batch_invariant=True), dense),
         ]  # fmt: skip
         for fmt, quant in quantized_configs(32 if smoke else 128).items():
-            folder = write_random_llama(Path(tmp) / fmt.replace(" ", "_"), shape, dtype, quant)
-            configs.append((f"paged, CUDA graphs, {fmt}", dict(quantized_weights=True), folder))
-        for name, kwargs, folder in configs:
-            weight_bytes = (folder / "model.safetensors").stat().st_size
-            try:
-                llm = LLM(
-                    model=str(folder), dtype=str(dtype).removeprefix("torch."),
-                    attention_backend="triton", prefix_caching=False, seed=0,
-                    max_model_len=prompt_len + max_tokens + 16, max_num_seqs=max_num_seqs,
-                    **kwargs, **memory,
-                )  # fmt: skip
-                # Warm-up off the clock: the first steps JIT-compile the Triton kernels, which
-                # would otherwise be charged to whichever configuration runs first.
-                llm.generate(prompts[:8], params, use_tqdm=False)
-                start = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                elapsed = time.perf_counter() - start
-            except Exception as exc:  # report and carry on with the other configuration
-                rows.append(dict(config=name, error=f"{type(exc).__name__}: {exc}"))
-                continue
-            tokens = [o.outputs[0].token_ids for o in outs]
-            first_tokens = first_tokens or tokens
-            generated = sum(len(t) for t in tokens)
-            stats = llm.stats
-            steps = max(1, stats["steps"])
-            part_ms = {p: 1e3 * stats["step_time_s"][p] / steps for p in STEP_PARTS}
-            step_ms = 1e3 * elapsed / steps
-            # A decode step reads every weight once and each running sequence's K/V: at the
-            # mean context (prompt, then half the output) that bounds its time from below.
-            context = sum(len(p) for p in prompts) / len(prompts) + max_tokens / 2
-            kv_bytes = stats["peak_running"] * context * bytes_per_token(shape, dtype)
-            roofline_ms = 1e3 * (weight_bytes + kv_bytes) / (peak_tbps * 1e12)
-            rows.append(
-                dict(
-                    config=name,
-                    kv_blocks=stats.get("kv_blocks_total"),
-                    prompts=num_prompts,
-                    generated_tokens=generated,
-                    elapsed_s=elapsed,
-                    output_tokens_per_s=generated / elapsed,
-                    peak_running=stats.get("peak_running"),
-                    kv_utilization=stats.get("kv_utilization"),
-                    preemptions=stats.get("preemptions"),
-                    steps=stats.get("steps"),
-                    step_ms=step_ms,
-                    **{f"{p}_ms": v for p, v in part_ms.items()},
-                    roofline_ms=roofline_ms,
-                    step_over_roofline=step_ms / roofline_ms,
-                    same_greedy_as_first=(
-                        sum(a == b for a, b in zip(tokens, first_tokens, strict=True))
-                        if folder == dense
-                        else None
-                    ),
-                )
+            folder = write_random_llama(
+                Path(tmp) / fmt.replace(" ", "_"), shape, dtype, quant, device
             )
-            del llm
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            configs.append((f"paged, CUDA graphs, {fmt}", dict(quantized_weights=True), folder))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        for name, kwargs, folder in configs:
+            llm_kwargs = dict(
+                dtype=str(dtype).removeprefix("torch."), attention_backend="triton",
+                prefix_caching=False, seed=0, max_model_len=prompt_len + max_tokens + 16,
+                max_num_seqs=max_num_seqs, **kwargs, **memory,
+            )  # fmt: skip
+            row, tokens = measure_engine(
+                name, folder, llm_kwargs, prompts, params, shape, peak_tbps, prompts[:8], params
+            )
+            rows.append(row)
+            if tokens is None:
+                continue
+            first_tokens = first_tokens or tokens
+            if folder == dense:
+                row["same_greedy_as_first"] = sum(
+                    a == b for a, b in zip(tokens, first_tokens, strict=True)
+                )
     return rows
+
+
+def weight_bytes_of(folder: Path) -> int:
+    """The bytes of a folder's safetensors files (one file or shards)."""
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def measure_engine(
+    name: str,
+    folder: Path,
+    llm_kwargs: dict[str, Any],
+    prompts: list[list[int]],
+    params: Any,
+    shape: dict[str, Any],
+    peak_tbps: float,
+    warmup_prompts: list[list[int]],
+    warmup_params: Any,
+) -> tuple[Row, list[list[int]] | None]:
+    """One configuration of batchpage.LLM over `folder`: (its row, each prompt's greedy tokens),
+    or (a row with its error, None) when it fails, so that the caller carries on. The row has
+    the throughput, the time of a step and of its parts, the load time, and the step against
+    its roofline: a decode step reads every weight once and each running sequence's K/V, at
+    the mean context (prompt, then half the output) at `peak_tbps`."""
+    from batchpage import LLM
+
+    dtype = getattr(torch, llm_kwargs["dtype"])
+    weight_bytes = weight_bytes_of(folder)
+    try:
+        start = time.perf_counter()
+        llm = LLM(model=str(folder), **llm_kwargs)
+        load_s = time.perf_counter() - start
+        # Warm-up off the clock: the first steps JIT-compile the Triton kernels, which would
+        # otherwise be charged to whichever configuration runs first.
+        llm.generate(warmup_prompts, warmup_params, use_tqdm=False)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    except Exception as exc:  # report and carry on with the other configurations
+        error = f"{type(exc).__name__}: {exc}"
+    else:
+        error = None
+    if error is not None:
+        release_device_memory()
+        return dict(config=name, error=error), None
+    tokens = [o.outputs[0].token_ids for o in outs]
+    generated = sum(len(t) for t in tokens)
+    stats = llm.stats
+    steps = max(1, stats["steps"])
+    part_ms = {p: 1e3 * stats["step_time_s"][p] / steps for p in STEP_PARTS}
+    step_ms = 1e3 * elapsed / steps
+    context = sum(len(p) for p in prompts) / len(prompts) + params.max_tokens / 2
+    kv_bytes = stats["peak_running"] * context * bytes_per_token(shape, dtype)
+    roofline_ms = 1e3 * (weight_bytes + kv_bytes) / (peak_tbps * 1e12)
+    row = dict(
+        config=name,
+        weight_gib=weight_bytes / 2**30,
+        load_s=load_s,
+        kv_blocks=stats.get("kv_blocks_total"),
+        prompts=len(prompts),
+        generated_tokens=generated,
+        elapsed_s=elapsed,
+        output_tokens_per_s=generated / elapsed,
+        peak_running=stats.get("peak_running"),
+        kv_utilization=stats.get("kv_utilization"),
+        preemptions=stats.get("preemptions"),
+        steps=stats.get("steps"),
+        step_ms=step_ms,
+        **{f"{p}_ms": v for p, v in part_ms.items()},
+        roofline_ms=roofline_ms,
+        step_over_roofline=step_ms / roofline_ms,
+    )
+    del llm, outs
+    release_device_memory()
+    return row, tokens
+
+
+def release_device_memory() -> None:
+    """Free a dropped engine's GPU memory before the next one sizes its pool by what is free:
+    its objects may hold each other in cycles, which only the collector frees, and the
+    caching allocator keeps freed blocks until emptied."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------
 
 
-def _cell(v: object) -> str:
+def table_cell(v: object) -> str:
     """Three significant digits: errors near 1e-3 and times near 1e-2 ms both stay readable."""
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
@@ -347,13 +406,13 @@ def markdown(title: str, rows: list[Row]) -> str:
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r if k not in keys]
-    table = report.markdown_table(keys, [[_cell(r.get(k, "")) for k in keys] for r in rows])
+    table = report.markdown_table(keys, [[table_cell(r.get(k, "")) for k in keys] for r in rows])
     return f"### {title}\n\n{table}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = report.parser(__doc__)
-    ap.add_argument("--parts", default="b,c", help="comma list of b (decode), c (the engine)")
+    ap.add_argument("--parts", default="b,c,d", help="b (decode), c (the engine), d (8B e2e)")
     ap.add_argument("--dtype", default="float16", choices=DTYPES)
     ap.add_argument("--peak-tbps", type=float, default=4.8, help="HBM peak, TB/s (H200: 4.8)")
     ap.add_argument("--batches", default="1,4,16,64,128,256")
@@ -368,6 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-max-tokens", type=int, default=256)
     ap.add_argument("--engine-kv-gib", type=float, help="KV memory of both configurations")
     ap.add_argument("--engine-max-seqs", type=int, default=256, help="max_num_seqs of both")
+    ap.add_argument("--e2e-formats", default="fp8,bf16", help="(d)'s formats, in order")
+    ap.add_argument("--e2e-requests", type=int, default=256)
+    ap.add_argument("--e2e-prompt-len", type=int, default=1000)
+    ap.add_argument("--e2e-max-tokens", type=int, default=1000)
+    ap.add_argument("--e2e-max-seqs", type=int, default=256)
+    ap.add_argument("--e2e-budget-s", type=float, help="(d): no format starts after this")
+    ap.add_argument("--weights-dir", help="(d)'s temporary weight folders (default: TMPDIR)")
     args = ap.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -375,12 +441,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no CUDA device: only --smoke runs on CPU")
     dtype = getattr(torch, args.dtype)
     parts = set(args.parts.split(","))
-    if not parts <= {"b", "c"}:
-        ap.error(f"--parts: b, c or both (the kernel checks are tests/kernels'), got {args.parts}")
+    if not parts <= {"b", "c", "d"}:
+        ap.error(f"--parts: of b, c, d (the kernel checks are tests/kernels'), got {args.parts}")
+    if "d" in parts:
+        from jobs.bench.gpu_8b import FORMATS  # it imports this module
+
+        if not set(args.e2e_formats.split(",")) <= set(FORMATS):
+            ap.error(f"--e2e-formats: a comma list of {', '.join(FORMATS)}, got {args.e2e_formats}")
     if args.smoke:  # tiny everything: the interpreter runs each program in numpy
         args.batches, args.contexts = "1,3", "32,64"
         args.heads, args.kv_heads, args.head_dim, args.block_size = 4, 2, 80, 16
         args.engine_prompts, args.engine_prompt_len, args.engine_max_tokens = 3, 12, 4
+        args.e2e_requests, args.e2e_prompt_len, args.e2e_max_tokens = 3, 12, 4
     results: dict[str, Any] = dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         torch=torch.__version__,
@@ -407,6 +479,20 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         results["engine"] = rows
         tables.append(markdown("(c) engine throughput, random-init Llama, Triton attention", rows))
+    if "d" in parts:
+        from jobs.bench.gpu_8b import bench_8b  # it imports this module
+
+        rows = bench_8b(
+            device, args.smoke, args.e2e_formats.split(","), args.e2e_requests,
+            args.e2e_prompt_len, args.e2e_max_tokens, args.peak_tbps, args.e2e_max_seqs,
+            args.e2e_budget_s, args.weights_dir,
+        )  # fmt: skip
+        results["e2e_8b"] = rows
+        title = (
+            f"(d) Llama-3.1-8B shape, random weights, {args.e2e_prompt_len} in / "
+            f"{args.e2e_max_tokens} out, against TensorRT-LLM's FP8 figure"
+        )
+        tables.append(markdown(title, rows))
 
     print(f"Command: `{report.command_line()}`\n\n" + "\n".join(tables))
     if args.out:

@@ -139,27 +139,31 @@ def write_llama(
     dtype: torch.dtype,
     tokenizer: Any,
     quant: dict[str, Any] | None = None,
+    device: torch.device | str = "cpu",
 ) -> Path:
     """A HF Llama folder of `shape` (config.json's keys) with random weights, made without
     transformers' model classes (seed 0): N(0, 0.02) matrices in `dtype`, unit norms; with
     `quant`, every linear as GPTQ's packed integers, compressed-tensors' int8 or FP8 blocks.
-    Written with `tokenizer`."""
+    Written with `tokenizer`. The normal matrices (and FP8's blocks) are drawn on `device`: a
+    GPU draws an 8B shape's in seconds where the CPU takes minutes (the values differ from the
+    CPU's for the same seed)."""
     from safetensors.torch import save_file
 
     h, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
     d = shape.get("head_dim", h // heads)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
 
     def mat(rows: int, cols: int) -> torch.Tensor:
-        return (torch.randn(rows, cols, generator=gen) * 0.02).to(dtype)
+        """On `device` (the caller moves it to the host)."""
+        return (torch.randn(rows, cols, generator=gen, device=device) * 0.02).to(dtype)
 
     def ones() -> torch.Tensor:
         return torch.ones(h, dtype=dtype)
 
-    weights = {"model.embed_tokens.weight": mat(vocab, h), "model.norm.weight": ones()}
+    weights = {"model.embed_tokens.weight": mat(vocab, h).cpu(), "model.norm.weight": ones()}
     if not shape.get("tie_word_embeddings", True):
-        weights["lm_head.weight"] = mat(vocab, h)
+        weights["lm_head.weight"] = mat(vocab, h).cpu()
     outs = (heads * d, kv * d, kv * d, h, inter, inter, h)  # each linear's [out, in]
     ins = (h, h, h, heads * d, h, h, inter)
     for i in range(shape["num_hidden_layers"]):
@@ -167,7 +171,7 @@ def write_llama(
         weights |= {f"{p}{n}_layernorm.weight": ones() for n in ("input", "post_attention")}
         for name, n, k in zip(LINEARS, outs, ins, strict=True):
             if quant is None:
-                weights[f"{p}{name}.weight"] = mat(n, k)
+                weights[f"{p}{name}.weight"] = mat(n, k).cpu()
                 continue
             if quant["quant_method"] == "fp8":
                 tensors = _fp8_tensors(mat(n, k), quant["weight_block_size"][0])
@@ -176,7 +180,7 @@ def write_llama(
             else:
                 tensors = _gptq_tensors(k, n, quant["bits"], quant["group_size"])
             for leaf, t in tensors.items():
-                weights[f"{p}{name}.{leaf}"] = t
+                weights[f"{p}{name}.{leaf}"] = t.cpu()
     folder.mkdir(parents=True, exist_ok=True)
     config = dict(
         shape, architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",

@@ -31,6 +31,9 @@ from batchpage.kernels.testing import interpreter_skip_reason, make_paged_case
 from tests.attention.case_inputs import case_metadata, two_layer_pool
 
 BS, HEADS, KV_HEADS, HEAD_DIM = 4, 4, 2, 16
+# The Triton backend's device (CUDA where there is one, else its interpreter on the CPU); the
+# torch and CPU backends, and the dense reference, run on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # A decode, a whole prompt, a chunk behind a cached prefix, a text-only prompt, another decode.
 SEQ_LENS = [3 * BS + 5, 40, 34, 11, 9]
 QUERY_LENS = [1, 40, 13, 11, 1]
@@ -106,13 +109,21 @@ def backends() -> list:
     return params
 
 
-def spanned_step(seed: int) -> tuple:
-    """(the case with new K/V unwritten, the same numbers written, the step's metadata)."""
+def backend_device(backend: object) -> str:
+    """Where `backend`'s step runs: the Triton kernels' device, else the CPU."""
+    return DEVICE if isinstance(backend, TritonPagedAttention) else "cpu"
+
+
+def spanned_step(seed: int, device: str = "cpu") -> tuple:
+    """(the case with new K/V unwritten, on `device`; the same numbers written, on the CPU for
+    the reference; the step's metadata, on `device`)."""
     args = (SEQ_LENS, QUERY_LENS, HEADS, KV_HEADS, HEAD_DIM, BS, torch.float32)
-    case = make_paged_case(*args, shared_blocks=1, write_new=False, seed=seed)
+    case = make_paged_case(*args, device=device, shared_blocks=1, write_new=False, seed=seed)
     full = make_paged_case(*args, shared_blocks=1, write_new=True, seed=seed)
     key_end, seqs = key_ends()
-    meta: AttentionMetadata = replace(case_metadata(case), key_end=key_end, span_seqs=seqs)
+    meta: AttentionMetadata = replace(
+        case_metadata(case), key_end=key_end.to(device), span_seqs=seqs
+    )
     return case, full, meta
 
 
@@ -120,9 +131,10 @@ def spanned_step(seed: int) -> tuple:
 @pytest.mark.parametrize("window", [None, 3, 10, 100], ids=lambda w: f"w{w}")
 @pytest.mark.parametrize("softcap", [None, 5.0], ids=["nocap", "cap5"])
 def test_span_rows_see_their_span_as_transformers_masks_them(make, window, softcap) -> None:
-    case, full, meta = spanned_step(seed=3)
+    backend = make()
+    case, full, meta = spanned_step(seed=3, device=backend_device(backend))
     scale = 1.0 if softcap else HEAD_DIM**-0.5
-    step = make().plan(meta)
+    step = backend.plan(meta)
     device = case.q.device
     kv = two_layer_pool(case)
     for w in (7, None):  # other layers of the step, planned with other windows first
@@ -134,7 +146,7 @@ def test_span_rows_see_their_span_as_transformers_masks_them(make, window, softc
     ref = dense_reference(full, window, softcap, scale).to(device)
     torch.testing.assert_close(out.float(), ref, atol=2e-5, rtol=1e-5)
     # The spans matter: causal attention differs on the rows that see past themselves only.
-    wide = meta.key_end.long() > positions(meta) + 1
+    wide = meta.key_end.long() > positions(meta).to(device) + 1
     causal_meta = replace(meta, key_end=None, span_seqs=())
     causal = make().plan(causal_meta)(
         1, case.q, case.k_new, case.v_new, two_layer_pool(case), causal_meta, scale,

@@ -98,9 +98,10 @@ def test_bf16_fidelity_in_float32_matches_hf(tmp_path) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="pip install triton")
 def test_gpu_smoke_on_the_triton_interpreter(tmp_path) -> None:
-    """Without CUDA, --smoke runs the decode sweep and the six engine configurations on tiny
-    shapes through Triton's interpreter: every row measured, none failed, the same greedy
-    tokens in each of those on the same weights."""
+    """Without CUDA, --smoke runs the decode sweep, the six engine configurations and the 8B
+    part's two formats on tiny shapes through Triton's interpreter: every row measured, none
+    failed, the same greedy tokens in each of those on the same weights, and no TensorRT-LLM
+    figure to compare with on a CPU."""
     out = tmp_path / "gpu.json"
     done = run_bench("jobs.bench.gpu", "--smoke", "--out", str(out), timeout=900)
     assert done.returncode == 0, done.stderr
@@ -113,7 +114,31 @@ def test_gpu_smoke_on_the_triton_interpreter(tmp_path) -> None:
     assert set(engine) == same_weights | quantized
     assert all("error" not in r and r["generated_tokens"] == 12 for r in engine.values())
     assert all(engine[c]["same_greedy_as_first"] == 3 for c in same_weights)
-    assert "| config |" in done.stdout
+    assert [r["format"] for r in data["e2e_8b"]] == ["fp8", "bf16"]
+    for r in data["e2e_8b"]:
+        assert "error" not in r and r["generated_tokens"] == 3 * r["output_len"] == 12
+        assert r["trtllm_fp8_out_tok_s"] is None and r["ratio_to_trtllm"] is None
+        assert r["write_s"] > 0 and r["output_tokens_per_s"] > 0
+    # FP8 stores a byte a linear weight, the dense folder (float32 on a CPU) four.
+    fp8, dense = data["e2e_8b"]
+    assert fp8["weight_gib"] < dense["weight_gib"]
+    assert "| config |" in done.stdout and "(d) Llama-3.1-8B shape" in done.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="pip install triton")
+def test_gpu_8b_part_skips_a_format_past_its_budget(tmp_path) -> None:
+    """--e2e-budget-s: the first format always runs; the next starts only where the time left
+    holds 1.5 times the first's, so with no budget its row says it was skipped."""
+    out = tmp_path / "gpu.json"
+    done = run_bench(
+        "jobs.bench.gpu", "--smoke", "--parts", "d", "--e2e-formats", "bf16,fp8",
+        "--e2e-budget-s", "0", "--out", str(out), timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    first, second = json.loads(out.read_text())["e2e_8b"]
+    assert first["format"] == "bf16" and first["generated_tokens"] == 12
+    assert second["format"] == "fp8" and "budget" in second["skipped"]
+    assert "generated_tokens" not in second
 
 
 def test_tensor_parallel_against_one_rank(tmp_path) -> None:

@@ -1,4 +1,6 @@
-"""LoRALinear against each row computed on its own in plain torch."""
+"""LoRALinear against each row computed on its own in plain torch (float64, on the CPU). The
+Triton update runs on CUDA where there is one (else in Triton's interpreter on the CPU); the
+others on the CPU."""
 
 from __future__ import annotations
 
@@ -15,12 +17,19 @@ from batchpage.lora.layers import (
 )
 from batchpage.ops.linear import dense_linear
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def make_update(name: str):
-    """Each implementation of the update, all on the CPU (Triton's under its interpreter)."""
+    """Each implementation of the update (the C++ kernel's and torch's on the CPU)."""
     if name == "kernel":
         return KernelUpdate(CpuLoRA.build())
     return TritonUpdate() if name == "triton" else TorchUpdate()
+
+
+def device_of(update: str) -> torch.device:
+    """Where `update`'s layer lives: the Triton kernels' device, else the CPU."""
+    return torch.device(DEVICE if update == "triton" else "cpu")
 
 
 @pytest.mark.parametrize("update", ["torch", "kernel", "triton"])
@@ -33,9 +42,10 @@ def test_each_row_gets_its_own_adapters_update(update, dtype, layout):
     bias = torch.randn(sum(sizes), generator=gen).to(dtype)
     step = AdapterStep()
     starts = [0, 16, 24]
+    dev = device_of(update)
     layer = LoRALinear(
-        dense_linear(weight, bias), list(zip(starts, sizes, strict=True)), slots, max_rank,
-        dtype, torch.device("cpu"), step, make_update(update),
+        dense_linear(weight.to(dev), bias.to(dev)), list(zip(starts, sizes, strict=True)),
+        slots, max_rank, dtype, dev, step, make_update(update),
     )  # fmt: skip
     adapters = {}
     for slot, rank in enumerate([2, 6, 3]):
@@ -47,7 +57,7 @@ def test_each_row_gets_its_own_adapters_update(update, dtype, layout):
             a = torch.randn(rank, d_in, generator=gen).to(dtype)
             b = torch.randn(size, rank, generator=gen).to(dtype)
             pieces.append((a, b))
-        layer.load(slot, pieces)
+        layer.load(slot, [p and (p[0].to(dev), p[1].to(dev)) for p in pieces])
         adapters[slot] = pieces
     rows = 11
     x = torch.randn(rows, d_in, generator=gen).to(dtype)
@@ -57,10 +67,12 @@ def test_each_row_gets_its_own_adapters_update(update, dtype, layout):
         "one adapter": torch.full((rows,), 1),
         "base only": torch.full((rows,), -1),
     }[layout]
-    step.set(token_slots)
+    step.set(token_slots.to(dev))
     runs = layout != "scattered"
     assert all(isinstance(g.rows, slice) == runs for g in step.groups)
-    got = layer.forward(x)
+    got = layer.forward(x.to(dev))
+    assert got.device == dev
+    got = got.cpu()
     for i in range(rows):
         want = x[i].double() @ weight.double().T + bias.double()
         slot = int(token_slots[i])
@@ -79,15 +91,18 @@ def test_reloading_a_slot_replaces_the_adapter_whole(update):
     gen = torch.Generator().manual_seed(1)
     step = AdapterStep()
     weight = torch.randn(8, 4, generator=gen)
-    layer = LoRALinear(dense_linear(weight, None), [(0, 8)], 1, 4, torch.float32,
-                       torch.device("cpu"), step, make_update(update))  # fmt: skip
-    layer.load(0, [(torch.randn(4, 4, generator=gen), torch.randn(8, 4, generator=gen))])
+    dev = device_of(update)
+    layer = LoRALinear(dense_linear(weight.to(dev), None), [(0, 8)], 1, 4, torch.float32, dev,
+                       step, make_update(update))  # fmt: skip
+    big = (torch.randn(4, 4, generator=gen), torch.randn(8, 4, generator=gen))
+    layer.load(0, [(big[0].to(dev), big[1].to(dev))])
     small = (torch.randn(1, 4, generator=gen), torch.randn(8, 1, generator=gen))
-    layer.load(0, [small])  # rank 1: the rest of the old rank-4 update must be gone
+    # rank 1: the rest of the old rank-4 update must be gone
+    layer.load(0, [(small[0].to(dev), small[1].to(dev))])
     x = torch.randn(3, 4, generator=gen)
-    step.set(torch.zeros(3, dtype=torch.int64))
+    step.set(torch.zeros(3, dtype=torch.int64, device=dev))
     want = x @ weight.T + (x @ small[0].T) @ small[1].T
-    torch.testing.assert_close(layer.forward(x), want)
+    torch.testing.assert_close(layer.forward(x.to(dev)).cpu(), want)
 
 
 @pytest.mark.parametrize("update", ["torch", "kernel", "triton"])
@@ -97,16 +112,18 @@ def test_one_update_serves_step_after_step(update):
     gen = torch.Generator().manual_seed(2)
     step = AdapterStep()
     weight = torch.randn(12, 6, generator=gen)
-    layer = LoRALinear(dense_linear(weight, None), [(0, 12)], 2, 3, torch.float32,
-                       torch.device("cpu"), step, make_update(update))  # fmt: skip
+    dev = device_of(update)
+    layer = LoRALinear(dense_linear(weight.to(dev), None), [(0, 12)], 2, 3, torch.float32, dev,
+                       step, make_update(update))  # fmt: skip
     pieces = [(torch.randn(3, 6, generator=gen), torch.randn(12, 3, generator=gen)) for _ in "ab"]
-    for slot, piece in enumerate(pieces):
-        layer.load(slot, [piece])
+    for slot, (a, b) in enumerate(pieces):
+        layer.load(slot, [(a.to(dev), b.to(dev))])
     for slots in ([0, 0, 1], [1, -1, 1, 0, 0, 0, 1], [1]):
         x = torch.randn(len(slots), 6, generator=gen)
-        step.set(torch.tensor(slots))
+        step.set(torch.tensor(slots, device=dev))
         want = x @ weight.T
         for i, s in enumerate(slots):
             if s >= 0:
                 want[i] += (x[i] @ pieces[s][0].T) @ pieces[s][1].T
-        torch.testing.assert_close(layer.forward(x), want, rtol=1e-5, atol=1e-5)
+        got = layer.forward(x.to(dev)).cpu()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -73,6 +73,7 @@ class JobProgress:
             disable=not enabled,
             dynamic_ncols=True,
         )
+        self._drawn = float("-inf")  # when the bar was last drawn (time.monotonic)
         self._window_base = 0  # tokens handled before the current window's run
         self._stage = "starting"
         # An executor's replicas in a few words (ReplicaPool.replica_line), shown beside the
@@ -87,7 +88,7 @@ class JobProgress:
 
     def stage(self, name: str) -> None:
         self._stage = name
-        self._refresh()
+        self._refresh(force=True)
 
     def rows_skipped(self, count: int, failed: bool = False) -> None:
         """Rows that need no generation (resumed, or `failed` before generating)."""
@@ -140,17 +141,26 @@ class JobProgress:
             "eta_from": basis,
         }
 
-    def _refresh(self, tok_s: float | None = None) -> None:
+    def _refresh(self, tok_s: float | None = None, force: bool = False) -> None:
+        """The bar's figures and text now; drawn at most every `mininterval` seconds (tqdm's)
+        unless `force`d: a job of short rows calls this for every row and step, and a redraw
+        costs more than the row's own bookkeeping. close() draws the last state."""
         self.bar.total = self.work.total
         self.bar.n = min(self.work.done, self.bar.total)
         rows = f"{self.rows_done}/{self.rows_total}" if self.rows_total is not None else "?"
-        fields = {"rows": rows, "stage": self._stage}
+        fields = [f"rows={rows}", f"stage={self._stage}"]
         if tok_s is not None:
-            fields["out_tok_s"] = f"{tok_s:.1f}"
+            fields.append(f"out_tok_s={tok_s:.1f}")
         if self.replicas is not None:
-            fields["replicas"] = self.replicas()
-        self.bar.set_postfix(fields, refresh=False)
-        self.bar.refresh()
+            fields.append(f"replicas={self.replicas().strip()}")
+        # What tqdm's set_postfix makes of these string fields, without its per-call dict work.
+        self.bar.postfix = ", ".join(fields)
+        if self.bar.disable:
+            return
+        now = time.monotonic()
+        if force or now - self._drawn >= self.bar.mininterval:
+            self._drawn = now
+            self.bar.refresh()
 
 
 def job_rate(before: RunStats, current: RunStats) -> float:

@@ -58,6 +58,38 @@ def test_the_bar_moves_on_every_step_before_any_row_finishes() -> None:
     progress.close()
 
 
+def test_the_bar_is_drawn_at_most_every_mininterval_with_set_postfixs_text() -> None:
+    """A row or a step updates the bar's figures and text each time; drawing them is throttled
+    to tqdm's mininterval (a stage change draws at once); the text is set_postfix's."""
+    from tqdm import tqdm
+
+    progress = JobProgress(rows_total=300, enabled=True)
+    draws: list[tuple[float, str]] = []
+    progress.bar.refresh = lambda *_, **__: draws.append((progress.bar.n, progress.bar.postfix))
+    progress.bar.mininterval = 3600.0  # nothing is due again within this test
+    progress.window_started([10] * 300)  # the first call draws
+    stats = RunStats(kv_blocks_total=8, block_size=4)
+    for done in range(1, 301):
+        stats.prefill_tokens_computed = 10 * done
+        progress.step(stats, tok_s=2.5)
+        progress.row_finished(unused_budget=0)
+        assert progress.bar.n == 10 * done and progress.rows_done == done
+    assert len(draws) == 1
+    progress.stage("finishing")
+    assert len(draws) == 2 and draws[-1][0] == 3000
+    reference = tqdm(total=0, disable=True)  # what set_postfix makes of the same fields
+    reference.set_postfix({"rows": "300/300", "stage": "finishing"}, refresh=False)
+    assert progress.bar.postfix == reference.postfix
+    progress.step(stats, tok_s=2.5)
+    reference.set_postfix({"rows": "300/300", "stage": "prefill", "out_tok_s": "2.5"})
+    assert progress.bar.postfix == reference.postfix
+    progress.bar.mininterval = 0.0  # due at every call: each one draws
+    progress.row_finished(unused_budget=0)
+    progress.row_finished(unused_budget=0)
+    assert len(draws) == 4
+    progress.close()
+
+
 def test_progress_file_gives_the_bars_figures_and_is_rewritten_at_most_every_interval(
     tmp_path, monkeypatch
 ) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from batchpage.omp_wait import set_wait_policy
 from batchpage.user_log import configure_package_logging
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
+# Before anything here imports torch, whose OpenMP reads its wait policy as it loads (omp_wait.py).
+set_wait_policy()
 # A kernel build or a tokenizer conversion at first use says so, also to a program that set up
 # no logging (see user_log.py).
 configure_package_logging()

@@ -4,6 +4,7 @@ run into the output_dir and the totals over them) and the summary the command li
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -87,6 +88,8 @@ def resolved_settings(plan: JobPlan, llm: Any | None) -> dict[str, Any]:
         "kv_blocks": plan.engine.num_blocks,
         "kv_cache_bytes": plan.engine.kv_cache_bytes,
         "threads": torch.get_num_threads(),
+        # How its OpenMP threads wait (omp_wait.py: PASSIVE when the machine was busy at start).
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
         "style": plan.style,
     }
     if llm is not None:

@@ -310,3 +310,25 @@ def test_images_k_questions_against_ablations_and_hf(tmp_path, shape: str, model
         assert row["batchpage / this"] == f"{both['output_tok_s'] / r['output_tok_s']:.2f}x"
     assert [r["same greedy as batchpage"] for r in table[1:]] == [f"{rows}/{rows}"] * 3
     assert "no-venv" in results["not_run"]["vllm"] and "vLLM-CPU: not run here" in done.stdout
+
+
+@pytest.mark.slow  # four engines, each in a process of its own
+def test_omp_wait_policies_idle_and_busy(tmp_path) -> None:
+    """Each policy measured in a process started with it, idle and beside a spinning process:
+    one row each, a figure each, the busy row counted as such."""
+    out = tmp_path / "omp.json"
+    done = run_bench(
+        "jobs.bench.omp_wait", "--workloads", "decode", "--busy", "0,1",
+        "--policies", "default,PASSIVE", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    found = json.loads(out.read_text())
+    assert [(f["busy"], f["policy"]) for f in found] == [
+        (0, "default"),
+        (0, "PASSIVE"),
+        (1, "default"),
+        (1, "PASSIVE"),
+    ]
+    assert all(f["figure"] > 0 and f["unit"] == "out tok/s" for f in found)
+    rows = table_with(markdown_tables(done.stdout), "policy")
+    assert [r["policy"] for r in rows] == ["default", "PASSIVE", "default", "PASSIVE"]

@@ -372,10 +372,10 @@ class LLM(PoolingMethods):
                         if len(seqs) < seq.params.n:
                             continue
                         bar.update(1)
-                        rate = tokens_per_s(stats.generated_tokens, stats.elapsed_s)
-                        bar.set_postfix(
-                            tok_s=f"{rate:.1f}", hit=f"{stats.prefix_hit_rate:.0%}", refresh=False
-                        )
+                        if use_tqdm:  # a hidden bar's text would be formatted for nothing
+                            rate = tokens_per_s(stats.generated_tokens, stats.elapsed_s)
+                            hit = f"{stats.prefix_hit_rate:.0%}"
+                            bar.set_postfix(tok_s=f"{rate:.1f}", hit=hit, refresh=False)
                         if on_output is not None:
                             on_output(make(seq.request, seqs), seq.request.index)
                     if on_step is not None:

@@ -36,7 +36,13 @@ from batchpage.engine.config import EngineConfig
 from batchpage.job.config import JobConfig
 from batchpage.metrics import RunStats
 from batchpage.simulate.calibrate import cached_calibration
-from batchpage.simulate.capacity import Lengths, Row, WindowSample, schedule
+from batchpage.simulate.capacity import (
+    Lengths,
+    Row,
+    WindowSample,
+    job_simulated_rows,
+    schedule,
+)
 from batchpage.simulate.measured import MeasuredDevice
 from batchpage.simulate.memory import plan_pool, weight_bytes
 from batchpage.simulate.options import parse_output_tokens
@@ -343,7 +349,7 @@ class JobEstimate:
         return f"{first}, then the lengths of the rows generated before each window"
 
     def _simulate(self, rows: list[Row], prompt: int, budget: int, host: float) -> WindowFigures:
-        sample = WindowSample(2 * self.cfg.max_num_seqs, len(rows))
+        sample = WindowSample(job_simulated_rows(self.cfg), len(rows))
         sample.add(rows)
         lengths = self._current_lengths()
         sim = schedule(sample, self.cfg, self.pool, self.cost, lengths, lengths.kind == "max")

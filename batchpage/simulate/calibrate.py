@@ -48,6 +48,10 @@ MAX_ROUNDS = 5
 SHARED_PREFIX = 256
 # Seconds of prefill the long-context run may take (its sequences are sized to them).
 LONG_RUN_SECONDS = 3.0
+# The full-batch run: its prompts' and outputs' tokens, and the seconds of prefill it may take.
+FULL_BATCH_PROMPT = 32
+FULL_BATCH_OUTPUT = 64
+FULL_BATCH_SECONDS = 2.0
 
 
 class CalibrationRun(NamedTuple):
@@ -61,22 +65,25 @@ class CalibrationRun(NamedTuple):
         return [self.output_tokens + i % (self.output_spread + 1) for i in range(self.sequences)]
 
 
-def calibration_runs(cfg: EngineConfig) -> list[CalibrationRun]:
+def calibration_runs(cfg: EngineConfig, max_model_len: int) -> list[CalibrationRun]:
     """The timed runs of short contexts: decodes at 1, 8 and 32 running, whose prompts (of 16
     and 64 tokens, so that a prompt token's own cost and its attention's come apart) fill
     prefill chunks too; decodes of 32 sequences behind one shared prefix (its K/V read by every
-    one of them, as a job's system prompt is); and one and a half max_num_seqs (at most 384) of
-    short prompts whose outputs differ in length, so that steps mix admissions with decodes as
-    a job's do."""
+    one of them, as a job's system prompt is; up to SHARED_PREFIX tokens, fewer where
+    max_model_len asks); and one and a half max_num_seqs (at most 384) of short prompts whose
+    outputs differ in length, so that steps mix admissions with decodes as a job's do. Runs
+    that max_model_len cannot hold are left out."""
     most = cfg.max_num_seqs
-    return [
+    shared = max(0, min(SHARED_PREFIX, (max_model_len - 20) // cfg.block_size * cfg.block_size))
+    runs = [
         CalibrationRun(1, 16, 16),
         CalibrationRun(min(8, most), 16, 12),
         CalibrationRun(min(32, most), 16, 8),
         CalibrationRun(min(8, most), 64, 8),
-        CalibrationRun(min(32, most), SHARED_PREFIX + 8, 12, shared=SHARED_PREFIX),
+        CalibrationRun(min(32, most), shared + 8, 12, shared=shared),
         CalibrationRun(min(384, most * 3 // 2), 4, 2, output_spread=8),
     ]
+    return [r for r in runs if r.prompt_tokens + max(r.outputs()) <= max_model_len]
 
 
 def long_context_run(cfg: EngineConfig, max_model_len: int, tokens_per_s: float) -> CalibrationRun:
@@ -88,6 +95,16 @@ def long_context_run(cfg: EngineConfig, max_model_len: int, tokens_per_s: float)
     # them together at the end.
     length = max(8, min(384, max_model_len - count - 16))
     return CalibrationRun(count, length, count + 8)
+
+
+def full_batch_run(cfg: EngineConfig, max_model_len: int, tokens_per_s: float) -> CalibrationRun:
+    """Decodes of a full batch over contexts of 32 to 96 tokens (shorter where max_model_len
+    asks), as a job's steady state runs: max_num_seqs sequences, or as many as
+    FULL_BATCH_SECONDS of prefill at `tokens_per_s` allow (8 at least)."""
+    output = min(FULL_BATCH_OUTPUT, max_model_len // 2)
+    length = min(FULL_BATCH_PROMPT, max_model_len - output)
+    count = max(8, min(cfg.max_num_seqs, int(tokens_per_s * FULL_BATCH_SECONDS) // length))
+    return CalibrationRun(count, length, output)
 
 
 def this_device(device: torch.device, dtype: torch.dtype) -> DeviceSpec:
@@ -153,8 +170,7 @@ def calibrate(
     _time_run(llm, CalibrationRun(2, 8, 2), rng, vocab)  # first calls: allocations, primitives
     groups: dict[str, FitGroup] = {}
     started = time.perf_counter()
-    fits = plan.max_model_len
-    runs = [r for r in calibration_runs(cfg) if r.prompt_tokens + max(r.outputs()) <= fits]
+    runs = calibration_runs(cfg, plan.max_model_len)
     first_round = len(runs)
     for _ in range(MAX_ROUNDS):
         for run in runs:
@@ -167,7 +183,9 @@ def calibrate(
                 groups[kind] = FitGroup([*was.works, *group.works], was.measured_s +
                                         group.measured_s, was.fixed_s + group.fixed_s)  # fmt: skip
         if len(runs) == first_round:  # after the first round: its prefill rate
-            runs = [*runs, long_context_run(cfg, plan.max_model_len, _prefill_rate(groups))]
+            rate = _prefill_rate(groups)
+            runs += [long_context_run(cfg, plan.max_model_len, rate),
+                     full_batch_run(cfg, plan.max_model_len, rate)]  # fmt: skip
         elif time.perf_counter() - started >= min_seconds:
             break
     typical = sorted(g.measured_s / len(g.works) for g in groups.values())[len(groups) // 2]

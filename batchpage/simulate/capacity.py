@@ -14,6 +14,7 @@ are scaled by rows to generate / rows simulated.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -47,11 +48,14 @@ class WindowSample:
         self.seen = 0
         self.kept: list[tuple[int, list[Row]]] = []
         self.rows_total = 0  # rows to generate in the whole job
+        self.first_window_rows = 0  # rows to generate in the job's first window with any
 
     def add(self, window: list[Row]) -> None:
         """One window of the job (a window larger than max_rows is kept as max_rows of its
         rows, evenly spaced: the engine's steady state is the same with fewer rows queued)."""
         self.rows_total += len(window)
+        if not self.first_window_rows:
+            self.first_window_rows = len(window)
         if len(window) > self.max_rows:
             window = [window[i * len(window) // self.max_rows] for i in range(self.max_rows)]
         if len(self.kept) < self.keep:
@@ -165,12 +169,15 @@ def schedule(
                             pool.batched_tokens)  # fmt: skip
 
 
-def wall_parts(sim: SimResult, sample: WindowSample, target: Target, io_s: float) -> dict[str, Any]:
-    """The job's wall time in parts, and its preemptions, scaled from the sample."""
+def wall_parts(
+    sim: SimResult, sample: WindowSample, target: Target, io_s: float, estimating_s: float = 0.0
+) -> dict[str, Any]:
+    """The job's wall time in parts, and its preemptions, scaled from the sample.
+    `estimating_s`: the job's own estimate's seconds (its simulations), counted in its I/O."""
     k = sample.scale
     parts = {
         "setup": target.setup_s,
-        "io": io_s + sample.rows_total * target.per_request_s,
+        "io": io_s + sample.rows_total * target.per_request_s + estimating_s,
         "prefill": sim.prefill_seconds * k,
         "decode": sim.decode_seconds * k,
         "preemption": (sim.recompute_seconds + sim.swap_seconds) * k,
@@ -192,12 +199,23 @@ def estimate_on(
     """The plan on one device: the bound, and the estimate where lengths are not the bound."""
     cost = StepCost(shape, target.spec, target.efficiency, 1 if target.here else target.tp)
     result = Estimate(target, pool, memory)
+    started = time.perf_counter()
     sim = schedule(sample, cfg, pool, cost, lengths, bound=True)
-    result.bound = wall_parts(sim, sample, target, io_s)
+    # A job on this machine estimates its ETA with the same simulator (job/job_estimate.py):
+    # its first window's rows, up to job_simulated_rows(cfg), at this simulation's pace.
+    simulated = sum(len(w) for w in sample.windows)
+    first = min(sample.first_window_rows, job_simulated_rows(cfg))
+    estimating = (time.perf_counter() - started) * first / simulated if target.here else 0.0
+    result.bound = wall_parts(sim, sample, target, io_s, estimating)
     if lengths.kind != "max":
         sim = schedule(sample, cfg, pool, cost, lengths, bound=False)
-        result.estimate = wall_parts(sim, sample, target, io_s)
+        result.estimate = wall_parts(sim, sample, target, io_s, estimating)
     return result
+
+
+def job_simulated_rows(cfg: EngineConfig) -> int:
+    """The rows of a window a job's own estimate simulates at most (the rest are scaled)."""
+    return 2 * cfg.max_num_seqs
 
 
 def estimate_error(estimate: dict[str, Any], measured_wall_s: float) -> float | None:

@@ -23,7 +23,7 @@ from batchpage.simulate.step_cost import Efficiency
 log = logging.getLogger(__name__)
 
 # Bump when the calibration's steps or the fit change: cached calibrations are then measured again.
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import torch
 from batchpage import LLM, SamplingParams
 from batchpage.engine.config import EngineConfig
 from batchpage.sampling_params import SamplingParams as Params
+from batchpage.simulate.calibrate import calibration_runs, full_batch_run, long_context_run
 from batchpage.simulate.capacity import Row, WindowSample
 from batchpage.simulate.devices import GPUS, DeviceSpec, parse_device
 from batchpage.simulate.fit import FIT_NAMES, FitGroup, fit_efficiency
@@ -118,3 +119,23 @@ def test_device_names() -> None:
             parse_device(bad)
     assert set(GPUS) == {"h100", "a100-80gb", "h200", "l4"}
     assert tuple(f for f in Efficiency.__dataclass_fields__) == FIT_NAMES
+
+
+@pytest.mark.parametrize("max_model_len", [64, 256, 4096])
+def test_the_calibration_runs_fit_the_model_length_and_keep_a_shared_prefix(
+    max_model_len: int,
+) -> None:
+    """Every run the calibration times fits max_model_len, and a shared-prefix run is among
+    them wherever a block can be shared: without one the fit cannot tell a shared prefix's
+    attention (computed for every row) from its K/V reads (once a step), and a job of shared
+    prompts is estimated too fast."""
+    cfg = EngineConfig(max_model_len=max_model_len)
+    runs = calibration_runs(cfg, max_model_len)
+    runs += [long_context_run(cfg, max_model_len, 5e3), full_batch_run(cfg, max_model_len, 5e3)]
+    for run in runs:
+        assert run.prompt_tokens + max(run.outputs()) <= max_model_len, run
+    shared = [r.shared for r in runs if r.shared]
+    assert shared == ([] if max_model_len - 20 < cfg.block_size else [shared[0]])
+    assert all(s % cfg.block_size == 0 for s in shared)
+    full = full_batch_run(cfg, max_model_len, 1e9)
+    assert full.sequences == cfg.max_num_seqs

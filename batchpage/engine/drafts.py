@@ -61,11 +61,18 @@ class DraftStage:
         self._idle = 0  # steps in a row that drafted nothing
 
     def reset(self) -> None:
-        """A new run: what the drafter followed is dropped (its learned cache too)."""
-        self.drafter = build_drafter(self.config)
+        """A new run: any row still followed is let go. What the drafter learned from finished
+        sequences stays: a job's windows are runs, and a suffix drafter's cache of outputs is
+        the job's (bounded by its own limits)."""
+        self._let_go()
+        self._idle = 0
+
+    def _let_go(self) -> None:
+        """Stop following every row (the drafter frees their state, learning nothing)."""
+        for key in self._following:
+            self.drafter.drop(key)
         self._following = set()
         self._row_key[:] = -1
-        self._idle = 0
 
     def _followed(self, rows: np.ndarray) -> np.ndarray:
         """bool [len(rows)]: whether the drafter follows the sequence each row holds."""
@@ -83,7 +90,7 @@ class DraftStage:
         for seq in finished:
             if seq.seq_id in following:
                 following.discard(seq.seq_id)
-                drafter.finish(seq.seq_id)
+                drafter.finish(seq.seq_id, seq.token_ids)
         rows, counts = result.rows, result.counts
         ran = batch.num_drafts[rows]  # a finished row's is zero
         drafted = np.flatnonzero(ran)
@@ -123,7 +130,7 @@ class DraftStage:
         new = rows[~self._followed(rows)]
         for seq in batch.seqs(new):  # new, restarted after preemption, or dropped while idle
             self._following.add(seq.seq_id)
-            self.drafter.start(seq.seq_id, seq.token_ids)
+            self.drafter.start(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
         self._row_key[new] = batch.seq_id[new]
         drafts, counts = self.drafter.propose_many(batch.seq_id[rows], k)
         for i in np.flatnonzero(batch.constrained[rows]).tolist():
@@ -138,7 +145,5 @@ class DraftStage:
         self._idle += 1
         if self._idle >= _IDLE_STEPS and self._following:
             # Let go of every row: nothing per row while drafts do not pay. What a suffix
-            # drafter learned from finished rows goes too.
-            self.drafter = build_drafter(self.config)
-            self._following = set()
-            self._row_key[:] = -1
+            # drafter learned from finished rows stays; the rows let go teach it nothing.
+            self._let_go()

@@ -3,19 +3,26 @@
 A drafter proposes tokens from what a sequence and the job have already produced (no weights).
 The engine keys sequences by an int (its seq_id) and calls, per sequence:
 
-    start(key, prompt)   once when it starts, and again when it restarts after a preemption:
-                         then the prompt is every token it has so far, and start replaces any
-                         state the key had
+    start(key, tokens, prompt_len)
+                         once when the engine begins to follow it (at its first draft, which
+                         may come after its first tokens), and again when it restarts after a
+                         preemption: `tokens` is every token it has so far, the first
+                         `prompt_len` of them its prompt (None: all of them); start replaces
+                         any state the key had
     append(key, tokens)  each step, the tokens it accepted (1..k+1 of them), in order
     propose(key, k)      0..k tokens that may continue its tokens (int64); never more than k
-    finish(key)          when it ends; its state is freed (a drafter that learns across
-                         sequences keeps what it learned from it)
+    finish(key, tokens)  when it ends, with all its tokens (None: those given so far; the
+                         engine gives them, since the step that ends a sequence appends nothing
+                         to it); its state is freed (a drafter that learns across sequences
+                         keeps what it learned from it)
+    drop(key)            when the engine lets go of it before it ends (a run abandoned, rows
+                         no longer drafted for); its state is freed and nothing is learned
 
 The engine makes the per-step calls over arrays of keys: `append_many(keys, tokens, counts)`
 after a step for the rows that took tokens, and `propose_many(keys, k)` for the rows it drafts
 for (a columnar drafter then runs the same Python at any batch size; ngram.py is one, a drafter
 with per-key structures loops, drafter.py's helpers). A key not started (or already finished) is
-a KeyError in append, propose and finish. Drafts are a pure function of the calls made so far:
+a KeyError in append, propose, finish and drop. Drafts are a pure function of the calls made so far:
 the same calls give the same drafts.
 """
 
@@ -28,7 +35,9 @@ import numpy as np
 
 
 class Drafter(Protocol):
-    def start(self, key: int, prompt_token_ids: Sequence[int]) -> None: ...
+    def start(
+        self, key: int, prompt_token_ids: Sequence[int], prompt_len: int | None = None
+    ) -> None: ...
 
     def append(self, key: int, tokens: Sequence[int]) -> None: ...
 
@@ -46,7 +55,9 @@ class Drafter(Protocol):
         counts). Row i holds counts[i] <= k[i] tokens, then zeros."""
         ...
 
-    def finish(self, key: int) -> None: ...
+    def finish(self, key: int, token_ids: Sequence[int] | None = None) -> None: ...
+
+    def drop(self, key: int) -> None: ...
 
     def check_integrity(self) -> None: ...
 

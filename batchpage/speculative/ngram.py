@@ -62,7 +62,10 @@ class NgramDrafter:
 
     # ---- the contract -------------------------------------------------------------------------
 
-    def start(self, key: int, prompt_token_ids: Sequence[int]) -> None:
+    def start(
+        self, key: int, prompt_token_ids: Sequence[int], prompt_len: int | None = None
+    ) -> None:
+        del prompt_len  # prompt lookup matches over all of a sequence's tokens alike
         tokens = token_list(prompt_token_ids)
         at = int(np.searchsorted(self._keys, key))
         if at < len(self._keys) and self._keys[at] == key:  # a restart: the row is replaced
@@ -104,7 +107,8 @@ class NgramDrafter:
         drafts[np.arange(width) >= counts[:, None]] = 0
         return drafts, counts
 
-    def finish(self, key: int) -> None:
+    def finish(self, key: int, token_ids: Sequence[int] | None = None) -> None:
+        del token_ids  # nothing is learned from a finished sequence
         at = int(np.searchsorted(self._keys, key))
         if at == len(self._keys) or self._keys[at] != key:
             raise KeyError(f"ngram drafter: sequence {key} was not started")
@@ -113,6 +117,9 @@ class NgramDrafter:
         self._slots = np.delete(self._slots, at)
         self._clear(slot)
         self._free.append(slot)
+
+    def drop(self, key: int) -> None:
+        self.finish(key)  # prompt lookup learns nothing across sequences
 
     # ---- the matrix ---------------------------------------------------------------------------
 

@@ -33,8 +33,9 @@ Cache eviction drops the oldest documents a generation at a time: outputs go int
 at most two automata, a new one is begun when it holds half the request or token budget, and
 beginning a third drops the oldest; before adding, the oldest generations go until the new
 output fits both budgets, so the bounds always hold and about half the cache survives an
-eviction. A sequence's output is what followed the prompt given at its first start; a restart
-after preemption whose prompt extends that prompt keeps its boundary.
+eviction. A sequence's output is what follows its prompt: `prompt_len` tokens where start is
+told, else the tokens given at its first start (a restart after preemption whose tokens extend
+them keeps that boundary).
 """
 
 from __future__ import annotations
@@ -119,12 +120,15 @@ class SuffixDrafter:
 
     # ---- the contract -------------------------------------------------------------------------
 
-    def start(self, key: int, prompt_token_ids: Sequence[int]) -> None:
+    def start(
+        self, key: int, prompt_token_ids: Sequence[int], prompt_len: int | None = None
+    ) -> None:
         tokens = token_list(prompt_token_ids)
-        prompt_len = len(tokens)
-        old = self._running.get(key)
-        if old is not None and tokens[: old.prompt_len] == old.tokens[: old.prompt_len]:
-            prompt_len = old.prompt_len  # a restart: its output began there
+        if prompt_len is None:
+            prompt_len = len(tokens)
+            old = self._running.get(key)
+            if old is not None and tokens[: old.prompt_len] == old.tokens[: old.prompt_len]:
+                prompt_len = old.prompt_len  # a restart: its output began there
         sam = SuffixAutomaton(self.max_tree_depth)
         cursor = Cursor()
         sam.extend(cursor, tokens)
@@ -149,12 +153,17 @@ class SuffixDrafter:
     ) -> tuple[np.ndarray, np.ndarray]:
         return drafts_array(self._draft, keys, k)
 
-    def finish(self, key: int) -> None:
+    def finish(self, key: int, token_ids: Sequence[int] | None = None) -> None:
         r = self._get(key)
         del self._running[key]
-        output = r.tokens[r.prompt_len :]
+        tokens = r.tokens if token_ids is None else token_list(token_ids)
+        output = tokens[r.prompt_len :]
         if output and self.max_cached_requests > 0:
             self._cache(output)
+
+    def drop(self, key: int) -> None:
+        self._get(key)
+        del self._running[key]
 
     # ---- drafting -----------------------------------------------------------------------------
 

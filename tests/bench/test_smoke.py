@@ -272,6 +272,29 @@ def test_speculative_against_none_on_the_tiny_model(tmp_path) -> None:
     assert "no-venv" in results["vllm"]["not_run"] and "vLLM-CPU: not run here" in done.stdout
 
 
+def test_speculative_oracle_replays_the_models_own_outputs(tmp_path) -> None:
+    """jobs.bench.speculative_oracle --smoke (the tiny model) under batch_invariant: the
+    second pass drafts from the first pass's cached outputs, so nearly every drafted token is
+    accepted and the steps fall; every row's tokens are those without speculation; a half
+    share caches every other row's output only (the tiny model's rows repeat one another, so
+    the other rows' drafts may be right too)."""
+    out = tmp_path / "oracle.json"
+    done = run_bench(
+        "jobs.bench.speculative_oracle", "--smoke", "--shares", "1,0.5", "--batch-invariant",
+        "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    full, half = json.loads(out.read_text())["results"]
+    assert (full["cached_share"], half["cached_share"]) == (1.0, 0.5)
+    for p in (full, half):
+        assert p["same_tokens"] == p["compared_rows"] == p["rows"]
+        assert p["ratio"] == pytest.approx(p["spec_output_tok_s"] / p["off_output_tok_s"])
+    assert full["acceptance"] > 0.9 and full["spec_steps"] < full["off_steps"]
+    assert (full["cached_rows"], half["cached_rows"]) == (full["rows"], half["rows"] // 2)
+    rows = table_with(markdown_tables(done.stdout), "acceptance")
+    assert [r["ratio"] for r in rows] == [f"{p['ratio']:.2f}x" for p in (full, half)]
+
+
 @pytest.mark.parametrize(
     ("shape", "model"),
     [("small", "LLaVA llava-tiny"), ("smolvlm", "Idefics3 idefics3-smolvlm-tiny")],

@@ -33,7 +33,9 @@ class Oracle:
         self.answers, self.wrong, self.rng = answers, wrong, random.Random(seed)
         self.tokens: dict[int, list[int]] = {}
 
-    def start(self, key: int, prompt_token_ids: Sequence[int]) -> None:
+    def start(
+        self, key: int, prompt_token_ids: Sequence[int], prompt_len: int | None = None
+    ) -> None:
         self.tokens[key] = list(prompt_token_ids)
 
     def append(self, key: int, tokens: Sequence[int]) -> None:
@@ -68,7 +70,10 @@ class Oracle:
             out[i, : len(d)] = d
         return out, np.array([len(d) for d in drafts], dtype=np.int64)
 
-    def finish(self, key: int) -> None:
+    def finish(self, key: int, token_ids: Sequence[int] | None = None) -> None:
+        del self.tokens[key]
+
+    def drop(self, key: int) -> None:
         del self.tokens[key]
 
     def check_integrity(self) -> None:

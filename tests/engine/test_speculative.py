@@ -154,6 +154,30 @@ def test_each_rows_drafts_are_prompt_lookup_over_its_own_tokens(tiny_folder: Pat
     assert engine.stats.preemptions > 0 and checked > 20
 
 
+def test_the_suffix_cache_outlives_a_run_as_a_jobs_windows_need(tiny_folder: Path) -> None:
+    """A job's windows are separate runs (generate calls): the outputs the suffix drafter
+    cached in one are there for the next, whose rows repeat them (the same prompts again),
+    while the rows of the first run are let go."""
+    llm = _llm(tiny_folder, {**SUFFIX, "suffix_decoding_max_spec_factor": 4.0})
+    prompts = _prompts(6, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    first = _run(llm, prompts, params)
+    own = llm.engine.stats  # drafts from each row's own tokens only
+    drafts = llm.engine.drafts
+    assert drafts is not None
+    cached = drafts.drafter.cached_outputs  # type: ignore[attr-defined]
+    assert sorted(cached) == sorted(list(r[0][0]) for r in first)
+    again = _run(llm, prompts, params)
+    stats = llm.engine.stats
+    assert again == first and stats.draft_tokens > 0
+    # The repetitive tiny model drafts well from its own tokens already; its own outputs do
+    # better (a run of one token ends where the cached output says, not where counts guess).
+    rate = stats.accepted_draft_tokens / stats.draft_tokens
+    assert rate > own.accepted_draft_tokens / own.draft_tokens and rate > 0.8
+    assert drafts.drafter.num_sequences == 0  # type: ignore[attr-defined]
+    drafts.drafter.check_integrity()
+
+
 @pytest.mark.parametrize("wrong", [0.0, 0.3, 1.0])
 def test_right_wrong_and_partly_right_drafts_never_change_greedy_output(
     tiny_folder: Path, plain: LLM, wrong: float
@@ -165,7 +189,6 @@ def test_right_wrong_and_partly_right_drafts_never_change_greedy_output(
     llm = _llm(tiny_folder, NGRAM)
     assert llm.engine.drafts is not None
     oracle = Oracle(answers, wrong, seed=int(wrong * 10))
-    llm.engine.drafts.reset = lambda: None  # keep the oracle for the run
     llm.engine.drafts.drafter = oracle
     assert _run(llm, prompts, params) == want
     stats = llm.engine.stats
@@ -253,7 +276,6 @@ def test_grammar_rows_speculate_and_keep_their_tokens(
     answers = {tuple(p): row[0][0] for p, row in zip(prompts, want, strict=True)}
     llm = _llm(tiny_folder, NGRAM)
     assert llm.engine.drafts is not None
-    llm.engine.drafts.reset = lambda: None  # keep the oracle for the run
     llm.engine.drafts.drafter = Oracle(answers, wrong, seed=7)
     assert _run(llm, prompts, params) == want
     stats = llm.engine.stats

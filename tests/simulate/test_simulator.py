@@ -106,7 +106,6 @@ def test_a_speculative_run_is_the_engines_step_for_step(
     assert llm.engine.drafts is not None
     llm.engine.drafts.cost = WeightBound()  # type: ignore[assignment]
     llm.engine.drafts.drafter = Oracle(answers, wrong=1.0 - acceptance, seed=0)
-    llm.engine.drafts.reset = lambda: None  # keep the oracle for the run
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [answers[tuple(p)] for p in prompts]
     stats = llm.run_stats

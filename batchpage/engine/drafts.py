@@ -3,7 +3,8 @@
 After each step's commit, the drafter (batchpage/speculative: n-gram prompt lookup or suffix
 decoding) follows the tokens the speculating rows took, a cost model decides how many drafts
 each decode row should run (speculative/budget.py: the step's cost against its tokens, fitted
-over the engine's steps, and each row's running acceptance, kept in the batch's columns), and
+over the engine's steps, and each row's running acceptance, kept in the batch's columns and
+starting from the engine's over all rows: DraftStage.prior), and
 the drafter fills the batch's `drafts` / `num_drafts` columns. The scheduler schedules a row's
 drafts with its newest token (one short prefill chunk over the paged KV), the step builder feeds
 them, the sampler draws every position as it would without speculation and verification keeps
@@ -41,6 +42,12 @@ from batchpage.speculative.config import SpeculativeConfig, build_drafter
 _IDLE_STEPS = 16
 # Each step's acceptance counts weigh this much against the row's earlier ones.
 _DECAY = 0.8
+# The same for the engine's counts over all rows (the prior of a row that joins), which follow
+# the job's acceptance more slowly than a row follows its own.
+_ENGINE_DECAY = 0.98
+# How many drafted tokens the engine's acceptance weighs as in a row's odds: a row's own counts
+# outweigh it after a step or two of drafts.
+_PRIOR_WEIGHT = 2.0
 
 
 class DraftStage:
@@ -59,6 +66,9 @@ class DraftStage:
         # preempted and admitted again elsewhere is started again there with all its tokens.
         self._row_key = np.full(batch.capacity, -1, dtype=np.int64)
         self._idle = 0  # steps in a row that drafted nothing
+        # The engine's drafted tokens accepted and tried, decayed, over every row (see `prior`).
+        self._hits = 0.0
+        self._tries = 0.0
 
     def reset(self) -> None:
         """A new run: any row still followed is let go. What the drafter learned from finished
@@ -99,6 +109,8 @@ class DraftStage:
             tried = np.minimum(accepted + 1, ran[drafted])  # up to the first rejected one
             batch.draft_hits[at] = _DECAY * batch.draft_hits[at] + accepted
             batch.draft_tries[at] = _DECAY * batch.draft_tries[at] + tried
+            self._hits = _ENGINE_DECAY * self._hits + float(accepted.sum())
+            self._tries = _ENGINE_DECAY * self._tries + float(tried.sum())
         if not following:
             return
         # A row that finished in the step is free (seq_id -1), so not followed.
@@ -118,7 +130,8 @@ class DraftStage:
         cap = np.minimum(batch.stop_len[rows] - n - 1, self.max_model_len - n)
         cap = np.clip(cap, 0, self.config.num_speculative_tokens)
         if self.cost.ready:
-            alpha = (batch.draft_hits[rows] + 1) / (batch.draft_tries[rows] + 2)
+            w = _PRIOR_WEIGHT
+            alpha = (batch.draft_hits[rows] + w * self.prior) / (batch.draft_tries[rows] + w)
             k = draft_counts(alpha, cap, num_running, *self.cost.coefficients())
         else:  # drafting in full meanwhile varies the steps' token counts the fit needs
             k = cap
@@ -140,6 +153,16 @@ class DraftStage:
             counts[i] = constraint.valid_prefix(drafts[i, : counts[i]])
         batch.drafts[rows, : drafts.shape[1]] = drafts
         batch.num_drafts[rows] = counts
+
+    @property
+    def prior(self) -> float:
+        """The odds a row's next draft is accepted before its own drafts say: the engine's
+        acceptance over its rows' drafts so far, optimistic (1) before any. A fixed middle
+        prior would keep every row from its first draft wherever a step's cost asks for better
+        odds than that (16 running on a CPU, a 1B model), so the job would never learn that its
+        drafts are right; an optimistic one costs a step of drafts at most before the job's
+        own acceptance takes over."""
+        return (self._hits + 1.0) / (self._tries + 1.0)
 
     def _idle_step(self) -> None:
         self._idle += 1

@@ -193,10 +193,14 @@ def test_right_wrong_and_partly_right_drafts_never_change_greedy_output(
     assert _run(llm, prompts, params) == want
     stats = llm.engine.stats
     assert stats.draft_tokens > 0
+    # A row that joins starts from the engine's acceptance so far: the oracle's odds.
+    prior = llm.engine.drafts.prior
     if wrong == 0.0:  # every draft right: accepted but where the length limit cut them
-        assert stats.accepted_draft_tokens == stats.draft_tokens
+        assert stats.accepted_draft_tokens == stats.draft_tokens and prior == 1.0
     if wrong == 1.0:  # a random token is right only by chance
-        assert stats.accepted_draft_tokens < stats.draft_tokens / 10
+        assert stats.accepted_draft_tokens < stats.draft_tokens / 10 and prior < 0.1
+    if wrong == 0.3:
+        assert 0.2 < prior < 0.9
 
 
 def test_batch_invariant_logprobs_are_bitwise_those_without(tiny_folder: Path) -> None:

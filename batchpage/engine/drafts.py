@@ -101,6 +101,8 @@ class DraftStage:
             if seq.seq_id in following:
                 following.discard(seq.seq_id)
                 drafter.finish(seq.seq_id, seq.token_ids)
+            else:  # not followed (drafts did not pay): a suffix drafter caches it all the same
+                drafter.learn(seq.output_token_ids)
         rows, counts = result.rows, result.counts
         ran = batch.num_drafts[rows]  # a finished row's is zero
         drafted = np.flatnonzero(ran)

@@ -17,6 +17,9 @@ The engine keys sequences by an int (its seq_id) and calls, per sequence:
                          keeps what it learned from it)
     drop(key)            when the engine lets go of it before it ends (a run abandoned, rows
                          no longer drafted for); its state is freed and nothing is learned
+    learn(output)        the output of a sequence that ended without being followed (drafts
+                         did not pay while it ran): a drafter that learns across sequences
+                         learns from it as from a finished one; others ignore it
 
 The engine makes the per-step calls over arrays of keys: `append_many(keys, tokens, counts)`
 after a step for the rows that took tokens, and `propose_many(keys, k)` for the rows it drafts
@@ -58,6 +61,8 @@ class Drafter(Protocol):
     def finish(self, key: int, token_ids: Sequence[int] | None = None) -> None: ...
 
     def drop(self, key: int) -> None: ...
+
+    def learn(self, output_token_ids: Sequence[int]) -> None: ...
 
     def check_integrity(self) -> None: ...
 

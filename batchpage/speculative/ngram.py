@@ -121,6 +121,9 @@ class NgramDrafter:
     def drop(self, key: int) -> None:
         self.finish(key)  # prompt lookup learns nothing across sequences
 
+    def learn(self, output_token_ids: Sequence[int]) -> None:
+        del output_token_ids  # prompt lookup learns nothing across sequences
+
     # ---- the matrix ---------------------------------------------------------------------------
 
     def _take_slot(self) -> int:

@@ -157,13 +157,16 @@ class SuffixDrafter:
         r = self._get(key)
         del self._running[key]
         tokens = r.tokens if token_ids is None else token_list(token_ids)
-        output = tokens[r.prompt_len :]
-        if output and self.max_cached_requests > 0:
-            self._cache(output)
+        self.learn(tokens[r.prompt_len :])
 
     def drop(self, key: int) -> None:
         self._get(key)
         del self._running[key]
+
+    def learn(self, output_token_ids: Sequence[int]) -> None:
+        output = token_list(output_token_ids)
+        if output and self.max_cached_requests > 0:
+            self._cache(output)
 
     # ---- drafting -----------------------------------------------------------------------------
 

@@ -178,6 +178,20 @@ def test_the_suffix_cache_outlives_a_run_as_a_jobs_windows_need(tiny_folder: Pat
     drafts.drafter.check_integrity()
 
 
+def test_outputs_of_rows_not_followed_are_cached_too(tiny_folder: Path) -> None:
+    """Above disable_by_batch_size nothing drafts and no row is followed; the suffix drafter
+    caches the finished outputs all the same, for later rows when drafts pay again."""
+    llm = _llm(tiny_folder, {**SUFFIX, "disable_by_batch_size": 2})
+    prompts = _prompts(5, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = _run(llm, prompts, params)
+    drafts = llm.engine.drafts
+    assert drafts is not None and llm.engine.stats.draft_tokens == 0
+    cached = drafts.drafter.cached_outputs  # type: ignore[attr-defined]
+    assert sorted(cached) == sorted(list(r[0][0]) for r in first)
+    drafts.drafter.check_integrity()
+
+
 @pytest.mark.parametrize("wrong", [0.0, 0.3, 1.0])
 def test_right_wrong_and_partly_right_drafts_never_change_greedy_output(
     tiny_folder: Path, plain: LLM, wrong: float

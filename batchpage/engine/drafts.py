@@ -90,12 +90,18 @@ class DraftStage:
         return (self._row_key[rows] == ids) & (ids >= 0)
 
     def follow(
-        self, result: StepResult, finished: list[Sequence], tokens: int, seconds: float
+        self,
+        result: StepResult,
+        finished: list[Sequence],
+        tokens: int,
+        sampled: int,
+        seconds: float,
     ) -> None:
-        """After a step's commit: the cost model takes the step (`tokens` run in `seconds`),
+        """After a step's commit: the cost model takes the step (`tokens` run and `sampled`
+        positions sampled in `seconds`),
         the rows that ran drafts update their acceptance, finished sequences end, and each
         followed row that took tokens is extended by them."""
-        self.cost.observe(tokens, seconds)
+        self.cost.observe(tokens, sampled, seconds)
         drafter, following, batch = self.drafter, self._following, self.batch
         for seq in finished:
             if seq.seq_id in following:

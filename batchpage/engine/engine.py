@@ -243,7 +243,8 @@ class Engine:
         finished = self.commit.commit(out, result, stats)
         if self.drafts is not None:
             t5 = clock()
-            self.drafts.follow(result, finished, int(out.num_new.sum()), t5 - t0)
+            tokens, sampled = int(out.num_new.sum()), len(inputs.sample_rows)
+            self.drafts.follow(result, finished, tokens, sampled, t5 - t0)
             self.drafts.propose(len(self.scheduler.running))
             parts["draft"] += clock() - t5
         if self.check_integrity_each_step:

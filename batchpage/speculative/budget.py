@@ -1,15 +1,20 @@
 """Which drafts pay for themselves this step: a cost model of the step, and each row's odds.
 
-A step's wall time grows with the tokens it runs: t(T) = a + b * T, fitted online over the
-engine's own steps (least squares with forgetting, so it follows the machine as it warms up or
-gets busy). Prefill, decode and speculative steps run different token counts, which is what
-separates a (weights read, per-step work) from b (each token's compute). A row's next draft j is
-accepted with probability p = alpha ** j (every draft before it must be accepted too), alpha its
-running acceptance. Without drafts a step yields N tokens in a + b * N seconds; each draft adds
-b seconds and p expected tokens. Drafts are taken best first while they raise the step's
-expected tokens per second: p > b * (tokens / seconds so far). Where a step is bound by reading
-weights (small batches, a GPU), b is small beside a and drafts pay at modest odds; where it is
-bound by compute (large batches on a CPU), b * rate nears 1 and nothing drafts. The rule is
+A step's wall time grows with the tokens it runs and with the positions it samples:
+t = a + b * T + c * S, fitted online over the engine's own steps (least squares with
+forgetting, so it follows the machine as it warms up or gets busy). A prompt token costs b (its
+layers; a prompt's rows are sampled only at its end), a decode row or a draft costs b + c (the
+lm_head over the vocabulary, the sampler and the verification are per sampled position): a fit
+on tokens alone read a draft as cheap as a prompt token, and drafted where it did not pay.
+Prefill, decode and speculative steps run different mixes, which is what separates a (weights
+read, per-step work), b and c; where they do not (only decodes, so T = S), a small ridge keeps
+b + c, the figure drafting needs, exact. A row's next draft j is accepted with probability
+p = alpha ** j (every draft before it must be accepted too), alpha its running acceptance.
+Without drafts a step yields N tokens in a + d * N seconds (d = b + c); each draft adds d
+seconds and p expected tokens. Drafts are taken best first while they raise the step's
+expected tokens per second: p > d * (tokens / seconds so far). Where a step is bound by reading
+weights (small batches, a GPU), d is small beside a and drafts pay at modest odds; where it is
+bound by compute (large batches on a CPU), d * rate nears 1 and nothing drafts. The rule is
 monotone: once a draft fails it, every later (lower-odds) one does too.
 """
 
@@ -17,33 +22,58 @@ from __future__ import annotations
 
 import numpy as np
 
+# The ridge on b and c, relative to the data's own scale: enough to settle a collinear fit
+# (decode-only steps), far below what a fit with both kinds of steps measures.
+_RIDGE = 1e-9
+
 
 class StepCostFit:
-    """Online least squares of step seconds against step tokens, with exponential forgetting."""
+    """Online least squares of step seconds against [1, tokens, sampled positions], with
+    exponential forgetting."""
 
     def __init__(self, forget: float = 0.98) -> None:
         self.forget = forget
-        # Decayed sums: weight, T, T^2, t, T*t.
-        self._s = np.zeros(5, dtype=np.float64)
+        self._xx = np.zeros((3, 3), dtype=np.float64)  # decayed sum of x x^T, x = [1, T, S]
+        self._xy = np.zeros(3, dtype=np.float64)  # decayed sum of x * t
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        self._s *= self.forget
-        self._s += (1.0, tokens, tokens * tokens, seconds, tokens * seconds)
+    def observe(self, tokens: int, sampled: int, seconds: float) -> None:
+        """A step that ran `tokens` tokens and sampled `sampled` positions in `seconds`."""
+        x = np.array([1.0, tokens, sampled])
+        self._xx *= self.forget
+        self._xy *= self.forget
+        self._xx += np.outer(x, x)
+        self._xy += x * seconds
 
     @property
     def ready(self) -> bool:
-        """Whether the steps seen span enough token counts to tell a from b."""
-        w, st, stt, _, _ = self._s
-        return w > 0 and (stt / w - (st / w) ** 2) > 1.0
+        """Whether the steps seen span enough token counts to tell a from the rest."""
+        w = self._xx[0, 0]
+        if w <= 0:
+            return False
+        mean = self._xx[0, 1] / w
+        return self._xx[1, 1] / w - mean * mean > 1.0
 
     def coefficients(self) -> tuple[float, float]:
-        """(a, b): seconds per step, seconds per token (b > 0, a >= 0)."""
-        w, st, stt, sy, sty = self._s
-        var = stt / w - (st / w) ** 2
-        b = (sty / w - (st / w) * (sy / w)) / var
-        b = max(b, 1e-9)
-        a = max(sy / w - b * st / w, 0.0)
-        return a, b
+        """(a, d): seconds per step, seconds per sampled token (a decode row or a draft:
+        d = b + c), d > 0 and a >= 0."""
+        a, b, c = self.terms()
+        return a, b + c
+
+    def terms(self) -> tuple[float, float, float]:
+        """(a, b, c) of t = a + b * T + c * S, each >= 0 (b + c > 0)."""
+        xx = self._xx / self._xx[0, 0]
+        xy = self._xy / self._xx[0, 0]
+        scale = max(xx[1, 1], xx[2, 2], 1.0)
+        ridge = np.diag([0.0, _RIDGE * scale, _RIDGE * scale])
+        a, b, c = np.linalg.solve(xx + ridge, xy)
+        if c < 0:  # refit without the sampled term (a machine's noise, not a cost)
+            b = max((xy[1] - xx[0, 1] * xy[0]) / max(xx[1, 1] - xx[0, 1] ** 2, 1e-12), 1e-9)
+            c = 0.0
+        b = max(float(b), 0.0)
+        if b + c <= 0:
+            b = 1e-9
+        a = max(float(xy[0] - b * xx[0, 1] - c * xx[0, 2]), 0.0)
+        return a, b, float(c)
 
 
 def draft_counts(alpha: np.ndarray, k_max: np.ndarray, rows: int, a: float, b: float) -> np.ndarray:

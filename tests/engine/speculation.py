@@ -16,7 +16,7 @@ class WeightBound:
 
     ready = True
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, sampled: int, seconds: float) -> None:
         pass
 
     def coefficients(self) -> tuple[float, float]:

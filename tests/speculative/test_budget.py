@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 
 from batchpage.speculative.budget import StepCostFit, draft_counts
 
@@ -41,12 +42,28 @@ def test_compute_bound_steps_draft_nothing_and_weight_bound_ones_draft() -> None
     assert draft_counts(alpha[:1], cap[:1], 1, a=0.01, b=0.0001).tolist() == [4]
 
 
-def test_the_step_cost_fit_recovers_a_line() -> None:
+def test_the_step_cost_fit_recovers_its_terms() -> None:
+    """Prefill steps (many tokens, one sampled position a prompt), decode steps and steps
+    with drafts (every token sampled): the fit recovers a, b and c, and a draft's cost b + c."""
     fit = StepCostFit(forget=1.0)
     assert not fit.ready
     rng = np.random.default_rng(1)
-    for tokens in rng.integers(1, 512, size=200).tolist():
-        fit.observe(tokens, 0.02 + 3e-5 * tokens)
+    for _ in range(200):
+        rows = int(rng.integers(1, 64))
+        kind = int(rng.integers(3))
+        tokens = rows * (int(rng.integers(16, 128)) if kind == 0 else 1 + 4 * (kind == 2))
+        sampled = rows if kind == 0 else tokens
+        fit.observe(tokens, sampled, 0.02 + 3e-5 * tokens + 2e-5 * sampled)
     assert fit.ready
-    a, b = fit.coefficients()
-    assert abs(a - 0.02) < 1e-9 and abs(b - 3e-5) < 1e-12
+    a, b, c = fit.terms()
+    assert abs(a - 0.02) < 1e-6 and abs(b - 3e-5) < 1e-8 and abs(c - 2e-5) < 1e-8
+    assert fit.coefficients()[1] == pytest.approx(5e-5, rel=1e-4)
+
+
+def test_decode_steps_alone_still_give_a_drafts_cost() -> None:
+    """Only decodes (tokens = sampled positions): b and c cannot come apart, their sum does."""
+    fit = StepCostFit(forget=1.0)
+    for rows in np.random.default_rng(2).integers(1, 256, size=100).tolist():
+        fit.observe(rows, rows, 0.01 + 4e-5 * rows)
+    a, d = fit.coefficients()
+    assert a == pytest.approx(0.01, rel=1e-3) and d == pytest.approx(4e-5, rel=1e-3)

@@ -50,19 +50,6 @@ _ENGINE_DECAY = 0.98
 _PRIOR_WEIGHT = 2.0
 
 
-def critical_rows(
-    batch: InputBatch, rows: np.ndarray, max_model_len: int, slack: int
-) -> np.ndarray:
-    """bool [len(rows)]: which of `rows` may take within `slack` tokens of the most that any
-    running row may still take (each bounded by its length limit and max_model_len). When
-    nothing waits, a run lasts as long as its longest rows: a row that ends before them gains
-    the run nothing from drafts, however many it accepts."""
-    live = np.flatnonzero(batch.seq_id >= 0)
-    left = np.minimum(batch.stop_len[live], max_model_len) - batch.num_tokens[live]
-    mine = np.minimum(batch.stop_len[rows], max_model_len) - batch.num_tokens[rows]
-    return mine >= int(left.max()) - slack
-
-
 class DraftStage:
     """The drafter of one engine, fed from the batch after each commit."""
 
@@ -138,18 +125,13 @@ class DraftStage:
         live = np.flatnonzero(self._followed(rows))
         drafter.append_many(batch.seq_id[rows[live]], result.tokens[live], counts[live])
 
-    def propose(self, num_running: int, num_waiting: int) -> None:
+    def propose(self, num_running: int) -> None:
         """Each decode row that speculates gets the drafts the cost model finds worth running
-        next step (none above the config's disable_by_batch_size running rows). With nothing
-        waiting (a run's tail) only the rows that may outlast the rest draft (critical_rows),
-        weighed by how much they shorten the run rather than by tokens a second."""
+        next step (none above the config's disable_by_batch_size running rows)."""
         batch = self.batch
         batch.num_drafts[:] = 0
         limit = self.config.disable_by_batch_size
         rows = np.flatnonzero(batch.speculates & (batch.computed == batch.num_tokens - 1))
-        if not num_waiting and len(rows):
-            k_max = self.config.num_speculative_tokens
-            rows = rows[critical_rows(batch, rows, self.max_model_len, k_max)]
         if (limit is not None and num_running > limit) or not len(rows):
             return self._idle_step()
         n = batch.num_tokens[rows]
@@ -158,11 +140,7 @@ class DraftStage:
         if self.cost.ready:
             w = _PRIOR_WEIGHT
             alpha = (batch.draft_hits[rows] + w * self.prior) / (batch.draft_tries[rows] + w)
-            a, d = self.cost.coefficients()
-            if num_waiting:  # a draft's worth: the tokens a second it adds
-                k = draft_counts(alpha, cap, num_running, a, d)
-            else:  # the run ends with its longest rows: the step's one token of progress
-                k = draft_counts(alpha, cap, 1, a + d * max(num_running - 1, 0), d)
+            k = draft_counts(alpha, cap, num_running, *self.cost.coefficients())
         else:  # drafting in full meanwhile varies the steps' token counts the fit needs
             k = cap
         take = np.flatnonzero(k)

@@ -245,7 +245,7 @@ class Engine:
             t5 = clock()
             tokens, sampled = int(out.num_new.sum()), len(inputs.sample_rows)
             self.drafts.follow(result, finished, tokens, sampled, t5 - t0)
-            self.drafts.propose(len(self.scheduler.running), len(self.scheduler.waiting))
+            self.drafts.propose(len(self.scheduler.running))
             parts["draft"] += clock() - t5
         if self.check_integrity_each_step:
             self.scheduler.check_integrity()

@@ -27,7 +27,6 @@ import numpy as np
 
 from batchpage.engine.commit import StepCommit, StepResult
 from batchpage.engine.config import EngineConfig
-from batchpage.engine.drafts import critical_rows
 from batchpage.engine.schedule_output import SchedulerOutput
 from batchpage.engine.scheduler import Scheduler, build_scheduler
 from batchpage.engine.sequence import Request, Sequence
@@ -231,16 +230,11 @@ class _Run:
         result.reserved_slot_steps = stats.reserved_slot_steps
 
     def _draft(self) -> None:
-        """Every decode row runs its drafts this step, as many as its length limit allows; with
-        nothing waiting, only the rows that may outlast the rest (the engine's critical_rows)."""
-        scheduler = self.scheduler
-        batch = scheduler.batch
+        """Every decode row runs its drafts this step, as many as its length limit allows."""
+        batch = self.scheduler.batch
         batch.num_drafts[:] = 0
         decoding = batch.speculates & (batch.computed == batch.num_tokens - 1)
         rows = np.flatnonzero(decoding & (batch.num_tokens > batch.num_prompt))
-        if not scheduler.waiting and len(rows):
-            assert scheduler.max_model_len is not None
-            rows = rows[critical_rows(batch, rows, scheduler.max_model_len, self.drafts)]
         room = batch.stop_len[rows] - batch.num_tokens[rows] - 1
         batch.num_drafts[rows] = np.clip(room, 0, self.drafts)
 

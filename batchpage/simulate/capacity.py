@@ -205,7 +205,8 @@ def estimate_on(
     # its first window's rows, up to job_simulated_rows(cfg), at this simulation's pace.
     simulated = sum(len(w) for w in sample.windows)
     first = min(sample.first_window_rows, job_simulated_rows(cfg))
-    estimating = (time.perf_counter() - started) * first / simulated if target.here else 0.0
+    took = time.perf_counter() - started
+    estimating = took * first / simulated if target.here and simulated else 0.0
     result.bound = wall_parts(sim, sample, target, io_s, estimating)
     if lengths.kind != "max":
         sim = schedule(sample, cfg, pool, cost, lengths, bound=False)
